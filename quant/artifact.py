@@ -1,0 +1,155 @@
+"""The artifact directory: atomic writes, the manifest, hashes, verification, memory-mapped reads.
+
+Layout: model.safetensors, config.json (with `quantization_config`), tokenizer files,
+quant_manifest.json. The manifest lists the sha256 of every other file; `verify` refuses a damaged
+artifact naming the file. A build writes into a temporary sibling dir and renames it into place only
+when complete, so an interrupted build leaves nothing at the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quant.errors import ArtifactError
+
+FORMAT_VERSION = 1
+MANIFEST = "quant_manifest.json"
+WEIGHTS = "model.safetensors"
+QUANT_METHOD = "quantserve"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_target(out: Path, force: bool) -> None:
+    """Refuse an existing target (unless force) or an unwritable parent, before any work is done."""
+    if out.exists() and not force:
+        raise ArtifactError(f"output dir {out} already exists (pass --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"output path {out} exists and is not a directory")
+    # Nothing is created here: a build that fails later must leave no trace, not even a parent dir.
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ArtifactError(f"cannot create output dir {out}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise ArtifactError(f"cannot create output dir {out}: {ancestor} is not writable")
+
+
+def staging_dir(out: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+
+
+def hash_files(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    manifest = dict(manifest, format_version=FORMAT_VERSION, files=hash_files(root))
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def commit(staging: Path, out: Path, force: bool) -> None:
+    """Rename the finished staging dir onto `out`; with force, the old artifact is removed only after
+    the new one is in place."""
+    old = None
+    if out.exists():
+        if not force:
+            raise ArtifactError(f"output dir {out} already exists (pass --force to replace it)")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(root: Path) -> dict:
+    root = Path(root)
+    if not root.exists():
+        raise ArtifactError(f"artifact not found: {root}")
+    if not root.is_dir():
+        raise ArtifactError(f"artifact path is not a directory: {root}")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"not a quantserve artifact: {path} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"damaged artifact: {path} is not valid JSON") from e
+    if not isinstance(manifest, dict) or "format_version" not in manifest or "files" not in manifest:
+        raise ArtifactError(f"not a quantserve artifact: {path} has no format_version/files")
+    version = manifest["format_version"]
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"artifact {root} has format version {version}; this quantserve reads up to {FORMAT_VERSION}: upgrade quantserve"
+        )
+    return manifest
+
+
+def verify(root: Path) -> dict:
+    """Check every file's sha256 against the manifest; raise ArtifactError naming the first bad file."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    for rel, digest in manifest["files"].items():
+        p = root / rel
+        if not p.is_file():
+            raise ArtifactError(f"damaged artifact: {p} is missing")
+        if sha256_file(p) != digest:
+            raise ArtifactError(f"damaged artifact: {p} does not match its sha256 in {MANIFEST}")
+    return manifest
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file as views of a private (copy-on-write) memory map.
+
+    Nothing is read until a tensor is touched, and pages are shared with the page cache, so loading
+    an artifact costs neither time nor a second copy of the weights.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"damaged artifact: cannot read {path} ({e})") from e
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ArtifactError(f"damaged artifact: {path} tensor {name} has unsupported dtype {info['dtype']}")
+        if end > len(mm) - base:
+            raise ArtifactError(f"damaged artifact: {path} is truncated (tensor {name})")
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        t = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(info["shape"])
+    return out

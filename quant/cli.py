@@ -1,0 +1,191 @@
+"""`quant`: build, eval, inspect and verify artifacts.
+
+Errors in the input (`QuantError`) print one line and exit 1; argparse usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from quant.config import CALIB_METHODS, DTYPES, SCHEMES, BuildConfig, CalibConfig, EvalConfig
+from quant.errors import QuantError
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quant", description="quantserve offline pipeline")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="quantize a model into an artifact dir")
+    b.add_argument("--scheme", required=True, help=f"one of: {', '.join(SCHEMES)}")
+    b.add_argument("--model", default=None, help="HF model dir, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--out", default=None, help="artifact dir (default: artifacts/<model>-<scheme>)")
+    b.add_argument("--force", action="store_true", help="replace an existing artifact dir")
+    b.add_argument("--calib", default="self", help="calibration text/JSONL file, or 'self' for seeded model-generated text")
+    b.add_argument("--calib-samples", type=int, default=128)
+    b.add_argument("--calib-seqlen", type=int, default=512)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--calib-method", default="auto", help=f"w8a8 static thresholds: {', '.join(CALIB_METHODS)}")
+    b.add_argument("--act-dynamic", action="store_true", help="w8a8: per-token dynamic activation scales")
+    b.add_argument("--no-smooth", action="store_true", help="w8a8: disable SmoothQuant-style smoothing")
+    b.add_argument("--smooth-alpha", type=float, default=None, help="w8a8: fixed alpha (default: searched per group)")
+    b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
+    b.add_argument("--dtype", default="bfloat16", help=f"storage dtype of float tensors: {', '.join(DTYPES)}")
+    b.add_argument("--eval-data", default=None, help="text file: write a quality report into the manifest")
+    b.add_argument("--eval-windows", type=int, default=40)
+    b.add_argument("--eval-seqlen", type=int, default=512)
+    b.add_argument("--eval-dtype", default="float32")
+    b.add_argument("--no-progress", action="store_true")
+
+    e = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against the base model")
+    e.add_argument("artifact")
+    e.add_argument("--data", default=None, help="text file (default: the build's eval data, if any)")
+    e.add_argument("--windows", type=int, default=40)
+    e.add_argument("--seqlen", type=int, default=512)
+    e.add_argument("--dtype", default="float32")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--no-progress", action="store_true")
+
+    i = sub.add_parser("inspect", help="show an artifact's manifest")
+    i.add_argument("artifact")
+    i.add_argument("--json", action="store_true")
+
+    v = sub.add_parser("verify", help="check every file's sha256 against the manifest")
+    v.add_argument("artifact")
+    return p
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def quality_table(q: dict, title: str = "quality") -> Table:
+    t = Table(title=title)
+    for col in ("base ppl", "quant ppl", "Δppl %", "mean KL", "top-1 agree", "tokens"):
+        t.add_column(col, justify="right")
+    t.add_row(
+        f"{q['base_ppl']:.3f}", f"{q['ppl']:.3f}", f"{q['delta_ppl_pct']:+.2f}",
+        f"{q['mean_kl']:.5f}", f"{100 * q['top1_agreement']:.2f}%", str(q["tokens"]),
+    )
+    return t
+
+
+def summary(manifest: dict, path: Path) -> list:
+    t = Table(title=f"artifact {path}", show_header=False)
+    t.add_column("key")
+    t.add_column("value")
+    mem = manifest["memory"]
+    w = mem["weights"]
+    t.add_row("scheme", manifest["scheme"])
+    t.add_row("source", f"{manifest['source_model']['spec']} ({manifest['source_model']['fingerprint'][:12]})")
+    for k, v in manifest["parameters"].items():
+        if v is not None and k != "runtime_kernels":
+            t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    for dtype, kernel in manifest["parameters"].get("runtime_kernels", {}).items():
+        t.add_row(f"kernel ({dtype})", kernel)
+    if manifest.get("calibration"):
+        c = manifest["calibration"]
+        t.add_row("calibration", f"{c['source']}: {c['windows']} x {c['seqlen']} tokens, seed {c.get('seed')}")
+    t.add_row("weights", f"{_fmt_bytes(w['total'])} (int {_fmt_bytes(w['quantized_weights'])}, params "
+              f"{_fmt_bytes(w['quant_params'])}, float {_fmt_bytes(w['float_weights'])})")
+    t.add_row("base weights", f"{_fmt_bytes(mem['base_weight_bytes'])} ({mem['base_dtype']}), "
+              f"compression {mem['compression_ratio']:.2f}x")
+    t.add_row("KV per token", ", ".join(f"{k}: {v} B" for k, v in mem["kv_bytes_per_token"].items()))
+    t.add_row("timings", ", ".join(f"{k} {v:.1f}" for k, v in manifest.get("timings", {}).items()))
+    out = [t]
+    if manifest.get("quality"):
+        out.append(quality_table(manifest["quality"], f"quality ({manifest['quality']['dtype']}, "
+                                 f"{manifest['quality']['data']['windows']} x {manifest['quality']['data']['seqlen']} tokens)"))
+    return out
+
+
+def _cmd_build(args, console: Console, cache_dir: Path) -> int:
+    from quant.build import build
+
+    cfg = BuildConfig(
+        scheme=args.scheme, model=args.model, out=args.out, force=args.force,
+        calib=CalibConfig(source=args.calib, samples=args.calib_samples, seqlen=args.calib_seqlen, seed=args.seed),
+        calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
+        act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
+        eval=EvalConfig(data=args.eval_data, windows=args.eval_windows, seqlen=args.eval_seqlen,
+                        dtype=args.eval_dtype, flag="--eval-"),
+    )
+    out = build(cfg, cache_dir, progress=not args.no_progress, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    from quant.artifact import read_manifest
+
+    for table in summary(read_manifest(out), out):
+        console.print(table)
+    console.print(f"artifact written to [bold]{out}[/bold]")
+    return 0
+
+
+def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
+    from quant import calibration, evaluate, loader, models
+    from quant.build import resolve_eval_source
+
+    EvalConfig(data=args.data, windows=args.windows, seqlen=args.seqlen, dtype=args.dtype).validate()
+    art = loader.load(args.artifact, dtype=models.torch_dtype(args.dtype))
+    data = args.data or ((art.manifest.get("quality") or {}).get("data") or {}).get("source")
+    if data is None:
+        raise QuantError("--data is required: this artifact was built without --eval-data")
+    windows = calibration.eval_windows(art.tokenizer, data, args.windows, args.seqlen)
+    source = resolve_eval_source(art.manifest, cache_dir)
+    base, _ = models.load_model(source, models.torch_dtype(args.dtype))
+    q = evaluate.compare(base, {"quantized": art.model}, windows, progress=not args.no_progress)["quantized"]
+    result = {**q.to_dict(), "dtype": args.dtype, "data": windows.describe(), "artifact": str(args.artifact)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        console.print(quality_table(result, f"{args.artifact}: {args.windows} x {args.seqlen} tokens of {data}"))
+    return 0
+
+
+def _cmd_inspect(args, console: Console) -> int:
+    from quant.artifact import read_manifest
+
+    manifest = read_manifest(Path(args.artifact))
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        for table in summary(manifest, Path(args.artifact)):
+            console.print(table)
+    return 0
+
+
+def _cmd_verify(args, console: Console) -> int:
+    from quant.artifact import verify
+
+    manifest = verify(Path(args.artifact))
+    console.print(f"ok: {len(manifest['files'])} files match their sha256 in {args.artifact}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from quant.models import default_cache_dir
+
+    args = _build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        if args.cmd == "build":
+            return _cmd_build(args, console, default_cache_dir())
+        if args.cmd == "eval":
+            return _cmd_eval(args, console, default_cache_dir())
+        if args.cmd == "inspect":
+            return _cmd_inspect(args, console)
+        return _cmd_verify(args, console)
+    except QuantError as e:
+        print(f"quant {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

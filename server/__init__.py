@@ -1,0 +1,1 @@
+"""quantserve's inference engine and transports (issues #4 and #5)."""

@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny random-weight Llama with the default model's tokenizer, text files, a cache.
+
+The tiny model has the same architecture as SmolLM2 (Llama, grouped-query attention, tied
+embeddings) at a size where a full build takes about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """The converted default model is cached once per machine (conversion costs ~25 s), so tests use
+    the user cache unless QUANTSERVE_TEST_CACHE points elsewhere."""
+    env = os.environ.get("QUANTSERVE_TEST_CACHE")
+    if env:
+        return Path(env)
+    from quant.models import default_cache_dir
+
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The default model's tokenizer, read straight from its GGUF (no model conversion needed)."""
+    from transformers import AutoTokenizer
+
+    from quant.models import default_gguf_path
+
+    gguf = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return tok
+
+
+def make_tiny_llama(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():
+        # Give the norms and a few channels non-trivial scales so smoothing has outliers to move.
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            layer.input_layernorm.weight[:3] *= 8.0
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """Real text for calibration and evaluation: a slice of WikiText-2 valid when present."""
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    src = SHARED_DATA / "valid.txt"
+    if src.is_file():
+        path.write_text(src.read_text()[:60_000])
+    else:
+        words = "the model reads text and predicts the next token of a sentence about lobsters".split()
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, len(words), (12_000,), generator=g).tolist()
+        path.write_text(" ".join(words[i] for i in idx))
+    return path
+
+
+@pytest.fixture()
+def jsonl_file(tmp_path, text_file) -> Path:
+    path = tmp_path / "calib.jsonl"
+    text = text_file.read_text()
+    lines = [json.dumps({"text": text[i : i + 2000]}) for i in range(0, 20_000, 2000)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_cli(*args: str) -> int:
+    from quant.cli import main
+
+    return main([str(a) for a in args])

@@ -1,0 +1,155 @@
+"""End-to-end builds on the tiny model: every scheme through the real CLI, loaded back, compared
+with the float model, evaluated, inspected and verified."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from quant import artifact, load
+from quant.layers import Int8WeightLinear, W8A8Linear
+from quant.models import ModelSource, load_model
+
+CALIB = ("--calib-samples", "8", "--calib-seqlen", "64", "--seed", "0")
+EVAL = ("--eval-windows", "4", "--eval-seqlen", "64")
+
+
+def _base(tiny_model_dir):
+    return load_model(ModelSource("t", "dir", str(tiny_model_dir), "x"))[0]
+
+
+def _rel_logit_error(a, b, ids) -> float:
+    with torch.inference_mode():
+        la = a(ids).logits.float()
+        lb = b(ids).logits.float()
+    return float((la - lb).norm() / lb.norm())
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "scheme,extra,tol,cls",
+    [
+        ("int8-sym", (), 0.02, Int8WeightLinear),
+        ("int8-affine", (), 0.02, Int8WeightLinear),
+        ("w8a8", ("--calib-method", "auto"), 0.08, W8A8Linear),
+        ("w8a8", ("--calib-method", "kl", "--no-smooth"), 0.15, W8A8Linear),
+        ("w8a8", ("--calib-method", "percentile", "--smooth-alpha", "0.5"), 0.15, W8A8Linear),
+        ("w8a8", ("--calib-method", "minmax"), 0.15, W8A8Linear),
+        ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
+    ],
+)
+def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, scheme, extra, tol, cls):
+    out = tmp_path / "art"
+    rc = run_cli("build", "--scheme", scheme, "--model", tiny_model_dir, "--out", out, "--calib", text_file,
+                 *CALIB, *extra, "--dtype", "float32", "--no-progress")
+    assert rc == 0
+    manifest = artifact.verify(out)
+    assert manifest["scheme"] == scheme
+    assert set(manifest["files"]) >= {"model.safetensors", "config.json"}
+    art = load(out, dtype=torch.float32)
+    quantized = [m for m in art.model.modules() if isinstance(m, cls)]
+    assert len(quantized) == 2 * 7  # every Linear in both decoder layers
+    assert isinstance(art.model.lm_head, torch.nn.Linear)  # lm_head stays float by default
+    err = _rel_logit_error(art.model, _base(tiny_model_dir), ids)
+    assert err < tol, f"{scheme} {extra}: relative logit error {err:.4f}"
+    mem = manifest["memory"]["weights"]
+    assert mem["quantized_weights"] == sum(m.weight.numel() for m in quantized)
+    if scheme == "w8a8":
+        assert manifest["calibration"]["windows"] == 8 and manifest["calibration"]["seqlen"] == 64
+        report = json.loads((out / "calibration_report.json").read_text())
+        assert len(report["linears"]) == 14
+
+
+def test_w8a8_smoothing_is_folded_and_auto_never_worse_than_minmax(tmp_path, tiny_model_dir, text_file):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "w8a8", "--model", tiny_model_dir, "--out", out, "--calib", text_file,
+                   *CALIB, "--no-progress") == 0
+    report = json.loads((out / "calibration_report.json").read_text())
+    groups = report["groups"]
+    assert len(groups) == 2 * 4
+    assert all(g["folded"] for g in groups.values())  # Llama shapes, GQA included, fold exactly
+    art = load(out)
+    assert all(m.smooth_scale is None for m in art.model.modules() if isinstance(m, W8A8Linear))
+    for info in report["linears"].values():
+        cands = info["candidates"]
+        assert set(cands) >= {"minmax", "kl", "percentile-99.99"}
+        assert info["rel_error"] <= cands["minmax"]["rel_error"]
+
+
+def test_include_lm_head_and_eval_report(tmp_path, tiny_model_dir, text_file, ids):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--out", out,
+                   "--include-lm-head", "--eval-data", text_file, *EVAL, "--no-progress") == 0
+    manifest = artifact.read_manifest(out)
+    art = load(out, dtype=torch.float32)
+    assert isinstance(art.model.lm_head, Int8WeightLinear)
+    assert art.model.model.embed_tokens.weight.dtype == torch.float32
+    q = manifest["quality"]
+    assert q["tokens"] == 4 * 63
+    assert q["mean_kl"] >= 0 and 0 <= q["top1_agreement"] <= 1
+    assert abs(q["delta_ppl_pct"]) < 10
+
+
+def test_eval_command_json_matches_manifest(tmp_path, tiny_model_dir, text_file, capsys):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-affine", "--model", tiny_model_dir, "--out", out,
+                   "--eval-data", text_file, *EVAL, "--no-progress") == 0
+    capsys.readouterr()
+    assert run_cli("eval", out, "--windows", "4", "--seqlen", "64", "--json", "--no-progress") == 0
+    result = json.loads(capsys.readouterr().out)
+    q = artifact.read_manifest(out)["quality"]
+    assert result["ppl"] == pytest.approx(q["ppl"], rel=1e-6)
+    assert result["base_ppl"] == pytest.approx(q["base_ppl"], rel=1e-6)
+    assert result["data"]["fingerprint"] == q["data"]["fingerprint"]
+
+
+def test_inspect_and_verify(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--out", out, "--no-progress") == 0
+    capsys.readouterr()
+    assert run_cli("inspect", out, "--json") == 0
+    manifest = json.loads(capsys.readouterr().out)
+    assert manifest["source_model"]["kind"] == "dir"
+    assert manifest["memory"]["compression_ratio"] > 1.0
+    assert run_cli("verify", out) == 0
+    assert "match" in capsys.readouterr().out
+
+
+def test_jsonl_calibration_and_seed_reproducibility(tmp_path, tiny_model_dir, jsonl_file):
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"art{i}"
+        assert run_cli("build", "--scheme", "w8a8", "--model", tiny_model_dir, "--out", out, "--calib",
+                       jsonl_file, *CALIB, "--no-progress") == 0
+        outs.append(artifact.read_manifest(out))
+    assert outs[0]["files"]["model.safetensors"] == outs[1]["files"]["model.safetensors"]
+    assert outs[0]["calibration"]["fingerprint"] == outs[1]["calibration"]["fingerprint"]
+
+
+def test_self_generated_calibration(tmp_path, tiny_model_dir):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "w8a8", "--model", tiny_model_dir, "--out", out,
+                   "--calib", "self", "--calib-samples", "4", "--calib-seqlen", "32", "--no-progress") == 0
+    cal = artifact.read_manifest(out)["calibration"]
+    assert cal["source"] == "self" and cal["windows"] == 4 and cal["seqlen"] == 32
+
+
+def test_load_is_memory_mapped(tmp_path, tiny_model_dir):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--out", out, "--no-progress") == 0
+    art = load(out)
+    lin = next(m for m in art.model.modules() if isinstance(m, Int8WeightLinear))
+    # The weight's memory must lie inside a mapping of the artifact's safetensors file (Linux maps).
+    addr = lin.weight.data_ptr()
+    target = str((out / "model.safetensors").resolve())
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    hits = [m for m in maps if m.endswith(target) and int(m.split("-")[0], 16) <= addr < int(m.split()[0].split("-")[1], 16)]
+    assert hits, "weight is not backed by the artifact file mapping"

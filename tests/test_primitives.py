@@ -1,0 +1,67 @@
+"""Pure unit tests of the quantization arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+from quant import primitives as P
+
+
+def _w(n=64, k=96, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def test_sym_roundtrip_error_is_half_a_step():
+    w = _w()
+    q, s = P.quantize_weight_sym(w)
+    assert q.dtype == torch.int8 and s.shape == (64,)
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    assert torch.equal(q.abs().amax(1), torch.full((64,), 127, dtype=torch.int8))  # absmax maps to 127
+    err = (P.dequantize_weight(q, s) - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-6).all())
+
+
+def test_affine_roundtrip_and_zero_is_exact():
+    w = _w() + 0.7  # skewed rows: the affine grid is worth it here
+    w[:, 0] = 0.0
+    q, s, z = P.quantize_weight_affine(w)
+    assert q.dtype == torch.int8 and z.dtype == torch.int8
+    deq = P.dequantize_weight(q, s, z)
+    assert bool(((deq - w).abs() <= s[:, None] / 2 + 1e-6).all())
+    assert torch.equal(deq[:, 0], torch.zeros(64))  # 0.0 is on the grid
+    # The affine grid is finer than the symmetric one on skewed rows.
+    _, s_sym = P.quantize_weight_sym(w)
+    assert bool((s < s_sym).all())
+
+
+def test_all_zero_channel_quantizes_to_zero():
+    w = _w()
+    w[3] = 0
+    q, s = P.quantize_weight_sym(w)
+    assert torch.equal(q[3], torch.zeros(96, dtype=torch.int8)) and float(s[3]) > 0
+    q, s, z = P.quantize_weight_affine(w)
+    assert torch.equal(P.dequantize_weight(q, s, z)[3], torch.zeros(96))
+
+
+def test_static_activation_quant_saturates_beyond_threshold():
+    x = torch.tensor([[-10.0, -1.0, 0.0, 0.5, 1.0, 10.0]])
+    q = P.quantize_act_static(x, 1.0 / 127)
+    assert q.tolist() == [[-127, -127, 0, 64, 127, 127]]
+
+
+def test_dynamic_activation_quant_is_per_row():
+    x = torch.tensor([[1.0, -2.0, 0.5], [100.0, 50.0, -25.0]])
+    q, s = P.quantize_act_dynamic(x)
+    assert s.shape == (2, 1)
+    assert q[:, 1].abs().tolist() == [127, 64] and q[1, 0] == 127
+    assert torch.allclose(q.float() * s, x, rtol=0, atol=float(s.max()) / 2 + 1e-6)
+
+
+def test_smooth_factors_balance_ranges():
+    act = torch.tensor([100.0, 1.0, 0.0, 4.0])
+    wmax = torch.tensor([0.01, 1.0, 1.0, 0.0])
+    s = P.smooth_factors(act, wmax, 0.5)
+    assert s[2] == 1 and s[3] == 1  # dead activation or dead weight column: left alone
+    # alpha = 0.5: after smoothing, max|X|/s == max|W|*s on live channels.
+    assert torch.allclose((act / s)[:2], (wmax * s)[:2], rtol=1e-5)
+    assert torch.allclose(P.smooth_factors(act, wmax, 1.0)[:2], act[:2])
