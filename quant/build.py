@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import quant
-from quant import artifact, calibration, evaluate, loader, memory, models, w8a8
+from quant import artifact, calibration, evaluate, loader, memory, models, w4a16, w8a8
 from quant.config import BuildConfig
 from quant.errors import ConfigError
 from quant.layers import Int8WeightLinear, W8A8Linear
@@ -70,6 +71,29 @@ def _runtime_kernels(model: nn.Module) -> dict[str, str]:
     return {str(d).replace("torch.", ""): mod.kernel(d) for d in (torch.bfloat16, torch.float32)}
 
 
+def _gptq_config(cfg: BuildConfig, group_size: int) -> dict:
+    """The standard GPTQ `quantization_config` (transformers/gptqmodel, optimum, vLLM).
+
+    Act-order uses static groups here, so g_idx is the trivial k // group and loaders are told
+    desc_act = false: no runtime reordering is needed. Asymmetric zero-points do not survive the v1
+    format's zero - 1 storage at zero = 0, hence gptq_v2 for --asym.
+    """
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": not cfg.asym,
+        "static_groups": cfg.act_order,
+        "true_sequential": True,
+        "damp_percent": cfg.damp,
+        "lm_head": False,
+        "checkpoint_format": "gptq_v2" if cfg.asym else "gptq",
+        "pack_dtype": "int32",
+        "model_file_base_name": "model",
+    }
+
+
 def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -> Path:
     """Build the artifact described by `cfg`; returns its directory. Nothing is left at the target
     unless the build completes."""
@@ -92,12 +116,14 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     base_bytes = memory.float_model_bytes(model, store_dtype)
     timings["load_s"] = time.perf_counter() - t0
 
+    if cfg.is_int4 and cfg.include_lm_head:
+        raise ConfigError("--include-lm-head is not available for 4-bit schemes: the GPTQ format keeps lm_head in float")
+    group_size = w4a16.choose_group_size(model, cfg.group_size) if cfg.is_int4 else None
+
     calib = None
     report: dict | None = None
     t = time.perf_counter()
-    if cfg.scheme in ("int8-sym", "int8-affine"):
-        _quantize_weight_only(model, cfg.scheme == "int8-affine")
-    else:
+    if cfg.needs_calibration:
         if cfg.calib.source == "self":
             log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed})")
             calib = calibration.self_generated(model, tok, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
@@ -105,7 +131,14 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             calib = calibration.random_windows(tok, cfg.calib.source, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
         timings["calibration_data_s"] = time.perf_counter() - t
         t = time.perf_counter()
+    if cfg.scheme in ("int8-sym", "int8-affine"):
+        _quantize_weight_only(model, cfg.scheme == "int8-affine")
+    elif cfg.scheme == "w8a8":
         report = w8a8.quantize(model, calib.ids, cfg, progress=progress)
+    else:
+        method = "gptq" if cfg.scheme == "w4a16" else "rtn"
+        report = w4a16.quantize(model, None if calib is None else calib.ids, method, group_size,
+                                not cfg.asym, cfg.damp, cfg.act_order, progress)
     if cfg.include_lm_head:
         _quantize_lm_head(model, cfg)
     _cast_float(model, store_dtype)
@@ -133,8 +166,18 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         "weight_granularity": "per-output-channel",
         "runtime_kernels": _runtime_kernels(model),
     }
-    if report is not None:
+    if cfg.scheme == "w8a8":
         params["calibration_summary"] = w8a8.summarize(report)
+    if cfg.is_int4:
+        params.update(
+            bits=4, group_size=group_size, sym=not cfg.asym,
+            damp=cfg.damp if cfg.scheme == "w4a16" else None,
+            act_order=cfg.act_order if cfg.scheme == "w4a16" else None,
+            checkpoint_format=_gptq_config(cfg, group_size)["checkpoint_format"],
+            rtn_fallbacks=report["fallbacks"],
+        )
+        params["weight_granularity"] = f"per-output-channel, groups of {group_size} inputs"
+    mem["build_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = artifact.staging_dir(out)
@@ -143,12 +186,16 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["dtype"] = cfg.dtype
-        config["quantization_config"] = {
-            "quant_method": artifact.QUANT_METHOD,
-            "format_version": artifact.FORMAT_VERSION,
-            "scheme": cfg.scheme,
-            "modules": _modules_spec(model),
-        }
+        if cfg.is_int4:
+            config["quantization_config"] = _gptq_config(cfg, group_size)
+            (staging / "quantize_config.json").write_text(json.dumps(_gptq_config(cfg, group_size), indent=2) + "\n")
+        else:
+            config["quantization_config"] = {
+                "quant_method": artifact.QUANT_METHOD,
+                "format_version": artifact.FORMAT_VERSION,
+                "scheme": cfg.scheme,
+                "modules": _modules_spec(model),
+            }
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tok.save_pretrained(staging)
         if report is not None:

@@ -35,6 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-smooth", action="store_true", help="w8a8: disable SmoothQuant-style smoothing")
     b.add_argument("--smooth-alpha", type=float, default=None, help="w8a8: fixed alpha (default: searched per group)")
     b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
+    b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
+    b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")
+    b.add_argument("--damp", type=float, default=0.01, help="GPTQ: damping as a fraction of mean diag(H)")
+    b.add_argument("--act-order", action="store_true", help="GPTQ: process columns by decreasing Hessian diagonal (static groups)")
     b.add_argument("--dtype", default="bfloat16", help=f"storage dtype of float tensors: {', '.join(DTYPES)}")
     b.add_argument("--eval-data", default=None, help="text file: write a quality report into the manifest")
     b.add_argument("--eval-windows", type=int, default=40)
@@ -116,6 +120,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
         calib=CalibConfig(source=args.calib, samples=args.calib_samples, seqlen=args.calib_seqlen, seed=args.seed),
         calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
         act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
+        group_size=args.group_size, asym=args.asym, damp=args.damp, act_order=args.act_order,
         eval=EvalConfig(data=args.eval_data, windows=args.eval_windows, seqlen=args.eval_seqlen,
                         dtype=args.eval_dtype, flag="--eval-"),
     )

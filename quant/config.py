@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from quant.errors import ConfigError
 
-SCHEMES = ("int8-sym", "int8-affine", "w8a8")
+SCHEMES = ("int8-sym", "int8-affine", "w8a8", "w4a16", "rtn-w4")
 CALIB_METHODS = ("minmax", "percentile", "kl", "auto")
 # Percentiles tried by `percentile` (the first one) and offered to `auto` as candidates.
 PERCENTILES = (99.99, 99.999, 99.9)
@@ -69,6 +69,11 @@ class BuildConfig:
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # w4a16 / rtn-w4
+    group_size: int | None = None  # None: 128 if it divides every Linear's input dim, else 64, else 32
+    asym: bool = False
+    damp: float = 0.01
+    act_order: bool = False
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096
 
@@ -83,6 +88,10 @@ class BuildConfig:
             math.isfinite(self.smooth_alpha) and 0.0 <= self.smooth_alpha <= 1.0
         ):
             raise ConfigError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
+        if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"--group-size must be one of 32, 64, 128, 256, got {self.group_size}")
+        if not (math.isfinite(self.damp) and 0.0 < self.damp < 1.0):
+            raise ConfigError(f"--damp must be in (0, 1), got {self.damp}")
         if self.search_tokens < 1:
             raise ConfigError(f"search_tokens must be >= 1, got {self.search_tokens}")
         if self.dtype not in DTYPES:
@@ -92,7 +101,11 @@ class BuildConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.scheme == "w8a8"
+        return self.scheme in ("w8a8", "w4a16")
+
+    @property
+    def is_int4(self) -> bool:
+        return self.scheme in ("w4a16", "rtn-w4")
 
     def to_dict(self) -> dict:
         return asdict(self)

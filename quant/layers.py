@@ -174,4 +174,8 @@ def module_from_spec(spec: dict, in_features: int, out_features: int, device=Non
         return Int8WeightLinear(in_features, out_features, spec["bias"], spec["affine"], device=device)
     if kind == "w8a8":
         return W8A8Linear(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device)
+    if kind == "gptq":
+        from quant.int4 import GPTQLinear
+
+        return GPTQLinear(in_features, out_features, spec["bias"], spec["group_size"], spec["v2"], device=device)
     raise ValueError(f"unknown quantized module type {kind!r}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from quant import artifact
 from quant.errors import ArtifactError
+from quant.int4 import GPTQLinear
 from quant.layers import module_from_spec
 from quant.sequential import set_module
 
@@ -28,6 +29,23 @@ class LoadedArtifact:
     path: Path
 
 
+def _module_specs(qc, state: dict, root: Path) -> dict[str, dict]:
+    """Which Linears are quantized, and how: from our own config block, or for GPTQ checkpoints from
+    the tensors themselves (every module with a `qweight`)."""
+    if isinstance(qc, dict) and qc.get("quant_method") == artifact.QUANT_METHOD:
+        return qc["modules"]
+    if isinstance(qc, dict) and qc.get("quant_method") == "gptq":
+        if qc.get("bits") != 4 or qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+            raise ArtifactError(f"{root / 'config.json'}: only 4-bit GPTQ (gptq / gptq_v2) is supported")
+        v2 = qc.get("checkpoint_format") == "gptq_v2"
+        names = [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]
+        return {
+            n: {"type": "gptq", "group_size": int(qc["group_size"]), "v2": v2, "bias": f"{n}.bias" in state}
+            for n in names
+        }
+    raise ArtifactError(f"{root / 'config.json'} has no quantserve or GPTQ quantization_config")
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True) -> LoadedArtifact:
     """Load the artifact at `path`. Float tensors are cast to `dtype` when given (quantized tensors and
     their scales keep their own dtypes). Hashes are verified first unless `verify=False`."""
@@ -38,18 +56,17 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
     raw_config = json.loads((root / "config.json").read_text())
     qc = raw_config.pop("quantization_config", None)
-    if not isinstance(qc, dict) or qc.get("quant_method") != artifact.QUANT_METHOD:
-        raise ArtifactError(f"{root / 'config.json'} has no quantserve quantization_config")
+    state = artifact.mmap_safetensors(root / artifact.WEIGHTS)
+    modules = _module_specs(qc, state, root)
     config = AutoConfig.for_model(**raw_config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
-    for name, spec in qc["modules"].items():
+    for name, spec in modules.items():
         try:
             lin = model.get_submodule(name)
         except AttributeError as e:
             raise ArtifactError(f"{root / 'config.json'} names module {name} that the model does not have") from e
         set_module(model, name, module_from_spec(spec, lin.in_features, lin.out_features, device="meta"))
-    state = artifact.mmap_safetensors(root / artifact.WEIGHTS)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = set(result.missing_keys) - tied
@@ -71,5 +88,8 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
             model.tie_weights()
         model.config.dtype = dtype
     model.to(device).eval()
+    for mod in model.modules():
+        if isinstance(mod, GPTQLinear):
+            mod.prepare()
     tok = AutoTokenizer.from_pretrained(root)
     return LoadedArtifact(model, tok, manifest, root)

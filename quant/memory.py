@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 # Tensor classes of the weight memory (W). Quantized modules name their tensors; anything else is float.
-QUANT_DATA = {"weight"}  # int tensors inside quantized modules
-QUANT_PARAMS = {"weight_scale", "weight_zero_point", "input_scale", "smooth_scale"}
+QUANT_DATA = {"weight", "qweight"}  # int tensors inside quantized modules
+QUANT_PARAMS = {"weight_scale", "weight_zero_point", "input_scale", "smooth_scale", "qzeros", "scales", "g_idx"}
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from conftest import run_cli
 from quant import artifact, load
+from quant.int4 import GPTQLinear
 from quant.layers import Int8WeightLinear, W8A8Linear
 from quant.models import ModelSource, load_model
 
@@ -44,6 +45,9 @@ def ids():
         ("w8a8", ("--calib-method", "percentile", "--smooth-alpha", "0.5"), 0.15, W8A8Linear),
         ("w8a8", ("--calib-method", "minmax"), 0.15, W8A8Linear),
         ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
+        ("rtn-w4", (), 0.25, GPTQLinear),
+        ("w4a16", (), 0.25, GPTQLinear),
+        ("w4a16", ("--act-order", "--asym", "--group-size", "32"), 0.25, GPTQLinear),
     ],
 )
 def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, scheme, extra, tol, cls):
@@ -61,8 +65,16 @@ def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, sc
     err = _rel_logit_error(art.model, _base(tiny_model_dir), ids)
     assert err < tol, f"{scheme} {extra}: relative logit error {err:.4f}"
     mem = manifest["memory"]["weights"]
-    assert mem["quantized_weights"] == sum(m.weight.numel() for m in quantized)
-    if scheme == "w8a8":
+    if cls is GPTQLinear:
+        assert mem["quantized_weights"] == sum(m.qweight.numel() * 4 for m in quantized)
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == "gptq" and qc["bits"] == 4 and qc["desc_act"] is False
+        assert qc["checkpoint_format"] == ("gptq_v2" if "--asym" in extra else "gptq")
+        assert qc["group_size"] == (32 if "32" in extra else 64)  # 64 | hidden 64; 128 does not
+        assert (out / "quantize_config.json").is_file()
+    else:
+        assert mem["quantized_weights"] == sum(m.weight.numel() for m in quantized)
+    if scheme in ("w8a8", "w4a16"):
         assert manifest["calibration"]["windows"] == 8 and manifest["calibration"]["seqlen"] == 64
         report = json.loads((out / "calibration_report.json").read_text())
         assert len(report["linears"]) == 14

@@ -1,0 +1,174 @@
+"""GPTQ (Frantar et al., 2022) for one Linear, written for this project, and its RTN baseline.
+
+Given W (N, K) and the Hessian of the layer-wise squared error H = 2 X^T X / n (K, K), columns are
+quantized one at a time and the rounding error of each is spread over the columns not yet quantized,
+weighted by the inverse Hessian (Optimal Brain Surgeon). Details that matter:
+- dead inputs (H_kk = 0) carry no information: their weights are zeroed and H_kk set to 1;
+- damping: lambda = damp * mean(diag H) is added to the diagonal; if the Cholesky factorisation
+  still fails, lambda grows x10 up to `max_damp_tries` times, then the caller falls back to RTN;
+- the upper Cholesky factor of H^-1 gives every column's update row directly;
+- lazy batches of `block` columns: updates inside a block are immediate, the rest of the matrix is
+  updated once per block (same result, far fewer memory passes);
+- group parameters (scale, zero) are computed when a group's first column is reached, on the
+  error-updated weights of that group;
+- act-order with static groups: columns are processed by decreasing H_kk, but the groups stay the
+  contiguous original ones (parameters computed up front on the original weights), so that
+  g_idx[k] = k // group and no runtime reordering is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # (N, K) int32 in [0, 2^bits - 1]
+    scales: torch.Tensor  # (G, N) fp32
+    zeros: torch.Tensor  # (G, N) int32 in [0, 2^bits - 1]
+    group_size: int
+    bits: int
+    damp: float | None = None  # the damping finally used (None for RTN)
+    fallback: str | None = None  # why GPTQ fell back to RTN, if it did
+    error: float | None = None  # GPTQ's own loss estimate sum((w - q)^2 / Hinv_kk^2) / 2
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) fp32: scale * (code - zero) with each column's group parameters."""
+        g = torch.arange(self.codes.shape[1]) // self.group_size  # (K,)
+        s = self.scales[g].t()  # (N, K)
+        z = self.zeros[g].t().float()  # (N, K)
+        return s * (self.codes.float() - z)
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (scale, zero) for the columns in `w` (N, g): asymmetric min/max over a range that
+    contains 0, or symmetric around the grid's midpoint. zero is an integer on the grid."""
+    maxq = 2**bits - 1
+    lo = w.amin(dim=1).clamp_max(0.0)
+    hi = w.amax(dim=1).clamp_min(0.0)
+    if sym:
+        hi = torch.maximum(lo.abs(), hi)
+        lo = -hi
+    dead = (lo == 0) & (hi == 0)
+    lo = torch.where(dead, torch.full_like(lo, -1.0), lo)
+    hi = torch.where(dead, torch.full_like(hi, 1.0), hi)
+    # Rounded to fp16 here, as stored on disk, so that GPTQ propagates the error of the weights the
+    # artifact will actually hold.
+    scale = ((hi - lo) / maxq).half().float()  # (N,)
+    if sym:
+        zero = torch.full_like(scale, (maxq + 1) // 2)
+    else:
+        zero = torch.round(-lo / scale)
+    return scale, zero
+
+
+def _quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedWeight:
+    """Round-to-nearest with the same groups and grid as GPTQ: the baseline that shows what GPTQ buys."""
+    w = w.float()
+    n, k = w.shape
+    maxq = 2**bits - 1
+    codes = torch.empty(n, k, dtype=torch.int32)
+    groups = k // group_size
+    scales = torch.empty(groups, n)
+    zeros = torch.empty(groups, n, dtype=torch.int32)
+    for g in range(groups):
+        cols = slice(g * group_size, (g + 1) * group_size)
+        s, z = group_params(w[:, cols], bits, sym)
+        codes[:, cols] = _quant(w[:, cols], s[:, None], z[:, None], maxq).to(torch.int32)
+        scales[g], zeros[g] = s, z.to(torch.int32)
+    return QuantizedWeight(codes, scales, zeros, group_size, bits)
+
+
+def _inverse_hessian_factor(h: torch.Tensor, damp: float, tries: int) -> tuple[torch.Tensor | None, float]:
+    """Upper Cholesky factor of (H + lambda I)^-1, raising lambda x10 on failure."""
+    mean_diag = float(torch.diag(h).mean())
+    lam = damp * mean_diag
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    for _ in range(tries):
+        l, info = torch.linalg.cholesky_ex(h + lam * eye)
+        if int(info) == 0:
+            hinv = torch.cholesky_inverse(l)
+            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if int(info) == 0 and bool(torch.isfinite(u).all()):
+                return u, lam / max(mean_diag, 1e-30)
+        lam = lam * 10 if lam > 0 else 1e-8
+    return None, lam / max(mean_diag, 1e-30)
+
+
+@torch.no_grad()
+def gptq(
+    w: torch.Tensor, h: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+    damp: float = 0.01, act_order: bool = False, block: int = 128, max_damp_tries: int = 6,
+) -> QuantizedWeight:
+    """Quantize W (N, K) against Hessian H (K, K). Falls back to RTN (recorded in `fallback`) when
+    no damping up to damp * 10^(tries-1) makes H positive definite."""
+    w = w.detach().float().clone()
+    h = h.detach().float().clone()
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
+    if not bool(torch.isfinite(h).all()):
+        q = rtn(w, bits, group_size, sym)
+        q.fallback = "Hessian has non-finite entries"
+        return q
+    maxq = 2**bits - 1
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    groups = k // group_size
+    scales = torch.empty(groups, n)
+    zeros = torch.empty(groups, n)
+    if act_order:
+        # Static groups: parameters from the original weights, before any error is propagated.
+        for g in range(groups):
+            scales[g], zeros[g] = group_params(w[:, g * group_size : (g + 1) * group_size], bits, sym)
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, perm], h[perm][:, perm]
+    else:
+        perm = torch.arange(k)
+
+    u, used_damp = _inverse_hessian_factor(h, damp, max_damp_tries)
+    if u is None:
+        q = rtn(w[:, torch.argsort(perm)], bits, group_size, sym)
+        q.fallback = f"Cholesky failed up to damp {used_damp:.3g} x mean diag(H)"
+        return q
+
+    codes = torch.zeros(n, k, dtype=torch.int32)  # in processing order
+    losses = torch.zeros(n)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1 = w[:, i1:i2].clone()  # (N, B) updated in place as columns are quantized
+        err1 = torch.zeros_like(w1)
+        u1 = u[i1:i2, i1:i2]  # (B, B)
+        for i in range(i2 - i1):
+            col = i1 + i
+            g = int(perm[col]) // group_size
+            if not act_order and col % group_size == 0:
+                # The group's weights as updated so far: inside this block from w1, beyond it from w.
+                span = w1[:, i : i + group_size]
+                if span.shape[1] < group_size:
+                    span = torch.cat([span, w[:, i2 : col + group_size]], dim=1)
+                scales[g], zeros[g] = group_params(span, bits, sym)
+            x = w1[:, i]  # (N,)
+            d = u1[i, i]
+            q = _quant(x, scales[g], zeros[g], maxq)  # (N,)
+            codes[:, col] = q.to(torch.int32)
+            deq = scales[g] * (q - zeros[g])
+            losses += (x - deq) ** 2 / d**2 / 2
+            e = (x - deq) / d  # (N,)
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    return QuantizedWeight(
+        codes=codes[:, inv].contiguous(), scales=scales, zeros=zeros.to(torch.int32),
+        group_size=group_size, bits=bits, damp=used_damp, error=float(losses.sum()),
+    )

@@ -1,0 +1,156 @@
+"""4-bit weights: the GPTQ checkpoint format on disk, PyTorch's int4 kernels at run time.
+
+On disk (what transformers through gptqmodel, optimum and vLLM load), for W (N, K), G = K / group:
+- `qweight` int32 (K/8, N): eight 4-bit codes per int32, packed LSB-first along the input dimension;
+- `qzeros`  int32 (G, N/8): zero-points packed LSB-first along the output dimension, stored as
+  zero - 1 in the v1 format (`checkpoint_format: "gptq"`) and as zero in v2 (`"gptq_v2"`);
+- `scales`  fp16 (G, N);  `g_idx` int32 (K,): the group of each input column.
+W[n, k] = scales[g_idx[k], n] * (code[k, n] - zero[g_idx[k], n]).
+
+At load time the codes are repacked once for `aten._weight_int4pack_mm_for_cpu` (CPU) or
+`aten._weight_int4pack_mm` (CUDA). Those kernels compute (code - 8) * s + z_f per group, so the
+zero-point goes in the float domain: z_f = s * (8 - zero). The packed layout is never persisted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BITS = 4
+PACK = 32 // BITS  # codes per int32
+# Up to this many rows the int4 GEMV kernel wins; longer inputs dequantize and use a dense matmul.
+INT4PACK_MAX_ROWS = 32
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 holding values in [0, 2^32) -> int32 with the same bits (two's complement)."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """(R, C) codes in [0, 15] -> (R/8, C) int32, code r*8+j in bits 4j..4j+3 of row r."""
+    r, c = codes.shape
+    if r % PACK:
+        raise ValueError(f"cannot pack {r} rows into int32 words of {PACK} codes")
+    v = codes.to(torch.int64).reshape(r // PACK, PACK, c)
+    shifts = (torch.arange(PACK, dtype=torch.int64) * BITS)[None, :, None]
+    return _to_int32((v << shifts).sum(dim=1))
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_rows: (R/8, C) int32 -> (R, C) int32 codes."""
+    v = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(PACK, dtype=torch.int64) * BITS)[None, :, None]
+    codes = (v[:, None, :] >> shifts) & 0xF  # (R/8, 8, C)
+    return codes.reshape(-1, packed.shape[1]).to(torch.int32)
+
+
+def pack_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, v2: bool) -> dict:
+    """codes (N, K), scales (G, N), zeros (G, N) -> the four GPTQ tensors."""
+    n, k = codes.shape
+    stored = zeros.to(torch.int64) if v2 else (zeros.to(torch.int64) - 1) & 0xF  # v1 stores zero - 1
+    return {
+        "qweight": pack_rows(codes.t().contiguous()),  # (K/8, N)
+        "qzeros": pack_rows(stored.t().contiguous()).t().contiguous(),  # (G, N/8)
+        "scales": scales.to(torch.float16).contiguous(),  # (G, N)
+        "g_idx": (torch.arange(k) // group_size).to(torch.int32),  # (K,)
+    }
+
+
+def unpack_gptq(qweight, qzeros, scales, g_idx, v2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPTQ tensors -> codes (N, K), zeros (G, N) int32, scales (G, N) fp32."""
+    codes = unpack_rows(qweight).t().contiguous()  # (N, K)
+    zeros = unpack_rows(qzeros.t().contiguous()).t().contiguous()  # (G, N)
+    if not v2:
+        # As v1 loaders read it: no wrap-around, so a stored 15 (zero 0 written as -1) reads as 16.
+        zeros = zeros + 1
+    return codes, zeros, scales.float()
+
+
+def dequantize_gptq(qweight, qzeros, scales, g_idx, v2: bool) -> torch.Tensor:
+    """W (N, K) fp32 by the formula above (the reference the kernels are held to)."""
+    codes, zeros, s = unpack_gptq(qweight, qzeros, scales, g_idx, v2)
+    g = g_idx.long()
+    return s[g].t() * (codes.float() - zeros[g].t().float())
+
+
+class GPTQLinear(nn.Module):
+    """A Linear whose weight is stored in the GPTQ format and multiplied with PyTorch's int4 kernels."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, v2: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size, self.v2 = in_features, out_features, group_size, v2
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(in_features // PACK, out_features, dtype=torch.int32, device=device))
+        self.register_buffer("qzeros", torch.empty(groups, out_features // PACK, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
+        self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+        self._packed: torch.Tensor | None = None
+        self._sz: dict[torch.dtype, torch.Tensor] = {}
+
+    @classmethod
+    def from_quantized(cls, q, bias: torch.Tensor | None, v2: bool) -> "GPTQLinear":
+        n, k = q.codes.shape
+        m = cls(k, n, bias is not None, q.group_size, v2)
+        for name, t in pack_gptq(q.codes, q.scales, q.zeros, q.group_size, v2).items():
+            setattr(m, name, t)
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return m
+
+    def spec(self) -> dict:
+        return {"type": "gptq", "group_size": self.group_size, "v2": self.v2, "bias": self.bias is not None}
+
+    def kernel(self, dtype: torch.dtype) -> str:
+        return (f"aten._weight_int4pack_mm(_for_cpu) (rows <= {INT4PACK_MAX_ROWS}); "
+                "dequantize + matmul above")
+
+    def _use_kernel(self) -> bool:
+        return self.group_size in KERNEL_GROUP_SIZES and self.in_features % 64 == 0 and self.out_features % 64 == 0
+
+    def prepare(self) -> None:
+        """Repack the codes for this device's int4 kernel (once, at load time)."""
+        if not self._use_kernel():
+            return
+        codes, _, _ = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)  # (N, K)
+        if self.qweight.is_cuda:
+            # The CUDA op takes two codes per byte, even column in the high nibble.
+            u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+            self._packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+        else:
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        self._sz = {}
+
+    def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        sz = self._sz.get(dtype)
+        if sz is None:
+            _, zeros, s = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)
+            sz = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
+            self._sz[dtype] = sz
+        return sz
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self._packed is not None and x2.shape[0] <= INT4PACK_MAX_ROWS:
+            sz = self._scales_and_zeros(x.dtype)
+            if x.is_cuda:
+                y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self._packed, self.group_size, sz)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self.group_size, sz)
+        else:
+            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.dequantized(torch.float32), b)

@@ -1,0 +1,183 @@
+"""W4A16 builds: GPTQ (or RTN) layer by layer, written in the GPTQ checkpoint format.
+
+GPTQ runs sequentially: each decoder layer sees the calibration activations produced by the already
+quantized layers before it, and inside a layer each group of Linears (q/k/v, then o, then gate/up,
+then down) sees inputs computed with the groups before it already quantized. For Llama-shaped layers
+the layer is executed in stages (norm -> attention -> o -> norm -> MLP up to down -> down), each
+stage once, after the weights it uses are quantized: the same result as re-running the layer between
+groups, at the cost of one layer pass. Other layer shapes re-run the whole layer per group.
+Memory is bounded by one layer's activations for the calibration set plus one Hessian.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quant import gptq as G
+from quant.errors import ConfigError
+from quant.int4 import PACK, GPTQLinear
+from quant.sequential import (
+    _StopForward, _cast_kwargs, block_linears, capture_first_layer_inputs, capture_inputs,
+    decoder_layers, run_layer, set_module,
+)
+from quant.smooth import LLAMA_GROUPS, layer_groups
+
+GROUP_CHOICES = (128, 64, 32)
+
+
+def choose_group_size(model: nn.Module, requested: int | None) -> int:
+    """128 where it divides every quantized Linear's input dimension, else the largest of 64, 32."""
+    linears = block_linears(model)
+    for name, lin in linears.items():
+        if lin.in_features % PACK or lin.out_features % PACK:
+            raise ConfigError(f"{name}: dimensions {lin.in_features}x{lin.out_features} are not multiples of {PACK}")
+    if requested is not None:
+        for name, lin in linears.items():
+            if lin.in_features % requested:
+                raise ConfigError(f"--group-size {requested} does not divide {name}'s input dimension {lin.in_features}")
+        return requested
+    for g in GROUP_CHOICES:
+        if all(lin.in_features % g == 0 for lin in linears.values()):
+            return g
+    raise ConfigError("no group size of 128, 64 or 32 divides every Linear's input dimension; pass --group-size")
+
+
+def _stop(_mod, _args):
+    raise _StopForward
+
+
+class _Hessian:
+    """Streaming H = 2 X^T X / n in fp32."""
+
+    def __init__(self, k: int):
+        self.h = torch.zeros(k, k)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.h.addmm_(x.t(), x)
+        self.n += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        return self.h * (2.0 / max(self.n, 1))
+
+
+def _llama_shaped(layer: nn.Module) -> bool:
+    return layer_groups(layer) == list(LLAMA_GROUPS)
+
+
+@torch.inference_mode()
+def _staged_llama(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable) -> torch.Tensor:
+    """One pass over the calibration set with each group quantized right before its stage."""
+    attn, mlp = layer.self_attn, layer.mlp
+    samples = range(hidden.shape[0])
+    # Stage 1: q/k/v read input_layernorm(h).
+    h_qkv = _Hessian(hidden.shape[-1])
+    for s in samples:
+        h_qkv.add(layer.input_layernorm(hidden[s : s + 1]))
+    quantize_group(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), h_qkv)
+    # Stage 2: attention with quantized q/k/v, stopped at o_proj's input.
+    attn_in = []
+    with capture_inputs({"o": attn.o_proj}) as store:
+        stop = attn.o_proj.register_forward_pre_hook(_stop)
+        try:
+            for s in samples:
+                try:
+                    attn(hidden_states=layer.input_layernorm(hidden[s : s + 1]), **kw)
+                except _StopForward:
+                    pass
+        finally:
+            stop.remove()
+        attn_in = store["o"]  # S x (T, K)
+    h_o = _Hessian(attn_in[0].shape[-1])
+    for x in attn_in:
+        h_o.add(x)
+    quantize_group(("self_attn.o_proj",), h_o)
+    # Stage 3: residual + o_proj, then post_attention_layernorm feeds gate/up.
+    mid = torch.cat([hidden[s : s + 1] + attn.o_proj(attn_in[s]).reshape(hidden[s : s + 1].shape) for s in samples])
+    del attn_in
+    h_gu = _Hessian(mid.shape[-1])
+    for s in samples:
+        h_gu.add(layer.post_attention_layernorm(mid[s : s + 1]))
+    quantize_group(("mlp.gate_proj", "mlp.up_proj"), h_gu)
+    # Stage 4: the MLP up to down_proj's input.
+    with capture_inputs({"down": mlp.down_proj}) as store:
+        stop = mlp.down_proj.register_forward_pre_hook(_stop)
+        try:
+            for s in samples:
+                try:
+                    mlp(layer.post_attention_layernorm(mid[s : s + 1]))
+                except _StopForward:
+                    pass
+        finally:
+            stop.remove()
+        down_in = store["down"]
+    h_d = _Hessian(down_in[0].shape[-1])
+    for x in down_in:
+        h_d.add(x)
+    quantize_group(("mlp.down_proj",), h_d)
+    # Stage 5: the layer's output.
+    return torch.cat([mid[s : s + 1] + mlp.down_proj(down_in[s]).reshape(mid[s : s + 1].shape) for s in samples])
+
+
+@torch.inference_mode()
+def _generic(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable) -> torch.Tensor:
+    for g in layer_groups(layer):
+        first = layer.get_submodule(g.linears[0])
+        h = _Hessian(first.in_features)
+        with capture_inputs({"x": first}) as store:
+            run_layer(layer, hidden, kw)
+        for x in store["x"]:
+            h.add(x)
+        quantize_group(g.linears, h)
+    return run_layer(layer, hidden, kw)
+
+
+@torch.inference_mode()
+def quantize(
+    model: nn.Module, calib_ids: torch.Tensor | None, method: str, group_size: int, sym: bool,
+    damp: float, act_order: bool, progress: bool = True,
+) -> dict:
+    """Quantize every Linear in the decoder blocks to 4 bits in place (GPTQLinear modules).
+
+    method: "gptq" (needs calib_ids) or "rtn". Returns the per-Linear report.
+    """
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    report: dict = {"linears": {}, "fallbacks": []}
+    results: dict[str, G.QuantizedWeight] = {}
+
+    if method == "rtn":
+        for name, lin in tqdm(block_linears(model).items(), desc="rtn-w4", disable=not progress):
+            results[name] = G.rtn(lin.weight.data, 4, group_size, sym)
+    else:
+        hidden, kw = capture_first_layer_inputs(model, calib_ids)  # (S, T, D)
+        kw = _cast_kwargs(kw, torch.float32)
+        for li, layer in enumerate(tqdm(layers, desc="gptq", unit="layer", disable=not progress)):
+
+            def quantize_group(names, hess: _Hessian, li=li, layer=layer):
+                h = hess.value()
+                for n in names:
+                    lin = layer.get_submodule(n)
+                    t = time.perf_counter()
+                    q = G.gptq(lin.weight.data, h, 4, group_size, sym, damp, act_order)
+                    full = f"{prefix}.{li}.{n}"
+                    results[full] = q
+                    report["linears"][full] = {
+                        "damp": q.damp, "loss": q.error, "fallback": q.fallback, "seconds": time.perf_counter() - t,
+                    }
+                    if q.fallback:
+                        report["fallbacks"].append({"module": full, "reason": q.fallback})
+                    lin.weight.data = q.dequantize().to(lin.weight.dtype)
+
+            hidden = (_staged_llama if _llama_shaped(layer) else _generic)(layer, hidden, kw, quantize_group)
+
+    for name, lin in block_linears(model).items():
+        q = results[name]
+        set_module(model, name, GPTQLinear.from_quantized(q, lin.bias, v2=not sym))
+    return report

@@ -1,0 +1,208 @@
+"""GPTQ: the algorithm's invariants, the GPTQ v1/v2 checkpoint format bit for bit, the int4 kernels
+against their reference, and the staged layer execution against the plain layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant import gptq as G
+from quant import int4
+from quant.errors import ConfigError
+
+
+def _problem(n=64, k=256, rows=2048, seed=0, corr=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g)
+    if corr:  # correlated inputs, as real activations are: this is where GPTQ beats RTN
+        x = x @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k**0.5)
+        x[:, :4] *= 20  # a few outlier channels
+    h = 2 * x.t() @ x / rows
+    return w, x, h
+
+
+def _layer_loss(x, w, q) -> float:
+    return float((x @ w.t() - x @ q.dequantize().t()).pow(2).mean())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_beats_rtn_on_the_layer_loss(act_order, sym):
+    w, x, h = _problem()
+    q_rtn = G.rtn(w, 4, 64, sym)
+    q_gptq = G.gptq(w, h, 4, 64, sym, act_order=act_order)
+    assert q_gptq.fallback is None
+    assert _layer_loss(x, w, q_gptq) < 0.8 * _layer_loss(x, w, q_rtn)
+
+
+def _reference_gptq(w, h, group, sym, damp=0.01):
+    """The textbook form: one column at a time, explicit inverse Hessian, OBS downdate after each
+    column; no Cholesky, no lazy batches. Slow and plain."""
+    w = w.clone().float()
+    h = h.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * torch.diag(h).mean() * torch.eye(h.shape[0])
+    hinv = torch.linalg.inv(h.double())
+    codes = torch.zeros_like(w, dtype=torch.int32)
+    for i in range(w.shape[1]):
+        if i % group == 0:
+            s, z = G.group_params(w[:, i : i + group], 4, sym)
+        q = torch.clamp(torch.round(w[:, i] / s) + z, 0, 15)
+        codes[:, i] = q.int()
+        d = hinv[i, i]
+        err = ((w[:, i] - s * (q - z)) / d).double()
+        w[:, i + 1 :] -= (err[:, None] * hinv[i, i + 1 :][None, :]).float()
+        hinv = hinv - hinv[:, i : i + 1] @ hinv[i : i + 1, :] / d
+    return codes
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_blocked_cholesky_gptq_equals_the_textbook_algorithm(sym):
+    w, _, h = _problem(n=32, k=256)
+    assert torch.equal(G.gptq(w, h, 4, 64, sym, block=128).codes, _reference_gptq(w, h, 64, sym))
+
+
+def test_gptq_with_identity_hessian_is_rtn():
+    # Uncorrelated unit-variance inputs: no error is worth moving, GPTQ must round to nearest.
+    w, _, _ = _problem()
+    q = G.gptq(w, torch.eye(256) * 2, 4, 64, True)
+    r = G.rtn(w, 4, 64, True)
+    assert torch.equal(q.codes, r.codes) and torch.equal(q.scales, r.scales)
+
+
+def test_codes_and_grid_are_in_range():
+    w, _, h = _problem()
+    q = G.gptq(w, h, 4, 64, True)
+    assert q.codes.dtype == torch.int32 and int(q.codes.min()) >= 0 and int(q.codes.max()) <= 15
+    assert torch.equal(q.zeros, torch.full_like(q.zeros, 8))  # symmetric: the grid's midpoint
+    assert q.scales.shape == (4, 64) and torch.equal(q.scales, q.scales.half().float())
+
+
+def test_dead_columns_are_zeroed():
+    w, x, _ = _problem()
+    x[:, 7] = 0
+    h = 2 * x.t() @ x / x.shape[0]
+    q = G.gptq(w, h, 4, 64, False)
+    assert torch.equal(q.dequantize()[:, 7], torch.zeros(64))
+
+
+def test_cholesky_failure_falls_back_to_rtn():
+    w, _, _ = _problem()
+    q = G.gptq(w, -torch.eye(256), 4, 64, True)  # negative definite: no damping helps
+    assert q.fallback and "Cholesky" in q.fallback
+    assert torch.equal(q.codes, G.rtn(w, 4, 64, True).codes)
+
+
+def test_damping_grows_until_cholesky_succeeds():
+    w, x, _ = _problem(rows=16)  # rank-deficient Hessian
+    h = 2 * x.t() @ x / 16
+    h -= torch.eye(256) * float(torch.diag(h).mean()) * 0.02  # pushes it indefinite at the default damp
+    q = G.gptq(w, h, 4, 64, True, damp=0.01)
+    assert q.fallback is None and q.damp > 0.01
+
+
+def test_group_size_must_divide():
+    w, _, h = _problem(k=256)
+    with pytest.raises(ValueError, match="group size 96"):
+        G.gptq(w, h, 4, 96, True)
+
+
+@pytest.mark.parametrize("v2,sym", [(False, True), (True, False)])
+def test_checkpoint_format_bit_for_bit_with_the_v1_formula(v2, sym):
+    w, _, h = _problem(n=64, k=256)
+    q = G.gptq(w, h, 4, 64, sym)
+    t = int4.pack_gptq(q.codes, q.scales, q.zeros, 64, v2)
+    assert t["qweight"].shape == (32, 64) and t["qweight"].dtype == torch.int32
+    assert t["qzeros"].shape == (4, 8) and t["scales"].dtype == torch.float16
+    assert torch.equal(t["g_idx"], torch.arange(256, dtype=torch.int32) // 64)
+    # Unpack with the formula as GPTQ loaders write it, element by element on a slice of indices.
+    qw, qz, sc, gi = (t[k] for k in ("qweight", "qzeros", "scales", "g_idx"))
+    fake = q.dequantize()
+    for k in range(0, 256, 37):
+        for n in range(0, 64, 5):
+            code = (int(qw[k // 8, n]) >> (4 * (k % 8))) & 0xF
+            zero = (int(qz[gi[k], n // 8]) >> (4 * (n % 8))) & 0xF
+            zero = zero if v2 else zero + 1
+            value = float(sc[gi[k], n].float()) * (code - zero)
+            assert value == float(fake[n, k]), (k, n)
+    # And the whole tensor, vectorised.
+    assert torch.equal(int4.dequantize_gptq(qw, qz, sc, gi, v2), fake)
+
+
+def test_v1_cannot_hold_zero_point_zero_but_v2_can():
+    codes = torch.zeros(8, 64, dtype=torch.int32)
+    zeros = torch.zeros(1, 8, dtype=torch.int32)
+    scales = torch.ones(1, 8)
+    v1 = int4.pack_gptq(codes, scales, zeros, 64, v2=False)
+    v2 = int4.pack_gptq(codes, scales, zeros, 64, v2=True)
+    # The known v1 overflow: zero 0 is stored as -1 & 0xF = 15 and read back as 16.
+    assert torch.equal(int4.unpack_gptq(*v1.values(), v2=False)[1], zeros + 16)
+    assert torch.equal(int4.unpack_gptq(*v2.values(), v2=True)[1], zeros)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernel_matches_reference(dtype, rows, group):
+    w, _, h = _problem(n=128, k=256)
+    q = G.gptq(w, h, 4, group, True)
+    m = int4.GPTQLinear.from_quantized(q, torch.randn(128) * 0.1, v2=False)
+    m.prepare()
+    assert m._packed is not None
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fast = m(x).float()
+    ref = m.reference_forward(x)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert float((fast - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_int4_kernel_branch_is_used_for_decode(monkeypatch):
+    w, _, h = _problem(n=128, k=256)
+    m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)
+    m.prepare()
+    calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(1) or real(*a))
+    m(torch.randn(1, 256))
+    m(torch.randn(int4.INT4PACK_MAX_ROWS + 1, 256))
+    assert calls == [1]
+
+
+def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
+    from conftest import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from quant.sequential import capture_first_layer_inputs, decoder_layers, run_layer
+    from quant.w4a16 import _generic, _staged_llama
+
+    path = make_tiny_llama(tmp_path / "m", tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
+    hidden, kw = capture_first_layer_inputs(model, ids)
+    layer = decoder_layers(model)[0]
+    seen = []
+    staged = _staged_llama(layer, hidden, kw, lambda names, h: seen.append((names, h.n)))
+    generic = _generic(layer, hidden, kw, lambda names, h: None)
+    plain = run_layer(layer, hidden, kw)
+    assert torch.allclose(staged, plain, atol=1e-5) and torch.allclose(generic, plain, atol=1e-5)
+    assert [n for n, _ in seen] == [
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",),
+    ]
+    assert all(count == 3 * 20 for _, count in seen)  # every calibration token reached every Hessian
+
+
+def test_group_size_choice(tokenizer, tmp_path):
+    from conftest import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from quant.w4a16 import choose_group_size
+
+    path = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=96, intermediate_size=192)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert choose_group_size(model, None) == 32  # 96 is not a multiple of 128 or 64
+    with pytest.raises(ConfigError, match="--group-size 64 does not divide .*96"):
+        choose_group_size(model, 64)
