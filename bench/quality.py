@@ -38,6 +38,8 @@ CONFIGS = {
     "w8a8-percentile-nosmooth": ["--scheme", "w8a8", "--calib-method", "percentile", "--no-smooth"],
     "w8a8-kl-nosmooth": ["--scheme", "w8a8", "--calib-method", "kl", "--no-smooth"],
     "w8a8-dynamic-nosmooth": ["--scheme", "w8a8", "--act-dynamic", "--no-smooth"],
+    "rtn-w4": ["--scheme", "rtn-w4"],
+    "w4a16": ["--scheme", "w4a16"],
 }
 
 

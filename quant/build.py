@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import quant
-from quant import artifact, calibration, evaluate, loader, memory, models, w4a16, w8a8
+from quant import artifact, calibration, evaluate, loader, lora, memory, models, w4a16, w8a8
 from quant.config import BuildConfig
 from quant.errors import ConfigError
 from quant.layers import Int8WeightLinear, W8A8Linear
@@ -109,6 +109,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     out = Path(cfg.out) if cfg.out else default_out(cfg, source)
     artifact.check_target(out, cfg.force)
     model, tok = models.load_model(source, torch.float32)
+    adapter = lora.merge_adapter(model, cfg.lora) if cfg.lora else None
     eval_windows = None
     if cfg.eval.data:
         eval_windows = calibration.eval_windows(tok, cfg.eval.data, cfg.eval.windows, cfg.eval.seqlen, cfg.eval.flag)
@@ -206,7 +207,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "scheme": cfg.scheme,
             "parameters": params,
             "source_model": source.to_dict(),
-            "adapter": None,
+            "adapter": None if adapter is None else adapter.to_dict(),
             "calibration": None if calib is None else {**calib.describe(), "seed": cfg.calib.seed},
             "memory": mem,
             "quality": None,
@@ -216,7 +217,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         del model
         if eval_windows is not None:
             t = time.perf_counter()
-            manifest["quality"] = evaluate_artifact(staging, source, eval_windows, cfg.eval.dtype, progress)
+            manifest["quality"] = evaluate_artifact(staging, source, cfg.lora, eval_windows, cfg.eval.dtype, progress)
             timings["eval_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t0
         artifact.write_manifest(staging, manifest)
@@ -227,13 +228,44 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     return out
 
 
-def evaluate_artifact(path: Path, source: models.ModelSource, windows, dtype_name: str, progress: bool) -> dict:
-    """Quality report of the artifact at `path` against its source model, as loaded for serving."""
+def reference_model(source: models.ModelSource, adapter_dir: str | None, dtype: torch.dtype):
+    """The float model an artifact approximates: the source, with its LoRA adapter merged if any."""
+    base, _ = models.load_model(source, dtype)
+    if adapter_dir:
+        lora.merge_adapter(base, adapter_dir)
+    return base
+
+
+def evaluate_artifact(path: Path, source: models.ModelSource, adapter_dir: str | None, windows,
+                      dtype_name: str, progress: bool) -> dict:
+    """Quality report of the artifact at `path` against its (merged) source model, as loaded for serving."""
     dtype = models.torch_dtype(dtype_name)
     quantized = loader.load(path, dtype=dtype, verify=False).model
-    base, _ = models.load_model(source, dtype)
+    base = reference_model(source, adapter_dir, dtype)
     q = evaluate.compare(base, {"quantized": quantized}, windows, progress=progress)["quantized"]
     return {**q.to_dict(), "dtype": dtype_name, "data": windows.describe()}
+
+
+def merge(model_spec: str | None, adapter_dir: str, out: Path, force: bool, cache_dir: Path) -> Path:
+    """`quant merge`: base + LoRA adapter -> a plain HF model dir (unquantized), written atomically."""
+    artifact.check_target(out, force)
+    source = models.resolve(model_spec, cache_dir)
+    model, tok = models.load_model(source, torch.float32)
+    dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float32
+    info = lora.merge_adapter(model, adapter_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = artifact.staging_dir(out)
+    try:
+        model.to(dtype).save_pretrained(staging)
+        tok.save_pretrained(staging)
+        (staging / "quantserve_merge.json").write_text(
+            json.dumps({"source_model": source.to_dict(), "adapter": info.to_dict()}, indent=2) + "\n"
+        )
+        artifact.commit(staging, out, force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
 
 
 def resolve_eval_source(manifest: dict, cache_dir: Path) -> models.ModelSource:

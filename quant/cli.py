@@ -24,6 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="quantize a model into an artifact dir")
     b.add_argument("--scheme", required=True, help=f"one of: {', '.join(SCHEMES)}")
     b.add_argument("--model", default=None, help="HF model dir, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--lora", default=None, help="PEFT LoRA adapter dir merged into the base before quantization")
     b.add_argument("--out", default=None, help="artifact dir (default: artifacts/<model>-<scheme>)")
     b.add_argument("--force", action="store_true", help="replace an existing artifact dir")
     b.add_argument("--calib", default="self", help="calibration text/JSONL file, or 'self' for seeded model-generated text")
@@ -54,6 +55,31 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-progress", action="store_true")
+
+    mg = sub.add_parser("merge", help="merge a PEFT LoRA adapter into its base: a plain HF model dir")
+    mg.add_argument("--lora", required=True, help="adapter dir (adapter_config.json + adapter_model.safetensors)")
+    mg.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    mg.add_argument("--out", required=True)
+    mg.add_argument("--force", action="store_true")
+
+    es = sub.add_parser("estimate", help="memory plan: weights, KV cache, activations; training W/A/G/O; GPUs")
+    es.add_argument("--model", default=None, help="model dir / .gguf / hub id whose config to use (default: embedded)")
+    es.add_argument("--params", default=None, help="hub-style size instead of a model: 135M, 7B, 70B ...")
+    for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "head-dim", "vocab"):
+        es.add_argument(f"--{name}", type=int, default=None, help="override the model shape")
+    es.add_argument("--scheme", default="float", help="float, int8-sym, int8-affine, w8a8, w4a16, rtn-w4")
+    es.add_argument("--group-size", type=int, default=128)
+    es.add_argument("--dtype", default="bfloat16", help="dtype of float weights, activations and the KV cache")
+    es.add_argument("--batch", type=int, default=1)
+    es.add_argument("--context", type=int, default=4096, help="tokens per sequence (prompt + generated)")
+    es.add_argument("--attn", default="sdpa", help="eager, sdpa, flash_attention_2")
+    es.add_argument("--train", action="store_true", help="estimate a training step instead of inference")
+    es.add_argument("--precision", default="mixed", help="training: fp32 or mixed")
+    es.add_argument("--optimizer-bits", type=int, default=32, help="training: Adam state bits (32, 8, 4)")
+    es.add_argument("--lora-rank", type=int, default=0, help="training: LoRA rank on every block Linear (0: full)")
+    es.add_argument("--checkpointing", action="store_true", help="training: activation checkpointing")
+    es.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 24GiB")
+    es.add_argument("--json", action="store_true")
 
     i = sub.add_parser("inspect", help="show an artifact's manifest")
     i.add_argument("artifact")
@@ -116,7 +142,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
     from quant.build import build
 
     cfg = BuildConfig(
-        scheme=args.scheme, model=args.model, out=args.out, force=args.force,
+        scheme=args.scheme, model=args.model, lora=args.lora, out=args.out, force=args.force,
         calib=CalibConfig(source=args.calib, samples=args.calib_samples, seqlen=args.calib_seqlen, seed=args.seed),
         calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
         act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
@@ -154,6 +180,35 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
     return 0
 
 
+def _cmd_merge(args, console: Console, cache_dir: Path) -> int:
+    from quant.build import merge
+
+    out = merge(args.model, args.lora, Path(args.out), args.force, cache_dir)
+    console.print(f"merged model written to [bold]{out}[/bold]")
+    return 0
+
+
+def _cmd_estimate(args, console: Console, cache_dir: Path) -> int:
+    from quant.estimate import estimate
+
+    result = estimate(args, cache_dir)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    t = Table(title=f"{result['mode']} memory: {result['shape']['name']} "
+                    f"({result['params'] / 1e9:.3g}B params), {result['setup']}")
+    t.add_column("class")
+    t.add_column("bytes", justify="right")
+    t.add_column("", justify="right")
+    for k, v in result["classes"].items():
+        t.add_row(k, f"{v:,}", _fmt_bytes(v))
+    t.add_row("total", f"{result['total']:,}", _fmt_bytes(result["total"]))
+    console.print(t)
+    console.print(f"GPUs of {_fmt_bytes(result['gpu_memory'])}: {result['gpus']} "
+                  f"({'fits on one' if result['gpus'] == 1 else 'tensor parallelism across them'})")
+    return 0
+
+
 def _cmd_inspect(args, console: Console) -> int:
     from quant.artifact import read_manifest
 
@@ -184,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_build(args, console, default_cache_dir())
         if args.cmd == "eval":
             return _cmd_eval(args, console, default_cache_dir())
+        if args.cmd == "merge":
+            return _cmd_merge(args, console, default_cache_dir())
+        if args.cmd == "estimate":
+            return _cmd_estimate(args, console, default_cache_dir())
         if args.cmd == "inspect":
             return _cmd_inspect(args, console)
         return _cmd_verify(args, console)

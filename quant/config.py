@@ -59,6 +59,7 @@ class EvalConfig:
 class BuildConfig:
     scheme: str
     model: str | None = None  # None: the embedded default model
+    lora: str | None = None  # a PEFT LoRA adapter dir merged into the base before quantization
     out: str | None = None
     force: bool = False
     calib: CalibConfig = field(default_factory=CalibConfig)

@@ -46,9 +46,19 @@ def threshold_candidates(x: torch.Tensor, method: str, search: bool = False) -> 
     return cands
 
 
-def _output_error(x_q: torch.Tensor, w_q: torch.Tensor, ref: torch.Tensor) -> float:
-    """Squared error of the fake-quantized output against the float output."""
-    return float(torch.linalg.vector_norm(x_q @ w_q.t() - ref) ** 2)
+def _act_q(x: torch.Tensor, threshold: float | None) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """int8 activations and their scale: static (threshold given) or dynamic per row."""
+    if threshold is None:
+        return P.quantize_act_dynamic(x)
+    scale = thresholds.scale_from_threshold(threshold)
+    return P.quantize_act_static(x, scale), scale
+
+
+def _output_error(xq, x_scale, wq: torch.Tensor, w_scale: torch.Tensor, ref: torch.Tensor) -> float:
+    """Squared error of the quantized output against the float output, computed the way the runtime
+    computes it: an int8 x int8 product rescaled (and 4x cheaper than a float matmul here)."""
+    y = torch._int_mm(xq, wq.t()).float() * (x_scale * w_scale)  # (R, N)
+    return float(torch.linalg.vector_norm(y - ref) ** 2)
 
 
 def _score_alpha(
@@ -60,27 +70,24 @@ def _score_alpha(
     s, _ = smooth.compute_scales(layer, group, absmax, alpha, config)
     xs = x_sub / s  # (R, K)
     if cfg.act_dynamic:
-        x_qs = [P.fake_quant_act(xs, None)]
+        x_qs = [_act_q(xs, None)]
     else:
         cands = threshold_candidates(xs, cfg.calib_method, search=True)
-        x_qs = [P.fake_quant_act(xs, thresholds.scale_from_threshold(t)) for t in cands.values()]
+        x_qs = [_act_q(xs, t) for t in cands.values()]
     err, norm = 0.0, 0.0
     for name in group.linears:
         w = layer.get_submodule(name).weight.detach().float()  # (N, K)
         ref = x_sub @ w.t()  # (R, N)
-        w_q = P.fake_quant_weight(w * s[None, :])
-        err += min(_output_error(x_q, w_q, ref) for x_q in x_qs)
+        wq, ws = P.quantize_weight_sym(w * s[None, :])
+        err += min(_output_error(xq, xsc, wq, ws, ref) for xq, xsc in x_qs)
         norm += float(torch.linalg.vector_norm(ref) ** 2)
     return err / max(norm, 1e-30)
 
 
 def _choose_threshold(
-    cands: dict[str, float], x_sub: torch.Tensor, ref: torch.Tensor, w_q: torch.Tensor
+    cands: dict[str, float], x_sub: torch.Tensor, ref: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
 ) -> dict:
-    scored = {
-        name: _output_error(P.fake_quant_act(x_sub, thresholds.scale_from_threshold(t)), w_q, ref)
-        for name, t in cands.items()
-    }
+    scored = {name: _output_error(*_act_q(x_sub, t), wq, ws, ref) for name, t in cands.items()}
     best = min(scored, key=lambda n: (scored[n], n != "minmax"))
     norm = max(float(torch.linalg.vector_norm(ref) ** 2), 1e-30)
     return {
@@ -138,13 +145,12 @@ def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progre
             for name in g.linears:
                 lin = layer.get_submodule(name)
                 w = lin.weight.detach().float()
-                w_q = P.fake_quant_weight(w)
                 full = f"{prefix}.{li}.{name}"
                 if cfg.act_dynamic:
                     input_scale, info = None, {"method": "dynamic-per-token"}
                 else:
                     ref = x_sub @ w.t()  # (R, N)
-                    info = _choose_threshold(cands, x_sub, ref, w_q)
+                    info = _choose_threshold(cands, x_sub, ref, *P.quantize_weight_sym(w))
                     input_scale = thresholds.scale_from_threshold(info["threshold"])
                     info["input_scale"] = input_scale
                 explicit = None if (s is None or fold) else s

@@ -1,0 +1,51 @@
+"""`quant merge` and `quant build --lora` end to end, held to PEFT's merge_and_unload."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import run_cli
+from quant import artifact, load
+from test_lora import _base, _make_adapter, _peft_merged
+
+
+def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
+    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=4, lora_alpha=8,
+                            target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)
+    out = tmp_path / "merged"
+    assert run_cli("merge", "--lora", adapter, "--model", tiny_model_dir, "--out", out) == 0
+    got = _base(out).state_dict()
+    want = _peft_merged(tiny_model_dir, adapter)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    info = json.loads((out / "quantserve_merge.json").read_text())
+    assert info["adapter"]["use_rslora"] is True and len(info["adapter"]["modules"]) == 6
+    assert run_cli("merge", "--lora", adapter, "--model", tiny_model_dir, "--out", out) == 1  # exists
+
+
+def test_build_with_lora_records_adapter_and_evaluates_against_the_merged_model(tmp_path, tiny_model_dir, text_file):
+    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", adapter, "--out", out,
+                   "--eval-data", text_file, "--eval-windows", "2", "--eval-seqlen", "64", "--no-progress") == 0
+    manifest = artifact.read_manifest(out)
+    assert manifest["adapter"]["fingerprint"] and len(manifest["adapter"]["modules"]) == 14
+    # Against the merged model int8 is nearly lossless; against the bare base it would not be.
+    assert manifest["quality"]["mean_kl"] < 0.01
+    art = load(out, dtype=torch.float32)
+    ids = torch.randint(0, 1000, (1, 16))
+    merged = _base(tiny_model_dir)
+    from quant.lora import merge_adapter
+
+    merge_adapter(merged, adapter)
+    with torch.inference_mode():
+        a, b, c = art.model(ids).logits, merged(ids).logits, _base(tiny_model_dir)(ids).logits
+    assert (a - b).norm() < 0.2 * (c - b).norm()
+
+
+def test_build_with_bad_lora_is_refused(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", tmp_path / "nope",
+                   "--out", out, "--no-progress") == 1
+    assert "nope" in capsys.readouterr().err and not out.exists()
