@@ -15,8 +15,9 @@ zero-point goes in the float domain: z_f = s * (8 - zero). The packed layout is 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from quant.layers import WeightOnlyLinear
 
 BITS = 4
 PACK = 32 // BITS  # codes per int32
@@ -77,8 +78,12 @@ def dequantize_gptq(qweight, qzeros, scales, g_idx, v2: bool) -> torch.Tensor:
     return s[g].t() * (codes.float() - zeros[g].t().float())
 
 
-class GPTQLinear(nn.Module):
-    """A Linear whose weight is stored in the GPTQ format and multiplied with PyTorch's int4 kernels."""
+class GPTQLinear(WeightOnlyLinear):
+    """A Linear whose weight is stored in the GPTQ format and multiplied with PyTorch's int4 kernels.
+
+    The CPU kernel is only used for 16-bit activations (fp32 measured ~20x slower than dense)."""
+
+    max_kernel_rows = INT4PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, v2: bool, device=None):
         super().__init__()
@@ -138,24 +143,10 @@ class GPTQLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
-        # The CPU kernel is fast for 16-bit activations only (fp32 measured ~20x slower than dense).
-        if self._packed is not None and x2.shape[0] <= INT4PACK_MAX_ROWS and (
-            x.dtype in (torch.bfloat16, torch.float16)
-        ):
-            sz = self._scales_and_zeros(x.dtype)
-            if x.is_cuda:
-                y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self._packed, self.group_size, sz)
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self.group_size, sz)
-        else:
-            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.dequantized(torch.float32), b)
+    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
+        if self._packed is None:
+            return None
+        sz = self._scales_and_zeros(x2.dtype)
+        if x2.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size, sz)

@@ -23,7 +23,40 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class Int8WeightLinear(nn.Module):
+class WeightOnlyLinear(nn.Module):
+    """The shared shape of weight-only modules: a low-bit kernel for short 16-bit inputs (decode),
+    a dequantized dense matmul otherwise (long prefills, fp32 activations), then the float bias."""
+
+    in_features: int
+    out_features: int
+    max_kernel_rows: int
+    bias: nn.Parameter | None
+
+    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel, or None when it cannot run."""
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        y = None
+        if x.dtype in (torch.bfloat16, torch.float16) and x2.shape[0] <= self.max_kernel_rows:
+            y = self._kernel_matmul(x2.contiguous())
+        if y is None:
+            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.dequantized(torch.float32), b)
+
+
+class Int8WeightLinear(WeightOnlyLinear):
     """Weight-only int8 (per output channel), symmetric or affine; activations stay in float.
 
     Fast path (bf16/fp16 activations, few rows): `aten._weight_int8pack_mm`, which computes
@@ -31,6 +64,8 @@ class Int8WeightLinear(nn.Module):
     out algebraically: x @ W^T = int8pack(x, q8, s) - (sum_k x_k) * (s * z8).
     Otherwise (fp32 activations or long prefills): dequantize into the activation dtype and matmul.
     """
+
+    max_kernel_rows = INT8PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, affine: bool, device=None):
         super().__init__()
@@ -66,23 +101,12 @@ class Int8WeightLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return P.dequantize_weight(self.weight, self.weight_scale, self.weight_zero_point, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if x.dtype in (torch.bfloat16, torch.float16) and x2.shape[0] <= INT8PACK_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.weight_scale.to(x.dtype))
-            if self.affine:
-                corr = x2.float().sum(-1, keepdim=True) * (self.weight_scale * self.weight_zero_point.float())
-                y = (y.float() - corr).to(x.dtype)  # (M, N)
-        else:
-            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.dequantized(torch.float32), b)
+    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.weight_scale.to(x2.dtype))  # (M, N)
+        if self.affine:
+            corr = x2.float().sum(-1, keepdim=True) * (self.weight_scale * self.weight_zero_point.float())
+            y = (y.float() - corr).to(x2.dtype)
+        return y
 
 
 class W8A8Linear(nn.Module):
