@@ -268,6 +268,20 @@ def merge(model_spec: str | None, adapter_dir: str, out: Path, force: bool, cach
     return out
 
 
+def resolve_eval_adapter(manifest: dict) -> str | None:
+    """The LoRA adapter an artifact was built with (None if none), checked against its fingerprint."""
+    info = manifest.get("adapter")
+    if not info:
+        return None
+    try:
+        current = lora.adapter_fingerprint(info["path"])
+    except lora.LoraError as e:
+        raise ConfigError(f"the artifact was built with LoRA adapter {info['path']}, which cannot be read: {e}") from e
+    if current != info["fingerprint"]:
+        raise ConfigError(f"LoRA adapter {info['path']} has changed since the build (fingerprint mismatch)")
+    return info["path"]
+
+
 def resolve_eval_source(manifest: dict, cache_dir: Path) -> models.ModelSource:
     """The base model an artifact was built from, checked against its recorded fingerprint."""
     src = manifest["source_model"]

@@ -161,7 +161,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
 
 def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
     from quant import calibration, evaluate, loader, models
-    from quant.build import resolve_eval_source
+    from quant.build import reference_model, resolve_eval_adapter, resolve_eval_source
 
     EvalConfig(data=args.data, windows=args.windows, seqlen=args.seqlen, dtype=args.dtype).validate()
     art = loader.load(args.artifact, dtype=models.torch_dtype(args.dtype))
@@ -170,7 +170,8 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
         raise QuantError("--data is required: this artifact was built without --eval-data")
     windows = calibration.eval_windows(art.tokenizer, data, args.windows, args.seqlen)
     source = resolve_eval_source(art.manifest, cache_dir)
-    base, _ = models.load_model(source, models.torch_dtype(args.dtype))
+    adapter = resolve_eval_adapter(art.manifest)
+    base = reference_model(source, adapter, models.torch_dtype(args.dtype))
     q = evaluate.compare(base, {"quantized": art.model}, windows, progress=not args.no_progress)["quantized"]
     result = {**q.to_dict(), "dtype": args.dtype, "data": windows.describe(), "artifact": str(args.artifact)}
     if args.json:

@@ -76,6 +76,11 @@ def read_adapter(adapter_dir) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+def adapter_fingerprint(adapter_dir) -> str:
+    """The sha256 recorded in AdapterInfo.fingerprint, for checking an adapter has not changed."""
+    return _read(Path(adapter_dir))[2]
+
+
 def _read(d: Path) -> tuple[dict, dict[str, torch.Tensor], str]:
     """Config, tensors and the sha256 of exactly the bytes they were parsed from."""
     from safetensors import SafetensorError

@@ -49,3 +49,18 @@ def test_build_with_bad_lora_is_refused(tmp_path, tiny_model_dir, capsys):
     assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", tmp_path / "nope",
                    "--out", out, "--no-progress") == 1
     assert "nope" in capsys.readouterr().err and not out.exists()
+
+
+def test_eval_of_a_lora_artifact_uses_the_merged_reference_and_checks_the_adapter(tmp_path, tiny_model_dir, text_file,
+                                                                                   capsys):
+    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", adapter, "--out", out,
+                   "--eval-data", text_file, "--eval-windows", "2", "--eval-seqlen", "64", "--no-progress") == 0
+    capsys.readouterr()
+    assert run_cli("eval", out, "--windows", "2", "--seqlen", "64", "--json", "--no-progress") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mean_kl"] == artifact.read_manifest(out)["quality"]["mean_kl"]
+    (adapter / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text() + " ")
+    assert run_cli("eval", out, "--windows", "2", "--seqlen", "64", "--no-progress") == 1
+    assert "has changed since the build" in capsys.readouterr().err
