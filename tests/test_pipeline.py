@@ -165,3 +165,32 @@ def test_load_is_memory_mapped(tmp_path, tiny_model_dir):
     maps = Path("/proc/self/maps").read_text().splitlines()
     hits = [m for m in maps if m.endswith(target) and int(m.split("-")[0], 16) <= addr < int(m.split()[0].split("-")[1], 16)]
     assert hits, "weight is not backed by the artifact file mapping"
+
+
+def test_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "w4a16", "--model", tiny_model_dir, "--out", out,
+                   "--group-size", "128", "--calib-samples", "2", "--calib-seqlen", "16", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert "--group-size 128 does not divide" in err and "q_proj" in err
+    assert not out.exists()
+
+
+def test_cholesky_failure_falls_back_to_rtn_and_the_manifest_says_so(tmp_path, tiny_model_dir, text_file, monkeypatch):
+    from quant import gptq
+
+    real = gptq._inverse_hessian_factor
+    calls = []
+
+    def failing_once(h, damp, tries):
+        calls.append(1)
+        return (None, damp * 10 ** (tries - 1)) if len(calls) == 3 else real(h, damp, tries)
+
+    monkeypatch.setattr(gptq, "_inverse_hessian_factor", failing_once)
+    out = tmp_path / "art"
+    assert run_cli("build", "--scheme", "w4a16", "--model", tiny_model_dir, "--out", out, "--calib", text_file,
+                   *CALIB, "--no-progress") == 0
+    fallbacks = artifact.read_manifest(out)["parameters"]["rtn_fallbacks"]
+    assert [f["module"] for f in fallbacks] == ["model.layers.0.self_attn.v_proj"]
+    assert "Cholesky failed" in fallbacks[0]["reason"]
+    assert load(out) is not None
