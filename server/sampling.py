@@ -1,0 +1,419 @@
+"""Per-request sampling parameters and the batched sampler (DESIGN.md, "Sampling: the documented order").
+
+For every request and every generated token the sampler applies, on fp32 logits:
+
+1. repetition penalty (if != 1) on the raw logits, HF semantics: every token id seen in the request's prompt or
+   generated tokens gets ``logit / p`` when ``logit > 0`` and ``logit * p`` otherwise;
+2. temperature: ``logits / T``; ``T == 0`` is greedy (argmax of the penalised logits) and skips 3-5;
+3. top-k: keep the k highest logits (k = 0: off; tokens tied with the k-th are kept, as transformers does);
+4. top-p: softmax over what top-k kept, sorted descending; keep the smallest prefix whose cumulative
+   probability reaches p (the crossing token is kept), i.e. a token survives iff the mass strictly before it
+   is < p. p = 1: off; p = 0: only the most probable token. The first token always survives;
+5. renormalise the survivors and draw one token with the request's own random stream.
+
+Random stream. A draw must be reproducible from ``(seed, step)`` alone: the same request must produce the same
+tokens whether it runs alone or batched with others, after preemption and recompute, on CPU or CUDA. The obvious
+design, one ``torch.Generator`` per request and a Python loop over the batch, breaks all of that cheaply: it costs
+B small kernel launches per step, its state depends on how many numbers were drawn before (so on vocab size,
+retries and code paths), it must be saved and restored with the request, and CPU and CUDA generators give
+different streams. Instead the uniforms are a pure function, a counter-based hash::
+
+    u[b, v] = U(murmur3_32(seed_b, step_b, v; salt A), murmur3_32(seed_b, step_b, v; salt B))
+
+MurmurHash3_x86_32 of the 20-byte message (seed lo, seed hi, step lo, step hi, v) as little-endian 32-bit
+words, once per salt; the two 32-bit hashes give 52 random bits and ``u = (x + 0.5) / 2**52``, strictly inside
+(0, 1). The token is the Gumbel-max draw ``argmax_v(log p[b, v] - log(-log u[b, v]))``, which is distributed
+exactly as Categorical(p). All of it is vectorised integer tensor arithmetic over (B, V): no per-row loop, no
+generator state, no host synchronisation, and row b's result depends only on row b's logits, params, seed and
+step (batch-invariant). Token-level batch invariance still needs batch-invariant logits from the model.
+
+The 32-bit multiplies run on int64 tensors. A 32x32-bit product can overflow int64 (undefined behaviour in the
+C++ kernels), so constants are split into 16-bit halves: every partial product stays below 2**48 and the result
+is masked back to 32 bits.
+
+Reference implementations (``ref_*`` and :func:`reference_filter`) are plain per-row code used by the tests to
+check the fast batched path (:func:`filtered_probs`, used by :func:`sample`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+MAX_LOGPROBS = 20
+MAX_TRACE = 50
+SEED_LIMIT = 2**63  # seeds are int64 on the device; non-negative so "seed + 1" style derivations never wrap
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names it so transports can report it (HTTP 400 / INVALID_ARGUMENT)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _real(name: str, value, lo: float, hi: float | None, lo_open: bool, rng: str) -> float:
+    # bool is an int subclass, but True as a temperature is a client bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingParamsError(name, f"{name} must be a number {rng}, got {type(value).__name__} {value!r}")
+    try:
+        f = float(value)
+    except (OverflowError, ValueError):  # huge ints do not fit a float
+        raise SamplingParamsError(name, f"{name} must be a finite number {rng}, got {value!r}") from None
+    ok = math.isfinite(f) and (f > lo if lo_open else f >= lo) and (hi is None or f <= hi)
+    if not ok:
+        raise SamplingParamsError(name, f"{name} must be {rng}, got {value!r}")
+    return f
+
+
+def _int(name: str, value, lo: int, hi: int | None, rng: str, optional: bool = False):
+    if optional and value is None:
+        return None
+    # Require a real integer: 5.0 or True are rejected rather than silently converted.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingParamsError(name, f"{name} must be an integer {rng}, got {type(value).__name__} {value!r}")
+    i = int(value)
+    if i < lo or (hi is not None and i > hi):
+        raise SamplingParamsError(name, f"{name} must be {rng}, got {i}")
+    return i
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, validated once at construction (never clamped)."""
+
+    temperature: float = 1.0  # >= 0, finite; 0 = greedy
+    top_k: int = 0  # >= 0; 0 = off
+    top_p: float = 1.0  # in [0, 1]; 1 = off
+    repetition_penalty: float = 1.0  # > 0, finite; 1 = off
+    seed: int | None = None  # 0 <= seed < 2**63; None = the engine picks one (with_seed) and reports it
+    max_new_tokens: int = 128  # >= 1
+    min_tokens: int = 0  # 0..max_new_tokens; the engine suppresses EOS before that
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # at most 16 non-empty strings of at most 256 characters
+    logprobs: int | None = None  # None = off; 0..20 alternatives besides the chosen token
+    trace: int | None = None  # None = off; 1..50 top candidates per stage per step
+
+    def __post_init__(self):
+        # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        put("temperature", _real("temperature", self.temperature, 0.0, None, False, "finite and >= 0"))
+        put("top_k", _int("top_k", self.top_k, 0, None, ">= 0 (0 = off)"))
+        put("top_p", _real("top_p", self.top_p, 0.0, 1.0, False, "in [0, 1]"))
+        put(
+            "repetition_penalty",
+            _real("repetition_penalty", self.repetition_penalty, 0.0, None, True, "finite and > 0"),
+        )
+        put("seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)", optional=True))
+        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1, None, ">= 1"))
+        put("min_tokens", _int("min_tokens", self.min_tokens, 0, None, ">= 0"))
+        if self.min_tokens > self.max_new_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        put("stop", self._check_stop(self.stop))
+        put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null", optional=True))
+        put("trace", _int("trace", self.trace, 1, MAX_TRACE, "in [1, 50] or null", optional=True))
+
+    @staticmethod
+    def _check_stop(stop) -> tuple[str, ...]:
+        # A bare string is rejected: iterating it would silently turn "\n\n" into per-character stops.
+        if not isinstance(stop, (list, tuple)):
+            raise SamplingParamsError("stop", f"stop must be a list of strings, got {type(stop).__name__}")
+        if len(stop) > MAX_STOP:
+            raise SamplingParamsError("stop", f"stop must have at most {MAX_STOP} strings, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
+                raise SamplingParamsError(
+                    "stop", f"stop entries must be non-empty strings of at most {MAX_STOP_LEN} characters, got {s!r}"
+                )
+        return tuple(stop)
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        """A copy with ``seed`` set (validated again); the engine uses it when the client gave none."""
+        return replace(self, seed=seed)
+
+
+@dataclass
+class SamplingBatch:
+    """The per-step, per-row sampling tensors of the running batch (built once per step by :meth:`build`)."""
+
+    temperature: Tensor  # (B,) fp32; 0 = greedy
+    top_k: Tensor  # (B,) int64; 0 = off
+    top_p: Tensor  # (B,) fp32; 1 = off
+    repetition_penalty: Tensor  # (B,) fp32; 1 = off
+    seeds: Tensor  # (B,) int64
+    steps: Tensor  # (B,) int64: the request's generated-token index for this draw
+    history: Tensor | None  # (B, L) int64 prompt + generated ids padded with -1; None when no row has a penalty
+    logprobs_n: int = 0  # max over rows of logprobs
+    trace_n: int = 0  # max over rows of trace
+    # Host-side facts computed from the params, so sample() branches without reading device tensors (no sync).
+    # Defaults are the safe "anything may be on" values for hand-built batches.
+    any_filter: bool = True  # some sampled row has top_k > 0 or top_p < 1
+    all_greedy: bool = False  # every row has T == 0 (no random draw needed)
+
+    @classmethod
+    def build(cls, params, seeds, steps, histories, device=None) -> "SamplingBatch":
+        n = len(params)
+        if len(seeds) != n or len(steps) != n or (histories is not None and len(histories) != n):
+            raise ValueError("params, seeds, steps and histories must have one entry per row")
+        for s in seeds:
+            if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < SEED_LIMIT:
+                raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
+        if any(int(t) < 0 for t in steps):
+            raise ValueError("steps must be >= 0")
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        history = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            if histories is None:
+                raise ValueError("histories are required when a row has a repetition penalty")
+            width = max(1, max(len(h) for h in histories))
+            rows = [list(h) + [-1] * (width - len(h)) for h in histories]  # -1 pads: ignored by the penalty
+            history = torch.tensor(rows, **i64)  # (B, L)
+        sampled = [p for p in params if p.temperature != 0.0]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], **f32),
+            top_k=torch.tensor([p.top_k for p in params], **i64),
+            top_p=torch.tensor([p.top_p for p in params], **f32),
+            repetition_penalty=torch.tensor([p.repetition_penalty for p in params], **f32),
+            seeds=torch.tensor([int(s) for s in seeds], **i64),
+            steps=torch.tensor([int(t) for t in steps], **i64),
+            history=history,
+            logprobs_n=max([p.logprobs or 0 for p in params], default=0),
+            trace_n=max([p.trace or 0 for p in params], default=0),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+            all_greedy=not sampled,
+        )
+
+
+@dataclass
+class SampleOutput:
+    tokens: Tensor  # (B,) int64
+    logprob: Tensor  # (B,) fp32: log-prob of the chosen token under log_softmax(raw logits), like vLLM's default
+    top_logprobs: tuple[Tensor, Tensor] | None  # ids (B, N) int64, logprobs (B, N) fp32 of the raw distribution
+    trace: dict[str, tuple[Tensor, Tensor]] | None  # "temperature"/"top_k"/"top_p": ids (B, N), probs (B, N)
+
+
+# ---------------------------------------------------------------------------------------------- random stream
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0xCC9E2D51, 0x1B873593  # MurmurHash3_x86_32 block constants
+_SALTS = (0x9E3779B9, 0x7F4A7C15)  # hash seeds of the two independent 32-bit streams
+_MSG_BYTES = 20  # seed lo/hi, step lo/hi, vocab id: five 32-bit words
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32): split c in 16-bit halves so no int64 product overflows."""
+    lo = x * (c & 0xFFFF)  # < 2**48
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16  # only the low 16 bits of this product survive mod 2**32
+    return (lo + hi) & _M32
+
+
+def _rotl32(x: Tensor, r: int) -> Tensor:
+    return ((x << r) & _M32) | (x >> (32 - r))
+
+
+def _mix_block(k: Tensor) -> Tensor:
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _absorb(h: Tensor, k: Tensor) -> Tensor:
+    h = _rotl32(h ^ _mix_block(k), 13)
+    return (h * 5 + 0xE6546B64) & _M32  # h * 5 < 2**35: no overflow
+
+
+def _mul32_(x: Tensor, c: int, tmp: Tensor) -> Tensor:
+    """In-place :func:`_mul32` on a (B, V) tensor; ``tmp`` is scratch of the same shape."""
+    torch.mul(x, c >> 16, out=tmp).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_M32)
+
+
+def random_u32(seeds: Tensor, steps: Tensor, vocab_size: int, salt: int) -> Tensor:
+    """MurmurHash3_x86_32(seed lo, seed hi, step lo, step hi, v; hash seed ``salt``) for every (row, v): (B, V)."""
+    # The four per-row words are absorbed on (B,) tensors and the vocab word's block mix on (V,), once each;
+    # the (B, V) remainder runs in place because fresh (B, V) temporaries per op cost several times the
+    # arithmetic on CPU. Same operations as _absorb(h, v), then murmur3's length xor and fmix32 finaliser.
+    h = torch.full_like(seeds, salt)  # (B,)
+    for word in (seeds & _M32, (seeds >> 32) & _M32, steps & _M32, (steps >> 32) & _M32):
+        h = _absorb(h, word)  # (B,)
+    kv = _mix_block(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device))  # (V,)
+    x = h[:, None] ^ kv[None, :]  # (B, V)
+    tmp = torch.empty_like(x)  # (B, V) scratch
+    torch.bitwise_right_shift(x, 19, out=tmp)
+    x.bitwise_left_shift_(13).bitwise_and_(_M32).bitwise_or_(tmp)  # rotl32(x, 13)
+    x.mul_(5).add_(0xE6546B64).bitwise_and_(_M32).bitwise_xor_(_MSG_BYTES)  # last block done; xor length
+    for mult, shift in ((0x85EBCA6B, 16), (0xC2B2AE35, 13)):  # fmix32
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
+        _mul32_(x, mult, tmp)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))  # (B, V)
+
+
+def random_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """u[b, v] in (0, 1), float64 with 52 random bits, a pure function of (seed_b, step_b, v)."""
+    a = random_u32(seeds, steps, vocab_size, _SALTS[0])  # (B, V)
+    b = random_u32(seeds, steps, vocab_size, _SALTS[1])  # (B, V)
+    x = a.bitwise_left_shift_(20).bitwise_or_(b.bitwise_right_shift_(12))  # (B, V) 52 bits, exact in float64
+    # + 0.5 keeps u away from 0 and 1 (2**52 - 0.5 is exactly representable), so -log(-log u) is finite.
+    return x.to(torch.float64).add_(0.5).mul_(2.0**-52)  # (B, V)
+
+
+# ---------------------------------------------------------------------------------------------- fast path
+
+
+def apply_penalty(logits: Tensor, penalty: Tensor, history: Tensor | None) -> Tensor:
+    """Step 1, batched: HF repetition penalty on every id in each row's history (-1 pads ignored)."""
+    if history is None:
+        return logits
+    B, V = logits.shape
+    # ids outside [0, V) (pads, or an embedding larger than the head) go to a spare column that is dropped.
+    ids = torch.where((history < 0) | (history >= V), V, history)  # (B, L)
+    seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)  # (B, V+1)
+    seen.scatter_(1, ids, True)
+    p = penalty[:, None]  # (B, 1)
+    penalised = torch.where(logits > 0, logits / p, logits * p)  # (B, V)
+    return torch.where(seen[:, :V], penalised, logits)  # (B, V)
+
+
+def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
+    """Steps 1-5 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages or None)."""
+    x = apply_penalty(logits.float(), batch.repetition_penalty, batch.history)  # (B, V)
+    B, V = x.shape
+    greedy = batch.temperature == 0  # (B,)
+    greedy_tok = x.argmax(-1)  # (B,) of the penalised logits; first index among ties, like the stable sort
+    onehot = torch.nn.functional.one_hot(greedy_tok, V).to(torch.float32)  # (B, V)
+    # Greedy rows divide by 1 only to stay finite; their result is replaced by the one-hot below.
+    t = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # (B,)
+    x = x / t[:, None]  # (B, V)
+    if not (batch.any_filter or want_trace):
+        probs = torch.where(greedy[:, None], onehot, torch.softmax(x, -1))  # (B, V)
+        return probs, greedy_tok, None
+
+    # One stable descending sort serves top-k, top-p and the trace (every stage keeps this order).
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)  # (B, V) each
+    k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=V), V)  # (B,) k = 0 -> keep all
+    kth = vals.gather(1, (k - 1)[:, None])  # (B, 1)
+    keep_k = vals >= kth  # (B, V) ties with the k-th value are kept, as transformers does
+    pk = torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1)  # (B, V) top-k stage, sorted
+    cum = pk.cumsum(-1)  # (B, V)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, V) mass strictly before
+    p = batch.top_p[:, None]  # (B, 1)
+    # p == 1 is "off" explicitly: fp32 cumsum may reach 1.0 early and would otherwise drop tiny tails.
+    drop = (before >= p) & (p < 1)  # (B, V)
+    drop[:, 0] = False  # the most probable token always survives (p = 0 keeps exactly it)
+    keep_sorted = keep_k & ~drop  # (B, V)
+    keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)  # (B, V) back to vocab order
+    probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)  # (B, V) step 5's renormalisation
+    probs = torch.where(greedy[:, None], onehot, probs)  # (B, V)
+    stages = None
+    if want_trace:
+        n = min(batch.trace_n, V)
+        first = torch.zeros(B, n, dtype=torch.float32, device=x.device)  # (B, N) greedy: all mass on sorted[0]
+        first[:, 0] = 1.0
+        g = greedy[:, None]  # (B, 1)
+        pp = torch.softmax(vals.masked_fill(~keep_sorted, -math.inf), -1)  # (B, V) top-p stage, sorted
+        stages = {
+            name: (idx[:, :n], torch.where(g, first, dist[:, :n]))  # (B, N) ids, (B, N) probs
+            for name, dist in (("temperature", torch.softmax(vals, -1)), ("top_k", pk), ("top_p", pp))
+        }
+    return probs, greedy_tok, stages
+
+
+def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """The (B, V) distribution that :func:`sample` draws from (steps 1-5); one-hot for greedy rows."""
+    return _filter(logits, batch, want_trace=False)[0]
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Draw one token per row of ``logits`` (B, V) following the documented order.
+
+    1. repetition penalty on the raw fp32 logits (rows with penalty 1 are unchanged);
+    2. temperature (T = 0: greedy argmax of the penalised logits; steps 3-5 skipped);
+    3. top-k (ties with the k-th logit kept);
+    4. top-p over what top-k kept (crossing token kept; at least one token survives);
+    5. renormalise and draw with Gumbel-max on the counter-based uniforms of (seed, step, v).
+
+    Also returns the chosen token's log-prob under the raw distribution, the raw top-N log-probs when any row
+    asked for logprobs, and each stage's top-N when any row asked for a trace. No host synchronisation.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == batch.seeds.shape[0], "logits must be (B, V)"
+    raw = torch.log_softmax(logits.float(), -1)  # (B, V) the model's own distribution, for logprobs
+    probs, greedy_tok, stages = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
+    if batch.all_greedy:
+        tokens = greedy_tok
+    else:
+        u = random_uniform(batch.seeds, batch.steps, probs.shape[1])  # (B, V) float64
+        gumbel = u.log_().neg_().log_().neg_()  # (B, V) -log(-log u): standard Gumbel, finite as 0 < u < 1
+        drawn = gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
+        tokens = torch.where(batch.temperature == 0, greedy_tok, drawn)  # (B,)
+    logprob = raw.gather(1, tokens[:, None])[:, 0]  # (B,)
+    top = None
+    if batch.logprobs_n > 0:
+        top_lp, top_ids = raw.topk(min(batch.logprobs_n, raw.shape[1]), dim=-1)  # (B, N) each
+        top = (top_ids, top_lp)
+    return SampleOutput(tokens=tokens, logprob=logprob, top_logprobs=top, trace=stages)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def ref_penalty(row: Tensor, history, penalty: float) -> Tensor:
+    """Step 1 for one (V,) row: each distinct id seen once, divided if positive else multiplied."""
+    out = row.clone()
+    for t in set(int(i) for i in history):
+        if 0 <= t < out.shape[0]:
+            # fp32 tensor arithmetic (not Python doubles), so results round exactly as transformers' do
+            out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+def ref_temperature(row: Tensor, temperature: float) -> Tensor:
+    return row / temperature  # (V,)
+
+
+def ref_top_k(row: Tensor, k: int) -> Tensor:
+    if k == 0 or k >= row.shape[0]:
+        return row
+    kth = sorted(row.tolist(), reverse=True)[k - 1]
+    return row.masked_fill(row < kth, -math.inf)  # (V,)
+
+
+def ref_top_p(row: Tensor, p: float) -> Tensor:
+    if p >= 1.0:
+        return row
+    probs = torch.softmax(row, -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    keep, total = [], 0.0
+    for i in order:  # grow the prefix until it reaches p; the crossing token is kept
+        keep.append(i)
+        total += probs[i]
+        if total >= p:
+            break
+    mask = torch.ones_like(row, dtype=torch.bool)
+    mask[keep] = False
+    return row.masked_fill(mask, -math.inf)  # (V,)
+
+
+def reference_filter(logits_row: Tensor, params: SamplingParams, history=None) -> Tensor:
+    """The (V,) distribution that steps 1-5 sample from, computed plainly for one request."""
+    x = logits_row.float()
+    if params.repetition_penalty != 1.0:
+        x = ref_penalty(x, history or [], params.repetition_penalty)
+    if params.temperature == 0.0:
+        out = torch.zeros_like(x)
+        out[int(x.argmax())] = 1.0
+        return out
+    x = ref_temperature(x, params.temperature)
+    x = ref_top_k(x, params.top_k)
+    x = ref_top_p(x, params.top_p)
+    return torch.softmax(x, -1)

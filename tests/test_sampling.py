@@ -1,0 +1,511 @@
+"""Sampling: parameter validation, the documented order against transformers' warpers and the plain
+reference, the counter-based random stream, distribution (chi-square), reproducibility and batch invariance,
+logprobs and trace outputs. CPU only, a few seconds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from server.sampling import (
+    SampleOutput,
+    SamplingBatch,
+    SamplingParams,
+    SamplingParamsError,
+    apply_penalty,
+    filtered_probs,
+    random_u32,
+    random_uniform,
+    ref_penalty,
+    ref_temperature,
+    ref_top_k,
+    ref_top_p,
+    reference_filter,
+    sample,
+)
+
+# ------------------------------------------------------------------------------------------------ validation
+
+INVALID = [
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", True),
+    ("temperature", "1.0"),
+    ("temperature", None),
+    ("temperature", 10**400),
+    ("top_k", -1),
+    ("top_k", 1.0),
+    ("top_k", True),
+    ("top_k", "5"),
+    ("top_k", None),
+    ("top_p", 1.5),
+    ("top_p", -0.01),
+    ("top_p", float("nan")),
+    ("top_p", float("inf")),
+    ("top_p", False),
+    ("top_p", "0.9"),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("nan")),
+    ("repetition_penalty", float("inf")),
+    ("repetition_penalty", True),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 1.0),
+    ("seed", True),
+    ("seed", "7"),
+    ("max_new_tokens", 0),
+    ("max_new_tokens", -5),
+    ("max_new_tokens", 1.5),
+    ("max_new_tokens", True),
+    ("max_new_tokens", None),
+    ("min_tokens", -1),
+    ("min_tokens", 0.0),
+    ("min_tokens", False),
+    ("ignore_eos", 1),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", None),
+    ("stop", ("",)),
+    ("stop", ["a"] * 17),
+    ("stop", ("x" * 257,)),
+    ("stop", "\n"),
+    ("stop", (1,)),
+    ("stop", None),
+    ("logprobs", 21),
+    ("logprobs", -1),
+    ("logprobs", 1.0),
+    ("logprobs", True),
+    ("trace", 0),
+    ("trace", 51),
+    ("trace", 2.0),
+    ("trace", False),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}"[:40] for f, v in INVALID])
+def test_invalid_value_names_parameter(field, value):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+    assert field in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_messages_give_the_allowed_range():
+    with pytest.raises(SamplingParamsError, match=r"top_p must be in \[0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(SamplingParamsError, match="min_tokens must be <= max_new_tokens") as err:
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    assert err.value.param == "min_tokens"
+
+
+def test_valid_edges_stored_unchanged():
+    p = SamplingParams(temperature=0.0, top_p=0.0, top_k=1, seed=2**63 - 1, logprobs=20, trace=50)
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, p.trace) == (0.0, 0.0, 1, 2**63 - 1, 20, 50)
+    p = SamplingParams(top_p=1.0, repetition_penalty=1e-3, max_new_tokens=1, min_tokens=1, logprobs=0, trace=1)
+    assert (p.top_p, p.repetition_penalty, p.min_tokens, p.logprobs, p.trace) == (1.0, 1e-3, 1, 0, 1)
+    p = SamplingParams(temperature=2, top_k=np.int64(5), top_p=np.float64(0.25), stop=["a", "x" * 256] + ["b"] * 14)
+    assert p.temperature == 2.0 and type(p.temperature) is float and type(p.top_k) is int and p.top_p == 0.25
+    assert isinstance(p.stop, tuple) and len(p.stop) == 16
+    assert p.with_seed(7).seed == 7 and p.with_seed(7).stop == p.stop and p.seed is None
+    with pytest.raises(SamplingParamsError):
+        p.with_seed(-1)
+    assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))  # frozen and hashable
+
+
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+)
+_FIELDS = {
+    "temperature": st.one_of(_ANY, st.floats(0, 5)),
+    "top_k": st.one_of(_ANY, st.integers(0, 100)),
+    "top_p": st.one_of(_ANY, st.floats(0, 1)),
+    "repetition_penalty": st.one_of(_ANY, st.floats(0, 3)),
+    "seed": _ANY,
+    "max_new_tokens": st.one_of(_ANY, st.integers(1, 100)),
+    "min_tokens": st.one_of(_ANY, st.integers(0, 100)),
+    "ignore_eos": _ANY,
+    "stop": st.one_of(_ANY, st.lists(st.text(max_size=300), max_size=18)),
+    "logprobs": st.one_of(_ANY, st.integers(-2, 25)),
+    "trace": st.one_of(_ANY, st.integers(-2, 55)),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_FIELDS))
+def test_random_values_validate_or_raise_params_error(kwargs):
+    try:
+        p = SamplingParams(**kwargs)
+    except SamplingParamsError as e:
+        assert e.param in _FIELDS and e.param in str(e)
+        return
+    # Accepted values satisfy every documented constraint.
+    assert math.isfinite(p.temperature) and p.temperature >= 0
+    assert 0 <= p.top_p <= 1 and p.top_k >= 0 and 0 < p.repetition_penalty < math.inf
+    assert p.seed is None or 0 <= p.seed < 2**63
+    assert 0 <= p.min_tokens <= p.max_new_tokens and isinstance(p.ignore_eos, bool)
+    assert isinstance(p.stop, tuple) and len(p.stop) <= 16 and all(0 < len(s) <= 256 for s in p.stop)
+    assert p.logprobs is None or 0 <= p.logprobs <= 20
+    assert p.trace is None or 1 <= p.trace <= 50
+
+
+def test_build_checks_and_flags():
+    ps = [SamplingParams(temperature=0.0), SamplingParams(top_k=3, logprobs=2), SamplingParams(trace=5)]
+    b = SamplingBatch.build(ps, [1, 2, 3], [0, 4, 9], None)
+    assert b.history is None and b.logprobs_n == 2 and b.trace_n == 5 and b.any_filter and not b.all_greedy
+    assert b.temperature.dtype == torch.float32 and b.top_k.dtype == torch.int64 and b.seeds.tolist() == [1, 2, 3]
+    assert SamplingBatch.build(ps[:1], [1], [0], None).all_greedy
+    with pytest.raises(ValueError, match="histories"):
+        SamplingBatch.build([SamplingParams(repetition_penalty=1.2)], [1], [0], None)
+    with pytest.raises(ValueError):
+        SamplingBatch.build(ps, [1, 2], [0, 0, 0], None)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingBatch.build(ps[:1], [2**63], [0], None)
+    pen = [SamplingParams(repetition_penalty=1.2), SamplingParams()]
+    b = SamplingBatch.build(pen, [1, 2], [0, 0], [[5, 6, 7], [1]])
+    assert b.history.tolist() == [[5, 6, 7], [1, -1, -1]]
+
+
+# ------------------------------------------------------------------------------------- the documented order
+
+
+def _batch(params, histories=None, seeds=None, steps=None):
+    n = len(params)
+    return SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, histories)
+
+
+def _top_p_margin(row: torch.Tensor, p: SamplingParams) -> float:
+    """Distance between p and the nearest prefix mass of the top-k stage: float rounding may only flip a
+    top-p decision when this is ~1e-7, so the test data must keep it large (no ties at the boundary)."""
+    if p.temperature == 0 or p.top_p in (0.0, 1.0):
+        return math.inf
+    x = ref_top_k(ref_temperature(row, p.temperature), p.top_k)
+    cum = torch.softmax(x, -1).sort(descending=True).values.double().cumsum(0)
+    return float((cum - p.top_p).abs().min())
+
+
+MIXED = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.9),
+    SamplingParams(temperature=0.5, top_k=10, top_p=0.5),
+    SamplingParams(temperature=2.0, top_k=3, top_p=0.0),
+    SamplingParams(top_p=0.0),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.95),
+    SamplingParams(top_k=1),
+    SamplingParams(),
+    SamplingParams(temperature=1.1, top_k=200, top_p=0.3),  # k > V
+    SamplingParams(temperature=0.25, top_p=0.99),
+]
+
+
+def test_matches_transformers_warpers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    V = 64
+    logits = torch.randn(len(MIXED), V, generator=g) * 3  # (B, V) continuous: no exact ties
+    for row, p in zip(logits, MIXED):
+        assert _top_p_margin(row, p) > 1e-4
+    ours = filtered_probs(logits, _batch(MIXED))  # (B, V): every row with its own params, one batch
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for b, p in enumerate(MIXED):
+        scores = TemperatureLogitsWarper(float(p.temperature))(ids, logits[b : b + 1].clone())
+        if p.top_k > 0:
+            scores = TopKLogitsWarper(p.top_k)(ids, scores)
+        if p.top_p < 1:
+            scores = TopPLogitsWarper(p.top_p)(ids, scores)  # min_tokens_to_keep=1: p = 0 keeps the top token
+        hf = torch.softmax(scores, -1)[0]
+        torch.testing.assert_close(ours[b], hf, atol=1e-6, rtol=0, msg=f"row {b} {p}")
+        assert torch.equal(ours[b] > 0, hf > 0), f"row {b}: different survivors"
+
+
+def test_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(1)
+    V = 50
+    logits = torch.randn(4, V, generator=g) * 2  # (B, V) both signs
+    logits[0, 3] = 0.0
+    penalties = [1.3, 0.7, 1.0, 2.5]
+    histories = [[3, 4, 4, 10, 49, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2], [7, 7, 7, V + 3]]
+    params = [SamplingParams(repetition_penalty=r) for r in penalties]
+    batch = _batch(params, histories)
+    ours = apply_penalty(logits, batch.repetition_penalty, batch.history)  # (B, V)
+    for b in range(4):
+        hf = RepetitionPenaltyLogitsProcessor(penalties[b])(torch.tensor([histories[b]]), logits[b : b + 1].clone())
+        assert torch.equal(ours[b], hf[0]), b
+        assert torch.equal(ours[b], ref_penalty(logits[b], histories[b], penalties[b])), b
+        untouched = [v for v in range(V) if v not in histories[b]]
+        assert torch.equal(ours[b, untouched], logits[b, untouched])
+    assert torch.equal(ours[2], logits[2])  # penalty 1 leaves the row alone
+
+
+def test_fast_path_equals_reference():
+    g = torch.Generator().manual_seed(2)
+    V = 40
+    params = MIXED + [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, top_k=7, top_p=0.8, repetition_penalty=1.4),
+        SamplingParams(temperature=1.7, repetition_penalty=0.8),
+    ]
+    logits = torch.randn(len(params), V, generator=g) * 2.5  # (B, V)
+    logits[-3, :] = logits[-3, :].abs()  # make the penalty decide the greedy token
+    histories = [
+        [int(t) for t in torch.randint(0, V, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g)]
+        for _ in params
+    ]
+    histories[-3] = [int(logits[-3].argmax())]
+    for row, p, h in zip(logits, params, histories):
+        assert _top_p_margin(ref_penalty(row, h, p.repetition_penalty), p) > 1e-4
+    batch = _batch(params, histories)
+    fast = filtered_probs(logits, batch)  # (B, V)
+    for b, p in enumerate(params):
+        ref = reference_filter(logits[b], p, histories[b])
+        torch.testing.assert_close(fast[b], ref, atol=1e-6, rtol=0, msg=f"row {b} {p}")
+        assert torch.equal(fast[b] > 0, ref > 0)
+    assert int(fast[-3].argmax()) != int(logits[-3].argmax())  # greedy after the penalty
+    # Greedy and p = 0 / k = 1 rows are one-hot on the argmax.
+    for b in (5, 7, len(MIXED), len(MIXED) + 1):
+        assert float(fast[b].max()) == 1.0 and int((fast[b] > 0).sum()) == 1
+
+
+def test_top_p_keeps_the_crossing_token():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()  # (1, 3) exact probabilities 0.5, 0.3, 0.2
+    for p, kept in [(0.0, 1), (0.4, 1), (0.6, 2), (0.75, 2), (0.85, 3), (0.999, 3), (1.0, 3)]:
+        probs = filtered_probs(logits, _batch([SamplingParams(top_p=p)]))[0]
+        assert int((probs > 0).sum()) == kept, p
+        assert int((reference_filter(logits[0], SamplingParams(top_p=p)) > 0).sum()) == kept, p
+
+
+# ------------------------------------------------------------------------------------------- random stream
+
+M = 0xFFFFFFFF
+
+
+def murmur3_32(data: bytes, seed: int) -> int:
+    """Plain MurmurHash3_x86_32, the specification random_u32 vectorises."""
+    rotl = lambda x, r: ((x << r) | (x >> (32 - r))) & M  # noqa: E731
+    h, n = seed & M, len(data)
+    for i in range(0, n - n % 4, 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        h ^= rotl(k * 0xCC9E2D51 & M, 15) * 0x1B873593 & M
+        h = (rotl(h, 13) * 5 + 0xE6546B64) & M
+    if n % 4:
+        k = int.from_bytes(data[n - n % 4 :], "little")
+        h ^= rotl(k * 0xCC9E2D51 & M, 15) * 0x1B873593 & M
+    h ^= n
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & M
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & M
+    return h ^ (h >> 16)
+
+
+def test_hash_is_murmur3():
+    for data, seed, want in [
+        (b"", 0, 0),
+        (b"", 1, 0x514E28B7),
+        (b"", 0xFFFFFFFF, 0x81F16F39),
+        (b"\0\0\0\0", 0, 0x2362F9DE),
+        (b"aaaa", 0x9747B28C, 0x5A97808A),
+        (b"Hello, world!", 0x9747B28C, 0x24884CBA),
+    ]:
+        assert murmur3_32(data, seed) == want, data
+    seeds = [0, 1, 2**32 - 1, 2**32 + 5, 2**63 - 1, 123456789012345]
+    steps = [0, 7, 2**31, 2**40 + 3, 99, 1]
+    got = random_u32(torch.tensor(seeds), torch.tensor(steps), 300, 0x9E3779B9)  # (B, V)
+    for b, (s, t) in enumerate(zip(seeds, steps)):
+        for v in (0, 1, 2, 150, 299):
+            msg = b"".join(w.to_bytes(4, "little") for w in (s & M, s >> 32, t & M, t >> 32, v))
+            assert int(got[b, v]) == murmur3_32(msg, 0x9E3779B9), (s, t, v)
+
+
+def test_uniforms_in_open_interval_and_uniform():
+    seeds = torch.arange(40, dtype=torch.int64)
+    u = random_uniform(seeds, torch.arange(40, dtype=torch.int64) * 3, 2500)  # (40, 2500) float64
+    assert u.dtype == torch.float64 and bool((u > 0).all()) and bool((u < 1).all())
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-4
+    assert len(np.unique(u.numpy())) == u.numel()  # 52 bits: no collisions at this size
+    # Low bits are random too (the 52 bits are not a 32-bit value scaled up).
+    low = ((u * 2.0**52).long() & 0xFFFFF).flatten().numpy() / 2.0**20
+    assert stats.kstest(low, "uniform").pvalue > 1e-4
+    # Every word of the counter matters: high seed bits, high step bits.
+    a = random_uniform(torch.tensor([5, 5 + 2**32, 5, 5]), torch.tensor([3, 3, 3 + 2**32, 4]), 16)
+    assert len({tuple(r) for r in a.tolist()}) == 4
+
+
+# ---------------------------------------------------------------------------------------------- chi-square
+
+CHI_CONFIGS = [
+    (0.5, 0, 1.0),
+    (1.0, 0, 1.0),
+    (2.0, 0, 1.0),
+    (1.0, 5, 1.0),
+    (0.5, 5, 0.9),
+    (1.0, 0, 0.5),
+    (2.0, 0, 0.9),
+    (2.0, 5, 0.5),
+    (1.0, 1, 1.0),
+    (1.0, 0, 0.0),
+    (0.0, 0, 1.0),
+    (0.0, 5, 0.5),
+]
+N_DRAWS = 20_000
+V_SMALL = 12
+
+
+@pytest.fixture(scope="module")
+def small_logits():
+    g = torch.Generator().manual_seed(3)
+    return (torch.linspace(-1.5, 1.5, V_SMALL) + 0.05 * torch.randn(V_SMALL, generator=g))[
+        torch.randperm(V_SMALL, generator=g)
+    ]  # (V,) distinct values, moderate spread so every surviving token has a healthy expected count
+
+
+@pytest.mark.parametrize("T,k,p", CHI_CONFIGS)
+def test_chi_square_against_filtered_distribution(small_logits, T, k, p):
+    params = SamplingParams(temperature=T, top_k=k, top_p=p)
+    assert _top_p_margin(small_logits, params) > 1e-3
+    # One batch of N rows, same seed, steps 0..N-1: batched, and every row a different counter.
+    batch = SamplingBatch.build([params] * N_DRAWS, [20240601] * N_DRAWS, list(range(N_DRAWS)), None)
+    tokens = sample(small_logits.expand(N_DRAWS, V_SMALL), batch).tokens  # (N,)
+    probs = reference_filter(small_logits, params).double()  # (V,)
+    counts = torch.bincount(tokens, minlength=V_SMALL).double()  # (V,)
+    alive = probs > 0
+    assert float(counts[~alive].sum()) == 0, "a filtered-out token was drawn"
+    if int(alive.sum()) == 1:  # T = 0, k = 1, p = 0: always the argmax
+        assert bool((tokens == small_logits.argmax()).all())
+        return
+    expected = probs[alive] / probs[alive].sum() * N_DRAWS  # fp32 probabilities sum to 1 only within ~1e-7
+    assert float(expected.min()) >= 5  # the chi-square approximation holds
+    pvalue = stats.chisquare(counts[alive].numpy(), expected.numpy()).pvalue
+    assert pvalue > 1e-4, (T, k, p, pvalue)
+
+
+@pytest.mark.parametrize("pair", ["adjacent_seeds", "adjacent_steps"])
+def test_neighbouring_streams_are_independent(pair):
+    """Joint chi-square over 12 x 12 token pairs from neighbouring counters: a correlated hash shows here."""
+    n, V = N_DRAWS, V_SMALL
+    steps = list(range(n))
+    if pair == "adjacent_seeds":
+        seeds, steps = [77] * n + [78] * n, steps + steps
+    else:
+        seeds, steps = [77] * (2 * n), list(range(0, 2 * n, 2)) + list(range(1, 2 * n, 2))
+    batch = SamplingBatch.build([SamplingParams()] * (2 * n), seeds, steps, None)
+    tokens = sample(torch.zeros(2 * n, V), batch).tokens  # (2N,) uniform over V
+    joint = torch.bincount(tokens[:n] * V + tokens[n:], minlength=V * V).numpy()
+    assert stats.chisquare(joint).pvalue > 1e-4
+
+
+# --------------------------------------------------------------------------------------- reproducibility
+
+
+def test_same_tokens_alone_or_batched():
+    g = torch.Generator().manual_seed(4)
+    V, steps = 50, 25
+    mine = SamplingParams(temperature=1.5, top_k=20, top_p=0.95, repetition_penalty=1.2, seed=9)
+    others = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.3, logprobs=3), SamplingParams(trace=4)]
+    history = [1, 2, 3]
+    alone, batched = [], []
+    for step in range(steps):
+        logits = torch.randn(4, V, generator=g)  # (4, V) row 2 is "my" request's logits
+        out = sample(logits[2:3], SamplingBatch.build([mine], [9], [step], [history]))
+        alone.append((int(out.tokens[0]), float(out.logprob[0])))
+        params = [others[0], others[1], mine, others[2]]
+        out = sample(logits, SamplingBatch.build(params, [1, 2, 9, 3], [0, step + 5, step, 2], [[], [7], history, []]))
+        batched.append((int(out.tokens[2]), float(out.logprob[2])))
+        history.append(alone[-1][0])
+    assert alone == batched
+    assert len({t for t, _ in alone}) > 5  # the draws are actually random
+
+
+def test_seeds_and_steps_change_the_draw():
+    V, n = 30, 64
+    logits = torch.zeros(n, V)  # (n, V) uniform: every difference comes from the stream
+    draw = lambda seeds, steps: sample(logits, _batch([SamplingParams()] * n, None, seeds, steps)).tokens  # noqa: E731
+    a = draw([1] * n, list(range(n)))
+    assert torch.equal(a, draw([1] * n, list(range(n))))  # deterministic
+    assert not torch.equal(a, draw([2] * n, list(range(n))))
+    assert not torch.equal(a, draw([1 + 2**32] * n, list(range(n))))
+    assert not torch.equal(a, draw([1] * n, list(range(1, n + 1))))
+    assert len(set(a.tolist())) > 15  # steps 0..n-1 under one seed are not a constant
+
+
+# ---------------------------------------------------------------------------------------- logprobs, trace
+
+
+def test_logprobs_and_trace_outputs():
+    g = torch.Generator().manual_seed(5)
+    V = 40
+    params = [
+        SamplingParams(temperature=0.7, top_k=6, top_p=0.8, repetition_penalty=1.5, logprobs=0, trace=3),
+        SamplingParams(temperature=1.3, top_p=0.6, logprobs=5),
+        SamplingParams(temperature=0.9, top_k=25, top_p=0.9, trace=50),
+        SamplingParams(temperature=0.0, trace=2),
+    ]
+    histories = [[0, 1, 2, 3, 4, 5], [], [9], []]
+    logits = torch.randn(4, V, generator=g) * 2  # (B, V)
+    batch = _batch(params, histories, steps=[3, 1, 4, 1])
+    out = sample(logits, batch)
+    assert isinstance(out, SampleOutput)
+    assert out.tokens.shape == (4,) and out.tokens.dtype == torch.int64
+    assert out.logprob.shape == (4,) and out.logprob.dtype == torch.float32
+    raw = torch.log_softmax(logits, -1)  # before penalty and temperature
+    torch.testing.assert_close(out.logprob, raw.gather(1, out.tokens[:, None])[:, 0])
+    ids, lps = out.top_logprobs
+    assert ids.shape == lps.shape == (4, 5) and ids.dtype == torch.int64 and lps.dtype == torch.float32
+    torch.testing.assert_close(lps, raw.topk(5).values)
+    assert torch.equal(ids, raw.topk(5).indices)
+    assert int(out.tokens[3]) == int(logits[3].argmax())
+
+    assert set(out.trace) == {"temperature", "top_k", "top_p"}
+    n = min(50, V)
+    for name, (tid, tp) in out.trace.items():
+        assert tid.shape == tp.shape == (4, n), name
+        assert bool((tp.sum(-1) <= 1 + 1e-5).all()) and bool((tp >= 0).all())
+        assert bool((tp[:, :-1] >= tp[:, 1:]).all()), "top-N is sorted"
+        assert torch.equal(tp[3], torch.nn.functional.one_hot(torch.tensor(0), n).float())  # greedy row
+        assert int(tid[3, 0]) == int(logits[3].argmax())
+    fp = filtered_probs(logits, batch)
+    for b in range(3):
+        p = params[b]
+        pen = ref_penalty(logits[b], histories[b], p.repetition_penalty)
+        t_probs = torch.softmax(ref_temperature(pen, p.temperature), -1)
+        tid, tp = out.trace["temperature"]
+        torch.testing.assert_close(tp[b], t_probs[tid[b]])
+        kid, kp = out.trace["top_k"]
+        assert 0 < int((kp[b] > 0).sum()) <= (p.top_k or V)
+        assert math.isclose(float(kp[b].sum()), 1.0, abs_tol=1e-5)  # all top-k survivors fit in N = V
+        pid, pp = out.trace["top_p"]
+        survivors = pid[b][pp[b] > 0]
+        torch.testing.assert_close(pp[b][pp[b] > 0], fp[b][survivors])
+        k_mass = dict(zip(kid[b].tolist(), kp[b].tolist()))
+        mass = [k_mass[int(s)] for s in survivors]
+        assert sum(mass) >= p.top_p - 1e-6, "top-p survivors reach p"
+        assert sum(mass[:-1]) < p.top_p, "and are the smallest such prefix"
+    # Only a chosen-token logprob asked for: no top list; nothing asked: no trace.
+    out = sample(logits[:1], _batch([SamplingParams(logprobs=0)]))
+    assert out.top_logprobs is None and out.trace is None and out.logprob.shape == (1,)
+
+
+def test_reference_steps():
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
+    assert torch.equal(ref_temperature(row, 2.0), row / 2)
+    assert torch.equal(ref_top_k(row, 2), torch.tensor([2.0, -math.inf, -math.inf, 3.0, -math.inf]))
+    assert torch.equal(ref_top_k(row, 0), row)
+    assert int((ref_top_p(row, 0.0) > -math.inf).sum()) == 1
+    assert torch.equal(ref_top_p(row, 1.0), row)
+    assert torch.equal(ref_penalty(row, [0, 1, 1], 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0, -4.0]))
