@@ -39,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
     b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")
     b.add_argument("--damp", type=float, default=0.01, help="GPTQ: damping as a fraction of mean diag(H)")
-    b.add_argument("--act-order", action="store_true", help="GPTQ: process columns by decreasing Hessian diagonal (static groups)")
+    b.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: process columns by decreasing Hessian diagonal, with static groups (default: on)")
     b.add_argument("--dtype", default="bfloat16", help=f"storage dtype of float tensors: {', '.join(DTYPES)}")
     b.add_argument("--eval-data", default=None, help="text file: write a quality report into the manifest")
     b.add_argument("--eval-windows", type=int, default=40)

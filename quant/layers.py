@@ -14,9 +14,9 @@ from torch import nn
 
 from quant import primitives as P
 
-# Up to this many rows (tokens) the weight-only int8 GEMV kernel wins; above it a dequantized dense
-# matmul is faster on CPU (measured in bench/kernels.py; see bench/RESULTS.md).
-INT8PACK_MAX_ROWS = 32
+# Up to this many rows (tokens) the weight-only int8 kernel wins; at 512 rows a dequantized dense
+# matmul is faster on CPU (bench/kernels.py, bench/RESULTS.md: kernel ahead at 64 rows, behind at 512).
+INT8PACK_MAX_ROWS = 64
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

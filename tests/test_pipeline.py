@@ -47,7 +47,7 @@ def ids():
         ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
         ("rtn-w4", (), 0.25, GPTQLinear),
         ("w4a16", (), 0.25, GPTQLinear),
-        ("w4a16", ("--act-order", "--asym", "--group-size", "32"), 0.25, GPTQLinear),
+        ("w4a16", ("--no-act-order", "--asym", "--group-size", "32"), 0.25, GPTQLinear),
     ],
 )
 def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, scheme, extra, tol, cls):
