@@ -113,8 +113,7 @@ class GPTQLinear(WeightOnlyLinear):
 
     def kernel(self, dtype: torch.dtype) -> str:
         if dtype in (torch.bfloat16, torch.float16):
-            return (f"aten._weight_int4pack_mm(_for_cpu) (rows <= {INT4PACK_MAX_ROWS}); "
-                    "dequantize + matmul above")
+            return "aten._weight_int4pack_mm(_for_cpu) at every row count"
         return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
 
     def _use_kernel(self) -> bool:
