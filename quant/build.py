@@ -46,15 +46,6 @@ def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
     model.lm_head = new
 
 
-def _cast_float(model: nn.Module, dtype: torch.dtype) -> None:
-    for mod in model.modules():
-        if hasattr(mod, "spec"):
-            continue
-        for pname, p in mod.named_parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-
-
 def _state_for_disk(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -142,7 +133,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
                                 not cfg.asym, cfg.damp, cfg.act_order, progress)
     if cfg.include_lm_head:
         _quantize_lm_head(model, cfg)
-    _cast_float(model, store_dtype)
+    loader.cast_float_params(model, store_dtype)
     timings["quantize_s"] = time.perf_counter() - t
 
     weights = memory.weight_report(model)

@@ -29,6 +29,17 @@ class LoadedArtifact:
     path: Path
 
 
+def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters of every non-quantized module to `dtype`; quantized modules keep their
+    integer tensors and fp32 scales as stored."""
+    for mod in model.modules():
+        if hasattr(mod, "spec"):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def _module_specs(qc, state: dict, root: Path) -> dict[str, dict]:
     """Which Linears are quantized, and how: from our own config block, or for GPTQ checkpoints from
     the tensors themselves (every module with a `qweight`)."""
@@ -78,12 +89,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     if tied:
         model.tie_weights()
     if dtype is not None:
-        for mod in model.modules():
-            if hasattr(mod, "spec"):
-                continue  # quantized module: int tensors and fp32 scales stay as stored
-            for pname, p in mod.named_parameters(recurse=False):
-                if p.is_floating_point() and p.dtype != dtype:
-                    setattr(mod, pname, nn.Parameter(p.data.to(dtype), requires_grad=False))
+        cast_float_params(model, dtype)
         if tied:
             model.tie_weights()
         model.config.dtype = dtype

