@@ -1,0 +1,488 @@
+"""The inference engine: a model runner, a KV block pool and a scheduler on a thread of their own.
+
+Callers (the transports, benchmarks, tests) talk to it through :meth:`Engine.submit` (from any thread; returns a
+handle at once or raises a request error before any work) and receive :class:`~server.outputs.Event` objects
+through a sink: :meth:`Engine.generate` wraps that as an async iterator for asyncio code, :meth:`Engine.stream`
+and :meth:`Engine.complete` as blocking iterators / results for plain threads. Commands (add, cancel) reach the
+engine thread through one queue; it applies them at token boundaries, so a cancelled request's blocks are
+back in the pool by the next step.
+
+Each step of the engine thread: apply commands, admit what fits (FIFO), plan decode rows and bounded prefill
+chunks (``server.scheduler``), run one forward over all of them (``server.runner``), sample every row in one
+batched call (``server.sampling``), then per request: detokenize, check EOS / stop strings / length, emit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quant.memory import ModelShape, dtype_bytes, prefill_activation_bytes, weight_report
+from server import outputs as out
+from server.detokenize import IncrementalDetokenizer, StopMatcher
+from server.kv_pool import BlockPool, KVLayout, resolve_budget
+from server.outputs import (
+    Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
+)
+from server.runner import ModelRunner, attention_implementation, build_step
+from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
+from server.scheduler import Scheduler, Sequence
+
+log = logging.getLogger("quantserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    memory_budget: str = "1GiB"  # KV pool: bytes ("2GiB", "500000000") or a fraction of free memory ("0.3")
+    max_queue: int = 256  # accepted requests waiting for KV blocks or a batch slot; beyond it: overloaded
+    max_batch: int = 64  # requests running at once
+    max_prefill_tokens: int = 256  # prompt tokens per step (chunked prefill)
+    block_size: int = 16  # tokens per KV block
+    dtype: str = "bfloat16"  # activations, KV cache and unquantized weights
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str  # what was loaded (artifact dir or model source)
+    scheme: str  # quantization scheme, or "none" for a model served unquantized
+    dtype: str
+    device: str
+    attention: str
+    context_length: int
+    vocab_size: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_capacity_bytes: int
+    kv_block_size: int
+
+
+def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
+    """(model, tokenizer, name, scheme): a quantserve / GPTQ artifact dir, or a plain model dir, GGUF or hub id
+    (served unquantized); None is the embedded default model."""
+    from quant import loader, models
+
+    p = Path(spec).expanduser() if spec else None
+    if p is not None and p.is_dir() and (p / "quant_manifest.json").is_file():
+        la = loader.load(p, dtype=dtype, device=device)
+        return la.model, la.tokenizer, str(p), la.manifest["scheme"]["name"]
+    if p is not None and p.is_dir() and (p / "config.json").is_file() and "quantization_config" in (
+        p / "config.json"
+    ).read_text():
+        la = loader.load(p, dtype=dtype, device=device, verify=False)  # e.g. a GPTQ checkpoint made elsewhere
+        return la.model, la.tokenizer, str(p), "gptq"
+    source = models.resolve(spec, cache_dir)
+    model, tok = models.load_model(source, dtype=dtype, device=device)
+    return model, tok, source.spec, "none"
+
+
+class RequestHandle:
+    def __init__(self, engine: "Engine", request_id: str, seed: int, prompt_tokens: int):
+        self._engine = engine
+        self.id = request_id
+        self.seed = seed
+        self.prompt_tokens = prompt_tokens
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.id)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig, model_name: str = "model", scheme: str = "none"):
+        self.config = config.validate()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        mcfg = model.config
+        self.shape = ModelShape.from_config(mcfg)
+        self.context_length = int(mcfg.max_position_embeddings)
+        self.vocab_size = int(mcfg.vocab_size)
+        self.attention = attention_implementation(self.device)
+        self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
+        self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
+        self.runner = ModelRunner(model, self.pool.storage, config.block_size, self.attention)
+        self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
+        self.weight_bytes = weight_report(model)["total"]
+        self.info = ModelInfo(
+            model=model_name, scheme=scheme, dtype=config.dtype, device=str(self.device), attention=self.attention,
+            context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
+            kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
+            kv_block_size=config.block_size,
+        )
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _queued, _accepting, _live
+        self._tok_lock = threading.Lock()  # a fast tokenizer must not be used from two threads at once
+        self._queued = 0
+        self._live: set[str] = set()
+        self._accepting = True
+        self._stop_at: float | None = None  # monotonic deadline once close() was called
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        log.info(
+            "engine: %s (%s) on %s, %s, attention=%s, weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
+            model_name, scheme, self.device, config.dtype, self.attention, self.weight_bytes / 2**20,
+            self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
+        )
+
+    @classmethod
+    def from_path(cls, spec: str | None, config: EngineConfig, cache_dir: Path) -> "Engine":
+        config.validate()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        model, tok, name, scheme = load_for_serving(spec, getattr(torch, config.dtype), config.device, cache_dir)
+        return cls(model, tok, config, name, scheme)
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> frozenset[int]:
+        ids = set()
+        gen = getattr(model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), model.config.eos_token_id, tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="quantserve-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop taking requests; let running and queued ones finish for up to ``grace_s`` seconds, then cancel
+        the rest (their final events say "cancelled") and stop the thread."""
+        with self._lock:
+            self._accepting = False
+        self._stop_at = time.monotonic() + grace_s
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def tokenize(self, text: str) -> list[int]:
+        with self._tok_lock:
+            return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt) if prompt else []
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError("prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        return list(prompt)
+
+    def check(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """Admission checks that need no queue state: raise RequestError naming the parameter and numbers."""
+        n, m = prompt_tokens, params.max_new_tokens
+        if n == 0:
+            raise RequestError("prompt", "prompt is empty")
+        if n >= self.context_length:
+            raise RequestError("prompt", f"prompt has {n} tokens; the model's context is {self.context_length}")
+        if n + m > self.context_length:
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt ({n} tokens) + max_new_tokens ({m}) = {n + m} exceeds the model's context "
+                f"of {self.context_length} tokens",
+            )
+        if not self.pool.can_ever_fit(n + m):
+            need = self.layout.blocks_for(n + m)
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt ({n}) + max_new_tokens ({m}) needs {need} KV blocks = {need * self.layout.bytes_per_block} "
+                f"bytes; the whole KV pool is {self.pool.num_blocks} blocks = {self.pool.capacity_bytes} bytes",
+            )
+
+    def submit(self, prompt, params: SamplingParams, sink, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; ``sink(event)`` is called from the engine thread for each event. Raises
+        RequestError (invalid, never fits), OverloadedError (queue full) or EngineClosedError before any work."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if not self._accepting:
+            raise EngineClosedError("the engine is shutting down and takes no new requests")
+        ids = self._prompt_ids(prompt)
+        self.check(len(ids), params)
+        seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
+        rid = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            if not self._accepting:
+                raise EngineClosedError("the engine is shutting down and takes no new requests")
+            if rid in self._live:
+                raise RequestError("request_id", f"request id {rid!r} is already in use")
+            if self._queued >= self.config.max_queue:
+                raise OverloadedError(
+                    f"overloaded: {self._queued} requests are already waiting (--max-queue {self.config.max_queue})"
+                )
+            self._queued += 1
+            self._live.add(rid)
+        seq = Sequence(rid, ids, params.with_seed(seed), sink)
+        self._inbox.put(("add", seq))
+        return RequestHandle(self, rid, seed, len(ids))
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request wherever it is; harmless if it already finished."""
+        self._inbox.put(("cancel", request_id))
+
+    def stream(self, prompt, params: SamplingParams, request_id: str | None = None):
+        """(handle, blocking iterator of events) for code running in a plain thread."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.submit(prompt, params, q.put, request_id)
+
+        def events():
+            while True:
+                ev = q.get()
+                yield ev
+                if ev.finished:
+                    return
+
+        return handle, events()
+
+    def complete(self, prompt, params: SamplingParams, request_id: str | None = None) -> out.Completion:
+        return out.collect(self.stream(prompt, params, request_id)[1])
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
+        """Async iterator of a request's events. Submission (tokenization) runs off the event loop; leaving
+        the iteration early (client gone, task cancelled) cancels the request in the engine."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        handle = await asyncio.to_thread(self.submit, prompt, params, sink, request_id)
+        finished = False
+        try:
+            while not finished:
+                ev = await q.get()
+                finished = ev.finished
+                yield ev
+        finally:
+            if not finished:
+                handle.cancel()
+
+    # ------------------------------------------------------------------------------------ accounting
+
+    def totals(self) -> EngineTotals:
+        return EngineTotals(
+            weight_bytes=self.weight_bytes, kv_capacity_bytes=self.pool.capacity_bytes,
+            kv_used_bytes=self.pool.used_blocks * self.layout.bytes_per_block, kv_block_size=self.layout.block_size,
+            running=len(self.scheduler.running), queued=self._queued,
+        )
+
+    def _accounting(self, seq: Sequence, reserved_blocks: int) -> Accounting:
+        bpt = self.layout.bytes_per_token
+        return Accounting(
+            prompt_tokens=len(seq.prompt), generated_tokens=len(seq.generated), kv_bytes_per_token=bpt,
+            kv_blocks_reserved=reserved_blocks, kv_bytes_reserved=reserved_blocks * self.layout.bytes_per_block,
+            kv_bytes_used=seq.kv_tokens * bpt, activation_peak_bytes=seq.activation_peak,
+            attention=self.attention, engine=self.totals(),
+        )
+
+    def activation_estimate(self, chunk_tokens: int) -> int:
+        """Estimated activation peak of a prefill chunk of this many tokens (quant.memory's model)."""
+        return prefill_activation_bytes(self.shape, 1, chunk_tokens, self.attention, dtype_bytes(self.dtype))
+
+    # ------------------------------------------------------------------------------------ engine thread
+
+    def _emit(self, seq: Sequence, ev: Event) -> None:
+        try:
+            seq.sink(ev)
+        except Exception:  # noqa: BLE001 - a caller's broken sink (closed loop) must not stop the engine
+            log.warning("request %s: event sink failed; cancelling it", seq.id, exc_info=True)
+            self._inbox.put(("cancel", seq.id))
+
+    def _final(self, seq: Sequence, reason: str, reserved_blocks: int, text: str = "", token_ids=(),
+               logprobs=(), trace=(), stop=None, error=None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._live.discard(seq.id)
+        self._emit(seq, Event(
+            seq.id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason, stop,
+            self._accounting(seq, reserved_blocks), error,
+            None if seq.first_token_at is None else seq.first_token_at - seq.arrival, now - seq.arrival,
+        ))
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _apply(self, cmd: str, arg) -> None:
+        if cmd == "add":
+            arg.state["detok"] = IncrementalDetokenizer(self.tokenizer, arg.prompt)
+            arg.state["stop"] = StopMatcher(arg.params.stop)
+            self.scheduler.add(arg)
+        elif cmd == "cancel":
+            found = self.scheduler.remove(arg)
+            if found is not None:
+                seq, was_waiting = found
+                if was_waiting:
+                    self._dequeued()
+                self._final(seq, out.CANCELLED, 0 if was_waiting else len(seq.blocks))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            cmd, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self._apply(cmd, arg)
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(cmd, arg)
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                self._drain_inbox(block=not self.scheduler.has_work and self._stop_at is None)
+                if self._stop_at is not None and (not self.scheduler.has_work or time.monotonic() >= self._stop_at):
+                    self._cancel_all("the engine shut down before the request finished")
+                    return
+                for _ in self.scheduler.admit():
+                    self._dequeued()
+                plan = self.scheduler.plan()
+                if plan.empty:
+                    continue
+                try:
+                    self._step(plan)
+                except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    for seq in plan.decode + [s for s, _, _ in plan.prefill]:
+                        if seq in self.scheduler.running:
+                            blocks = len(seq.blocks)
+                            self.scheduler.finish(seq)
+                            self._final(seq, out.ERROR, blocks, error=f"internal error: {type(e).__name__}")
+
+    def _cancel_all(self, why: str) -> None:
+        while True:  # commands that arrived meanwhile: adds must still get their final event
+            try:
+                self._apply(*self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for seq in list(self.scheduler.waiting):
+            self.scheduler.remove(seq.id)
+            self._dequeued()
+            self._final(seq, out.CANCELLED, 0, error=why)
+        for seq in list(self.scheduler.running):
+            blocks = len(seq.blocks)
+            self.scheduler.finish(seq)
+            self._final(seq, out.CANCELLED, blocks, error=why)
+
+    def _step(self, plan) -> None:
+        bs = self.layout.block_size
+        decode = [(seq.generated[-1], len(seq.prompt) + len(seq.generated) - 1, seq.blocks) for seq in plan.decode]
+        prefill, sampled = [], list(plan.decode)
+        for seq, start, n in plan.prefill:
+            last = start + n == len(seq.prompt)
+            prefill.append((seq.prompt[start : start + n], start, seq.blocks, last))
+            seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n))
+            if last:
+                sampled.append(seq)
+        step = build_step(decode, prefill, bs, self.device)
+        logits = self.runner.forward(step)  # (S, V) fp32
+        for seq, start, n in plan.prefill:
+            seq.prefilled = start + n
+        if not sampled:
+            return
+        params = [s.params for s in sampled]
+        suppress = [i for i, s in enumerate(sampled) if len(s.generated) < s.params.min_tokens]
+        if suppress and self.eos_ids:
+            rows = torch.tensor(suppress, device=self.device)
+            logits[rows[:, None], self._eos_tensor[None, :]] = -float("inf")
+        batch = SamplingBatch.build(
+            params, [p.seed for p in params], [len(s.generated) for s in sampled],
+            [s.prompt + s.generated for s in sampled] if any(p.repetition_penalty != 1.0 for p in params) else None,
+            device=self.device,
+        )
+        res = sample(logits, batch)
+        tokens = res.tokens.tolist()  # the one host synchronisation per step
+        lp = res.logprob.tolist() if batch.logprobs_n else None
+        top = (res.top_logprobs[0].tolist(), res.top_logprobs[1].tolist()) if res.top_logprobs else None
+        trace = {k: (ids.tolist(), pr.tolist()) for k, (ids, pr) in res.trace.items()} if res.trace else None
+        now = time.monotonic()
+        with self._tok_lock:
+            for i, (seq, tok) in enumerate(zip(sampled, tokens)):
+                self._advance(seq, tok, i, lp, top, trace, now)
+
+    def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> None:
+        p = seq.params
+        seq.generated.append(tok)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        logprobs = ()
+        if p.logprobs is not None:
+            alts = tuple(zip(top[0][i][: p.logprobs], top[1][i][: p.logprobs])) if top else ()
+            logprobs = (TokenLogprob(tok, lp[i], alts),)
+        steps = ()
+        if p.trace is not None:
+            stage = {k: tuple(zip(ids[i][: p.trace], pr[i][: p.trace])) for k, (ids, pr) in trace.items()}
+            steps = (TraceStep(stage["temperature"], stage["top_k"], stage["top_p"]),)
+        detok, matcher = seq.state["detok"], seq.state["stop"]
+        eos = tok in self.eos_ids and not p.ignore_eos
+        text = "" if eos else detok.push(tok)
+        stop = None
+        if len(seq.generated) > p.min_tokens:  # stop strings count only once min_tokens are out (as vLLM)
+            text, stopped = matcher.push(text)
+            stop = matcher.matched if stopped else None
+        reason = None
+        if stop is not None:
+            reason = out.STOP
+        elif eos:
+            reason, stop = out.STOP, "<eos>"
+        elif len(seq.generated) >= p.max_new_tokens:
+            reason = out.LENGTH
+        if reason is None:
+            self._emit(seq, Event(seq.id, p.seed, text, (tok,), logprobs, steps))
+            return
+        if stop is None or stop == "<eos>":  # held text was not a stop after all
+            tail, stopped = matcher.push(detok.flush()) if len(seq.generated) > p.min_tokens else (detok.flush(), False)
+            text += tail
+            if stopped:
+                stop = matcher.matched
+            else:
+                text += matcher.flush()
+        blocks = len(seq.blocks)
+        self.scheduler.finish(seq)
+        self._final(seq, reason, blocks, text, (tok,), logprobs, steps, stop)

@@ -1,0 +1,131 @@
+"""What the engine hands its callers: per-request events, the memory accounting, and the request errors.
+
+Plain frozen dataclasses with no torch types, so transports convert them to proto / JSON without touching the
+engine. Every request's stream is a sequence of :class:`Event` objects; the last one has ``finished=True``,
+a ``finish_reason`` and the request's :class:`Accounting`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# finish_reason values
+LENGTH = "length"  # max_new_tokens reached
+STOP = "stop"  # EOS or a stop string (Event.stop says which)
+CANCELLED = "cancelled"  # the caller cancelled, or the engine shut down before it finished
+ERROR = "error"  # the engine failed while running it (Event.error holds the message)
+
+
+class RequestError(ValueError):
+    """A request that can never run as given (empty prompt, too long for the context, larger than the KV
+    pool): rejected before any work. ``param`` names the offending field. INVALID_ARGUMENT / HTTP 400."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full right now; retrying later can succeed. RESOURCE_EXHAUSTED / HTTP 429."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is draining or stopped and takes no new requests. UNAVAILABLE / HTTP 503."""
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    weight_bytes: int  # bytes of every weight tensor as loaded (quantized tensors at their own size)
+    kv_capacity_bytes: int  # the preallocated pool
+    kv_used_bytes: int  # blocks reserved by running requests, in bytes
+    kv_block_size: int
+    running: int
+    queued: int  # accepted, waiting for KV blocks or a batch slot
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """One request's memory accounting (DESIGN.md, "Per-request memory accounting")."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    kv_bytes_per_token: int  # 2 * layers * kv_heads * head_dim * bytes(dtype)
+    kv_blocks_reserved: int  # ceil((prompt + max_new_tokens) / block_size)
+    kv_bytes_reserved: int  # kv_blocks_reserved * block_size * kv_bytes_per_token
+    kv_bytes_used: int  # (tokens whose K/V was written) * kv_bytes_per_token
+    activation_peak_bytes: int  # estimated peak of this request's prefill steps (quant.memory)
+    attention: str  # the attention implementation the estimate assumed (the engine's)
+    engine: EngineTotals
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # under the model's raw distribution (log_softmax of the logits)
+    top: tuple[tuple[int, float], ...]  # the N most probable (id, logprob), N = params.logprobs
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """Candidates of one generated step after each stage, most probable first (N = params.trace)."""
+
+    temperature: tuple[tuple[int, float], ...]
+    top_k: tuple[tuple[int, float], ...]
+    top_p: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Event:
+    request_id: str
+    seed: int
+    text: str = ""  # new text since the previous event (never half a UTF-8 character, never part of a stop)
+    token_ids: tuple[int, ...] = ()  # tokens generated since the previous event
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token in token_ids when params.logprobs is set
+    trace: tuple[TraceStep, ...] = ()  # one per token in token_ids when params.trace is set
+    finished: bool = False
+    finish_reason: str | None = None
+    stop: str | None = None  # the stop string that matched, or "<eos>" for an EOS token
+    accounting: Accounting | None = None  # on the final event
+    error: str | None = None
+    ttft_s: float | None = None  # on the final event: time from submit to the first token
+    duration_s: float | None = None  # on the final event: time from submit to the end
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole request's result, assembled from its events (see :func:`collect`)."""
+
+    request_id: str
+    seed: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stop: str | None
+    logprobs: tuple[TokenLogprob, ...]
+    trace: tuple[TraceStep, ...]
+    accounting: Accounting | None
+    error: str | None
+    ttft_s: float | None
+    duration_s: float | None
+
+
+def collect(events) -> Completion:
+    """Join a finished request's events into one :class:`Completion`."""
+    text, ids, lps, trace = [], [], [], []
+    last = None
+    for ev in events:
+        text.append(ev.text)
+        ids.extend(ev.token_ids)
+        lps.extend(ev.logprobs)
+        trace.extend(ev.trace)
+        last = ev
+    if last is None or not last.finished:
+        raise ValueError("the event stream ended without a final event")
+    return Completion(
+        request_id=last.request_id, seed=last.seed, text="".join(text), token_ids=tuple(ids),
+        finish_reason=last.finish_reason, stop=last.stop, logprobs=tuple(lps), trace=tuple(trace),
+        accounting=last.accounting, error=last.error, ttft_s=last.ttft_s, duration_s=last.duration_s,
+    )

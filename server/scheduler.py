@@ -1,0 +1,122 @@
+"""Continuous batching: which requests run in the next step, and how much of each.
+
+Requests wait in FIFO order until the KV pool can hold their whole reservation (prompt + max_new_tokens,
+rounded up to blocks) and the batch has a free slot; strict FIFO, so a large request at the head is not
+starved by small ones behind it. Every step:
+
+1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing);
+2. every running request that has finished its prompt decodes one token;
+3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
+   tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
+   the running requests stays bounded by one chunk, not by the longest prompt that arrives.
+
+Requests join at any step boundary and leave the moment they finish or are cancelled, with their blocks
+returned to the pool at once. The scheduler is used only from the engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.kv_pool import BlockPool
+from server.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the engine."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams  # with the seed set
+    sink: object  # callable(Event)
+    arrival: float = field(default_factory=time.monotonic)
+    blocks: list[int] | None = None
+    prefilled: int = 0  # prompt tokens whose K/V is in the cache
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    activation_peak: int = 0  # the largest estimate among this request's prefill chunks
+    state: dict = field(default_factory=dict)  # the engine's per-request helpers (detokenizer, stop matcher)
+
+    @property
+    def reserve_tokens(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions whose K/V has been written: the prompt so far, then one per fed-back token."""
+        return self.prefilled + max(0, len(self.generated) - 1)
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int, int]]  # (sequence, first prompt index, chunk length)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_batch: int, max_prefill_tokens: int):
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> tuple[Sequence, bool] | None:
+        """Take a request out wherever it is, releasing its blocks; (sequence, was it waiting?) or None."""
+        for seq in self.waiting:
+            if seq.id == request_id:
+                self.waiting.remove(seq)
+                return seq, True
+        for seq in self.running:
+            if seq.id == request_id:
+                self.finish(seq)
+                return seq, False
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.id)
+
+    def admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            blocks = self.pool.try_reserve(seq.id, seq.reserve_tokens)
+            if blocks is None:
+                break  # strict FIFO: wait for blocks rather than let later requests overtake
+            self.waiting.popleft()
+            seq.blocks = blocks
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> Plan:
+        decode = [s for s in self.running if not s.in_prompt]
+        prefill = []
+        budget = self.max_prefill_tokens
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.in_prompt:
+                n = min(len(seq.prompt) - seq.prefilled, budget)
+                prefill.append((seq, seq.prefilled, n))
+                budget -= n
+        return Plan(decode, prefill)
