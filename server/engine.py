@@ -87,7 +87,7 @@ def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_di
     p = Path(spec).expanduser() if spec else None
     if p is not None and p.is_dir() and (p / "quant_manifest.json").is_file():
         la = loader.load(p, dtype=dtype, device=device)
-        return la.model, la.tokenizer, str(p), la.manifest["scheme"]["name"]
+        return la.model, la.tokenizer, str(p), str(la.manifest["scheme"])
     if p is not None and p.is_dir() and (p / "config.json").is_file() and "quantization_config" in (
         p / "config.json"
     ).read_text():
@@ -151,11 +151,37 @@ class Engine:
 
     @classmethod
     def from_path(cls, spec: str | None, config: EngineConfig, cache_dir: Path) -> "Engine":
+        """Load ``spec`` and return a started engine. Loading happens on the thread that then runs the engine
+        loop: OpenMP keeps one worker pool per thread that starts parallel work, and a thread whose pool is
+        second to another's ran the same decode step 3x slower here (52 vs 17 ms, bench/RESULTS.md), so all
+        torch work of a served model stays on the engine thread."""
         config.validate()
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        model, tok, name, scheme = load_for_serving(spec, getattr(torch, config.dtype), config.device, cache_dir)
-        return cls(model, tok, config, name, scheme)
+        box: dict = {}
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                if config.threads:
+                    torch.set_num_threads(config.threads)
+                model, tok, name, scheme = load_for_serving(spec, getattr(torch, config.dtype), config.device,
+                                                            cache_dir)
+                box["engine"] = cls(model, tok, config, name, scheme)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                box["error"] = e
+                return
+            finally:
+                ready.set()
+            box["engine"]._loop()
+
+        thread = threading.Thread(target=run, name="quantserve-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in box:
+            thread.join()
+            raise box["error"]
+        engine = box["engine"]
+        engine._thread = thread
+        return engine
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:

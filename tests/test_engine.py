@@ -1,0 +1,459 @@
+"""The engine: runner equivalence with transformers' forward, continuous batching, seeded replay, stops, EOS,
+accounting, admission, cancellation and faults. After every test the KV pool is back to zero blocks in use."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from quant.memory import ModelShape, prefill_activation_bytes, weight_report
+from server.engine import Engine, EngineConfig
+from server.kv_pool import BlockPool, KVLayout
+from server.outputs import EngineClosedError, OverloadedError, RequestError
+from server.runner import ModelRunner, build_step
+from server.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def wait_until(cond, timeout=30.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def assert_idle(engine: Engine) -> None:
+    assert wait_until(lambda: engine.pool.used_blocks == 0 and not engine.scheduler.has_work), engine.pool.stats()
+    assert engine.pool.stats()["requests"] == 0
+    assert engine._queued == 0
+
+
+def greedy(n, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_engine(tiny_model_dir, cache_dir, **kw) -> Engine:
+    cfg = dict(memory_budget="2MiB", dtype="float32", max_prefill_tokens=64)
+    cfg.update(kw)
+    return Engine.from_path(str(tiny_model_dir), EngineConfig(**cfg), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(autouse=True)
+def _pool_back_to_zero(request):
+    yield
+    if "engine" in request.fixturenames:
+        assert_idle(request.getfixturevalue("engine"))
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps(hf_model):
+    model = hf_model
+    lay = KVLayout.from_config(model.config, torch.float32, block_size=4)
+    pool = BlockPool(lay, lay.bytes_per_block * 64)
+    runner = ModelRunner(model, pool.storage, 4, "sdpa")
+    # Fragment the pool so block tables are not contiguous.
+    pool.try_reserve("x", 12)
+    pool.try_reserve("y", 12)
+    pool.release("x")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 1000, (19,), generator=g).tolist()
+    b = torch.randint(0, 1000, (6,), generator=g).tolist()
+    c = torch.randint(0, 1000, (9,), generator=g).tolist()
+    ta, tb, tc = (pool.try_reserve(n, 40) for n in "abc")
+    # step 1: a's first chunk, b whole; step 2: a's last chunk + b decoding; step 3: a, b decoding + c prefill
+    l1 = runner.forward(build_step([], [(a[:8], 0, ta, False), (b, 0, tb, True)], 4, CPU))
+    assert l1.shape[0] == 1
+    torch.testing.assert_close(l1[0], hf_logits(model, b)[-1], atol=1e-4, rtol=1e-4)
+    nb = 11
+    l2 = runner.forward(build_step([(nb, 6, tb)], [(a[8:], 8, ta, True)], 4, CPU))
+    torch.testing.assert_close(l2[0], hf_logits(model, b + [nb])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(l2[1], hf_logits(model, a)[-1], atol=1e-4, rtol=1e-4)
+    na, nb2 = 5, 7
+    l3 = runner.forward(build_step([(na, 19, ta), (nb2, 7, tb)], [(c, 0, tc, True)], 4, CPU))
+    torch.testing.assert_close(l3[0], hf_logits(model, a + [na])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(l3[1], hf_logits(model, b + [nb, nb2])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(l3[2], hf_logits(model, c)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_runner_single_row_contiguous_view_path(hf_model):
+    lay = KVLayout.from_config(hf_model.config, torch.float32, block_size=4)
+    pool = BlockPool(lay, lay.bytes_per_block * 16)
+    runner = ModelRunner(hf_model, pool.storage, 4, "sdpa")
+    t = pool.try_reserve("a", 30)
+    assert t == list(range(t[0], t[0] + len(t)))  # a fresh pool hands out consecutive blocks
+    ids = list(range(40, 53))
+    runner.forward(build_step([], [(ids, 0, t, True)], 4, CPU))
+    step = build_step([(99, 13, t)], [], 4, CPU)
+    assert step.decode_range is not None and step.decode_slots is None
+    torch.testing.assert_close(runner.forward(step)[0], hf_logits(hf_model, ids + [99])[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme,dtype", [("int8-sym", torch.float32), ("w4a16", torch.bfloat16)])
+def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_model_dir, text_file, scheme, dtype):
+    from conftest import run_cli
+    from quant.loader import load
+
+    out = tmp_path / scheme
+    assert run_cli("build", "--model", tiny_model_dir, "--scheme", scheme, "--calib", text_file, "--calib-samples",
+                   "4", "--calib-seqlen", "64", "--no-progress", "--out", out) == 0
+    model = load(out, dtype=dtype).model
+    ids = list(range(300, 340))
+    ref = hf_logits(model, ids)  # before the runner fuses projections
+    lay = KVLayout.from_config(model.config, dtype, block_size=16)
+    pool = BlockPool(lay, lay.bytes_per_block * 8)
+    runner = ModelRunner(model, pool.storage, 16, "sdpa")
+    assert all(f is not None for f in runner.qkv + runner.gate_up)  # both schemes fuse
+    t = pool.try_reserve("a", 60)
+    got = runner.forward(build_step([], [(ids[:24], 0, t, False)], 16, CPU))
+    got = runner.forward(build_step([], [(ids[24:], 24, t, True)], 16, CPU))[0]
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * ref[-1].abs().max().item()
+    torch.testing.assert_close(got, ref[-1], atol=tol, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_greedy_equals_hf_generate_while_batched(engine, hf_model, tok):
+    prompts = ["The castle stood on the hill", "In 1887 the railway", "Lobsters are"]
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = engine.complete(prompts[i], greedy(24, min_tokens=24))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, r in zip(prompts, results):
+        assert list(r.token_ids) == hf_greedy(hf_model, tok, p, 24)
+        assert r.finish_reason == "length"
+        assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+
+
+def test_chunked_prefill_gives_the_same_tokens(engine, tiny_model_dir, cache_dir, tok):
+    prompt = " ".join(["the river runs past the mill and"] * 30)
+    assert len(tok(prompt).input_ids) > 150
+    small = make_engine(tiny_model_dir, cache_dir, max_prefill_tokens=7)
+    try:
+        a = small.complete(prompt, greedy(16, min_tokens=16))
+    finally:
+        small.close()
+    b = engine.complete(prompt, greedy(16, min_tokens=16))
+    assert a.token_ids == b.token_ids
+
+
+def test_seeded_replay_is_exact_alone_or_batched(engine):
+    p = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_new_tokens=20, min_tokens=20)
+    alone = engine.complete("A seeded request", p)
+    others = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=30) for s in range(5)]
+    results = {}
+
+    def run(key, prompt, params):
+        results[key] = engine.complete(prompt, params)
+
+    threads = [threading.Thread(target=run, args=(i, f"other prompt {i}", q)) for i, q in enumerate(others)]
+    threads.append(threading.Thread(target=run, args=("me", "A seeded request", p)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["me"].token_ids == alone.token_ids
+    assert results["me"].seed == 1234
+    # No seed: the engine picks one, reports it, and it replays.
+    free = engine.complete("A seeded request", SamplingParams(temperature=1.0, max_new_tokens=12, min_tokens=12))
+    assert 0 <= free.seed < 2**63
+    again = engine.complete("A seeded request", SamplingParams(temperature=1.0, max_new_tokens=12, min_tokens=12,
+                                                               seed=free.seed))
+    assert again.token_ids == free.token_ids
+
+
+def test_stop_string_cuts_text_before_it(engine):
+    base = engine.complete("Once upon a time", greedy(40, min_tokens=40))
+    text = base.text
+    stop = text[12:16]
+    assert stop and stop in text
+    r = engine.complete("Once upon a time", greedy(40, stop=(stop,)))
+    assert r.finish_reason == "stop" and r.stop == stop
+    assert r.text == text[: text.find(stop)]
+    assert len(r.token_ids) < 40
+
+
+def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model):
+    g = hf_greedy(hf_model, tok, "The old bridge", 12)
+    j = next(i for i in range(2, 12) if g[i] not in g[:i])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = [g[j]]
+    eng = Engine(model, tok, EngineConfig(memory_budget="1MiB", dtype="float32")).start()
+    try:
+        r = eng.complete("The old bridge", greedy(12))
+        assert list(r.token_ids) == g[: j + 1]
+        assert (r.finish_reason, r.stop) == ("stop", "<eos>")
+        assert r.text == tok.decode(g[:j], skip_special_tokens=True)
+        r = eng.complete("The old bridge", greedy(12, ignore_eos=True))
+        assert list(r.token_ids) == g and r.finish_reason == "length"
+        r = eng.complete("The old bridge", greedy(12, min_tokens=j + 2))
+        assert g[j] not in r.token_ids[: j + 2] and len(r.token_ids) >= j + 2
+        assert list(r.token_ids[:j]) == g[:j]
+        assert_idle(eng)
+    finally:
+        eng.close()
+
+
+def test_logprobs_and_trace(engine, hf_model, tok):
+    p = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=7, max_new_tokens=6, min_tokens=6,
+                       logprobs=3, trace=5)
+    r = engine.complete("The harbour", p)
+    assert len(r.logprobs) == len(r.trace) == len(r.token_ids) == 6
+    first = torch.log_softmax(hf_logits(hf_model, tok("The harbour").input_ids)[-1], -1)
+    assert r.logprobs[0].logprob == pytest.approx(first[r.token_ids[0]].item(), abs=1e-4)
+    for lp, tr, t in zip(r.logprobs, r.trace, r.token_ids):
+        assert lp.token_id == t and len(lp.top) == 3
+        assert [x[1] for x in lp.top] == sorted([x[1] for x in lp.top], reverse=True)
+        assert lp.logprob <= lp.top[0][1] + 1e-6
+        assert sum(pr > 0 for _, pr in tr.top_k) <= 4
+        kept = [i for i, pr in tr.top_p if pr > 0]
+        assert t in kept  # the drawn token survived every stage
+        assert sum(pr for _, pr in tr.top_p) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_accounting_matches_the_formula(engine, tok):
+    prompt = "Memory accounting for one request"
+    n = len(tok(prompt).input_ids)
+    r = engine.complete(prompt, greedy(10, min_tokens=10))
+    a = r.accounting
+    cfg = engine.model.config
+    bpt = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert a.kv_bytes_per_token == bpt
+    assert (a.prompt_tokens, a.generated_tokens) == (n, 10)
+    assert a.kv_blocks_reserved == math.ceil((n + 10) / 16)
+    assert a.kv_bytes_reserved == a.kv_blocks_reserved * 16 * bpt
+    assert a.kv_bytes_used == (n + 10 - 1) * bpt  # the last token's K/V is never written
+    shape = ModelShape.from_config(cfg)
+    assert a.activation_peak_bytes == prefill_activation_bytes(shape, 1, n, "sdpa", 4)
+    assert a.attention == "sdpa"
+    assert a.engine.weight_bytes == weight_report(engine.model)["total"]
+    assert a.engine.kv_capacity_bytes == engine.pool.capacity_bytes
+    assert a.engine.kv_used_bytes == 0 and a.engine.running == 0  # measured after the request left
+    assert r.ttft_s is not None and 0 < r.ttft_s <= r.duration_s
+
+
+# ------------------------------------------------------------------------------------------------ admission
+
+
+def test_invalid_requests_are_rejected_before_any_work(engine):
+    ctx = engine.context_length
+    with pytest.raises(RequestError, match="prompt is empty") as e:
+        engine.submit("", greedy(4), print)
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match=f"prompt has {ctx + 5} tokens; the model's context is {ctx}"):
+        engine.submit([1] * (ctx + 5), greedy(4), print)
+    with pytest.raises(RequestError, match=rf"\(10 tokens\) \+ max_new_tokens \({ctx}\)") as e:
+        engine.submit([1] * 10, greedy(ctx), print)
+    assert e.value.param == "max_new_tokens"
+    with pytest.raises(RequestError, match="token ids must be integers"):
+        engine.submit([1, -3], greedy(4), print)
+    with pytest.raises(RequestError, match="token ids must be integers"):
+        engine.submit([1, engine.vocab_size], greedy(4), print)
+    with pytest.raises(RequestError, match="string or a list"):
+        engine.submit(42, greedy(4), print)
+    with pytest.raises(TypeError):
+        engine.submit("hi", {"temperature": 0}, print)
+    assert engine._queued == 0 and engine.pool.used_blocks == 0
+
+
+def test_request_larger_than_the_pool_is_rejected_with_both_numbers(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512))  # 8 blocks = 128 tokens
+    try:
+        assert eng.pool.num_blocks == 8
+        with pytest.raises(RequestError, match=r"needs 19 KV blocks = 155648 bytes; the whole KV pool is 8 blocks "
+                                               r"= 65536 bytes") as e:
+            eng.submit([5] * 100, greedy(200), print)
+        assert e.value.param == "max_new_tokens"
+        assert eng.complete([5] * 100, greedy(28)).finish_reason in ("length", "stop")  # exactly 8 blocks fits
+        assert_idle(eng)
+    finally:
+        eng.close()
+
+
+def test_bounded_queue_overload_and_no_overflow(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512), max_queue=2, max_batch=4)
+    seen_used = []
+    try:
+        events = []
+        gate = threading.Event()
+
+        def sink_for(name):
+            def sink(ev):
+                if ev.accounting:
+                    seen_used.append(ev.accounting.engine.kv_used_bytes)
+                events.append((name, ev))
+                if name == "a":
+                    gate.wait(10)  # hold the engine thread inside A's first event: B and C must queue
+            return sink
+
+        eng.submit([5] * 20, greedy(80, min_tokens=80), sink_for("a"))  # 100 tokens: 7 of the 8 blocks
+        assert wait_until(lambda: len(eng.scheduler.running) == 1)
+        eng.submit([6] * 20, greedy(80), sink_for("b"))
+        eng.submit([7] * 20, greedy(80), sink_for("c"))
+        with pytest.raises(OverloadedError, match="--max-queue 2"):
+            eng.submit([8] * 20, greedy(8), sink_for("d"))
+        gate.set()
+        assert wait_until(lambda: sum(ev.finished for _, ev in events) == 3)
+        finals = {n: ev for n, ev in events if ev.finished}
+        assert set(finals) == {"a", "b", "c"}
+        assert all(ev.finish_reason in ("length", "stop") for ev in finals.values())
+        assert max(seen_used) <= eng.pool.capacity_bytes
+        assert_idle(eng)
+    finally:
+        gate.set()
+        eng.close()
+
+
+# ------------------------------------------------------------------------------------------------ cancellation
+
+
+def test_cancel_while_waiting_for_blocks(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512))
+    try:
+        ha, ea = eng.stream([5] * 20, greedy(100, min_tokens=100))
+        hb, eb = eng.stream([6] * 20, greedy(80))
+        assert wait_until(lambda: len(eng.scheduler.waiting) == 1)
+        hb.cancel()
+        fb = [ev for ev in eb][-1]
+        assert fb.finish_reason == "cancelled" and fb.accounting.generated_tokens == 0
+        assert fb.accounting.kv_bytes_reserved == 0
+        ha.cancel()
+        assert [ev for ev in ea][-1].finish_reason == "cancelled"
+        assert_idle(eng)
+    finally:
+        eng.close()
+
+
+def test_cancel_during_prefill(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir, max_prefill_tokens=1)
+    try:
+        h, evs = eng.stream([9] * 400, greedy(8))
+        assert wait_until(lambda: any(0 < s.prefilled < 400 for s in list(eng.scheduler.running)))
+        h.cancel()
+        final = [ev for ev in evs][-1]
+        assert final.finish_reason == "cancelled"
+        assert final.accounting.generated_tokens == 0 and 0 < final.accounting.kv_bytes_used
+        assert_idle(eng)
+    finally:
+        eng.close()
+
+
+def test_cancel_during_decode_and_async_early_exit(engine):
+    h, evs = engine.stream("Cancel me", greedy(200, min_tokens=200))
+    got = []
+    for ev in evs:
+        got.append(ev)
+        if len(got) == 3:
+            h.cancel()
+    assert got[-1].finish_reason == "cancelled" and 3 <= got[-1].accounting.generated_tokens < 200
+
+    async def early_exit():
+        n = 0
+        async for _ in engine.generate("Async request", greedy(200, min_tokens=200)):
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    assert asyncio.run(early_exit()) == 2
+
+
+def test_many_cancellations_at_once(engine):
+    handles = [engine.stream(f"request {i}", greedy(60 + i)) for i in range(20)]
+    for h, _ in handles:
+        h.cancel()
+    reasons = [[ev for ev in evs][-1].finish_reason for _, evs in handles]
+    assert set(reasons) <= {"cancelled", "length", "stop"} and "cancelled" in reasons
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
+    real = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(step)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    r = engine.complete("fault", greedy(10, min_tokens=10))
+    assert r.finish_reason == "error" and "RuntimeError" in r.error
+    assert_idle(engine)
+    assert engine.complete("after the fault", greedy(4, min_tokens=4)).finish_reason == "length"
+
+
+def test_a_broken_sink_cancels_only_its_request(engine):
+    def bad(ev):
+        raise RuntimeError("client gone")
+
+    engine.submit("broken", greedy(50, min_tokens=50), bad)
+    assert engine.complete("fine", greedy(5, min_tokens=5)).finish_reason == "length"
+
+
+def test_close_cancels_in_flight_and_refuses_new(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir)
+    h, evs = eng.stream("long", greedy(400, min_tokens=400))
+    assert wait_until(lambda: len(eng.scheduler.running) == 1)
+    eng.close(grace_s=0.0)
+    final = [ev for ev in evs][-1]
+    assert final.finish_reason == "cancelled"
+    assert eng.pool.used_blocks == 0
+    with pytest.raises(EngineClosedError):
+        eng.submit("late", greedy(4), print)
+
+
+def test_close_with_grace_lets_short_requests_finish(tiny_model_dir, cache_dir):
+    eng = make_engine(tiny_model_dir, cache_dir)
+    h, evs = eng.stream("short", greedy(8, min_tokens=8))
+    eng.close(grace_s=30.0)
+    assert [ev for ev in evs][-1].finish_reason == "length"
