@@ -180,16 +180,17 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case == "ours-b1":
-        eng = engine_for(spec, cache, threads)
-        return {**ours_batch1(eng, repeats), **rss_of(eng)}
-    if case == "ours-16":
-        eng = engine_for(spec, cache, threads)
-        return ours_concurrent(eng, prompts16())
-    if case == "rss":
-        eng = engine_for(spec, cache, threads, budget="256MiB")
-        eng.complete(PROMPT, greedy(32))
-        return rss_of(eng)
+    if case in ("ours-b1", "ours-16", "rss"):
+        eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB")
+        try:
+            if case == "ours-b1":
+                return {**ours_batch1(eng, repeats), **rss_of(eng)}
+            if case == "ours-16":
+                return ours_concurrent(eng, prompts16())
+            eng.complete(PROMPT, greedy(32))
+            return rss_of(eng)
+        finally:
+            eng.close()
     if case == "llama-b1":
         return llama_cpp_batch1(threads, repeats)
     tok = AutoTokenizer.from_pretrained(spec)
