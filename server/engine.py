@@ -351,8 +351,9 @@ class Engine:
             running=len(self.scheduler.running), queued=self._queued,
         )
 
-    def _accounting(self, seq: Sequence, reserved_blocks: int) -> Accounting:
+    def _accounting(self, seq: Sequence) -> Accounting:
         bpt = self.layout.bytes_per_token
+        reserved_blocks = len(seq.blocks or ())  # None: never admitted; the scheduler keeps it after release
         return Accounting(
             prompt_tokens=len(seq.prompt), generated_tokens=len(seq.generated), kv_bytes_per_token=bpt,
             kv_blocks_reserved=reserved_blocks, kv_bytes_reserved=reserved_blocks * self.layout.bytes_per_block,
@@ -373,14 +374,14 @@ class Engine:
             log.warning("request %s: event sink failed; cancelling it", seq.id, exc_info=True)
             self._inbox.put(("cancel", seq.id))
 
-    def _final(self, seq: Sequence, reason: str, reserved_blocks: int, text: str = "", token_ids=(),
+    def _final(self, seq: Sequence, reason: str, text: str = "", token_ids=(),
                logprobs=(), trace=(), stop=None, error=None) -> None:
         now = time.monotonic()
         with self._lock:
             self._live.discard(seq.id)
         self._emit(seq, Event(
             seq.id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason, stop,
-            self._accounting(seq, reserved_blocks), error,
+            self._accounting(seq), error,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival, now - seq.arrival,
         ))
 
@@ -394,25 +395,26 @@ class Engine:
             arg.state["stop"] = StopMatcher(arg.params.stop)
             self.scheduler.add(arg)
         elif cmd == "cancel":
-            found = self.scheduler.remove(arg)
-            if found is not None:
-                seq, was_waiting = found
-                if was_waiting:
-                    self._dequeued()
-                self._final(seq, out.CANCELLED, 0 if was_waiting else len(seq.blocks))
+            self._cancel(arg)
+
+    def _cancel(self, request_id: str, error: str | None = None) -> None:
+        found = self.scheduler.remove(request_id)
+        if found is not None:
+            seq, was_waiting = found
+            if was_waiting:
+                self._dequeued()
+            self._final(seq, out.CANCELLED, error=error)
 
     def _drain_inbox(self, block: bool) -> None:
-        try:
-            cmd, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        self._apply(cmd, arg)
+        """Apply every queued command; when ``block``, wait up to 0.5 s for the first one."""
+        wait = 0.5 if block else None
         while True:
             try:
-                cmd, arg = self._inbox.get_nowait()
+                cmd, arg = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
             except queue.Empty:
                 return
             self._apply(cmd, arg)
+            wait = None
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -432,24 +434,13 @@ class Engine:
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     for seq in plan.decode + [s for s, _, _ in plan.prefill]:
                         if seq in self.scheduler.running:
-                            blocks = len(seq.blocks)
                             self.scheduler.finish(seq)
-                            self._final(seq, out.ERROR, blocks, error=f"internal error: {type(e).__name__}")
+                            self._final(seq, out.ERROR, error=f"internal error: {type(e).__name__}")
 
     def _cancel_all(self, why: str) -> None:
-        while True:  # commands that arrived meanwhile: adds must still get their final event
-            try:
-                self._apply(*self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        for seq in list(self.scheduler.waiting):
-            self.scheduler.remove(seq.id)
-            self._dequeued()
-            self._final(seq, out.CANCELLED, 0, error=why)
-        for seq in list(self.scheduler.running):
-            blocks = len(seq.blocks)
-            self.scheduler.finish(seq)
-            self._final(seq, out.CANCELLED, blocks, error=why)
+        self._drain_inbox(block=False)  # commands that arrived meanwhile: adds must still get their final event
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self._cancel(seq.id, error=why)
 
     def _step(self, plan) -> None:
         bs = self.layout.block_size
@@ -524,6 +515,5 @@ class Engine:
                 stop = matcher.matched
             else:
                 text += matcher.flush()
-        blocks = len(seq.blocks)
         self.scheduler.finish(seq)
-        self._final(seq, reason, blocks, text, (tok,), logprobs, steps, stop)
+        self._final(seq, reason, text, (tok,), logprobs, steps, stop)

@@ -56,15 +56,18 @@ class StepInputs:
     decode_range: slice | None = None
 
 
-def _slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slot indices of positions [start, end) for a request whose blocks are `table`."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def _slots_for(table: list[int], end: int, block_size: int) -> list[int]:
+    """Slot indices of positions [0, end) for a request whose blocks are `table`."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(end)]
 
 
-def _as_range(slots: list[int]) -> slice | None:
-    """slice(a, b) when the slots are exactly a, a+1, ..., b-1 (a fresh pool hands out consecutive blocks)."""
-    return slice(slots[0], slots[-1] + 1) if slots[-1] - slots[0] == len(slots) - 1 and slots == list(
-        range(slots[0], slots[-1] + 1)) else None
+def _as_range(table: list[int], end: int, block_size: int) -> slice | None:
+    """The slots of positions [0, end) as slice(a, a + end) when the blocks they use are consecutive (a
+    fresh pool hands them out that way), else None. Decided on the block table, not per position."""
+    used = table[: -(-end // block_size)]
+    if used != list(range(used[0], used[0] + len(used))):
+        return None
+    return slice(used[0] * block_size, used[0] * block_size + end)
 
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
@@ -77,28 +80,28 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
     slots: list[int] = []
     sample: list[int] = []
     dec_rows: list[list[int]] = []
+    drange = _as_range(decode[0][2], decode[0][1] + 1, block_size) if len(decode) == 1 else None
     for token, p, table in decode:
-        s = _slots_for(table, 0, p + 1, block_size)
         ids.append(token)
         pos.append(p)
-        slots.append(s[-1])
+        slots.append(table[p // block_size] * block_size + p % block_size)
         sample.append(len(ids) - 1)
-        dec_rows.append(s)
+        if drange is None:  # rows attending through a gather need every slot
+            dec_rows.append(_slots_for(table, p + 1, block_size))
     chunks = []
     for tokens, start, table, want in prefill:
-        s = _slots_for(table, 0, start + len(tokens), block_size)
+        s = _slots_for(table, start + len(tokens), block_size)
         t0 = len(ids)
         ids.extend(tokens)
         pos.extend(range(start, start + len(tokens)))
         slots.extend(s[start:])
-        chunks.append((t0, len(tokens), _as_range(s) or torch.tensor(s, dtype=torch.int64, device=device)))
+        span = _as_range(table, len(s), block_size)
+        chunks.append((t0, len(tokens), span or torch.tensor(s, dtype=torch.int64, device=device)))
         if want:
             sample.append(len(ids) - 1)
     i64 = dict(dtype=torch.int64, device=device)
-    dslots = dmask = drange = None
-    if len(dec_rows) == 1:
-        drange = _as_range(dec_rows[0])
-    if dec_rows and drange is None:
+    dslots = dmask = None
+    if dec_rows:
         width = max(len(r) for r in dec_rows)
         dslots = torch.tensor([r + [0] * (width - len(r)) for r in dec_rows], **i64)  # (Bd, Lmax)
         lens = torch.tensor([len(r) for r in dec_rows], **i64)  # (Bd,)
@@ -107,7 +110,7 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         input_ids=torch.tensor(ids, **i64),
         positions=torch.tensor(pos, **i64),
         slots=torch.tensor(slots, **i64),
-        num_decode=len(dec_rows),
+        num_decode=len(decode),
         decode_slots=dslots,
         decode_mask=dmask,
         chunks=chunks,

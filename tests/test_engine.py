@@ -457,3 +457,25 @@ def test_close_with_grace_lets_short_requests_finish(tiny_model_dir, cache_dir):
     h, evs = eng.stream("short", greedy(8, min_tokens=8))
     eng.close(grace_s=30.0)
     assert [ev for ev in evs][-1].finish_reason == "length"
+
+
+def test_duplicate_request_id_is_rejected(engine):
+    h, evs = engine.stream("first", greedy(40, min_tokens=40), request_id="same-id")
+    with pytest.raises(RequestError, match="request id 'same-id' is already in use") as e:
+        engine.submit("second", greedy(4), print, request_id="same-id")
+    assert e.value.param == "request_id"
+    h.cancel()
+    assert [ev for ev in evs][-1].request_id == "same-id"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_queue", 0, "--max-queue must be an integer >= 1"),
+    ("max_batch", -1, "--max-batch must be an integer >= 1"),
+    ("max_prefill_tokens", 2.5, "--max-prefill-tokens must be an integer >= 1"),
+    ("block_size", True, "--block-size must be an integer >= 1"),
+    ("dtype", "int8", "--dtype must be bfloat16, float16 or float32"),
+    ("threads", 0, "--threads must be an integer >= 1"),
+])
+def test_invalid_engine_config_is_rejected(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value}).validate()
