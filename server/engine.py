@@ -100,8 +100,8 @@ def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_di
 
 def release_freed_memory() -> None:
     """Hand memory freed by loading back to the OS. Unpacking and repacking quantized tensors frees hundreds
-    of MiB of temporaries that glibc keeps in its heap (measured: a w4a16 server at 1439 MiB RSS, 820 MiB
-    after trimming); malloc_trim returns it. A no-op where glibc is not the allocator."""
+    of MiB of temporaries that glibc keeps in its heap (bench/decode.py --only rss: a w4a16 server at 1837 MiB
+    RSS before this call existed, 1053 MiB with it); malloc_trim returns it. A no-op where glibc is not the allocator."""
     import ctypes
     import sys
 
@@ -167,7 +167,7 @@ class Engine:
     def from_path(cls, spec: str | None, config: EngineConfig, cache_dir: Path) -> "Engine":
         """Load ``spec`` and return a started engine. Loading happens on the thread that then runs the engine
         loop: OpenMP keeps one worker pool per thread that starts parallel work, and a thread whose pool is
-        second to another's ran the same decode step 3x slower here (52 vs 17 ms, bench/RESULTS.md), so all
+        second to another's ran the same decode step about 3x slower here (a one-off diagnostic, bench/RESULTS.md), so all
         torch work of a served model stays on the engine thread."""
         config.validate()
         box: dict = {}
