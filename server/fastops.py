@@ -1,0 +1,101 @@
+"""Fused CPU ops for the runner's per-layer glue, and the plain PyTorch reference of each.
+
+A batch-1 decode step of the default model runs ~40 small tensor ops per layer around the four matmuls; on
+CPU each costs a few microseconds of dispatch however small it is, which added up to a third of the step
+(bench/RESULTS.md, session 3). ``server/csrc/decode_ops.cpp`` does the same arithmetic in three calls per
+layer: the residual add with the next RMSNorm, rotary embedding with the K/V cache write, and SiLU·up.
+
+The C++ source is compiled on first use with torch's extension builder (needs a C++ compiler; ~15 s, cached
+under torch's extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the
+references below, which are the eager ops it replaces; tests hold the two to each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("quantserve.fastops")
+
+_SOURCE = Path(__file__).with_name("csrc") / "decode_ops.cpp"
+_lock = threading.Lock()
+_state: dict[str, str | bool] = {}
+
+
+def load() -> bool:
+    """Compile (once per machine) and register ``torch.ops.quantserve``; False, with the reason logged and
+    kept in :func:`unavailable_reason`, when that is not possible here."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                build(name="quantserve_decode_ops", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+                      is_python_module=False, verbose=False)
+                _state["ok"] = True
+            except Exception as e:  # no compiler, no ninja, a read-only home: fall back to the references
+                _state["ok"] = False
+                _state["why"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                log.warning("fused CPU ops unavailable (%s); using the eager reference ops", _state["why"])
+        return bool(_state["ok"])
+
+
+def unavailable_reason() -> str | None:
+    return None if _state.get("ok", True) else str(_state.get("why"))
+
+
+# ---------------------------------------------------------------------------------------- references
+
+def ref_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """LlamaRMSNorm: normalise in fp32, cast back, then the weight."""
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def ref_add_rms_norm(x: Tensor, delta: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    x = x + delta
+    return x, ref_rms_norm(x, w, eps)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def ref_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor, H: int, Hkv: int) -> Tensor:
+    """qkv (T, (H + 2Hkv)·D), cos/sin (T, D), kv (2, slots, Hkv, D): rotate q and k, write k and v to their
+    slots, return q (T, H, D)."""
+    T, D = cos.shape
+    qkv = qkv.view(T, H + 2 * Hkv, D)
+    qk = qkv[:, : H + Hkv]  # (T, H + Hkv, D): rotary on q and k in one pass
+    qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+    kv[0].index_copy_(0, slots, qk[:, H:].to(kv.dtype))
+    kv[1].index_copy_(0, slots, qkv[:, H + Hkv :].to(kv.dtype))
+    return qk[:, :H]
+
+
+def ref_silu_mul(gate_up: Tensor) -> Tensor:
+    g, u = gate_up.chunk(2, dim=-1)  # (T, I) each
+    return F.silu(g) * u
+
+
+class Ops:
+    """The four glue ops, fused or reference; the runner calls these and does not care which."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+        if fused:
+            ops = torch.ops.quantserve
+            self.rms_norm = ops.rms_norm.default
+            self.add_rms_norm = ops.add_rms_norm.default
+            self.rope_store = ops.rope_store.default
+            self.silu_mul = ops.silu_mul.default
+        else:
+            self.rms_norm = ref_rms_norm
+            self.add_rms_norm = ref_add_rms_norm
+            self.rope_store = ref_rope_store
+            self.silu_mul = ref_silu_mul

@@ -1,0 +1,93 @@
+"""The fused CPU glue ops (server/csrc/decode_ops.cpp) against their eager references (server/fastops.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server import fastops
+
+pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+FUSED = fastops.Ops(fused=True)
+REF = fastops.Ops(fused=False)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Largest difference in units of the dtype's resolution at b's magnitude."""
+    eps = torch.finfo(b.dtype).eps
+    return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1e-3) * eps)).max()
+
+
+def assert_close_ulps(a, b):
+    """Equal up to rounding: sums run in another order and exp/rsqrt differ in the last bit. In 16-bit dtypes
+    that flips a rounding at only a few elements; in fp32 many elements differ, each by a few ulps."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if a.dtype != torch.float32:
+        differ = (a != b).float().mean().item()
+        assert differ <= 0.01, f"{differ:.3%} of elements differ"
+    # A 16-bit result can flip one rounding before the weight product and one after; fp32 accumulates more.
+    assert ulps(a, b) <= (8.0 if a.dtype == torch.float32 else 2.0), ulps(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 7, 300])  # 300 rows crosses the grain, so the parallel loop splits them
+def test_norms_match_reference(dtype, T):
+    g = torch.Generator().manual_seed(T)
+    x = (torch.randn(T, 576, generator=g) * 3).to(dtype)
+    d = torch.randn(T, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    assert_close_ulps(FUSED.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
+    xf, hf = FUSED.add_rms_norm(x, d, w, 1e-6)
+    xr, hr = REF.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(xf, xr)  # the residual add rounds once, exactly as the eager add
+    assert_close_ulps(hf, hr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 200])
+def test_rope_store_matches_reference(dtype, T):
+    H, Hkv, D, nslots = 9, 3, 64, 512
+    g = torch.Generator().manual_seed(T)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    ang = torch.rand(T, D // 2, generator=g) * 50
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)  # (T, D), the layout of HF's rotary_emb
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    slots = torch.randperm(nslots, generator=g)[:T]
+    kv_f = torch.zeros(2, nslots, Hkv, D, dtype=dtype)
+    kv_r = torch.zeros_like(kv_f)
+    qf = FUSED.rope_store(qkv, cos, sin, kv_f, slots, H, Hkv)
+    qr = REF.rope_store(qkv, cos, sin, kv_r, slots, H, Hkv)
+    assert torch.equal(qf, qr)  # same roundings in the same order: bit-identical
+    assert torch.equal(kv_f, kv_r)
+    untouched = torch.ones(nslots, dtype=torch.bool)
+    untouched[slots] = False
+    assert kv_f[:, untouched].abs().sum() == 0  # nothing written outside the given slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 40])
+def test_silu_mul_matches_reference(dtype, T):
+    g = torch.Generator().manual_seed(T)
+    gu = (torch.randn(T, 2 * 1536, generator=g) * 4).to(dtype)
+    assert_close_ulps(FUSED.silu_mul(gu), REF.silu_mul(gu))
+
+
+def test_bad_inputs_are_refused_with_the_argument_named():
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        FUSED.rms_norm(x.t(), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="w must be"):
+        FUSED.rms_norm(x, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="delta must match"):
+        FUSED.add_rms_norm(x, torch.randn(4, 64, dtype=torch.float64), torch.ones(64), 1e-5)
+    qkv, cs = torch.randn(2, 5 * 8), torch.randn(2, 8)
+    kv = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        FUSED.rope_store(qkv, cs, cs, kv, torch.tensor([0, 4]), 3, 1)
+    assert kv.abs().sum() == 0  # slots are checked before anything is written
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        FUSED.rope_store(qkv, cs, cs, kv, torch.tensor([0, 1]), 2, 1)
+    with pytest.raises(RuntimeError, match="even width"):
+        FUSED.silu_mul(torch.randn(2, 5))
