@@ -154,6 +154,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
         self._tok_lock = threading.Lock()  # a fast tokenizer must not be used from two threads at once
+        self._deferred: list | None = None  # events of the step being advanced, delivered after it
         self._queued = 0
         self._live: set[str] = set()
         self._accepting = True
@@ -247,6 +248,16 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         with self._tok_lock:
             return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("messages", "this model's tokenizer has no chat template; use /v1/completions")
+        with self._tok_lock:
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (for logprobs and traces shown to people)."""
@@ -382,6 +393,9 @@ class Engine:
     # ------------------------------------------------------------------------------------ engine thread
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
+        if self._deferred is not None:  # inside a step's tokenizer section: deliver after it (see _step)
+            self._deferred.append((seq, ev))
+            return
         try:
             seq.sink(ev)
         except Exception:  # noqa: BLE001 - a caller's broken sink (closed loop) must not stop the engine
@@ -488,9 +502,16 @@ class Engine:
         top = (res.top_logprobs[0].tolist(), res.top_logprobs[1].tolist()) if res.top_logprobs else None
         trace = {k: (ids.tolist(), pr.tolist()) for k, (ids, pr) in res.trace.items()} if res.trace else None
         now = time.monotonic()
-        with self._tok_lock:
-            for i, (seq, tok) in enumerate(zip(sampled, tokens)):
-                self._advance(seq, tok, i, lp, top, trace, now)
+        # Sinks run after the tokenizer lock is released: a slow sink must not hold up tokenization elsewhere.
+        self._deferred = []
+        try:
+            with self._tok_lock:
+                for i, (seq, tok) in enumerate(zip(sampled, tokens)):
+                    self._advance(seq, tok, i, lp, top, trace, now)
+        finally:
+            deferred, self._deferred = self._deferred, None
+            for seq, ev in deferred:
+                self._emit(seq, ev)
 
     def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> None:
         p = seq.params

@@ -1,0 +1,219 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParameters(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens", "ignore_eos", "stop", "logprobs", "trace")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+    max_new_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    logprobs: int
+    trace: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., trace: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_ids", "sampling", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParameters
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Candidate(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "prob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    prob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., prob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[Candidate]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
+
+class TraceStep(_message.Message):
+    __slots__ = ("after_temperature", "after_top_k", "after_top_p")
+    AFTER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    after_temperature: _containers.RepeatedCompositeFieldContainer[Candidate]
+    after_top_k: _containers.RepeatedCompositeFieldContainer[Candidate]
+    after_top_p: _containers.RepeatedCompositeFieldContainer[Candidate]
+    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class EngineMemory(_message.Message):
+    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued")
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes: int
+    kv_capacity_bytes: int
+    kv_used_bytes: int
+    kv_block_size: int
+    running: int
+    queued: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+
+class MemoryAccounting(_message.Message):
+    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine")
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_per_token: int
+    kv_blocks_reserved: int
+    kv_bytes_reserved: int
+    kv_bytes_used: int
+    activation_peak_bytes: int
+    attention: str
+    engine: EngineMemory
+    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ...) -> None: ...
+
+class Final(_message.Message):
+    __slots__ = ("finish_reason", "stop", "seed", "usage", "memory", "ttft_s", "duration_s")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    stop: str
+    seed: int
+    usage: Usage
+    memory: MemoryAccounting
+    ttft_s: float
+    duration_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., stop: _Optional[str] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., memory: _Optional[_Union[MemoryAccounting, _Mapping]] = ..., ttft_s: _Optional[float] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "trace", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    trace: _containers.RepeatedCompositeFieldContainer[TraceStep]
+    final: Final
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("request_id", "seed", "text", "token_ids", "logprobs", "trace", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seed: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    trace: _containers.RepeatedCompositeFieldContainer[TraceStep]
+    final: Final
+    def __init__(self, request_id: _Optional[str] = ..., seed: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("model", "scheme", "dtype", "device", "attention", "context_length", "vocab_size", "kv_bytes_per_token", "memory", "glue_ops", "max_new_tokens_limit", "max_prompt_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GLUE_OPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    scheme: str
+    dtype: str
+    device: str
+    attention: str
+    context_length: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    memory: EngineMemory
+    glue_ops: str
+    max_new_tokens_limit: int
+    max_prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,193 @@
+"""The gRPC transport: quantserve.v1.Inference over grpc.aio, with the standard health service and reflection.
+
+Handlers only convert (proto <-> SamplingParams / events) and call the Service. One interceptor checks the API
+key and maps every exception to a status code through ``server.service.classify``. A client that cancels or
+whose deadline passes cancels the request in the engine: grpc.aio cancels the handler's task, and leaving
+``Service.run`` early cancels the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from quantserve.v1 import inference_pb2 as pb
+from quantserve.v1 import inference_pb2_grpc as pb_grpc
+from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
+from server.sampling import SamplingParams
+from server.service import Service, classify
+
+log = logging.getLogger("quantserve.grpc")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens",
+                    "ignore_eos", "logprobs", "trace")
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and discovery need no key
+
+
+# ---------------------------------------------------------------------------------------- conversion
+
+def params_from_proto(s: pb.SamplingParameters) -> SamplingParams:
+    kw = {f: getattr(s, f) for f in _SAMPLING_FIELDS if s.HasField(f)}
+    return SamplingParams(stop=tuple(s.stop), **kw)
+
+
+def prompt_from_proto(req: pb.GenerateRequest) -> str | list[int]:
+    if req.prompt and req.prompt_ids:
+        raise RequestError("prompt", "give prompt or prompt_ids, not both")
+    return req.prompt if req.prompt else list(req.prompt_ids)
+
+
+def _candidates(svc: Service, pairs, field: str) -> list[pb.Candidate]:
+    return [pb.Candidate(token_id=i, token=svc.token_text(i), **{field: v}) for i, v in pairs]
+
+
+def _logprobs(svc: Service, lps: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, token=svc.token_text(lp.token_id), logprob=lp.logprob,
+                            top=_candidates(svc, lp.top, "logprob")) for lp in lps]
+
+
+def _trace(svc: Service, steps: tuple[TraceStep, ...]) -> list[pb.TraceStep]:
+    return [pb.TraceStep(after_temperature=_candidates(svc, t.temperature, "prob"),
+                         after_top_k=_candidates(svc, t.top_k, "prob"),
+                         after_top_p=_candidates(svc, t.top_p, "prob")) for t in steps]
+
+
+def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:
+    e = a.engine
+    return pb.MemoryAccounting(
+        kv_bytes_per_token=a.kv_bytes_per_token, kv_blocks_reserved=a.kv_blocks_reserved,
+        kv_bytes_reserved=a.kv_bytes_reserved, kv_bytes_used=a.kv_bytes_used,
+        activation_peak_bytes=a.activation_peak_bytes, attention=a.attention,
+        engine=pb.EngineMemory(weight_bytes=e.weight_bytes, kv_capacity_bytes=e.kv_capacity_bytes,
+                               kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
+                               queued=e.queued),
+    )
+
+
+def final_to_proto(ev) -> pb.Final:
+    a = ev.accounting
+    return pb.Final(
+        finish_reason=ev.finish_reason or "", stop=ev.stop or "", seed=ev.seed,
+        usage=pb.Usage(prompt_tokens=a.prompt_tokens if a else 0, completion_tokens=a.generated_tokens if a else 0),
+        memory=accounting_to_proto(a) if a else None, ttft_s=ev.ttft_s or 0.0, duration_s=ev.duration_s or 0.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------- service
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, service: Service):
+        self.svc = service
+
+    async def Generate(self, request, context):
+        params = params_from_proto(request.sampling)
+        c = await self.svc.complete(prompt_from_proto(request), params, "grpc", request.request_id or None)
+        return pb.GenerateResponse(request_id=c.request_id, text=c.text, token_ids=c.token_ids,
+                                   logprobs=_logprobs(self.svc, c.logprobs), trace=_trace(self.svc, c.trace),
+                                   final=final_to_proto(c))
+
+    async def GenerateStream(self, request, context):
+        params = params_from_proto(request.sampling)
+        ev: Event
+        async for ev in self.svc.run(prompt_from_proto(request), params, "grpc", request.request_id or None):
+            yield pb.GenerateStreamResponse(
+                request_id=ev.request_id, seed=ev.seed, text=ev.text, token_ids=ev.token_ids,
+                logprobs=_logprobs(self.svc, ev.logprobs), trace=_trace(self.svc, ev.trace),
+                final=final_to_proto(ev) if ev.finished else None,
+            )
+
+    async def Tokenize(self, request, context):
+        ids, tokens = await self.svc.tokenize(request.text)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def ModelInfo(self, request, context):
+        i = self.svc.info()
+        return pb.ModelInfoResponse(
+            model=i["model"], scheme=i["scheme"], dtype=i["dtype"], device=i["device"], attention=i["attention"],
+            context_length=i["context_length"], vocab_size=i["vocab_size"],
+            kv_bytes_per_token=i["kv_bytes_per_token"], memory=pb.EngineMemory(**i["memory"]),
+            glue_ops=i["glue_ops"], max_new_tokens_limit=i["max_new_tokens_limit"],
+            max_prompt_tokens=i["max_prompt_tokens"],
+        )
+
+
+class ErrorsAndAuth(grpc.aio.ServerInterceptor):
+    """API key check and the one exception -> status mapping for every Inference method."""
+
+    def __init__(self, service: Service):
+        self.svc = service
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_METHODS):
+            return handler
+        md = {k.lower(): v for k, v in (details.invocation_metadata or ())}
+        svc = self.svc
+
+        async def fail(context, exc: BaseException):
+            kind = classify(exc)
+            await context.abort(getattr(grpc.StatusCode, kind.grpc_code), kind.message)
+
+        def checked():
+            svc.check_auth(md.get("authorization"))
+            svc.check_accepting()
+
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    checked()
+                    return await inner(request, context)
+                except Exception as e:  # noqa: BLE001 - mapped to a status in one place
+                    await fail(context, e)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.unary_stream:
+            inner_s = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    checked()
+                    async for msg in inner_s(request, context):
+                        yield msg
+                except Exception as e:  # noqa: BLE001
+                    await fail(context, e)
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler
+
+
+async def start(service: Service, host: str, port: int, tls: tuple[bytes, bytes] | None = None
+                ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start the gRPC server; returns (server, health servicer, bound port)."""
+    limit = service.limits.max_request_bytes
+    server = grpc.aio.server(interceptors=[ErrorsAndAuth(service)], options=[
+        ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 64 * 2**20),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    addr = f"{host}:{port}"
+    if tls is not None:
+        key, cert = tls
+        bound = server.add_secure_port(addr, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        bound = server.add_insecure_port(addr)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, hs, bound
+
+
+async def set_not_serving(hs: health.aio.HealthServicer) -> None:
+    for name in ("", SERVICE_NAME):
+        await hs.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

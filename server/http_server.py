@@ -1,0 +1,294 @@
+"""The HTTP transport: OpenAI-compatible completions and chat (with SSE streaming), models, health, metrics.
+
+Requests are parsed by pydantic in strict mode (no "5" for 5) and every error leaves through one handler
+(``server.service.classify``) as OpenAI's error body with 400 / 401 / 429 / 503 / 504 / 500. Our extensions
+ride in the same body (the official client sends them with ``extra_body``): top_k, repetition_penalty,
+min_tokens, ignore_eos (spelled as vLLM spells them), trace; every response adds seed and memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.metrics import CONTENT_TYPE
+from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
+from server.sampling import SamplingParams, SamplingParamsError
+from server.service import AuthError, DeadlineError, Service, classify
+
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    trace: int | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] = Field(...)
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+def _unsupported(body: _Body) -> None:
+    """Parameters we do not implement are refused by name rather than silently ignored."""
+    if body.n != 1:
+        raise RequestError("n", f"n must be 1 (one completion per request), got {body.n}")
+    if body.presence_penalty != 0 or body.frequency_penalty != 0:
+        name = "presence_penalty" if body.presence_penalty != 0 else "frequency_penalty"
+        raise RequestError(name, f"{name} is not supported (use repetition_penalty)")
+    if body.logit_bias:
+        raise RequestError("logit_bias", "logit_bias is not supported")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise RequestError("echo", "echo is not supported")
+        if body.best_of not in (None, 1):
+            raise RequestError("best_of", "best_of must be 1")
+        if body.suffix:
+            raise RequestError("suffix", "suffix is not supported")
+
+
+def params_from_body(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    _unsupported(body)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    kw = dict(temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_k=body.top_k,
+              repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+              trace=body.trace, max_new_tokens=max_tokens, logprobs=logprobs)
+    return SamplingParams(stop=tuple(stop), **{k: v for k, v in kw.items() if v is not None})
+
+
+def _accounting(a: Accounting | None) -> dict | None:
+    return a.to_dict() if a else None
+
+
+def _usage(a: Accounting | None) -> dict:
+    p, c = (a.prompt_tokens, a.generated_tokens) if a else (0, 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _trace(svc: Service, steps) -> list[dict]:
+    def cands(pairs):
+        return [{"token_id": i, "token": svc.token_text(i), "prob": p} for i, p in pairs]
+
+    return [{"after_temperature": cands(t.temperature), "after_top_k": cands(t.top_k),
+             "after_top_p": cands(t.top_p)} for t in steps]
+
+
+def _completion_logprobs(svc: Service, lps, offset0: int = 0) -> dict:
+    """The legacy completions logprobs object."""
+    tokens = [svc.token_text(lp.token_id) for lp in lps]
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{svc.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def _chat_logprobs(svc: Service, lps) -> dict:
+    def entry(i, v):
+        t = svc.token_text(i)
+        return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in lps]}
+
+
+def create_app(svc: Service) -> FastAPI:
+    app = FastAPI(title="quantserve", version="1", docs_url=None, redoc_url=None)
+    model_name = svc.engine.info.model
+
+    def error_response(exc: BaseException) -> JSONResponse:
+        k = classify(exc)
+        typ = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
+               503: "service_unavailable", 504: "timeout"}.get(k.http_status, "internal_error")
+        return JSONResponse({"error": {"message": k.message, "type": typ, "param": k.param, "code": k.http_status}},
+                            status_code=k.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        e = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else "body"
+        return error_response(RequestError(param, f"{'.'.join(loc) or 'body'}: {e.get('msg')}"))
+
+    async def _known(request: Request, exc: Exception):
+        return error_response(exc)
+
+    # Known errors by class (Starlette re-raises whatever reaches its catch-all Exception handler).
+    for cls in (SamplingParamsError, RequestError, OverloadedError, EngineClosedError, AuthError, DeadlineError):
+        app.add_exception_handler(cls, _known)
+    app.add_exception_handler(Exception, _known)
+
+    @app.middleware("http")
+    async def _gate(request: Request, call_next):
+        if request.url.path not in _OPEN_PATHS:
+            try:
+                svc.check_auth(request.headers.get("authorization"))
+                if request.method == "POST":
+                    svc.check_accepting()
+                    size = request.headers.get("content-length")
+                    if size is not None and size.isdigit() and int(size) > svc.limits.max_request_bytes:
+                        raise RequestError("body", f"request body is larger than {svc.limits.max_request_bytes} bytes")
+            except Exception as e:  # noqa: BLE001 - one mapping
+                return error_response(e)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if svc.draining or not svc.engine.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        info = svc.info()
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "quantserve", "scheme": info["scheme"],
+                                            "max_model_len": info["context_length"]}]}
+
+    async def respond(prompt, params: SamplingParams, stream: bool, chat: bool, include_usage: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not stream:
+            c = await svc.complete(prompt, params, "http", rid)
+            lp = None
+            if params.logprobs is not None:
+                lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs)
+            choice = {"index": 0, "finish_reason": _reason(c.finish_reason), "logprobs": lp}
+            choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
+            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice],
+                    "usage": _usage(c.accounting), "seed": c.seed, "memory": _accounting(c.accounting),
+                    "stop": c.stop}
+            if params.trace:
+                body["trace"] = _trace(svc, c.trace)
+            return body
+        events = svc.run(prompt, params, "http", rid)
+        first = await anext(events)  # errors before the first event become a proper status code
+
+        async def sse():
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            ev, started, text_pos = first, False, 0
+            try:
+                while True:
+                    choice: dict = {"index": 0, "finish_reason": _reason(ev.finish_reason) if ev.finished else None}
+                    if chat:
+                        choice["delta"] = {"content": ev.text} if started else {"role": "assistant", "content": ev.text}
+                        if params.logprobs is not None:
+                            choice["logprobs"] = _chat_logprobs(svc, ev.logprobs)
+                    else:
+                        choice["text"] = ev.text
+                        choice["logprobs"] = (_completion_logprobs(svc, ev.logprobs, text_pos)
+                                              if params.logprobs is not None else None)
+                    text_pos += len(ev.text)
+                    started = True
+                    chunk = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
+                             "choices": [choice], "seed": ev.seed}
+                    if params.trace and ev.trace:
+                        chunk["trace"] = _trace(svc, ev.trace)
+                    if ev.finished:
+                        chunk["memory"] = _accounting(ev.accounting)
+                        chunk["stop"] = ev.stop
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if ev.finished:
+                        if include_usage:
+                            yield "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": created,
+                                                         "model": model_name, "choices": [],
+                                                         "usage": _usage(ev.accounting)}) + "\n\n"
+                        break
+                    ev = await anext(events)
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in the stream
+                k = classify(e)
+                yield f"data: {json.dumps({'error': {'message': k.message, 'code': k.http_status}})}\n\n"
+            finally:
+                await events.aclose()  # a client that went away cancels the request in the engine
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            if len(body.prompt) != 1:
+                raise RequestError("prompt", "one prompt per request (a list of several strings is not supported)")
+            prompt = body.prompt[0]
+        else:
+            prompt = body.prompt
+        params = params_from_body(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return await respond(prompt, params, body.stream, False, include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = params_from_body(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
+        prompt = await asyncio.to_thread(svc.engine.chat_prompt, messages)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return await respond(prompt, params, body.stream, True, include_usage)
+
+    return app
+
+
+def _text_content(content) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:
+        if p.get("type") != "text" or not isinstance(p.get("text"), str):
+            raise RequestError("messages", "only text content parts are supported")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def _reason(r: str | None) -> str | None:
+    return {"length": "length", "stop": "stop", "cancelled": "abort", "error": "error"}.get(r or "", r)

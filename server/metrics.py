@@ -1,0 +1,41 @@
+"""Prometheus metrics of one server (its own registry: two servers in one process never share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("quantserve_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("quantserve_inter_token_latency_seconds", "Time between generated tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.duration = Histogram("quantserve_request_duration_seconds", "Arrival to the end of a request.",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("quantserve_generated_tokens", "Tokens generated.", registry=r)
+        self.prompt_tokens = Counter("quantserve_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.requests = Counter("quantserve_requests", "Requests by transport and outcome (length, stop, "
+                                "cancelled, error, invalid, overloaded, unavailable, deadline, unauthenticated, "
+                                "internal).", ["transport", "outcome"], registry=r)
+        totals = engine.totals
+        Gauge("quantserve_queue_depth", "Accepted requests waiting for KV blocks or a batch slot.",
+              registry=r).set_function(lambda: totals().queued)
+        Gauge("quantserve_running_requests", "Requests in the running batch.",
+              registry=r).set_function(lambda: totals().running)
+        Gauge("quantserve_kv_pool_capacity_bytes", "The preallocated KV pool.",
+              registry=r).set_function(lambda: totals().kv_capacity_bytes)
+        Gauge("quantserve_kv_pool_used_bytes", "KV blocks reserved by running requests.",
+              registry=r).set_function(lambda: totals().kv_used_bytes)
+        Gauge("quantserve_weight_bytes", "Weights as held in memory.",
+              registry=r).set_function(lambda: totals().weight_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

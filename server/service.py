@@ -1,0 +1,208 @@
+"""What both transports share: limits, the one error mapping, auth, metrics and the per-request log line.
+
+The gRPC and HTTP handlers are thin: they convert their wire format to (prompt, SamplingParams), call
+:meth:`Service.run`, convert the events back, and hand any exception to :func:`classify`, which is the only
+place that decides what an error becomes on the wire (status code, message). No torch here: the engine
+runs on its own thread and hands back plain events (server/outputs.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator
+
+from server import outputs as out
+from server.engine import Engine
+from server.metrics import Metrics
+from server.outputs import EngineClosedError, Event, OverloadedError, RequestError
+from server.sampling import SamplingParams, SamplingParamsError
+
+log = logging.getLogger("quantserve.service")
+request_log = logging.getLogger("quantserve.requests")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits of a server (on top of the engine's own: context length, KV pool)."""
+
+    max_prompt_tokens: int | None = None  # None: the model's context length
+    max_new_tokens: int = 4096
+    max_request_bytes: int = 4 * 2**20  # one request message / body
+    max_stop: int = 16  # stop sequences per request (SamplingParams allows at most 16)
+
+    def validate(self) -> "Limits":
+        for name in ("max_new_tokens", "max_request_bytes", "max_stop"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens < 1):
+            raise ValueError(f"--max-prompt-tokens must be an integer >= 1, got {self.max_prompt_tokens!r}")
+        return self
+
+
+class AuthError(PermissionError):
+    """Missing or wrong API key. UNAUTHENTICATED / HTTP 401."""
+
+
+class DeadlineError(TimeoutError):
+    """The caller's deadline passed; the request was cancelled in the engine. DEADLINE_EXCEEDED / HTTP 504."""
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    outcome: str  # metrics label and log outcome
+    grpc_code: str  # grpc.StatusCode member name
+    http_status: int
+    message: str
+    param: str | None = None
+
+
+def classify(exc: BaseException) -> ErrorKind:
+    """The one mapping from an exception to what a client is told. Unknown exceptions become an opaque
+    INTERNAL / 500; their traceback goes to the log, never to the client."""
+    if isinstance(exc, (SamplingParamsError, RequestError)):
+        return ErrorKind("invalid", "INVALID_ARGUMENT", 400, str(exc), exc.param)
+    if isinstance(exc, OverloadedError):
+        return ErrorKind("overloaded", "RESOURCE_EXHAUSTED", 429, str(exc))
+    if isinstance(exc, EngineClosedError):
+        return ErrorKind("unavailable", "UNAVAILABLE", 503, str(exc))
+    if isinstance(exc, AuthError):
+        return ErrorKind("unauthenticated", "UNAUTHENTICATED", 401, str(exc))
+    if isinstance(exc, DeadlineError):
+        return ErrorKind("deadline", "DEADLINE_EXCEEDED", 504, str(exc))
+    log.error("internal error", exc_info=exc)
+    return ErrorKind("internal", "INTERNAL", 500, "internal error (details are in the server log)")
+
+
+class Service:
+    """One engine behind both transports."""
+
+    def __init__(self, engine: Engine, limits: Limits = Limits(), api_key: str | None = None,
+                 metrics: Metrics | None = None):
+        self.engine = engine
+        self.limits = limits.validate()
+        self._api_key = api_key.encode() if api_key else None
+        self.metrics = metrics or Metrics(engine)
+        self.draining = False
+        self._token_text: dict[int, str] = {}
+        info = engine.info
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or info.context_length, info.context_length)
+
+    # ------------------------------------------------------------------------------------ checks
+
+    def check_auth(self, authorization: str | None) -> None:
+        """``authorization`` is the header / metadata value; "Bearer KEY" when a key is configured."""
+        if self._api_key is None:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self._api_key):
+            raise AuthError("missing or invalid API key (send 'authorization: Bearer KEY')")
+
+    def check_accepting(self) -> None:
+        if self.draining or not self.engine.accepting:
+            raise EngineClosedError("the server is draining and takes no new requests")
+
+    def check_params(self, params: SamplingParams) -> None:
+        if params.max_new_tokens > self.limits.max_new_tokens:
+            raise RequestError("max_new_tokens", f"max_new_tokens must be <= {self.limits.max_new_tokens} on this "
+                                                 f"server, got {params.max_new_tokens}")
+        if len(params.stop) > self.limits.max_stop:
+            raise RequestError("stop", f"at most {self.limits.max_stop} stop sequences, got {len(params.stop)}")
+
+    # ------------------------------------------------------------------------------------ requests
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (tokenized off the event loop) or checked ids, within the limits."""
+        if isinstance(prompt, str):
+            if len(prompt.encode("utf-8", "surrogatepass")) > self.limits.max_request_bytes:
+                raise RequestError("prompt", f"prompt is larger than {self.limits.max_request_bytes} bytes")
+            ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
+        else:
+            ids = list(prompt)
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestError("prompt", f"prompt has {len(ids)} tokens; this server takes at most "
+                                         f"{self.max_prompt_tokens}")
+        return ids
+
+    async def run(self, prompt: str | list[int], params: SamplingParams, transport: str,
+                  request_id: str | None = None) -> AsyncIterator[Event]:
+        """The request's events; raises the engine's errors (see :func:`classify`) before the first event.
+        A final event cancelled by the server's shutdown is raised as EngineClosedError. Leaving the iteration
+        early cancels the request in the engine (and frees its KV blocks)."""
+        t0 = time.monotonic()
+        outcome, first, last_tok_at, n_tokens, n_prompt, rid = "error", None, None, 0, 0, request_id
+        try:
+            self.check_accepting()
+            self.check_params(params)
+            ids = await self.prompt_ids(prompt)
+            n_prompt = len(ids)
+            async for ev in self.engine.generate(ids, params, request_id):
+                rid = ev.request_id
+                now = time.monotonic()
+                if ev.token_ids:
+                    if first is None:
+                        first = now
+                        self.metrics.ttft.observe(now - t0)
+                    elif last_tok_at is not None:
+                        gap = (now - last_tok_at) / len(ev.token_ids)
+                        for _ in ev.token_ids:
+                            self.metrics.itl.observe(gap)
+                    last_tok_at = now
+                    n_tokens += len(ev.token_ids)
+                    self.metrics.tokens.inc(len(ev.token_ids))
+                if ev.finished:
+                    outcome = ev.finish_reason or "error"
+                    if ev.finish_reason == out.CANCELLED and ev.error:
+                        outcome = "unavailable"
+                        yield Event(ev.request_id, ev.seed, ev.text, ev.token_ids, ev.logprobs, ev.trace)
+                        raise EngineClosedError(f"the server stopped before the request finished ({ev.error})")
+                    if ev.finish_reason == out.ERROR:
+                        raise RuntimeError(f"engine error in request {ev.request_id}: {ev.error}")
+                yield ev
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except BaseException as e:
+            if outcome not in ("unavailable",):
+                outcome = classify(e).outcome if isinstance(e, Exception) else "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(transport=transport, outcome=outcome).inc()
+            self.metrics.prompt_tokens.inc(n_prompt)
+            self.metrics.duration.observe(time.monotonic() - t0)
+            request_log.info(json.dumps({
+                "request_id": rid, "transport": transport, "outcome": outcome, "prompt_tokens": n_prompt,
+                "completion_tokens": n_tokens, "ttft_s": None if first is None else round(first - t0, 4),
+                "duration_s": round(time.monotonic() - t0, 4),
+            }))
+
+    async def complete(self, prompt, params: SamplingParams, transport: str,
+                       request_id: str | None = None) -> out.Completion:
+        return out.collect([ev async for ev in self.run(prompt, params, transport, request_id)])
+
+    async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
+        ids = await self.prompt_ids(text)
+        return ids, [self.token_text(i) for i in ids]
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own (cached; for logprobs and traces)."""
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.engine.token_text(token_id)
+        return s
+
+    def info(self) -> dict:
+        i = self.engine.info
+        return {
+            "model": i.model, "scheme": i.scheme, "dtype": i.dtype, "device": i.device, "attention": i.attention,
+            "context_length": i.context_length, "vocab_size": i.vocab_size,
+            "kv_bytes_per_token": i.kv_bytes_per_token, "glue_ops": i.glue_ops,
+            "memory": asdict(self.engine.totals()),
+            "max_new_tokens_limit": self.limits.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
+        }

@@ -1,0 +1,346 @@
+"""End-to-end: the real server (gRPC + HTTP over one engine) on free loopback ports, driven by real clients:
+httpx, the official openai package, grpc stubs, the health and reflection clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from quantserve.v1 import inference_pb2 as pb
+from quantserve.v1 import inference_pb2_grpc as pb_grpc
+from server.engine import Engine, EngineConfig
+from server.serve import ServeConfig, run
+from server.service import Limits
+
+
+class Running:
+    def __init__(self, engine: Engine, cfg: ServeConfig):
+        self.engine, self.cfg = engine, cfg
+        self.ports: dict = {}
+        self._ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.stop = None
+        self.rc = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        assert self._ready.wait(60), "server did not start"
+
+    def _main(self):
+        asyncio.set_event_loop(self.loop)
+        self.stop = asyncio.Event()
+
+        def ready(ports):
+            self.ports.update(ports)
+            self._ready.set()
+
+        self.rc = self.loop.run_until_complete(run(self.cfg, self.engine, ready=ready, stop=self.stop))
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def shutdown(self):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+
+
+def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), **engine_kw) -> Running:
+    ecfg = EngineConfig(**{"memory_budget": "4MiB", "dtype": "float32", "max_prefill_tokens": 64, **engine_kw})
+    engine = Engine.from_path(str(tiny_model_dir), ecfg, cache_dir)
+    cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=2.0, api_key=api_key,
+                      engine=ecfg, limits=limits)
+    return Running(engine, cfg)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, cache_dir):
+    s = start(tiny_model_dir, cache_dir)
+    yield s
+    s.shutdown()
+    assert s.rc == 0
+
+
+@pytest.fixture(autouse=True)
+def _pool_back_to_zero(request):
+    yield
+    if "server" in request.fixturenames:
+        eng = request.getfixturevalue("server").engine
+        end = time.monotonic() + 20
+        while time.monotonic() < end and (eng.pool.used_blocks or eng.scheduler.has_work):
+            time.sleep(0.01)
+        assert eng.pool.used_blocks == 0 and eng.pool.stats()["requests"] == 0
+
+
+def stub(server):
+    return pb_grpc.InferenceStub(grpc.insecure_channel(server.grpc_target))
+
+
+# ------------------------------------------------------------------------------------------------ HTTP
+
+
+def test_http_completion_matches_the_engine_and_reports_seed_usage_memory(server):
+    body = {"prompt": "The city of", "max_tokens": 12, "temperature": 0.8, "top_k": 40, "seed": 7}
+    r = httpx.post(server.http + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    j = r.json()
+    from server.sampling import SamplingParams
+
+    ref = server.engine.complete("The city of", SamplingParams(temperature=0.8, top_k=40, seed=7, max_new_tokens=12))
+    assert j["choices"][0]["text"] == ref.text and j["seed"] == 7
+    assert j["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert j["usage"]["prompt_tokens"] == j["memory"]["prompt_tokens"]
+    assert j["memory"]["kv_bytes_reserved"] > 0 and j["memory"]["engine"]["kv_capacity_bytes"] > 0
+    assert j["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_http_stream_equals_the_unary_result(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "seed": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, usage, memory, done = [], None, None, False
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if chunk["choices"]:
+                text.append(chunk["choices"][0]["text"])
+                memory = chunk.get("memory") or memory
+            else:
+                usage = chunk["usage"]
+    unary = httpx.post(server.http + "/v1/completions", json={**body, "stream": False}, timeout=60).json()
+    assert done and "".join(text) == unary["choices"][0]["text"]
+    assert usage == unary["usage"] and memory["kv_bytes_reserved"] == unary["memory"]["kv_bytes_reserved"]
+
+
+def test_openai_client_completions_chat_and_streaming(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert len(models.data) == 1
+    c = client.completions.create(model=models.data[0].id, prompt="Hello", max_tokens=5, temperature=0,
+                                  logprobs=2)
+    assert c.usage.completion_tokens == len(c.choices[0].logprobs.tokens)
+    assert all(len(t) <= 2 for t in c.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=6, temperature=0.7, seed=11, extra_body={"top_k": 20},
+                                          logprobs=True, top_logprobs=3)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.model_extra["seed"] == 11 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi there"}],
+                                            max_tokens=6, temperature=0.7, seed=11, extra_body={"top_k": 20},
+                                            stream=True)
+    parts = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+    assert "".join(parts) == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -3}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, "max_new_tokens"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": "word " * 600}, "prompt"),
+    ({}, "prompt"),
+])
+def test_http_invalid_requests_get_400_naming_the_parameter(server, body, param):
+    r = httpx.post(server.http + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split("_")[0] in err["message"]
+
+
+def test_http_malformed_json_and_health_and_metrics(server):
+    r = httpx.post(server.http + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert httpx.get(server.http + "/health").json() == {"status": "ok"}
+    httpx.post(server.http + "/v1/completions", json={"prompt": "m", "max_tokens": 3}, timeout=30)
+    m = httpx.get(server.http + "/metrics").text
+    for name in ("quantserve_time_to_first_token_seconds_bucket", "quantserve_inter_token_latency_seconds",
+                 "quantserve_generated_tokens_total", "quantserve_requests_total", "quantserve_queue_depth",
+                 "quantserve_kv_pool_capacity_bytes", "quantserve_kv_pool_used_bytes"):
+        assert name in m
+    assert 'outcome="invalid"' in m
+
+
+# ------------------------------------------------------------------------------------------------ gRPC
+
+
+def test_grpc_generate_stream_tokenize_info(server):
+    s = stub(server)
+    req = pb.GenerateRequest(prompt="The river", sampling=pb.SamplingParameters(temperature=0.9, seed=5,
+                                                                              max_new_tokens=10, logprobs=2, trace=3))
+    r = s.Generate(req, timeout=60)
+    assert r.final.seed == 5 and r.final.usage.completion_tokens == len(r.token_ids)
+    assert r.final.memory.kv_bytes_reserved > 0 and r.final.memory.engine.kv_capacity_bytes > 0
+    assert len(r.logprobs) == len(r.token_ids) and len(r.trace) == len(r.token_ids)
+    assert all(len(t.after_temperature) <= 3 for t in r.trace)
+    msgs = list(s.GenerateStream(req, timeout=60))
+    assert "".join(m.text for m in msgs) == r.text and msgs[-1].final.finish_reason == r.final.finish_reason
+    assert [t for m in msgs for t in m.token_ids] == list(r.token_ids)
+    tk = s.Tokenize(pb.TokenizeRequest(text="The river"), timeout=10)
+    assert list(tk.token_ids) == server.engine.tokenize("The river") and len(tk.tokens) == len(tk.token_ids)
+    info = s.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info.attention == "sdpa" and info.device == "cpu" and info.memory.kv_capacity_bytes > 0
+
+
+@pytest.mark.parametrize("sampling,param", [
+    (pb.SamplingParameters(top_p=2.0), "top_p"),
+    (pb.SamplingParameters(temperature=float("nan")), "temperature"),
+    (pb.SamplingParameters(seed=-1), "seed"),
+    (pb.SamplingParameters(max_new_tokens=100000), "max_new_tokens"),
+    (pb.SamplingParameters(logprobs=21), "logprobs"),
+])
+def test_grpc_invalid_argument_names_the_parameter(server, sampling, param):
+    with pytest.raises(grpc.RpcError) as e:
+        stub(server).Generate(pb.GenerateRequest(prompt="x", sampling=sampling), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
+
+
+def test_grpc_deadline_and_cancel_free_the_kv_blocks(server):
+    s = stub(server)
+    long = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(max_new_tokens=400, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as e:
+        s.Generate(long, timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    it = s.GenerateStream(long, timeout=60)
+    next(it)
+    it.cancel()  # the autouse fixture then waits for the pool to be empty
+
+
+def test_grpc_health_and_reflection(server):
+    ch = grpc.insecure_channel(server.grpc_target)
+    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="quantserve.v1.Inference"))
+    assert h.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    rs = reflection_pb2_grpc.ServerReflectionStub(ch)
+    resp = next(rs.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"quantserve.v1.Inference", "grpc.health.v1.Health"} <= names
+
+
+# ------------------------------------------------------------------------------------------------ auth, load, drain
+
+
+def test_api_key_on_both_transports(tiny_model_dir, cache_dir):
+    s = start(tiny_model_dir, cache_dir, api_key="s3cret")
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(s.http + "/v1/completions", json=body).status_code == 401
+        bad = httpx.post(s.http + "/v1/completions", json=body, headers={"authorization": "Bearer nope"})
+        assert bad.status_code == 401
+        ok = httpx.post(s.http + "/v1/completions", json=body, headers={"authorization": "Bearer s3cret"}, timeout=30)
+        assert ok.status_code == 200
+        assert httpx.get(s.http + "/health").status_code == 200  # probes need no key
+        st = stub(s)
+        with pytest.raises(grpc.RpcError) as e:
+            st.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert st.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=[("authorization", "Bearer s3cret")]).model
+    finally:
+        s.shutdown()
+    assert s.rc == 0
+
+
+def test_overload_is_429_and_resource_exhausted(tiny_model_dir, cache_dir):
+    from server.sampling import SamplingParams
+
+    s = start(tiny_model_dir, cache_dir, max_queue=1, max_batch=1)
+    gate, entered = threading.Event(), threading.Event()
+
+    def blocking_sink(ev):  # holds the engine thread on A's first event, so B stays queued
+        entered.set()
+        gate.wait(30)
+
+    try:
+        s.engine.submit("x", SamplingParams(max_new_tokens=3), blocking_sink)
+        assert entered.wait(30)
+        done = []
+        s.engine.submit("x", SamplingParams(max_new_tokens=3), lambda ev: ev.finished and done.append(ev))
+        r = httpx.post(s.http + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429 and "overloaded" in r.json()["error"]["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            stub(s).Generate(pb.GenerateRequest(prompt="x"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        gate.set()
+        assert httpx.post(s.http + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).is_success
+    finally:
+        gate.set()
+        s.shutdown()
+    assert s.rc == 0 and s.engine.pool.used_blocks == 0
+
+
+def test_drain_cancels_what_is_left_after_the_grace_period_with_unavailable(tiny_model_dir, cache_dir):
+    s = start(tiny_model_dir, cache_dir)
+    s.cfg = ServeConfig(**{**s.cfg.__dict__, "grace_s": 0.0})  # read at drain time
+    st = stub(s)
+    it = st.GenerateStream(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(
+        max_new_tokens=450, ignore_eos=True)), timeout=60)
+    next(it)
+    s.loop.call_soon_threadsafe(s.stop.set)
+    with pytest.raises(grpc.RpcError) as e:
+        for m in it:
+            assert not m.HasField("final")  # it cannot finish: the engine cancels it at once
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    s.thread.join(60)
+    assert s.rc == 0 and s.engine.pool.used_blocks == 0
+
+
+def test_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
+    """The real command in its own process: SIGTERM during a request, health goes NOT_SERVING, exit 0."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "quant.cli", "serve", str(tiny_model_dir), "--grpc-port", "0",
+                             "--http-port", "0", "--dtype", "float32", "--memory-budget", "4MiB", "--grace", "20"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ports = None
+        for line in proc.stderr:
+            m = re.search(r"grpc on [\d.]+:(\d+), http on [\d.]+:(\d+)", line)
+            if m:
+                ports = int(m.group(1)), int(m.group(2))
+                break
+        assert ports, "no 'serving' line"
+        ch = grpc.insecure_channel(f"127.0.0.1:{ports[0]}")
+        st = pb_grpc.InferenceStub(ch)
+        it = st.GenerateStream(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(
+            max_new_tokens=200, ignore_eos=True)), timeout=60)
+        first = next(it)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert httpx.get(f"http://127.0.0.1:{ports[1]}/health").status_code == 503
+        msgs = [first, *it]  # the in-flight request still completes within the grace period
+        assert msgs[-1].final.finish_reason == "length"
+        assert sum(len(m.token_ids) for m in msgs) == 200
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
