@@ -28,8 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 
 def activation_rows(eng) -> list[dict]:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     from quant.memory import MemoryTracker
     from server.runner import build_step
 
@@ -41,11 +39,7 @@ def activation_rows(eng) -> list[dict]:
         if past:
             eng.runner.forward(build_step([], [(ids[:past], 0, table, False)], eng.layout.block_size, eng.device))
         step = build_step([], [(ids[past:], past, table, True)], eng.layout.block_size, eng.device)
-        mt = MemoryTracker()
-        # The pool's storage existed before the step (ops return views of it): not an activation.
-        st = eng.pool.storage.untyped_storage()
-        mt.live[st.data_ptr()] = (StorageWeakRef(st), 0)
-        with mt:
+        with MemoryTracker().exclude(eng.pool.storage) as mt:  # the pool existed before: not an activation
             eng.runner.forward(step)
         est = eng.activation_estimate(chunk, past)
         rows.append({"chunk": chunk, "past": past, "estimate": est, "measured": mt.peak, "ratio": est / mt.peak})

@@ -143,9 +143,11 @@ class GPTQLinear(WeightOnlyLinear):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
 
-    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
-        if self._packed is None:
-            return None
+    def kernel_runs(self, rows: int, dtype: torch.dtype) -> bool:
+        # No repacked weight: a group size without a kernel, or a part whose fused module holds the pack.
+        return self._packed is not None and super().kernel_runs(rows, dtype)
+
+    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         sz = self._scales_and_zeros(x2.dtype)
         if x2.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, sz)

@@ -32,8 +32,12 @@ class WeightOnlyLinear(nn.Module):
     max_kernel_rows: int
     bias: nn.Parameter | None
 
-    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor | None:
-        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel, or None when it cannot run."""
+    def kernel_runs(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether an input of this many rows and this dtype goes to the low-bit kernel (else: dequantize)."""
+        return dtype in (torch.bfloat16, torch.float16) and rows <= self.max_kernel_rows
+
+    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when kernel_runs)."""
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -42,10 +46,9 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        y = None
-        if x.dtype in (torch.bfloat16, torch.float16) and x2.shape[0] <= self.max_kernel_rows:
+        if self.kernel_runs(x2.shape[0], x.dtype):
             y = self._kernel_matmul(x2.contiguous())
-        if y is None:
+        else:
             y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -355,6 +355,14 @@ class MemoryTracker:
                     self.current += st.nbytes()
         self.peak = max(self.peak, self.current)
 
+    def exclude(self, t: torch.Tensor) -> "MemoryTracker":
+        """Leave out a storage that existed before the region (ops that return views of it create nothing)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        st = t.untyped_storage()
+        self.live[st.data_ptr()] = (StorageWeakRef(st), 0)
+        return self
+
     def __enter__(self) -> "MemoryTracker":
         self._mode.__enter__()
         return self

@@ -323,16 +323,11 @@ class ModelRunner:
             b = torch.empty((), dtype=self.dtype).element_size()
             for role, mods in self.projections.items():
                 extra = [max(w, d - rows * m.out_features * b) for m in mods
-                         if isinstance(m, WeightOnlyLinear) and not self._kernel_runs(m, rows)
+                         if isinstance(m, WeightOnlyLinear) and not m.kernel_runs(rows, self.dtype)
                          for d, w in [self._dequant_peak(m)]]
                 out[role] = max(extra, default=0)
             self._transients[rows] = out
         return self._transients[rows]
-
-    def _kernel_runs(self, m: WeightOnlyLinear, rows: int) -> bool:
-        if rows > m.max_kernel_rows or self.dtype not in (torch.bfloat16, torch.float16):
-            return False
-        return getattr(m, "_packed", True) is not None  # GPTQ layers whose group size has no kernel
 
     def _dequant_peak(self, m: WeightOnlyLinear) -> tuple[int, int]:
         """(peak bytes while dequantizing, bytes of the dequantized weight) for m's shape and class."""
@@ -353,14 +348,10 @@ def _bind(mod: nn.Module):
         w, b = mod.weight, mod.bias
         return lambda x: F.linear(x, w, b)
     if isinstance(mod, WeightOnlyLinear) and mod.bias is None:
-        kernel, rows = mod._kernel_matmul, mod.max_kernel_rows
+        kernel, runs = mod._kernel_matmul, mod.kernel_runs
 
         def call(x: Tensor) -> Tensor:
-            if x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16):
-                y = kernel(x)
-                if y is not None:
-                    return y
-            return mod(x)
+            return kernel(x) if runs(x.shape[0], x.dtype) else mod(x)
 
         return call
     return mod

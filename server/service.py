@@ -63,9 +63,10 @@ class ErrorKind:
     param: str | None = None
 
 
-def classify(exc: BaseException) -> ErrorKind:
+def classify(exc: BaseException, log_internal: bool = True) -> ErrorKind:
     """The one mapping from an exception to what a client is told. Unknown exceptions become an opaque
-    INTERNAL / 500; their traceback goes to the log, never to the client."""
+    INTERNAL / 500; their traceback goes to the log (once: by the transport that answers), never to the
+    client."""
     if isinstance(exc, (SamplingParamsError, RequestError)):
         return ErrorKind("invalid", "INVALID_ARGUMENT", 400, str(exc), exc.param)
     if isinstance(exc, OverloadedError):
@@ -76,7 +77,8 @@ def classify(exc: BaseException) -> ErrorKind:
         return ErrorKind("unauthenticated", "UNAUTHENTICATED", 401, str(exc))
     if isinstance(exc, DeadlineError):
         return ErrorKind("deadline", "DEADLINE_EXCEEDED", 504, str(exc))
-    log.error("internal error", exc_info=exc)
+    if log_internal:
+        log.error("internal error", exc_info=exc)
     return ErrorKind("internal", "INTERNAL", 500, "internal error (details are in the server log)")
 
 
@@ -165,12 +167,11 @@ class Service:
                     if ev.finish_reason == out.ERROR:
                         raise RuntimeError(f"engine error in request {ev.request_id}: {ev.error}")
                 yield ev
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+        except Exception as e:
+            outcome = classify(e, log_internal=False).outcome  # the transport logs it when it answers
             raise
-        except BaseException as e:
-            if outcome not in ("unavailable",):
-                outcome = classify(e).outcome if isinstance(e, Exception) else "cancelled"
+        except BaseException:  # task cancelled (client gone, deadline) or the generator closed early
+            outcome = "cancelled"
             raise
         finally:
             self.metrics.requests.labels(transport=transport, outcome=outcome).inc()

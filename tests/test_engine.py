@@ -174,12 +174,7 @@ def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_
 
 def measured_step_peak(runner, step, pool) -> int:
     """Live tensor bytes at the peak of one runner step, not counting the KV pool (it existed before)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    mt = MemoryTracker()
-    st = pool.storage.untyped_storage()
-    mt.live[st.data_ptr()] = (StorageWeakRef(st), 0)
-    with mt:
+    with MemoryTracker().exclude(pool.storage) as mt:
         runner.forward(step)
     return mt.peak
 

@@ -55,10 +55,10 @@ class Running:
         self.thread.join(60)
 
 
-def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), **engine_kw) -> Running:
+def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), grace_s=2.0, **engine_kw) -> Running:
     ecfg = EngineConfig(**{"memory_budget": "4MiB", "dtype": "float32", "max_prefill_tokens": 64, **engine_kw})
     engine = Engine.from_path(str(tiny_model_dir), ecfg, cache_dir)
-    cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=2.0, api_key=api_key,
+    cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=grace_s, api_key=api_key,
                       engine=ecfg, limits=limits)
     return Running(engine, cfg)
 
@@ -293,8 +293,7 @@ def test_overload_is_429_and_resource_exhausted(tiny_model_dir, cache_dir):
 
 
 def test_drain_cancels_what_is_left_after_the_grace_period_with_unavailable(tiny_model_dir, cache_dir):
-    s = start(tiny_model_dir, cache_dir)
-    s.cfg = ServeConfig(**{**s.cfg.__dict__, "grace_s": 0.0})  # read at drain time
+    s = start(tiny_model_dir, cache_dir, grace_s=0.0)
     st = stub(s)
     it = st.GenerateStream(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(
         max_new_tokens=450, ignore_eos=True)), timeout=60)
