@@ -343,3 +343,22 @@ def test_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "nope.pem", "--tls-key", "nope.key"], "no such file"),
+    (["--grpc-port", "-1", "--http-port", "-1"], "nothing to serve"),
+    (["--http-port", "70000"], "--http-port must be in"),
+    (["--grace", "-1"], "--grace must be >= 0"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be an integer >= 1"),
+    (["--max-queue", "0"], "--max-queue must be an integer >= 1"),
+])
+def test_serve_refuses_bad_flags_before_loading_anything(capsys, args, msg):
+    from quant.cli import main
+
+    assert main(["serve", "/nonexistent/model", *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("quant serve: error:") and msg in err and len(err.splitlines()) == 1
