@@ -501,6 +501,8 @@ class Engine:
         lp = res.logprob.tolist() if batch.logprobs_n else None
         top = (res.top_logprobs[0].tolist(), res.top_logprobs[1].tolist()) if res.top_logprobs else None
         trace = {k: (ids.tolist(), pr.tolist()) for k, (ids, pr) in res.trace.items()} if res.trace else None
+        if trace is not None:
+            trace["stats"] = res.trace_stats.tolist()
         now = time.monotonic()
         # Sinks run after the tokenizer lock is released: a slow sink must not hold up tokenization elsewhere.
         self._deferred = []
@@ -524,8 +526,10 @@ class Engine:
             logprobs = (TokenLogprob(tok, lp[i], alts),)
         steps = ()
         if p.trace is not None:
-            stage = {k: tuple(zip(ids[i][: p.trace], pr[i][: p.trace])) for k, (ids, pr) in trace.items()}
-            steps = (TraceStep(stage["temperature"], stage["top_k"], stage["top_p"]),)
+            stage = {k: tuple(zip(trace[k][0][i][: p.trace], trace[k][1][i][: p.trace]))
+                     for k in ("temperature", "top_k", "top_p")}
+            kk, kp, mk, mp, ent = trace["stats"][i]
+            steps = (TraceStep(stage["temperature"], stage["top_k"], stage["top_p"], int(kk), int(kp), mk, mp, ent),)
         detok, matcher = seq.state["detok"], seq.state["stop"]
         eos = tok in self.eos_ids and not p.ignore_eos
         text = "" if eos else detok.push(tok)

@@ -53,7 +53,9 @@ def _logprobs(svc: Service, lps: tuple[TokenLogprob, ...]) -> list[pb.TokenLogpr
 def _trace(svc: Service, steps: tuple[TraceStep, ...]) -> list[pb.TraceStep]:
     return [pb.TraceStep(after_temperature=_candidates(svc, t.temperature, "prob"),
                          after_top_k=_candidates(svc, t.top_k, "prob"),
-                         after_top_p=_candidates(svc, t.top_p, "prob")) for t in steps]
+                         after_top_p=_candidates(svc, t.top_p, "prob"), kept_top_k=t.kept_top_k,
+                         kept_top_p=t.kept_top_p, mass_top_k=t.mass_top_k, mass_top_p=t.mass_top_p,
+                         entropy=t.entropy) for t in steps]
 
 
 def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:

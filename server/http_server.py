@@ -113,7 +113,8 @@ def _trace(svc: Service, steps) -> list[dict]:
         return [{"token_id": i, "token": svc.token_text(i), "prob": p} for i, p in pairs]
 
     return [{"after_temperature": cands(t.temperature), "after_top_k": cands(t.top_k),
-             "after_top_p": cands(t.top_p)} for t in steps]
+             "after_top_p": cands(t.top_p), "kept_top_k": t.kept_top_k, "kept_top_p": t.kept_top_p,
+             "mass_top_k": t.mass_top_k, "mass_top_p": t.mass_top_p, "entropy": t.entropy} for t in steps]
 
 
 def _completion_logprobs(svc: Service, lps, offset0: int = 0) -> dict:

@@ -75,6 +75,12 @@ class TraceStep:
     temperature: tuple[tuple[int, float], ...]
     top_k: tuple[tuple[int, float], ...]
     top_p: tuple[tuple[int, float], ...]
+    # Exact over the whole vocabulary, unlike the top-N lists: what each control removed.
+    kept_top_k: int  # tokens that survived top-k (the vocabulary size when top-k is off)
+    kept_top_p: int  # tokens that survived top-k and top-p: the support of the draw
+    mass_top_k: float  # probability after temperature of the tokens top-k kept
+    mass_top_p: float  # ... of the tokens top-p kept as well
+    entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
 
 
 @dataclass(frozen=True)

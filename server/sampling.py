@@ -203,6 +203,10 @@ class SampleOutput:
     logprob: Tensor  # (B,) fp32: log-prob of the chosen token under log_softmax(raw logits), like vLLM's default
     top_logprobs: tuple[Tensor, Tensor] | None  # ids (B, N) int64, logprobs (B, N) fp32 of the raw distribution
     trace: dict[str, tuple[Tensor, Tensor]] | None  # "temperature"/"top_k"/"top_p": ids (B, N), probs (B, N)
+    # Exact over the whole vocabulary (the top-N above is not), with a trace only; (B, 5) float64 columns:
+    # tokens top-k kept, tokens top-p kept, temperature-stage mass top-k kept, mass top-p kept, entropy (nats)
+    # of the distribution the token was drawn from. Greedy rows: 1, 1, 1, 1, 0.
+    trace_stats: Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------- random stream
@@ -286,7 +290,7 @@ def apply_penalty(logits: Tensor, penalty: Tensor, history: Tensor | None) -> Te
 
 
 def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
-    """Steps 1-5 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages or None)."""
+    """Steps 1-5 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages, trace stats)."""
     x = apply_penalty(logits.float(), batch.repetition_penalty, batch.history)  # (B, V)
     B, V = x.shape
     greedy = batch.temperature == 0  # (B,)
@@ -297,7 +301,7 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     x = x / t[:, None]  # (B, V)
     if not (batch.any_filter or want_trace):
         probs = torch.where(greedy[:, None], onehot, torch.softmax(x, -1))  # (B, V)
-        return probs, greedy_tok, None
+        return probs, greedy_tok, None, None
 
     # One stable descending sort serves top-k, top-p and the trace (every stage keeps this order).
     vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)  # (B, V) each
@@ -315,18 +319,24 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)  # (B, V) back to vocab order
     probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)  # (B, V) step 5's renormalisation
     probs = torch.where(greedy[:, None], onehot, probs)  # (B, V)
-    stages = None
+    stages = stats = None
     if want_trace:
         n = min(batch.trace_n, V)
         first = torch.zeros(B, n, dtype=torch.float32, device=x.device)  # (B, N) greedy: all mass on sorted[0]
         first[:, 0] = 1.0
         g = greedy[:, None]  # (B, 1)
         pp = torch.softmax(vals.masked_fill(~keep_sorted, -math.inf), -1)  # (B, V) top-p stage, sorted
+        pt = torch.softmax(vals, -1)  # (B, V) temperature stage, sorted
         stages = {
             name: (idx[:, :n], torch.where(g, first, dist[:, :n]))  # (B, N) ids, (B, N) probs
-            for name, dist in (("temperature", torch.softmax(vals, -1)), ("top_k", pk), ("top_p", pp))
+            for name, dist in (("temperature", pt), ("top_k", pk), ("top_p", pp))
         }
-    return probs, greedy_tok, stages
+        stats = torch.stack([keep_k.sum(-1).double(), keep_sorted.sum(-1).double(),
+                             (pt * keep_k).sum(-1).double(), (pt * keep_sorted).sum(-1).double(),
+                             torch.special.entr(probs).sum(-1).double()], -1)  # (B, 5)
+        greedy_stats = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64, device=x.device)  # (5,)
+        stats = torch.where(g, greedy_stats, stats)  # (B, 5)
+    return probs, greedy_tok, stages, stats
 
 
 def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -348,7 +358,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.seeds.shape[0], "logits must be (B, V)"
     raw = torch.log_softmax(logits.float(), -1)  # (B, V) the model's own distribution, for logprobs
-    probs, greedy_tok, stages = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
+    probs, greedy_tok, stages, stats = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
     if batch.all_greedy:
         tokens = greedy_tok
     else:
@@ -361,7 +371,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     if batch.logprobs_n > 0:
         top_lp, top_ids = raw.topk(min(batch.logprobs_n, raw.shape[1]), dim=-1)  # (B, N) each
         top = (top_ids, top_lp)
-    return SampleOutput(tokens=tokens, logprob=logprob, top_logprobs=top, trace=stages)
+    return SampleOutput(tokens=tokens, logprob=logprob, top_logprobs=top, trace=stages, trace_stats=stats)
 
 
 # ---------------------------------------------------------------------------------------------- reference

@@ -337,6 +337,10 @@ def test_logprobs_and_trace(engine, hf_model, tok):
         kept = [i for i, pr in tr.top_p if pr > 0]
         assert t in kept  # the drawn token survived every stage
         assert sum(pr for _, pr in tr.top_p) == pytest.approx(1.0, abs=1e-5)
+        assert tr.kept_top_k == 4 and 1 <= tr.kept_top_p <= 4 == sum(pr > 0 for _, pr in tr.top_k)
+        assert tr.kept_top_p == len(kept) and 0 < tr.mass_top_p <= tr.mass_top_k <= 1
+        assert tr.mass_top_k == pytest.approx(sum(pr for _, pr in tr.temperature[:4]), rel=1e-5)
+        assert 0 <= tr.entropy <= math.log(tr.kept_top_p) + 1e-6
 
 
 def test_accounting_matches_the_formula(engine, tok):

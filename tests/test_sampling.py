@@ -496,9 +496,19 @@ def test_logprobs_and_trace_outputs():
         mass = [k_mass[int(s)] for s in survivors]
         assert sum(mass) >= p.top_p - 1e-6, "top-p survivors reach p"
         assert sum(mass[:-1]) < p.top_p, "and are the smallest such prefix"
+        # The stats are exact over the vocabulary: compare with the plain per-step references.
+        after_k = ref_top_k(ref_temperature(pen, p.temperature), p.top_k)
+        after_p = ref_top_p(after_k, p.top_p)
+        kk, kp, mk, mp, ent = out.trace_stats[b].tolist()
+        assert (kk, kp) == (int((after_k > -math.inf).sum()), int((after_p > -math.inf).sum()))
+        assert math.isclose(mk, float(t_probs[after_k > -math.inf].sum()), rel_tol=1e-5)
+        assert math.isclose(mp, float(t_probs[after_p > -math.inf].sum()), rel_tol=1e-5)
+        q = reference_filter(logits[b], p, histories[b])
+        assert math.isclose(ent, float(-(q[q > 0] * q[q > 0].log()).sum()), rel_tol=1e-4)
+    assert out.trace_stats.shape == (4, 5) and out.trace_stats[3].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
     # Only a chosen-token logprob asked for: no top list; nothing asked: no trace.
     out = sample(logits[:1], _batch([SamplingParams(logprobs=0)]))
-    assert out.top_logprobs is None and out.trace is None and out.logprob.shape == (1,)
+    assert out.top_logprobs is None and out.trace is None and out.trace_stats is None and out.logprob.shape == (1,)
 
 
 def test_reference_steps():

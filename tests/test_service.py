@@ -151,6 +151,14 @@ def test_grpc_generate_stream_tokenize_info(server):
     assert r.final.memory.kv_bytes_reserved > 0 and r.final.memory.engine.kv_capacity_bytes > 0
     assert len(r.logprobs) == len(r.token_ids) and len(r.trace) == len(r.token_ids)
     assert all(len(t.after_temperature) <= 3 for t in r.trace)
+    vocab = server.engine.info.vocab_size
+    assert all(t.kept_top_k == vocab and 1 <= t.kept_top_p == vocab and t.entropy > 0 for t in r.trace)
+    # HTTP carries the same trace for the same seed.
+    h = httpx.post(server.http + "/v1/completions", timeout=60, json={
+        "prompt": "The river", "max_tokens": 10, "temperature": 0.9, "seed": 5, "trace": 3}).json()
+    assert [[c["token_id"] for c in t["after_top_p"]] for t in h["trace"]] == \
+        [[c.token_id for c in t.after_top_p] for t in r.trace]
+    assert [t["entropy"] for t in h["trace"]] == pytest.approx([t.entropy for t in r.trace])
     msgs = list(s.GenerateStream(req, timeout=60))
     assert "".join(m.text for m in msgs) == r.text and msgs[-1].final.finish_reason == r.final.finish_reason
     assert [t for m in msgs for t in m.token_ids] == list(r.token_ids)

@@ -69,14 +69,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class TraceStep(_message.Message):
-    __slots__ = ("after_temperature", "after_top_k", "after_top_p")
+    __slots__ = ("after_temperature", "after_top_k", "after_top_p", "kept_top_k", "kept_top_p", "mass_top_k", "mass_top_p", "entropy")
     AFTER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MASS_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MASS_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
     after_temperature: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_k: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_p: _containers.RepeatedCompositeFieldContainer[Candidate]
-    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
+    kept_top_k: int
+    kept_top_p: int
+    mass_top_k: float
+    mass_top_p: float
+    entropy: float
+    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
