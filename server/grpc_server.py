@@ -35,9 +35,12 @@ def params_from_proto(s: pb.SamplingParameters) -> SamplingParams:
     return SamplingParams(stop=tuple(s.stop), **kw)
 
 
-def prompt_from_proto(req: pb.GenerateRequest) -> str | list[int]:
-    if req.prompt and req.prompt_ids:
-        raise RequestError("prompt", "give prompt or prompt_ids, not both")
+async def prompt_from_proto(svc: Service, req: pb.GenerateRequest) -> str | list[int]:
+    given = [n for n in ("prompt", "prompt_ids", "messages") if getattr(req, n)]
+    if len(given) > 1:
+        raise RequestError(given[1], f"give one of prompt, prompt_ids or messages, not {' and '.join(given)}")
+    if req.messages:
+        return await svc.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])
     return req.prompt if req.prompt else list(req.prompt_ids)
 
 
@@ -87,7 +90,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         params = params_from_proto(request.sampling)
-        c = await self.svc.complete(prompt_from_proto(request), params, "grpc", request.request_id or None)
+        prompt = await prompt_from_proto(self.svc, request)
+        c = await self.svc.complete(prompt, params, "grpc", request.request_id or None)
         return pb.GenerateResponse(request_id=c.request_id, text=c.text, token_ids=c.token_ids,
                                    logprobs=_logprobs(self.svc, c.logprobs), trace=_trace(self.svc, c.trace),
                                    final=final_to_proto(c))
@@ -95,7 +99,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GenerateStream(self, request, context):
         params = params_from_proto(request.sampling)
         ev: Event
-        async for ev in self.svc.run(prompt_from_proto(request), params, "grpc", request.request_id or None):
+        prompt = await prompt_from_proto(self.svc, request)
+        async for ev in self.svc.run(prompt, params, "grpc", request.request_id or None):
             yield pb.GenerateStreamResponse(
                 request_id=ev.request_id, seed=ev.seed, text=ev.text, token_ids=ev.token_ids,
                 logprobs=_logprobs(self.svc, ev.logprobs), trace=_trace(self.svc, ev.trace),

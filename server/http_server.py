@@ -8,7 +8,6 @@ min_tokens, ignore_eos (spelled as vLLM spells them), trace; every response adds
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -273,7 +272,7 @@ def create_app(svc: Service) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = params_from_body(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
-        prompt = await asyncio.to_thread(svc.engine.chat_prompt, messages)
+        prompt = await svc.chat_prompt(messages)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return await respond(prompt, params, body.stream, True, include_usage)
 

@@ -46,6 +46,9 @@ class Limits:
         return self
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 class AuthError(PermissionError):
     """Missing or wrong API key. UNAUTHENTICATED / HTTP 401."""
 
@@ -118,6 +121,19 @@ class Service:
             raise RequestError("stop", f"at most {self.limits.max_stop} stop sequences, got {len(params.stop)}")
 
     # ------------------------------------------------------------------------------------ requests
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template (off the event loop)."""
+        if not messages:
+            raise RequestError("messages", "messages must not be empty")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise RequestError("messages", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                                               f"got {m.get('role')!r}")
+        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        if size > self.limits.max_request_bytes:
+            raise RequestError("messages", f"messages are larger than {self.limits.max_request_bytes} bytes")
+        return await asyncio.to_thread(self.engine.chat_prompt, messages)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (tokenized off the event loop) or checked ids, within the limits."""

@@ -181,6 +181,28 @@ def test_grpc_invalid_argument_names_the_parameter(server, sampling, param):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
 
 
+def test_grpc_chat_uses_the_template_like_http(server):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = stub(server).Generate(pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in conv],
+        sampling=pb.SamplingParameters(temperature=0.7, seed=4, max_new_tokens=8)), timeout=60)
+    h = httpx.post(server.http + "/v1/chat/completions", timeout=60, json={
+        "messages": conv, "temperature": 0.7, "seed": 4, "max_tokens": 8}).json()
+    assert r.text == h["choices"][0]["message"]["content"]
+    assert r.final.usage.prompt_tokens == h["usage"]["prompt_tokens"] == len(server.engine.chat_prompt(conv))
+
+
+@pytest.mark.parametrize("req,param", [
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="x")]), "messages"),
+    (pb.GenerateRequest(prompt="x", messages=[pb.ChatMessage(role="user", content="x")]), "messages"),
+    (pb.GenerateRequest(prompt="x", prompt_ids=[1, 2]), "prompt_ids"),
+])
+def test_grpc_prompt_is_exactly_one_kind(server, req, param):
+    with pytest.raises(grpc.RpcError) as e:
+        stub(server).Generate(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
+
+
 def test_grpc_deadline_and_cancel_free_the_kv_blocks(server):
     s = stub(server)
     long = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(max_new_tokens=400, ignore_eos=True))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dquantserve/v1/inference.proto\x12\rquantserve.v1\"\x9e\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x12\n\x05trace\x18\x0b \x01(\x03H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x08\n\x06_trace\"~\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.quantserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"K\n\tCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04prob\x18\x04 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.quantserve.v1.Candidate\"\xff\x01\n\tTraceStep\x12\x33\n\x11\x61\x66ter_temperature\x18\x01 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12-\n\x0b\x61\x66ter_top_k\x18\x02 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12-\n\x0b\x61\x66ter_top_p\x18\x03 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12\x12\n\nkept_top_k\x18\x04 \x01(\x03\x12\x12\n\nkept_top_p\x18\x05 \x01(\x03\x12\x12\n\nmass_top_k\x18\x06 \x01(\x01\x12\x12\n\nmass_top_p\x18\x07 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x08 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x8e\x01\n\x0c\x45ngineMemory\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x02 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x03 \x01(\x03\x12\x15\n\rkv_block_size\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x03\x12\x0e\n\x06queued\x18\x06 \x01(\x03\"\xdb\x01\n\x10MemoryAccounting\x12\x1a\n\x12kv_bytes_per_token\x18\x01 \x01(\x03\x12\x1a\n\x12kv_blocks_reserved\x18\x02 \x01(\x03\x12\x19\n\x11kv_bytes_reserved\x18\x03 \x01(\x03\x12\x15\n\rkv_bytes_used\x18\x04 \x01(\x03\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x05 \x01(\x03\x12\x11\n\tattention\x18\x06 \x01(\t\x12+\n\x06\x65ngine\x18\x07 \x01(\x0b\x32\x1b.quantserve.v1.EngineMemory\"\xb4\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.quantserve.v1.Usage\x12/\n\x06memory\x18\x05 \x01(\x0b\x32\x1f.quantserve.v1.MemoryAccounting\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x12\n\nduration_s\x18\x07 \x01(\x01\"\xc4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.quantserve.v1.TokenLogprob\x12\'\n\x05trace\x18\x05 \x03(\x0b\x32\x18.quantserve.v1.TraceStep\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.quantserve.v1.Final\"\xd8\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.quantserve.v1.TokenLogprob\x12\'\n\x05trace\x18\x06 \x03(\x0b\x32\x18.quantserve.v1.TraceStep\x12#\n\x05\x66inal\x18\x07 \x01(\x0b\x32\x14.quantserve.v1.Final\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xa4\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x11\n\tattention\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x08 \x01(\x03\x12+\n\x06memory\x18\t \x01(\x0b\x32\x1b.quantserve.v1.EngineMemory\x12\x10\n\x08glue_ops\x18\n \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x0b \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x0c \x01(\x03\x32\xd0\x02\n\tInference\x12K\n\x08Generate\x12\x1e.quantserve.v1.GenerateRequest\x1a\x1f.quantserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.quantserve.v1.GenerateRequest\x1a%.quantserve.v1.GenerateStreamResponse0\x01\x12K\n\x08Tokenize\x12\x1e.quantserve.v1.TokenizeRequest\x1a\x1f.quantserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.quantserve.v1.ModelInfoRequest\x1a .quantserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dquantserve/v1/inference.proto\x12\rquantserve.v1\"\x9e\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\x03H\x06\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x12\n\x05trace\x18\x0b \x01(\x03H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x08\n\x06_trace\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xac\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.quantserve.v1.SamplingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12,\n\x08messages\x18\x05 \x03(\x0b\x32\x1a.quantserve.v1.ChatMessage\"K\n\tCandidate\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04prob\x18\x04 \x01(\x01\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.quantserve.v1.Candidate\"\xff\x01\n\tTraceStep\x12\x33\n\x11\x61\x66ter_temperature\x18\x01 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12-\n\x0b\x61\x66ter_top_k\x18\x02 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12-\n\x0b\x61\x66ter_top_p\x18\x03 \x03(\x0b\x32\x18.quantserve.v1.Candidate\x12\x12\n\nkept_top_k\x18\x04 \x01(\x03\x12\x12\n\nkept_top_p\x18\x05 \x01(\x03\x12\x12\n\nmass_top_k\x18\x06 \x01(\x01\x12\x12\n\nmass_top_p\x18\x07 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x08 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x8e\x01\n\x0c\x45ngineMemory\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x03\x12\x19\n\x11kv_capacity_bytes\x18\x02 \x01(\x03\x12\x15\n\rkv_used_bytes\x18\x03 \x01(\x03\x12\x15\n\rkv_block_size\x18\x04 \x01(\x03\x12\x0f\n\x07running\x18\x05 \x01(\x03\x12\x0e\n\x06queued\x18\x06 \x01(\x03\"\xdb\x01\n\x10MemoryAccounting\x12\x1a\n\x12kv_bytes_per_token\x18\x01 \x01(\x03\x12\x1a\n\x12kv_blocks_reserved\x18\x02 \x01(\x03\x12\x19\n\x11kv_bytes_reserved\x18\x03 \x01(\x03\x12\x15\n\rkv_bytes_used\x18\x04 \x01(\x03\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\x05 \x01(\x03\x12\x11\n\tattention\x18\x06 \x01(\t\x12+\n\x06\x65ngine\x18\x07 \x01(\x0b\x32\x1b.quantserve.v1.EngineMemory\"\xb4\x01\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.quantserve.v1.Usage\x12/\n\x06memory\x18\x05 \x01(\x0b\x32\x1f.quantserve.v1.MemoryAccounting\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x12\n\nduration_s\x18\x07 \x01(\x01\"\xc4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.quantserve.v1.TokenLogprob\x12\'\n\x05trace\x18\x05 \x03(\x0b\x32\x18.quantserve.v1.TraceStep\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.quantserve.v1.Final\"\xd8\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.quantserve.v1.TokenLogprob\x12\'\n\x05trace\x18\x06 \x03(\x0b\x32\x18.quantserve.v1.TraceStep\x12#\n\x05\x66inal\x18\x07 \x01(\x0b\x32\x14.quantserve.v1.Final\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xa4\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x11\n\tattention\x18\x05 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\x03\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\x08 \x01(\x03\x12+\n\x06memory\x18\t \x01(\x0b\x32\x1b.quantserve.v1.EngineMemory\x12\x10\n\x08glue_ops\x18\n \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x0b \x01(\x03\x12\x19\n\x11max_prompt_tokens\x18\x0c \x01(\x03\x32\xd0\x02\n\tInference\x12K\n\x08Generate\x12\x1e.quantserve.v1.GenerateRequest\x1a\x1f.quantserve.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12\x1e.quantserve.v1.GenerateRequest\x1a%.quantserve.v1.GenerateStreamResponse0\x01\x12K\n\x08Tokenize\x12\x1e.quantserve.v1.TokenizeRequest\x1a\x1f.quantserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.quantserve.v1.ModelInfoRequest\x1a .quantserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS']._serialized_start=49
   _globals['_SAMPLINGPARAMETERS']._serialized_end=463
-  _globals['_GENERATEREQUEST']._serialized_start=465
-  _globals['_GENERATEREQUEST']._serialized_end=591
-  _globals['_CANDIDATE']._serialized_start=593
-  _globals['_CANDIDATE']._serialized_end=668
-  _globals['_TOKENLOGPROB']._serialized_start=670
-  _globals['_TOKENLOGPROB']._serialized_end=773
-  _globals['_TRACESTEP']._serialized_start=776
-  _globals['_TRACESTEP']._serialized_end=1031
-  _globals['_USAGE']._serialized_start=1033
-  _globals['_USAGE']._serialized_end=1090
-  _globals['_ENGINEMEMORY']._serialized_start=1093
-  _globals['_ENGINEMEMORY']._serialized_end=1235
-  _globals['_MEMORYACCOUNTING']._serialized_start=1238
-  _globals['_MEMORYACCOUNTING']._serialized_end=1457
-  _globals['_FINAL']._serialized_start=1460
-  _globals['_FINAL']._serialized_end=1640
-  _globals['_GENERATERESPONSE']._serialized_start=1643
-  _globals['_GENERATERESPONSE']._serialized_end=1839
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1842
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2058
-  _globals['_TOKENIZEREQUEST']._serialized_start=2060
-  _globals['_TOKENIZEREQUEST']._serialized_end=2091
-  _globals['_TOKENIZERESPONSE']._serialized_start=2093
-  _globals['_TOKENIZERESPONSE']._serialized_end=2146
-  _globals['_MODELINFOREQUEST']._serialized_start=2148
-  _globals['_MODELINFOREQUEST']._serialized_end=2166
-  _globals['_MODELINFORESPONSE']._serialized_start=2169
-  _globals['_MODELINFORESPONSE']._serialized_end=2461
-  _globals['_INFERENCE']._serialized_start=2464
-  _globals['_INFERENCE']._serialized_end=2800
+  _globals['_CHATMESSAGE']._serialized_start=465
+  _globals['_CHATMESSAGE']._serialized_end=509
+  _globals['_GENERATEREQUEST']._serialized_start=512
+  _globals['_GENERATEREQUEST']._serialized_end=684
+  _globals['_CANDIDATE']._serialized_start=686
+  _globals['_CANDIDATE']._serialized_end=761
+  _globals['_TOKENLOGPROB']._serialized_start=763
+  _globals['_TOKENLOGPROB']._serialized_end=866
+  _globals['_TRACESTEP']._serialized_start=869
+  _globals['_TRACESTEP']._serialized_end=1124
+  _globals['_USAGE']._serialized_start=1126
+  _globals['_USAGE']._serialized_end=1183
+  _globals['_ENGINEMEMORY']._serialized_start=1186
+  _globals['_ENGINEMEMORY']._serialized_end=1328
+  _globals['_MEMORYACCOUNTING']._serialized_start=1331
+  _globals['_MEMORYACCOUNTING']._serialized_end=1550
+  _globals['_FINAL']._serialized_start=1553
+  _globals['_FINAL']._serialized_end=1733
+  _globals['_GENERATERESPONSE']._serialized_start=1736
+  _globals['_GENERATERESPONSE']._serialized_end=1932
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1935
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2151
+  _globals['_TOKENIZEREQUEST']._serialized_start=2153
+  _globals['_TOKENIZEREQUEST']._serialized_end=2184
+  _globals['_TOKENIZERESPONSE']._serialized_start=2186
+  _globals['_TOKENIZERESPONSE']._serialized_end=2239
+  _globals['_MODELINFOREQUEST']._serialized_start=2241
+  _globals['_MODELINFOREQUEST']._serialized_end=2259
+  _globals['_MODELINFORESPONSE']._serialized_start=2262
+  _globals['_MODELINFORESPONSE']._serialized_end=2554
+  _globals['_INFERENCE']._serialized_start=2557
+  _globals['_INFERENCE']._serialized_end=2893
 # @@protoc_insertion_point(module_scope)
