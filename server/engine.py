@@ -498,7 +498,8 @@ class Engine:
         )
         res = sample(logits, batch)
         tokens = res.tokens.tolist()  # the one host synchronisation per step
-        lp = res.logprob.tolist() if batch.logprobs_n else None
+        # logprobs=0 asks for the chosen token's logprob alone: batch.logprobs_n (the widest top list) is 0 then.
+        lp = res.logprob.tolist() if any(p.logprobs is not None for p in params) else None
         top = (res.top_logprobs[0].tolist(), res.top_logprobs[1].tolist()) if res.top_logprobs else None
         trace = {k: (ids.tolist(), pr.tolist()) for k, (ids, pr) in res.trace.items()} if res.trace else None
         if trace is not None:

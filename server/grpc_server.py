@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -30,8 +31,9 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and d
 
 # ---------------------------------------------------------------------------------------- conversion
 
-def params_from_proto(s: pb.SamplingParameters) -> SamplingParams:
+def params_from_proto(s: pb.SamplingParameters, default_max_new_tokens: int) -> SamplingParams:
     kw = {f: getattr(s, f) for f in _SAMPLING_FIELDS if s.HasField(f)}
+    kw.setdefault("max_new_tokens", default_max_new_tokens)
     return SamplingParams(stop=tuple(s.stop), **kw)
 
 
@@ -89,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.svc = service
 
     async def Generate(self, request, context):
-        params = params_from_proto(request.sampling)
+        params = params_from_proto(request.sampling, self.svc.default_max_new_tokens)
         prompt = await prompt_from_proto(self.svc, request)
         c = await self.svc.complete(prompt, params, "grpc", request.request_id or None)
         return pb.GenerateResponse(request_id=c.request_id, text=c.text, token_ids=c.token_ids,
@@ -97,7 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    final=final_to_proto(c))
 
     async def GenerateStream(self, request, context):
-        params = params_from_proto(request.sampling)
+        params = params_from_proto(request.sampling, self.svc.default_max_new_tokens)
         ev: Event
         prompt = await prompt_from_proto(self.svc, request)
         async for ev in self.svc.run(prompt, params, "grpc", request.request_id or None):
@@ -139,35 +141,39 @@ class ErrorsAndAuth(grpc.aio.ServerInterceptor):
             kind = classify(exc)
             await context.abort(getattr(grpc.StatusCode, kind.grpc_code), kind.message)
 
-        def checked():
+        deserialize = handler.request_deserializer
+
+        def checked(raw: bytes):
+            """Auth, drain, then the message: parsed here, not by grpc, so corrupt bytes are INVALID_ARGUMENT
+            (grpc's own deserializer failure is UNKNOWN with a traceback in the log)."""
             svc.check_auth(md.get("authorization"))
             svc.check_accepting()
+            try:
+                return deserialize(raw)
+            except DecodeError as e:
+                raise RequestError("request", f"malformed {details.method.rsplit('/', 1)[-1]} message: {e}") from e
 
         if handler.unary_unary:
             inner = handler.unary_unary
 
-            async def unary(request, context):
+            async def unary(raw, context):
                 try:
-                    checked()
-                    return await inner(request, context)
+                    return await inner(checked(raw), context)
                 except Exception as e:  # noqa: BLE001 - mapped to a status in one place
                     await fail(context, e)
 
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
-            async def stream(request, context):
+            async def stream(raw, context):
                 try:
-                    checked()
-                    async for msg in inner_s(request, context):
+                    async for msg in inner_s(checked(raw), context):
                         yield msg
                 except Exception as e:  # noqa: BLE001
                     await fail(context, e)
 
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
         return handler
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -154,6 +155,13 @@ def create_app(svc: Service) -> FastAPI:
         param = loc[0] if loc else "body"
         return error_response(RequestError(param, f"{'.'.join(loc) or 'body'}: {e.get('msg')}"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException):
+        """FastAPI's own refusals (an undecodable body, 404, 405) in the same error body as ours."""
+        return JSONResponse({"error": {"message": str(exc.detail), "param": None, "code": exc.status_code,
+                                       "type": "invalid_request_error" if exc.status_code < 500 else "internal_error"}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
     async def _known(request: Request, exc: Exception):
         return error_response(exc)
 
@@ -170,7 +178,11 @@ def create_app(svc: Service) -> FastAPI:
                 if request.method == "POST":
                     svc.check_accepting()
                     size = request.headers.get("content-length")
-                    if size is not None and size.isdigit() and int(size) > svc.limits.max_request_bytes:
+                    if size is None:  # a chunked body could be any size; the limit needs it declared
+                        return JSONResponse({"error": {"message": "send Content-Length: chunked request bodies "
+                                             "are not accepted", "type": "invalid_request_error", "param": None,
+                                             "code": 411}}, status_code=411)
+                    if size.isdigit() and int(size) > svc.limits.max_request_bytes:
                         raise RequestError("body", f"request body is larger than {svc.limits.max_request_bytes} bytes")
             except Exception as e:  # noqa: BLE001 - one mapping
                 return error_response(e)
@@ -261,7 +273,9 @@ def create_app(svc: Service) -> FastAPI:
             prompt = body.prompt[0]
         else:
             prompt = body.prompt
-        params = params_from_body(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        # OpenAI's default for completions is 16 tokens (this server's limit when lower).
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
+        params = params_from_body(body, max_tokens, body.logprobs)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return await respond(prompt, params, body.stream, False, include_usage)
 
@@ -270,6 +284,8 @@ def create_app(svc: Service) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = svc.default_max_new_tokens
         params = params_from_body(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
         prompt = await svc.chat_prompt(messages)

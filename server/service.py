@@ -98,6 +98,8 @@ class Service:
         self._token_text: dict[int, str] = {}
         info = engine.info
         self.max_prompt_tokens = min(limits.max_prompt_tokens or info.context_length, info.context_length)
+        # What a request that does not say gets: the sampling default, or this server's limit when lower.
+        self.default_max_new_tokens = min(SamplingParams.max_new_tokens, limits.max_new_tokens)
 
     # ------------------------------------------------------------------------------------ checks
 

@@ -46,9 +46,11 @@ class Running:
         self.thread.join(60)
 
 
-def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), grace_s=2.0, **engine_kw) -> Running:
+def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), grace_s=2.0, tls: tuple[str, str] | None = None,
+          **engine_kw) -> Running:
+    """``tls``: (certificate file, key file) in PEM."""
     ecfg = EngineConfig(**{"memory_budget": "4MiB", "dtype": "float32", "max_prefill_tokens": 64, **engine_kw})
     engine = Engine.from_path(str(tiny_model_dir), ecfg, cache_dir)
     cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=grace_s, api_key=api_key,
-                      engine=ecfg, limits=limits)
+                      engine=ecfg, limits=limits, tls_cert=tls and tls[0], tls_key=tls and tls[1])
     return Running(engine, cfg)

@@ -343,6 +343,14 @@ def test_logprobs_and_trace(engine, hf_model, tok):
         assert 0 <= tr.entropy <= math.log(tr.kept_top_p) + 1e-6
 
 
+def test_logprobs_zero_gives_the_chosen_token_alone(engine):
+    # Found by the fuzz: with no row asking for alternatives the batch had no logprobs at all.
+    r = engine.complete("The harbour", SamplingParams(temperature=0.8, seed=3, max_new_tokens=4, min_tokens=4,
+                                                      logprobs=0))
+    assert [lp.token_id for lp in r.logprobs] == list(r.token_ids) and all(lp.top == () for lp in r.logprobs)
+    assert all(lp.logprob <= 0 for lp in r.logprobs)
+
+
 def test_accounting_matches_the_formula(engine, tok):
     prompt = "Memory accounting for one request"
     n = len(tok(prompt).input_ids)

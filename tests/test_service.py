@@ -139,6 +139,35 @@ def test_http_malformed_json_and_health_and_metrics(server):
     assert 'outcome="invalid"' in m
 
 
+def test_http_refusals_outside_our_handlers_keep_the_error_body(server):
+    def chunks():
+        yield b'{"prompt": "x"}'
+
+    r = httpx.post(server.http + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})  # a generator body is sent chunked
+    assert r.status_code == 411 and "Content-Length" in r.json()["error"]["message"]
+    r = httpx.post(server.http + "/v1/completions", content=b"\x80", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.get(server.http + "/v1/nothing-here", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_requests_without_max_tokens_get_the_servers_limit_when_lower(tiny_model_dir, cache_dir):
+    s = start(tiny_model_dir, cache_dir, limits=Limits(max_new_tokens=5))
+    try:
+        r = stub(s).Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParameters(ignore_eos=True)),
+                             timeout=60)
+        assert r.final.usage.completion_tokens == 5
+        c = httpx.post(s.http + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}).json()
+        assert c["usage"]["completion_tokens"] == 5
+        bad = httpx.post(s.http + "/v1/completions", json={"prompt": "x", "max_tokens": 6}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_new_tokens"
+    finally:
+        s.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ gRPC
 
 
@@ -201,6 +230,13 @@ def test_grpc_prompt_is_exactly_one_kind(server, req, param):
     with pytest.raises(grpc.RpcError) as e:
         stub(server).Generate(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
+
+
+def test_grpc_corrupt_message_is_invalid_argument(server):
+    raw = grpc.insecure_channel(server.grpc_target).unary_unary("/quantserve.v1.Inference/Generate")
+    with pytest.raises(grpc.RpcError) as e:
+        raw(b"\x0a\xff\xff", timeout=30)  # field 1 claims a length far past the end
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed Generate message" in e.value.details()
 
 
 def test_grpc_deadline_and_cancel_free_the_kv_blocks(server):

@@ -1,0 +1,401 @@
+"""Reliability of the service edge: fuzz, load with cancellation, drain under load. Loopback only, bounded.
+
+    python bench/reliability.py [ARTIFACT] [--fuzz 2000] [--clients 64] [--rounds 5] [--max-new-tokens 64]
+                                [--out bench/out/reliability.json]
+
+Runs ``quant serve`` in a subprocess (so resident memory is the server's own) and drives it with real
+clients (grpc stubs, httpx):
+
+1. fuzz: hypothesis generates malformed or extreme requests, half per transport (wrong types, NaN, negative,
+   huge, empty, unicode edge cases, oversized prompts, garbage bytes). Every answer must be 400 /
+   INVALID_ARGUMENT or a well-formed completion; the server must stay healthy.
+2. load: ``--clients`` concurrent streaming clients (half gRPC, half HTTP), every fifth cancelled after its
+   second chunk, ``--rounds`` rounds. All others must finish with exactly ``--max-new-tokens`` tokens and the
+   text of the same seed served alone; after each round the KV pool is back at zero; RSS per round.
+3. drain: SIGTERM while the clients stream; each must complete or end with UNAVAILABLE / 503, none hangs,
+   requests after SIGTERM are refused, exit code 0.
+
+The CI tests (tests/test_reliability.py) run these same drivers at a smaller scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from quantserve.v1 import inference_pb2 as pb
+from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: bench.fuzz
+PROMPTS = ("The city of", "Once upon a time", "In the beginning", "The river flows", "A quiet morning")
+
+
+# ------------------------------------------------------------------------------------------- the server
+
+
+class ServerProcess:
+    """``quant serve`` on free loopback ports in its own process."""
+
+    def __init__(self, artifact: str | None, *args: str, env: dict | None = None, timeout: float = 300):
+        cmd = [sys.executable, "-m", "quant.cli", "serve", *([artifact] if artifact else []),
+               "--grpc-port", "0", "--http-port", "0", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, **(env or {})})
+        self.log: list[str] = []
+        end = time.monotonic() + timeout
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"grpc on [\d.]+:(\d+), http on [\d.]+:(\d+)", line)
+            if m:
+                self.grpc_port, self.http_port = int(m.group(1)), int(m.group(2))
+                break
+            if time.monotonic() > end:
+                break
+        else:
+            raise RuntimeError("quant serve exited before serving:\n" + "".join(self.log[-20:]))
+        if not hasattr(self, "grpc_port"):
+            self.kill()
+            raise RuntimeError("quant serve did not start in time")
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def rss_bytes(self) -> int:
+        return rss_bytes(self.proc.pid)
+
+    def sigterm(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self.proc.stderr.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class RoundResult:
+    completed: int = 0
+    cancelled: int = 0
+    failures: list[str] = field(default_factory=list)  # anything that is neither a correct end nor our cancel
+    tokens: int = 0
+    wall_s: float = 0.0
+    texts: dict[int, str] = field(default_factory=dict)  # seed -> text of the requests that completed
+
+
+def request_for(seed: int, max_new_tokens: int) -> tuple[str, dict]:
+    """The prompt and sampling of client ``seed``: a fixed function of the seed, so every round and the
+    sequential reference ask exactly the same thing."""
+    prompt = PROMPTS[seed % len(PROMPTS)]
+    return prompt, {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": seed, "max_new_tokens": max_new_tokens,
+                    "ignore_eos": True}
+
+
+async def _grpc_client(stub, seed: int, max_new: int, cancel: bool, res: RoundResult, timeout: float) -> None:
+    prompt, s = request_for(seed, max_new)
+    call = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(**s)),
+                               timeout=timeout)
+    text, n, chunks, final = [], 0, 0, None
+    try:
+        async for m in call:
+            text.append(m.text)
+            n += len(m.token_ids)
+            chunks += 1
+            if m.HasField("final"):
+                final = m.final
+            if cancel and chunks == 2:
+                call.cancel()
+                res.cancelled += 1
+                return
+    except grpc.aio.AioRpcError as e:
+        res.failures.append(f"grpc seed {seed}: {e.code().name} {e.details()}")
+        return
+    _finish(res, seed, "".join(text), n, final.finish_reason if final else None, max_new, "grpc")
+
+
+async def _http_client(http: httpx.AsyncClient, seed: int, max_new: int, cancel: bool, res: RoundResult) -> None:
+    prompt, s = request_for(seed, max_new)
+    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": s.pop("max_new_tokens"), **s}
+    text, n, chunks, reason = [], 0, 0, None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            res.failures.append(f"http seed {seed}: {r.status_code} {(await r.aread())[:200]!r}")
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                res.failures.append(f"http seed {seed}: error event {d['error']}")
+                return
+            for c in d.get("choices", []):
+                text.append(c["text"])
+                reason = c.get("finish_reason") or reason
+            if d.get("usage"):
+                n = d["usage"]["completion_tokens"]
+            chunks += 1
+            if cancel and chunks == 2:
+                res.cancelled += 1
+                return  # leaving the block closes the connection mid-stream
+    _finish(res, seed, "".join(text), n, reason, max_new, "http")
+
+
+def _finish(res: RoundResult, seed: int, text: str, n: int, reason: str | None, max_new: int, transport: str):
+    if reason != "length" or n != max_new:
+        res.failures.append(f"{transport} seed {seed}: finish {reason!r} after {n} tokens, want length/{max_new}")
+        return
+    res.completed += 1
+    res.tokens += n
+    res.texts[seed] = text
+
+
+async def load_round(grpc_target: str, http_base: str, clients: int, max_new_tokens: int, cancel_every: int = 5,
+                     timeout: float = 300.0) -> RoundResult:
+    """``clients`` concurrent streams; even seeds over gRPC, odd over HTTP; seeds divisible by
+    ``cancel_every`` cancel after their second chunk (20% at 5)."""
+    res = RoundResult()
+    t0 = time.perf_counter()
+    async with grpc.aio.insecure_channel(grpc_target) as ch, \
+            httpx.AsyncClient(base_url=http_base, timeout=timeout,
+                              limits=httpx.Limits(max_connections=clients)) as http:
+        stub = pb_grpc.InferenceStub(ch)
+        tasks = []
+        for seed in range(clients):
+            cancel = seed % cancel_every == 0
+            tasks.append(_grpc_client(stub, seed, max_new_tokens, cancel, res, timeout) if seed % 2 == 0
+                         else _http_client(http, seed, max_new_tokens, cancel, res))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def reference_texts(http_base: str, seeds, max_new_tokens: int, timeout: float = 120.0) -> dict[int, str]:
+    """Each seed's text served alone (unary, one at a time): what the loaded rounds must reproduce."""
+    out = {}
+    with httpx.Client(base_url=http_base, timeout=timeout) as c:
+        for seed in seeds:
+            prompt, s = request_for(seed, max_new_tokens)
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": s.pop("max_new_tokens"), **s})
+            r.raise_for_status()
+            out[seed] = r.json()["choices"][0]["text"]
+    return out
+
+
+def kv_in_use(http_base: str) -> float:
+    """The KV pool's bytes in use, from /metrics (what an operator sees)."""
+    text = httpx.get(http_base + "/metrics", timeout=10).text
+    m = re.search(r"^quantserve_kv_pool_used_bytes(?:\{[^}]*\})? (\S+)$", text, re.M)
+    if not m:
+        raise RuntimeError("no quantserve_kv_pool_used_bytes in /metrics")
+    return float(m.group(1))
+
+
+def wait_idle(http_base: str, timeout: float = 30.0) -> float:
+    end = time.monotonic() + timeout
+    while (used := kv_in_use(http_base)) > 0 and time.monotonic() < end:
+        time.sleep(0.05)
+    return used
+
+
+# ------------------------------------------------------------------------------------------------ drain
+
+
+@dataclass
+class DrainResult:
+    completed: int = 0
+    unavailable: int = 0  # ended by the drain with UNAVAILABLE / 503 (an error event once streaming)
+    failures: list[str] = field(default_factory=list)
+    refused_after_sigterm: bool = False
+    exit_code: int | None = None
+    exit_s: float = 0.0  # SIGTERM to process exit
+
+
+async def _drain_client(transport: str, stub, http, seed: int, max_new: int,
+                        started: asyncio.Event, res: DrainResult, counter: list[int], n: int) -> None:
+    prompt, s = request_for(seed, max_new)
+
+    def mark():
+        counter[0] += 1
+        if counter[0] == n:
+            started.set()
+
+    if transport == "grpc":
+        call = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(**s)))
+        first, final = True, None
+        try:
+            async for m in call:
+                if first:
+                    mark()
+                    first = False
+                if m.HasField("final"):
+                    final = m.final
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                res.unavailable += 1
+            else:
+                res.failures.append(f"grpc {seed}: {e.code().name} {e.details()}")
+            return
+        ok = final is not None and final.finish_reason == "length" and final.usage.completion_tokens == max_new
+        res.completed += ok
+        if not ok:
+            res.failures.append(f"grpc {seed}: ended without error and without completing ({final})")
+        return
+    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": s.pop("max_new_tokens"), **s}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code == 503:
+            res.unavailable += 1
+            return
+        first, n_tokens = True, 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if first:
+                mark()
+                first = False
+            d = json.loads(line[6:])
+            if "error" in d:
+                if d["error"].get("code") == 503:
+                    res.unavailable += 1
+                else:
+                    res.failures.append(f"http {seed}: error event {d['error']}")
+                return
+            if d.get("usage"):
+                n_tokens = d["usage"]["completion_tokens"]
+        res.completed += n_tokens == max_new
+        if n_tokens != max_new:
+            res.failures.append(f"http {seed}: stream ended after {n_tokens} tokens without an error")
+
+
+async def drain_under_load(srv: ServerProcess, clients: int, short_tokens: int, long_tokens: int,
+                           timeout: float = 120.0) -> DrainResult:
+    """``clients`` streams (alternating transports; alternating short requests that can finish within the
+    grace period and long ones that cannot), SIGTERM once every stream has its first chunk."""
+    res = DrainResult()
+    started, counter = asyncio.Event(), [0]
+    async with grpc.aio.insecure_channel(srv.grpc_target) as ch, \
+            httpx.AsyncClient(base_url=srv.http, timeout=timeout,
+                              limits=httpx.Limits(max_connections=clients + 2)) as http:
+        stub = pb_grpc.InferenceStub(ch)
+        tasks = [asyncio.create_task(_drain_client("grpc" if i % 2 == 0 else "http", stub, http, i,
+                                                   short_tokens if (i // 2) % 2 == 0 else long_tokens,
+                                                   started, res, counter, clients)) for i in range(clients)]
+        await asyncio.wait_for(started.wait(), timeout)
+        t0 = time.perf_counter()
+        srv.sigterm()
+        await asyncio.sleep(0.3)
+        # A request arriving after SIGTERM is refused (503 while the server drains; refused once it is gone).
+        try:
+            r = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            res.refused_after_sigterm = r.status_code == 503
+        except httpx.TransportError:
+            res.refused_after_sigterm = True
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+            res.failures.append("a client was left hanging")
+        for t in done:
+            if t.exception() is not None:
+                res.failures.append(f"client raised {t.exception()!r}")
+        res.exit_code = await asyncio.to_thread(srv.wait, timeout)
+        res.exit_s = time.perf_counter() - t0
+    return res
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("artifact", nargs="?", default=None, help="artifact dir (default: the embedded default model)")
+    ap.add_argument("--fuzz", type=int, default=2000, help="fuzz requests in all, half per transport")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "reliability.json"))
+    a = ap.parse_args(argv)
+    from bench.fuzz import fuzz_grpc, fuzz_http
+
+    serve_args = ("--threads", str(a.threads), "--memory-budget", "256MiB", "--max-new-tokens", "256",
+                  "--max-prompt-tokens", "512", "--max-request-bytes", "65536", "--log-level", "warning")
+    report: dict = {"artifact": a.artifact or "embedded default (bf16)", "clients": a.clients,
+                    "max_new_tokens": a.max_new_tokens, "threads": a.threads}
+    srv = ServerProcess(a.artifact, *serve_args)
+    try:
+        t0 = time.perf_counter()
+        outcomes = Counter()
+        outcomes.update(fuzz_http(srv.http, a.fuzz // 2, limit_new_tokens=256))
+        outcomes.update(fuzz_grpc(srv.grpc_target, a.fuzz - a.fuzz // 2, limit_new_tokens=256))
+        healthy = httpx.get(srv.http + "/health", timeout=10).status_code == 200
+        report["fuzz"] = {"requests": sum(outcomes.values()), "outcomes": dict(outcomes), "healthy_after": healthy,
+                          "kv_used_after": wait_idle(srv.http), "wall_s": round(time.perf_counter() - t0, 1)}
+        print("fuzz", report["fuzz"], flush=True)
+
+        ref = reference_texts(srv.http, range(a.clients), a.max_new_tokens)
+        rounds = []
+        for i in range(a.rounds):
+            r = asyncio.run(load_round(srv.grpc_target, srv.http, a.clients, a.max_new_tokens))
+            mismatched = [s for s, t in r.texts.items() if t != ref[s]]
+            row = {"round": i + 1, "completed": r.completed, "cancelled": r.cancelled, "failures": r.failures[:5],
+                   "mismatched_text": mismatched, "tok_per_s": round(r.tokens / r.wall_s, 1),
+                   "wall_s": round(r.wall_s, 2), "kv_used_after": wait_idle(srv.http), "rss_bytes": srv.rss_bytes()}
+            rounds.append(row)
+            print("load", row, flush=True)
+        growth = [(b["rss_bytes"] - a_["rss_bytes"]) / a_["rss_bytes"] for a_, b in zip(rounds, rounds[1:])]
+        report["load"] = {"rounds": rounds, "rss_growth_between_rounds": [round(g, 4) for g in growth]}
+    finally:
+        srv.kill()
+
+    srv = ServerProcess(a.artifact, *serve_args, "--grace", "2")
+    try:
+        d = asyncio.run(drain_under_load(srv, a.clients, short_tokens=8, long_tokens=2000))
+        report["drain"] = asdict(d)
+        print("drain", report["drain"], flush=True)
+    finally:
+        srv.kill()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    print("wrote", a.out)
+    ok = (report["fuzz"]["healthy_after"] and not any(r["failures"] or r["mismatched_text"] for r in rounds)
+          and not d.failures and d.exit_code == 0 and all(g < 0.05 for g in growth[1:]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

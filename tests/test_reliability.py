@@ -1,0 +1,152 @@
+"""Reliability of the service edge on the tiny model: fuzz (600 requests over both transports), 64 streaming
+clients with 20% cancelled over three rounds, SIGTERM under load, TLS end to end. Loopback only, bounded.
+
+The drivers are bench/reliability.py's and bench/fuzz.py's; the bench runs the long versions."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import gc
+import ipaddress
+import os
+import ssl
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from live_server import start
+
+from bench.fuzz import fuzz_grpc, fuzz_http
+from bench.reliability import ServerProcess, drain_under_load, load_round, reference_texts, rss_bytes, wait_idle
+from quantserve.v1 import inference_pb2 as pb
+from quantserve.v1 import inference_pb2_grpc as pb_grpc
+from server.service import Limits
+
+LIMIT_NEW = 32
+LIMITS = Limits(max_new_tokens=LIMIT_NEW, max_request_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, cache_dir):
+    s = start(tiny_model_dir, cache_dir, limits=LIMITS, max_batch=64, max_queue=128)
+    yield s
+    s.shutdown()
+    assert s.rc == 0
+
+
+def assert_idle_and_healthy(s) -> None:
+    assert wait_idle(s.http) == 0 and s.engine.pool.used_blocks == 0 and s.engine.pool.stats()["requests"] == 0
+    assert httpx.get(s.http + "/health", timeout=10).status_code == 200
+    h = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.grpc_target)).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert h.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ------------------------------------------------------------------------------------------------ fuzz
+
+
+def test_fuzz_http(server):
+    seen = fuzz_http(server.http, 300, LIMIT_NEW)
+    print(dict(seen))
+    assert sum(seen.values()) == 300, seen
+    # The generator must reach both sides of the contract, or it tests nothing.
+    assert seen["http 400"] >= 50 and seen["http 200"] + seen["http 200 stream"] >= 15, seen
+    assert_idle_and_healthy(server)
+
+
+def test_fuzz_grpc(server):
+    seen = fuzz_grpc(server.grpc_target, 300, LIMIT_NEW)
+    print(dict(seen))
+    assert sum(seen.values()) == 300, seen
+    assert seen["grpc INVALID_ARGUMENT"] >= 50 and seen["grpc OK"] >= 15, seen
+    assert_idle_and_healthy(server)
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+def test_load_64_streams_20pct_cancelled_three_rounds(server):
+    new = 16
+    ref = reference_texts(server.http, range(64), new)
+    rss = []
+    for _ in range(3):
+        r = asyncio.run(load_round(server.grpc_target, server.http, clients=64, max_new_tokens=new, timeout=240))
+        assert r.failures == [], r.failures[:5]
+        assert (r.completed, r.cancelled) == (51, 13)  # seeds 0, 5, ..., 60 cancel after their second chunk
+        # Batched with 63 others, cut short neighbours and all, each request gives what it gives alone.
+        assert r.texts == {s: ref[s] for s in r.texts}
+        assert_idle_and_healthy(server)
+        gc.collect()
+        rss.append(rss_bytes(os.getpid()))  # server and clients share this process: an upper bound
+    assert (rss[2] - rss[1]) / rss[1] < 0.05, rss
+
+
+# ----------------------------------------------------------------------------------------------- drain
+
+
+def test_sigterm_under_load_ends_every_request_cleanly(tiny_model_dir):
+    srv = ServerProcess(str(tiny_model_dir), "--dtype", "float32", "--memory-budget", "8MiB", "--grace", "1.5",
+                        "--threads", "1", env={"OMP_NUM_THREADS": "1"}, timeout=120)
+    try:
+        d = asyncio.run(drain_under_load(srv, clients=16, short_tokens=6, long_tokens=450, timeout=90))
+    finally:
+        srv.kill()
+    assert d.failures == [] and d.exit_code == 0 and d.refused_after_sigterm, d
+    # Short requests finish within the grace period; long ones are cut with UNAVAILABLE / 503.
+    assert d.completed >= 1 and d.unavailable >= 1 and d.completed + d.unavailable == 16, d
+
+
+# ------------------------------------------------------------------------------------------------- TLS
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_tls_on_both_transports(tiny_model_dir, cache_dir, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    s = start(tiny_model_dir, cache_dir, tls=(cert, key), api_key="k3y")
+    try:
+        body = {"prompt": "Secure", "max_tokens": 4, "seed": 1}
+        r = httpx.post(f"https://127.0.0.1:{s.ports['http']}/v1/completions", json=body, verify=ssl.create_default_context(cafile=cert),
+                       headers={"authorization": "Bearer k3y"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate is refused
+            httpx.post(f"https://127.0.0.1:{s.ports['http']}/v1/completions", json=body, timeout=10)
+        with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP to the TLS port gets no answer
+            httpx.post(f"http://127.0.0.1:{s.ports['http']}/v1/completions", json=body, timeout=10)
+
+        creds = grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())
+        st = pb_grpc.InferenceStub(grpc.secure_channel(s.grpc_target, creds))
+        g = st.Generate(pb.GenerateRequest(prompt="Secure", sampling=pb.SamplingParameters(max_new_tokens=4, seed=1)),
+                        metadata=[("authorization", "Bearer k3y")], timeout=60)
+        assert g.text == r.json()["choices"][0]["text"]
+        with pytest.raises(grpc.RpcError) as e:  # plaintext to the TLS port
+            pb_grpc.InferenceStub(grpc.insecure_channel(s.grpc_target)).Generate(
+                pb.GenerateRequest(prompt="x"), metadata=[("authorization", "Bearer k3y")], timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.shutdown()
+    assert s.rc == 0
