@@ -1,6 +1,6 @@
 """Reliability of the service edge: fuzz, load with cancellation, drain under load. Loopback only, bounded.
 
-    python bench/reliability.py [ARTIFACT] [--fuzz 2000] [--clients 64] [--rounds 5] [--max-new-tokens 64]
+    python bench/reliability.py [ARTIFACT] [--fuzz 1000] [--clients 64] [--rounds 5] [--max-new-tokens 64]
                                 [--out bench/out/reliability.json]
 
 Runs ``quant serve`` in a subprocess (so resident memory is the server's own) and drives it with real
@@ -343,25 +343,27 @@ async def drain_under_load(srv: ServerProcess, clients: int, short_tokens: int, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("artifact", nargs="?", default=None, help="artifact dir (default: the embedded default model)")
-    ap.add_argument("--fuzz", type=int, default=2000, help="fuzz requests in all, half per transport")
+    ap.add_argument("--fuzz", type=int, default=1000, help="fuzz requests in all, half per transport")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="per load request; also the server's limit")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "reliability.json"))
     a = ap.parse_args(argv)
     from bench.fuzz import fuzz_grpc, fuzz_http
 
-    serve_args = ("--threads", str(a.threads), "--memory-budget", "256MiB", "--max-new-tokens", "256",
-                  "--max-prompt-tokens", "512", "--max-request-bytes", "65536", "--log-level", "warning")
+    def serve_args(limit_new: int, budget: str = "256MiB") -> tuple[str, ...]:
+        return ("--threads", str(a.threads), "--memory-budget", budget, "--max-new-tokens", str(limit_new),
+                "--max-prompt-tokens", "512", "--max-request-bytes", "65536", "--log-level", "warning")
+
     report: dict = {"artifact": a.artifact or "embedded default (bf16)", "clients": a.clients,
                     "max_new_tokens": a.max_new_tokens, "threads": a.threads}
-    srv = ServerProcess(a.artifact, *serve_args)
+    srv = ServerProcess(a.artifact, *serve_args(a.max_new_tokens))
     try:
         t0 = time.perf_counter()
         outcomes = Counter()
-        outcomes.update(fuzz_http(srv.http, a.fuzz // 2, limit_new_tokens=256))
-        outcomes.update(fuzz_grpc(srv.grpc_target, a.fuzz - a.fuzz // 2, limit_new_tokens=256))
+        outcomes.update(fuzz_http(srv.http, a.fuzz // 2, limit_new_tokens=a.max_new_tokens))
+        outcomes.update(fuzz_grpc(srv.grpc_target, a.fuzz - a.fuzz // 2, limit_new_tokens=a.max_new_tokens))
         healthy = httpx.get(srv.http + "/health", timeout=10).status_code == 200
         report["fuzz"] = {"requests": sum(outcomes.values()), "outcomes": dict(outcomes), "healthy_after": healthy,
                           "kv_used_after": wait_idle(srv.http), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -382,9 +384,9 @@ def main(argv=None) -> int:
     finally:
         srv.kill()
 
-    srv = ServerProcess(a.artifact, *serve_args, "--grace", "2")
+    srv = ServerProcess(a.artifact, *serve_args(512, "1GiB"), "--grace", "2")
     try:
-        d = asyncio.run(drain_under_load(srv, a.clients, short_tokens=8, long_tokens=2000))
+        d = asyncio.run(drain_under_load(srv, a.clients, short_tokens=8, long_tokens=400))
         report["drain"] = asdict(d)
         print("drain", report["drain"], flush=True)
     finally:

@@ -139,6 +139,8 @@ class ErrorsAndAuth(grpc.aio.ServerInterceptor):
 
         async def fail(context, exc: BaseException):
             kind = classify(exc)
+            if kind.param:  # the parameter by name, for clients that act on it (HTTP has error.param)
+                context.set_trailing_metadata((("quantserve-param", kind.param),))
             await context.abort(getattr(grpc.StatusCode, kind.grpc_code), kind.message)
 
         deserialize = handler.request_deserializer

@@ -8,6 +8,8 @@ min_tokens, ignore_eos (spelled as vLLM spells them), trace; every response adds
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -15,9 +17,9 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
@@ -70,6 +72,55 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    text: str
+
+
+class _Gate:
+    """API key, drain and body size, checked before the body is read. Plain ASGI (not BaseHTTPMiddleware,
+    which hides the client's disconnect from the endpoint: a unary request would run on after its client left)."""
+
+    def __init__(self, app, svc: Service, refuse):
+        self.app, self.svc, self.refuse = app, svc, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            self.svc.check_auth(headers.get("authorization"))
+            if scope["method"] == "POST":
+                self.svc.check_accepting()
+                size = headers.get("content-length")
+                if size is None:  # a chunked body could be any size; the limit needs it declared
+                    return await JSONResponse(
+                        {"error": {"message": "send Content-Length: chunked request bodies are not accepted",
+                                   "type": "invalid_request_error", "param": None, "code": 411}},
+                        status_code=411)(scope, receive, send)
+                limit = self.svc.limits.max_request_bytes
+                if size.isdigit() and int(size) > limit:
+                    raise RequestError("body", f"request body is larger than {limit} bytes")
+        except Exception as e:  # noqa: BLE001 - one mapping
+            return await self.refuse(e)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await ``work``; if the client goes away first, cancel it (the engine frees the request's KV blocks, as
+    for a stream whose client left) and return None."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
 
 
 def _unsupported(body: _Body) -> None:
@@ -170,23 +221,7 @@ def create_app(svc: Service) -> FastAPI:
         app.add_exception_handler(cls, _known)
     app.add_exception_handler(Exception, _known)
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        if request.url.path not in _OPEN_PATHS:
-            try:
-                svc.check_auth(request.headers.get("authorization"))
-                if request.method == "POST":
-                    svc.check_accepting()
-                    size = request.headers.get("content-length")
-                    if size is None:  # a chunked body could be any size; the limit needs it declared
-                        return JSONResponse({"error": {"message": "send Content-Length: chunked request bodies "
-                                             "are not accepted", "type": "invalid_request_error", "param": None,
-                                             "code": 411}}, status_code=411)
-                    if size.isdigit() and int(size) > svc.limits.max_request_bytes:
-                        raise RequestError("body", f"request body is larger than {svc.limits.max_request_bytes} bytes")
-            except Exception as e:  # noqa: BLE001 - one mapping
-                return error_response(e)
-        return await call_next(request)
+    app.add_middleware(_Gate, svc=svc, refuse=error_response)
 
     @app.get("/health")
     async def health():
@@ -205,20 +240,34 @@ def create_app(svc: Service) -> FastAPI:
                                             "owned_by": "quantserve", "scheme": info["scheme"],
                                             "max_model_len": info["context_length"]}]}
 
-    async def respond(prompt, params: SamplingParams, stream: bool, chat: bool, include_usage: bool):
+    @app.get("/v1/info")
+    async def info():
+        """What gRPC's ModelInfo says: model, scheme, dtype, device, attention, memory totals, limits."""
+        return svc.info()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        ids, tokens = await svc.tokenize(body.text)
+        return {"token_ids": ids, "tokens": tokens}
+
+    async def respond(request: Request, prompt, params: SamplingParams, stream: bool, chat: bool,
+                      include_usage: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            c = await svc.complete(prompt, params, "http", rid)
+            c = await _unless_disconnected(request, svc.complete(prompt, params, "http", rid))
+            if c is None:
+                return Response(status_code=499)  # nobody is listening; the engine has dropped the request
             lp = None
             if params.logprobs is not None:
                 lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs)
-            choice = {"index": 0, "finish_reason": _reason(c.finish_reason), "logprobs": lp}
+            choice = {"index": 0, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
+                      "token_ids": list(c.token_ids)}
             choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
             body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice],
                     "usage": _usage(c.accounting), "seed": c.seed, "memory": _accounting(c.accounting),
-                    "stop": c.stop}
+                    "stop": c.stop, "ttft_s": c.ttft_s, "duration_s": c.duration_s}
             if params.trace:
                 body["trace"] = _trace(svc, c.trace)
             return body
@@ -230,7 +279,8 @@ def create_app(svc: Service) -> FastAPI:
             ev, started, text_pos = first, False, 0
             try:
                 while True:
-                    choice: dict = {"index": 0, "finish_reason": _reason(ev.finish_reason) if ev.finished else None}
+                    choice: dict = {"index": 0, "finish_reason": _reason(ev.finish_reason) if ev.finished else None,
+                                    "token_ids": list(ev.token_ids)}
                     if chat:
                         choice["delta"] = {"content": ev.text} if started else {"role": "assistant", "content": ev.text}
                         if params.logprobs is not None:
@@ -246,8 +296,8 @@ def create_app(svc: Service) -> FastAPI:
                     if params.trace and ev.trace:
                         chunk["trace"] = _trace(svc, ev.trace)
                     if ev.finished:
-                        chunk["memory"] = _accounting(ev.accounting)
-                        chunk["stop"] = ev.stop
+                        chunk.update(memory=_accounting(ev.accounting), stop=ev.stop, ttft_s=ev.ttft_s,
+                                     duration_s=ev.duration_s)
                     yield f"data: {json.dumps(chunk)}\n\n"
                     if ev.finished:
                         if include_usage:
@@ -259,14 +309,15 @@ def create_app(svc: Service) -> FastAPI:
                 yield "data: [DONE]\n\n"
             except Exception as e:  # noqa: BLE001 - headers are sent: the error goes in the stream
                 k = classify(e)
-                yield f"data: {json.dumps({'error': {'message': k.message, 'code': k.http_status}})}\n\n"
+                err = {"message": k.message, "param": k.param, "code": k.http_status}
+                yield f"data: {json.dumps({'error': err})}\n\n"
             finally:
                 await events.aclose()  # a client that went away cancels the request in the engine
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise RequestError("prompt", "one prompt per request (a list of several strings is not supported)")
@@ -277,10 +328,10 @@ def create_app(svc: Service) -> FastAPI:
         max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
         params = params_from_body(body, max_tokens, body.logprobs)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(prompt, params, body.stream, False, include_usage)
+        return await respond(request, prompt, params, body.stream, False, include_usage)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(body: ChatBody, request: Request):
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -290,7 +341,7 @@ def create_app(svc: Service) -> FastAPI:
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
         prompt = await svc.chat_prompt(messages)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(prompt, params, body.stream, True, include_usage)
+        return await respond(request, prompt, params, body.stream, True, include_usage)
 
     return app
 

@@ -139,6 +139,42 @@ def test_http_malformed_json_and_health_and_metrics(server):
     assert 'outcome="invalid"' in m
 
 
+def test_http_extensions_token_ids_timings_info_tokenize(server):
+    body = {"prompt": "The river", "max_tokens": 6, "temperature": 0.9, "seed": 5}
+    j = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()
+    g = stub(server).Generate(pb.GenerateRequest(prompt="The river", sampling=pb.SamplingParameters(
+        temperature=0.9, seed=5, max_new_tokens=6)), timeout=60)
+    assert j["choices"][0]["token_ids"] == list(g.token_ids) and 0 < j["ttft_s"] <= j["duration_s"]
+    with httpx.stream("POST", server.http + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == list(g.token_ids)
+    assert chunks[-1]["duration_s"] >= chunks[-1]["ttft_s"] > 0
+    info = httpx.get(server.http + "/v1/info", timeout=10).json()
+    grpc_info = stub(server).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+    assert info["vocab_size"] == grpc_info.vocab_size and info["glue_ops"] == grpc_info.glue_ops
+    assert info["memory"]["kv_capacity_bytes"] == grpc_info.memory.kv_capacity_bytes
+    tk = httpx.post(server.http + "/tokenize", json={"text": "The river"}, timeout=10).json()
+    assert tk["token_ids"] == server.engine.tokenize("The river") and len(tk["tokens"]) == len(tk["token_ids"])
+    assert httpx.post(server.http + "/tokenize", json={"text": 3}, timeout=10).status_code == 400
+
+
+def test_http_unary_request_is_cancelled_when_its_client_leaves(server):
+    def cancelled() -> float:
+        m = httpx.get(server.http + "/metrics").text
+        line = [ln for ln in m.splitlines() if ln.startswith("quantserve_requests_total{")
+                and 'transport="http"' in ln and 'outcome="cancelled"' in ln]
+        return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
+
+    before = cancelled()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.http + "/v1/completions", timeout=0.3,
+                   json={"prompt": "x", "max_tokens": 450, "ignore_eos": True})
+    end = time.monotonic() + 10
+    while cancelled() == before and time.monotonic() < end:
+        time.sleep(0.05)
+    assert cancelled() == before + 1  # the engine dropped it; it did not run to its 450 tokens
+
+
 def test_http_refusals_outside_our_handlers_keep_the_error_body(server):
     def chunks():
         yield b'{"prompt": "x"}'
@@ -208,6 +244,7 @@ def test_grpc_invalid_argument_names_the_parameter(server, sampling, param):
     with pytest.raises(grpc.RpcError) as e:
         stub(server).Generate(pb.GenerateRequest(prompt="x", sampling=sampling), timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and param in e.value.details()
+    assert ("quantserve-param", param) in e.value.trailing_metadata()
 
 
 def test_grpc_chat_uses_the_template_like_http(server):
