@@ -28,8 +28,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,21 +56,25 @@ class ServerProcess:
                "--grpc-port", "0", "--http-port", "0", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                      env={**os.environ, **(env or {})})
-        self.log: list[str] = []
-        end = time.monotonic() + timeout
+        self.log: deque[str] = deque(maxlen=500)  # the latest stderr lines, for error messages
+        self._ready = threading.Event()
+        # One thread drains stderr for the server's whole life: a full pipe would block its logging.
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(timeout) or not hasattr(self, "grpc_port"):
+            self.kill()
+            raise RuntimeError(f"quant serve did not report its ports within {timeout} s:\n"
+                               + "".join(list(self.log)[-20:]))
+
+    def _read(self) -> None:
         for line in self.proc.stderr:
             self.log.append(line)
             m = re.search(r"grpc on [\d.]+:(\d+), http on [\d.]+:(\d+)", line)
-            if m:
+            if m and not self._ready.is_set():
                 self.grpc_port, self.http_port = int(m.group(1)), int(m.group(2))
-                break
-            if time.monotonic() > end:
-                break
-        else:
-            raise RuntimeError("quant serve exited before serving:\n" + "".join(self.log[-20:]))
-        if not hasattr(self, "grpc_port"):
-            self.kill()
-            raise RuntimeError("quant serve did not start in time")
+                self._ready.set()
+        if not self._ready.is_set():
+            self._ready.set()  # exited before serving: the waiter sees no ports
 
     @property
     def grpc_target(self) -> str:
@@ -87,7 +92,7 @@ class ServerProcess:
 
     def wait(self, timeout: float) -> int:
         rc = self.proc.wait(timeout)
-        self.proc.stderr.close()
+        self._reader.join(10)
         return rc
 
     def kill(self) -> None:
@@ -354,7 +359,7 @@ def main(argv=None) -> int:
 
     def serve_args(limit_new: int, budget: str = "256MiB") -> tuple[str, ...]:
         return ("--threads", str(a.threads), "--memory-budget", budget, "--max-new-tokens", str(limit_new),
-                "--max-prompt-tokens", "512", "--max-request-bytes", "65536", "--log-level", "warning")
+                "--max-prompt-tokens", "512", "--max-request-bytes", "65536")
 
     report: dict = {"artifact": a.artifact or "embedded default (bf16)", "clients": a.clients,
                     "max_new_tokens": a.max_new_tokens, "threads": a.threads}
@@ -376,7 +381,9 @@ def main(argv=None) -> int:
             mismatched = [s for s, t in r.texts.items() if t != ref[s]]
             row = {"round": i + 1, "completed": r.completed, "cancelled": r.cancelled, "failures": r.failures[:5],
                    "mismatched_text": mismatched, "tok_per_s": round(r.tokens / r.wall_s, 1),
-                   "wall_s": round(r.wall_s, 2), "kv_used_after": wait_idle(srv.http), "rss_bytes": srv.rss_bytes()}
+                   "wall_s": round(r.wall_s, 2), "kv_used_after": wait_idle(srv.http)}
+            time.sleep(0.5)  # the engine trims its heap when it goes idle, just after the pool empties
+            row["rss_bytes"] = srv.rss_bytes()
             rounds.append(row)
             print("load", row, flush=True)
         growth = [(b["rss_bytes"] - a_["rss_bytes"]) / a_["rss_bytes"] for a_, b in zip(rounds, rounds[1:])]

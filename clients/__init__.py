@@ -1,1 +1,19 @@
-"""quantserve clients. Never imports torch: a user runs them on a laptop against a remote server."""
+"""quantserve clients. Never imports torch: a user runs them on a laptop against a remote server.
+
+``Client`` / ``AsyncClient`` talk gRPC (default) or HTTP (``http=True``) and return the typed results below;
+every failure is a ``ClientError`` with a transport-independent ``code``. ``quant-client`` (clients.cli) is
+the command line on top. Plotting (clients.plot) needs matplotlib, imported only when a plot is drawn.
+"""
+
+from clients.client import AsyncClient, Client, default_target, make_sampling
+from clients.errors import EXIT_CODES, ClientError
+from clients.metrics import CellMetrics, cell_metrics, distinct_n, repetition_rate
+from clients.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, Message, ModelInfo, Options,
+                           Request, Result, Sampling, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage, to_dict)
+
+__all__ = [
+    "AsyncClient", "Client", "ClientError", "EXIT_CODES", "default_target", "make_sampling",
+    "Alternative", "Candidate", "EngineMemory", "MemoryAccounting", "Message", "ModelInfo", "Options", "Request",
+    "Result", "Sampling", "StreamChunk", "TokenLogprob", "Tokens", "TraceStep", "Usage", "to_dict",
+    "CellMetrics", "cell_metrics", "distinct_n", "repetition_rate",
+]

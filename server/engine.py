@@ -101,7 +101,7 @@ def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_di
 
 
 def release_freed_memory() -> None:
-    """Hand memory freed by loading back to the OS. Unpacking and repacking quantized tensors frees hundreds
+    """Hand freed heap memory back to the OS (after loading, and whenever the engine goes idle). Unpacking and repacking quantized tensors frees hundreds
     of MiB of temporaries that glibc keeps in its heap (bench/decode.py --only rss: a w4a16 server at 1837 MiB
     RSS before this call existed, 1053 MiB with it); malloc_trim returns it. A no-op where glibc is not the allocator."""
     import ctypes
@@ -446,8 +446,15 @@ class Engine:
 
     def _loop(self) -> None:
         with torch.inference_mode():
+            dirty = False  # steps ran since the heap was last trimmed
             while True:
-                self._drain_inbox(block=not self.scheduler.has_work and self._stop_at is None)
+                idle = not self.scheduler.has_work and self._stop_at is None
+                if idle and dirty:
+                    # Steps free their activations into glibc's arenas (one per thread touching them); given
+                    # back when idle, resident memory tracks what is in use, not the busiest moment so far.
+                    release_freed_memory()
+                    dirty = False
+                self._drain_inbox(block=idle)
                 if self._stop_at is not None and (not self.scheduler.has_work or time.monotonic() >= self._stop_at):
                     self._cancel_all("the engine shut down before the request finished")
                     return
@@ -456,6 +463,7 @@ class Engine:
                 plan = self.scheduler.plan()
                 if plan.empty:
                     continue
+                dirty = True
                 try:
                     self._step(plan)
                 except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest

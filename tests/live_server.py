@@ -4,7 +4,10 @@ background thread, for the end-to-end tests."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import threading
+import time
 
 from server.engine import Engine, EngineConfig
 from server.serve import ServeConfig, run
@@ -41,6 +44,14 @@ class Running:
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.ports['grpc']}"
 
+    def assert_idle(self, timeout: float = 20.0) -> None:
+        """Every request made so far (finished, cancelled or timed out) has given its KV blocks back."""
+        eng = self.engine
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and (eng.pool.used_blocks or eng.scheduler.has_work):
+            time.sleep(0.01)
+        assert eng.pool.used_blocks == 0 and eng.pool.stats()["requests"] == 0
+
     def shutdown(self):
         self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(60)
@@ -54,3 +65,28 @@ def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), grace_s=2.0,
     cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=grace_s, api_key=api_key,
                       engine=ecfg, limits=limits, tls_cert=tls and tls[0], tls_key=tls and tls[1])
     return Running(engine, cfg)
+
+
+def self_signed_cert(tmp_path) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 / localhost and its key, as PEM files: (cert, key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)

@@ -30,11 +30,7 @@ def server(tiny_model_dir, cache_dir):
 def _pool_back_to_zero(request):
     yield
     if "server" in request.fixturenames:
-        eng = request.getfixturevalue("server").engine
-        end = time.monotonic() + 20
-        while time.monotonic() < end and (eng.pool.used_blocks or eng.scheduler.has_work):
-            time.sleep(0.01)
-        assert eng.pool.used_blocks == 0 and eng.pool.stats()["requests"] == 0
+        request.getfixturevalue("server").assert_idle()
 
 
 def stub(server):

@@ -1,0 +1,201 @@
+"""The Python client: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio), over gRPC or HTTP.
+
+    from clients import Client
+    with Client("127.0.0.1:50051") as c:                      # Client("127.0.0.1:8000", http=True) for HTTP
+        r = c.generate("The river", temperature=0.8, top_p=0.9, seed=1, max_new_tokens=32, trace=5)
+        print(r.text, r.seed, r.memory.kv_bytes_reserved, r.trace[0].entropy)
+        for chunk in c.stream("The river", max_new_tokens=32):
+            print(chunk.text, end="")                          # chunk.result is set on the last chunk
+
+Sampling parameters are keyword arguments named as in the proto (temperature, top_k, top_p,
+repetition_penalty, seed, max_new_tokens, min_tokens, ignore_eos, stop, logprobs, trace); one left out is not
+sent, so the server's default applies. Every failure is a :class:`clients.errors.ClientError`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
+
+from clients.errors import INVALID_ARGUMENT, ClientError
+from clients.types import (SAMPLING_FIELDS, Message, ModelInfo, Options, Request, Result, Sampling, StreamChunk,
+                           Tokens)
+
+GRPC_PORT, HTTP_PORT = 50051, 8000
+Prompt = Union[str, Sequence[int]]
+MessageLike = Union[Message, Mapping[str, str], Sequence[str]]
+
+_FLOATS = ("temperature", "top_p", "repetition_penalty")
+_INTS = ("top_k", "seed", "max_new_tokens", "min_tokens", "logprobs", "trace")
+
+
+def default_target(http: bool) -> str:
+    return f"127.0.0.1:{HTTP_PORT if http else GRPC_PORT}"
+
+
+def make_sampling(**kw: Any) -> Sampling:
+    """Sampling from keyword arguments, type-checked here (a bool is not a number, 5.0 is not an integer);
+    values are checked by the server, whose messages name the parameter."""
+    unknown = sorted(set(kw) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_FIELDS)}")
+    out: dict[str, Any] = {}
+    for name, v in kw.items():
+        if v is None:
+            continue
+        if name in _FLOATS:
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        elif name in _INTS:
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            v = int(v) if ok else v
+        elif name == "ignore_eos":
+            ok = isinstance(v, bool)
+        else:  # stop: one string or a sequence of strings
+            v = (v,) if isinstance(v, str) else v
+            ok = isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
+            v = tuple(v) if ok else v
+        if not ok:
+            kind = {"ignore_eos": "a bool", "stop": "a string or a list of strings"}.get(
+                name, "a number" if name in _FLOATS else "an integer")
+            raise ClientError(INVALID_ARGUMENT, f"{name} must be {kind}, got {type(v).__name__} {v!r}", name)
+        out[name] = v
+    return Sampling(**out)
+
+
+def prompt_request(prompt: Prompt, sampling: Sampling, request_id: str | None = None) -> Request:
+    if isinstance(prompt, str):
+        return Request(prompt=prompt, sampling=sampling, request_id=request_id)
+    ids = tuple(prompt)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ClientError(INVALID_ARGUMENT, "prompt must be a string or a sequence of token ids (integers)",
+                          "prompt_ids")
+    return Request(prompt_ids=tuple(int(i) for i in ids), sampling=sampling, request_id=request_id)
+
+
+def chat_request(messages: Iterable[MessageLike], sampling: Sampling, request_id: str | None = None) -> Request:
+    """Messages as Message objects, {"role", "content"} mappings or (role, content) pairs."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, Message):
+            out.append(m)
+        elif isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
+            out.append(Message(m["role"], m["content"]))
+        elif isinstance(m, (tuple, list)) and len(m) == 2 and all(isinstance(x, str) for x in m):
+            out.append(Message(m[0], m[1]))
+        else:
+            raise ClientError(INVALID_ARGUMENT, f"messages[{i}] must be a Message, a {{role, content}} mapping or "
+                                                f"a (role, content) pair of strings, got {m!r}", "messages")
+    return Request(messages=tuple(out), sampling=sampling, request_id=request_id)
+
+
+def make_options(target: str | None, http: bool, tls: bool, ca_file: str | None, api_key: str | None,
+                 timeout: float | None) -> Options:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    return Options(target=target or default_target(http), http=http, tls=tls or bool(ca_file), ca_file=ca_file,
+                   api_key=api_key, timeout=timeout)
+
+
+class Client:
+    """A blocking client over gRPC (default) or HTTP (``http=True``). Thread-safe: one client can serve many
+    threads (the CLI's sweep does). Use it as a context manager, or call :meth:`close`."""
+
+    def __init__(self, target: str | None = None, *, http: bool = False, tls: bool = False,
+                 ca_file: str | None = None, api_key: str | None = None, timeout: float | None = 60.0):
+        self.options = make_options(target, http, tls, ca_file, api_key, timeout)
+        if http:
+            from clients.transport_http import HttpTransport
+
+            self._t: Any = HttpTransport(self.options)
+        else:
+            from clients.transport_grpc import GrpcTransport
+
+            self._t = GrpcTransport(self.options)
+
+    @property
+    def transport(self) -> str:
+        return self.options.transport
+
+    def generate(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Result:
+        """The whole completion of a text prompt (or of token ids)."""
+        return self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id))
+
+    def stream(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Iterator[StreamChunk]:
+        """Chunks as they are generated; the last one carries ``result``. Stopping early cancels the request."""
+        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
+
+    def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, **sampling: Any) -> Result:
+        """The assistant's reply to a conversation (the server applies the model's chat template)."""
+        return self._t.generate(chat_request(messages, make_sampling(**sampling), request_id))
+
+    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+                    **sampling: Any) -> Iterator[StreamChunk]:
+        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id))
+
+    def tokenize(self, text: str) -> Tokens:
+        """The server tokenizer's ids and token texts."""
+        return self._t.tokenize(text)
+
+    def info(self) -> ModelInfo:
+        return self._t.info()
+
+    def close(self) -> None:
+        self._t.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio client: the same methods as :class:`Client`, awaited (``stream`` / ``chat_stream`` are
+    async iterators). Create it inside the event loop that uses it; ``async with`` closes it."""
+
+    def __init__(self, target: str | None = None, *, http: bool = False, tls: bool = False,
+                 ca_file: str | None = None, api_key: str | None = None, timeout: float | None = 60.0):
+        self.options = make_options(target, http, tls, ca_file, api_key, timeout)
+        if http:
+            from clients.transport_http import AsyncHttpTransport
+
+            self._t: Any = AsyncHttpTransport(self.options)
+        else:
+            from clients.transport_grpc import AsyncGrpcTransport
+
+            self._t = AsyncGrpcTransport(self.options)
+
+    @property
+    def transport(self) -> str:
+        return self.options.transport
+
+    async def generate(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Result:
+        return await self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id))
+
+    def stream(self, prompt: Prompt, *, request_id: str | None = None,
+               **sampling: Any) -> AsyncIterator[StreamChunk]:
+        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
+
+    async def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+                   **sampling: Any) -> Result:
+        return await self._t.generate(chat_request(messages, make_sampling(**sampling), request_id))
+
+    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+                    **sampling: Any) -> AsyncIterator[StreamChunk]:
+        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id))
+
+    async def tokenize(self, text: str) -> Tokens:
+        return await self._t.tokenize(text)
+
+    async def info(self) -> ModelInfo:
+        return await self._t.info()
+
+    async def close(self) -> None:
+        await self._t.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,125 @@
+"""How the CLI shows results: the one-line summary, the info table, per-step trace tables, the sweep table.
+
+Everything a server sends (generated text, token texts) is wrapped in rich ``Text`` objects, never parsed as
+rich markup: a token like "[/b]" must print as itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from clients.sweep import SweepRow
+from clients.types import ModelInfo, Result, TokenLogprob, TraceStep
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # unreachable; keeps type checkers quiet
+
+
+def summary(r: Result) -> str:
+    """tokens (prompt) · finish reason · seed · KV reserved / used · activation peak [· ttft, duration]."""
+    reason = r.finish_reason + (f" ({r.stop})" if r.stop else "")
+    n = r.usage.completion_tokens
+    parts = [f"{n} token{'' if n == 1 else 's'} (prompt {r.usage.prompt_tokens})", f"finish {reason}", f"seed {r.seed}"]
+    if r.memory is not None:
+        m = r.memory
+        parts += [f"KV reserved {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}",
+                  f"activation peak {human_bytes(m.activation_peak_bytes)}"]
+    if r.ttft_s is not None and r.duration_s is not None:
+        parts.append(f"ttft {r.ttft_s * 1000:.0f} ms, {r.duration_s:.2f} s")
+    return "[" + " · ".join(parts) + "]"
+
+
+def info_table(i: ModelInfo, transport: str) -> Table:
+    def na(v) -> str:
+        return "n/a" if v is None else str(v)
+
+    t = Table(title=f"quantserve model ({transport})", show_header=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    rows = [("model", i.model), ("scheme", i.scheme), ("dtype", na(i.dtype)), ("attention", na(i.attention)),
+            ("device", na(i.device)), ("glue ops", na(i.glue_ops)), ("context length", str(i.context_length)),
+            ("vocab size", na(i.vocab_size)),
+            ("KV bytes / token", na(i.kv_bytes_per_token))]
+    if i.memory is not None:
+        m = i.memory
+        rows += [("weights", human_bytes(m.weight_bytes)), ("KV pool capacity", human_bytes(m.kv_capacity_bytes)),
+                 ("KV pool in use", human_bytes(m.kv_used_bytes)), ("KV block size", f"{m.kv_block_size} tokens"),
+                 ("running / queued", f"{m.running} / {m.queued}")]
+    else:
+        rows.append(("memory totals", "n/a"))
+    rows += [("max new tokens (limit)", na(i.max_new_tokens_limit)), ("max prompt tokens", na(i.max_prompt_tokens))]
+    for k, v in rows:
+        t.add_row(k, Text(v))
+    return t
+
+
+def _tok(s: str) -> str:
+    return repr(s)  # quoted, escaped: leading spaces, newlines and control characters stay visible
+
+
+def trace_table(index: int, step: TraceStep, chosen: TokenLogprob | None, n: int) -> Group:
+    """One step: the top candidates after temperature, top-k and top-p side by side, a "removed by" column
+    (top-k and top-p keep a prefix of the sorted candidates, so rank >= kept_* means that control removed it),
+    then one line with the exact kept counts, masses (after temperature) and entropy of the step."""
+    drew = f" drew {_tok(chosen.token)} (logprob {chosen.logprob:.3f})" if chosen is not None else ""
+    t = Table(title=Text(f"step {index}:{drew}"), title_justify="left")
+    t.add_column("#", justify="right")
+    for name in ("after temperature", "after top-k", "after top-p"):
+        t.add_column(name)
+        t.add_column("p", justify="right")
+        if name == "after temperature":
+            t.add_column("removed by")
+    kept = (None, step.kept_top_k, step.kept_top_p)  # survivors of each stage's control
+    cols = (step.after_temperature, step.after_top_k, step.after_top_p)
+    for rank in range(min(n, max((len(c) for c in cols), default=0))):
+        removed = "top-k" if rank >= step.kept_top_k else "top-p" if rank >= step.kept_top_p else ""
+        cells: list = [str(rank + 1)]
+        for stage, cands in enumerate(cols):
+            c = cands[rank] if rank < len(cands) else None
+            style = ""
+            if stage == 0 and removed:
+                style = "red strike" if removed == "top-k" else "yellow strike"
+            elif stage and kept[stage] is not None and rank >= kept[stage]:
+                style = "dim"  # listed with probability 0: this stage removed it
+            if (stage == 2 and c is not None and chosen is not None
+                    and (c.token_id == chosen.token_id if chosen.token_id is not None else c.token == chosen.token)):
+                style = "bold green"  # the drawn token (over HTTP, matched by its text)
+            cells += [Text(_tok(c.token), style=style), Text(f"{c.prob:.4g}", style=style)] if c else ["", ""]
+            if stage == 0:
+                cells.append(Text(removed, style="red" if removed == "top-k" else "yellow"))
+        t.add_row(*cells)
+    stats = Text(f"  top-k kept {step.kept_top_k} tokens (mass {step.mass_top_k:.4g}, removed "
+                 f"{max(1 - step.mass_top_k, 0):.4g}) · top-p kept {step.kept_top_p} (mass {step.mass_top_p:.4g}, "
+                 f"removed {max(step.mass_top_k - step.mass_top_p, 0):.4g}) · entropy {step.entropy:.4g} nats")
+    return Group(t, stats)
+
+
+def _f(v: float, fmt: str = ".3f") -> str:
+    return "n/a" if v is None or math.isnan(v) else format(v, fmt)
+
+
+def sweep_table(rows: Sequence[SweepRow], seeds: int, transport: str) -> Table:
+    t = Table(title=f"sweep: {len(rows)} cells x {seeds} seeds ({transport}; distinct-n over "
+                    f"{'token ids' if transport == 'grpc' else 'token texts'})")
+    for name in ("T", "top_k", "top_p", "len", "distinct-1", "distinct-2", "rep. rate", "mean logprob",
+                 "mean entropy", "KV reserved", "KV used", "act. peak"):
+        t.add_column(name, justify="right")
+    for r in rows:
+        m = r.metrics
+        t.add_row(f"{r.temperature:g}", str(r.top_k), f"{r.top_p:g}", _f(m.mean_length, ".1f"), _f(m.distinct_1),
+                  _f(m.distinct_2), _f(m.repetition_rate), _f(m.mean_logprob), _f(m.mean_entropy),
+                  human_bytes(m.kv_bytes_reserved), human_bytes(m.kv_bytes_used),
+                  human_bytes(m.activation_peak_bytes))
+    return t

@@ -1,0 +1,147 @@
+"""The sampling sweep: every (temperature, top_k, top_p) combination x seeds 0..S-1, concurrently.
+
+Each request asks for logprobs=0 (each generated token's logprob under the model's raw distribution) and
+trace=1 (the exact per-step entropy of the distribution the token was drawn from); :mod:`clients.metrics`
+turns a cell's results into one row. Rows are written as CSV or JSON (one row per cell, the same columns) and
+read back by :mod:`clients.plot`.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from clients.client import Client
+from clients.metrics import METRIC_NAMES, CellMetrics, cell_metrics
+from clients.types import Result
+
+GRID_NAMES = ("temperature", "top_k", "top_p")
+COLUMNS = GRID_NAMES + METRIC_NAMES
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    prompt: str
+    temperatures: tuple[float, ...]
+    top_ks: tuple[int, ...]
+    top_ps: tuple[float, ...]
+    seeds: int  # seeds 0 .. seeds-1 per cell
+    max_new_tokens: int | None = None  # None: the server's default
+    concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        for name in ("temperatures", "top_ks", "top_ps"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+
+    def cells(self) -> list[tuple[float, int, float]]:
+        """The grid, temperature-major (the table's and the files' row order)."""
+        return list(itertools.product(self.temperatures, self.top_ks, self.top_ps))
+
+    @property
+    def requests(self) -> int:
+        return len(self.cells()) * self.seeds
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    temperature: float
+    top_k: int
+    top_p: float
+    metrics: CellMetrics
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                **dataclasses.asdict(self.metrics)}
+
+
+def parse_list(text: str, kind: type, name: str) -> tuple:
+    """"0,0.7,1.0" -> (0.0, 0.7, 1.0); a clear ValueError naming the flag otherwise."""
+    try:
+        vals = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"--{name} must list at least one value")
+    return vals
+
+
+def run_sweep(client: Client, spec: SweepSpec,
+              progress: Callable[[int, int], None] | None = None) -> list[SweepRow]:
+    """Run every request of the grid (``spec.concurrency`` at a time over the one thread-safe client) and
+    return one row per cell. The first failing request's ClientError is raised (the rest are cancelled)."""
+    jobs = [(cell, seed) for cell in spec.cells() for seed in range(spec.seeds)]
+
+    def one(job) -> Result:
+        (t, k, p), seed = job
+        return client.generate(spec.prompt, temperature=t, top_k=k, top_p=p, seed=seed,
+                               max_new_tokens=spec.max_new_tokens, logprobs=0, trace=1)
+
+    results: dict[tuple, list[Result]] = {cell: [] for cell in spec.cells()}
+    with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
+        futures = [(job, pool.submit(one, job)) for job in jobs]
+        try:
+            for done, (job, fut) in enumerate(futures, 1):
+                results[job[0]].append(fut.result())
+                if progress:
+                    progress(done, len(futures))
+        except BaseException:
+            for _, f in futures:
+                f.cancel()
+            raise
+    return [SweepRow(t, k, p, cell_metrics(results[(t, k, p)])) for (t, k, p) in spec.cells()]
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def _plain(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def write_csv(rows: Sequence[SweepRow], path: str) -> None:
+    """One row per cell, columns :data:`COLUMNS`; an undefined metric is an empty field."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: "" if _plain(v) is None else v for k, v in r.as_dict().items()})
+
+
+def write_json(rows: Sequence[SweepRow], path: str, spec: SweepSpec, transport: str) -> None:
+    """{"spec": ..., "transport": ..., "columns": [...], "rows": [{column: value}]}; undefined metrics are null."""
+    doc = {"spec": dataclasses.asdict(spec), "transport": transport, "columns": list(COLUMNS),
+           "rows": [{k: _plain(v) for k, v in r.as_dict().items()} for r in rows]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def read_rows(path: str) -> list[dict[str, float]]:
+    """Rows of a sweep file (CSV or JSON, by content) as {column: float}; missing values are NaN."""
+    with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith(("{", "[")):
+        doc = json.loads(text)
+        raw = doc["rows"] if isinstance(doc, dict) else doc
+    else:
+        raw = list(csv.DictReader(text.splitlines()))
+
+    def num(v: Any) -> float:
+        return math.nan if v is None or v == "" else float(v)
+
+    rows = [{k: num(v) for k, v in r.items() if k in COLUMNS} for r in raw]
+    for i, r in enumerate(rows):
+        missing = [c for c in GRID_NAMES if c not in r]
+        if missing:
+            raise ValueError(f"{path}: row {i} has no {', '.join(missing)} column (is it a sweep file?)")
+    return rows

@@ -1,0 +1,227 @@
+"""The gRPC transport: quantserve.v1.Inference through the committed stubs, sync and asyncio.
+
+Conversion (typed request -> proto, proto -> typed result) is shared by both; the two classes differ only in
+how they wait. Every grpc.RpcError leaves as a :class:`ClientError` (errors.from_grpc).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterator
+
+import grpc
+
+from clients.errors import INVALID_ARGUMENT, ClientError, from_grpc
+from clients.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Request,
+                           Result, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage, _Joined)
+from quantserve.v1 import inference_pb2 as pb
+from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
+# The server sends up to 64 MiB (a long generation with trace=50 is large); grpc's default receive limit is 4.
+_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 * 2**20),)
+
+# ------------------------------------------------------------------------------------------ conversion
+
+
+def request_to_proto(req: Request) -> pb.GenerateRequest:
+    s = pb.SamplingParameters()
+    for name, value in req.sampling.given().items():
+        try:
+            if name == "stop":
+                s.stop.extend(value)
+            else:
+                setattr(s, name, value)
+        except (TypeError, ValueError) as e:  # wrong type / out of int64: the proto refuses it here
+            raise ClientError(INVALID_ARGUMENT, f"{name}: {e}", name) from None
+    out = pb.GenerateRequest(sampling=s, request_id=req.request_id or "")
+    if req.messages is not None:
+        out.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in req.messages)
+    elif req.prompt_ids is not None:
+        try:
+            out.prompt_ids.extend(req.prompt_ids)
+        except (TypeError, ValueError) as e:
+            raise ClientError(INVALID_ARGUMENT, f"prompt_ids: {e}", "prompt_ids") from None
+    else:
+        out.prompt = req.prompt or ""
+    return out
+
+
+def _engine(e: pb.EngineMemory) -> EngineMemory:
+    return EngineMemory(weight_bytes=e.weight_bytes, kv_capacity_bytes=e.kv_capacity_bytes,
+                        kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
+                        queued=e.queued)
+
+
+def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
+    return MemoryAccounting(kv_bytes_per_token=m.kv_bytes_per_token, kv_blocks_reserved=m.kv_blocks_reserved,
+                            kv_bytes_reserved=m.kv_bytes_reserved, kv_bytes_used=m.kv_bytes_used,
+                            activation_peak_bytes=m.activation_peak_bytes, attention=m.attention,
+                            engine=_engine(m.engine) if m.HasField("engine") else None)
+
+
+def _logprobs(lps) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.token, lp.logprob,
+                              tuple(Alternative(c.token_id, c.token, c.logprob) for c in lp.top)) for lp in lps)
+
+
+def _trace(steps) -> tuple[TraceStep, ...]:
+    def cands(cs) -> tuple[Candidate, ...]:
+        return tuple(Candidate(c.token_id, c.token, c.prob) for c in cs)
+
+    return tuple(TraceStep(cands(t.after_temperature), cands(t.after_top_k), cands(t.after_top_p), t.kept_top_k,
+                           t.kept_top_p, t.mass_top_k, t.mass_top_p, t.entropy) for t in steps)
+
+
+def _final(request_id: str, f: pb.Final) -> dict:
+    """Result fields that come from the proto's Final (the rest come from the text / ids / lists)."""
+    return dict(request_id=request_id, finish_reason=f.finish_reason, stop=f.stop or None, seed=f.seed,
+                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
+                memory=_memory(f.memory) if f.HasField("memory") else None,
+                ttft_s=f.ttft_s, duration_s=f.duration_s, transport="grpc")
+
+
+def result_from_proto(r: pb.GenerateResponse) -> Result:
+    return Result(text=r.text, token_ids=tuple(r.token_ids), logprobs=_logprobs(r.logprobs), trace=_trace(r.trace),
+                  **_final(r.request_id, r.final))
+
+
+def _chunk(m: pb.GenerateStreamResponse, joined: _Joined) -> StreamChunk:
+    c = StreamChunk(text=m.text, token_ids=tuple(m.token_ids), logprobs=_logprobs(m.logprobs), trace=_trace(m.trace),
+                    seed=m.seed)
+    joined.add(c)
+    if m.HasField("final"):
+        c = StreamChunk(c.text, c.token_ids, c.logprobs, c.trace, c.seed, joined.result(**_final(m.request_id,
+                                                                                                 m.final)))
+    return c
+
+
+def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
+    return ModelInfo(model=i.model, scheme=i.scheme, context_length=i.context_length, dtype=i.dtype, device=i.device,
+                     attention=i.attention, vocab_size=i.vocab_size, kv_bytes_per_token=i.kv_bytes_per_token,
+                     glue_ops=i.glue_ops, max_new_tokens_limit=i.max_new_tokens_limit,
+                     max_prompt_tokens=i.max_prompt_tokens, memory=_engine(i.memory))
+
+
+def _no_final() -> ClientError:
+    return ClientError("internal", "the stream ended without a final message")
+
+
+# ------------------------------------------------------------------------------------------ channels
+
+
+def _credentials(opts: Options) -> grpc.ChannelCredentials | None:
+    if not opts.tls:
+        return None
+    roots = None
+    if opts.ca_file:
+        with open(opts.ca_file, "rb") as f:
+            roots = f.read()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def _metadata(opts: Options) -> tuple[tuple[str, str], ...]:
+    # ErrorsAndAuth on the server reads the lower-cased "authorization" metadata: "Bearer KEY".
+    return (("authorization", f"Bearer {opts.api_key}"),) if opts.api_key else ()
+
+
+class GrpcTransport:
+    """Blocking gRPC calls. One channel per transport; grpc channels are thread-safe (the sweep shares one)."""
+
+    name = "grpc"
+
+    def __init__(self, opts: Options):
+        creds = _credentials(opts)
+        self._channel = (grpc.secure_channel(opts.target, creds, _CHANNEL_OPTIONS) if creds else
+                         grpc.insecure_channel(opts.target, _CHANNEL_OPTIONS))
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._kw = dict(timeout=opts.timeout, metadata=_metadata(opts))
+
+    def generate(self, req: Request) -> Result:
+        msg = request_to_proto(req)
+        try:
+            return result_from_proto(self._stub.Generate(msg, **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def stream(self, req: Request) -> Iterator[StreamChunk]:
+        msg = request_to_proto(req)
+        call = self._stub.GenerateStream(msg, **self._kw)
+        joined = _Joined()
+        try:
+            for m in call:
+                chunk = _chunk(m, joined)
+                yield chunk
+                if chunk.result is not None:
+                    return
+            raise _no_final()
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            call.cancel()  # a caller that stops early cancels the request (and frees its KV blocks) on the server
+
+    def tokenize(self, text: str) -> Tokens:
+        try:
+            r = self._stub.Tokenize(pb.TokenizeRequest(text=text), **self._kw)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        return Tokens(tuple(r.token_ids), tuple(r.tokens))
+
+    def info(self) -> ModelInfo:
+        try:
+            return info_from_proto(self._stub.ModelInfo(pb.ModelInfoRequest(), **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class AsyncGrpcTransport:
+    """The same calls over grpc.aio (create and use it inside one running event loop)."""
+
+    name = "grpc"
+
+    def __init__(self, opts: Options):
+        creds = _credentials(opts)
+        self._channel = (grpc.aio.secure_channel(opts.target, creds, _CHANNEL_OPTIONS) if creds else
+                         grpc.aio.insecure_channel(opts.target, _CHANNEL_OPTIONS))
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._kw = dict(timeout=opts.timeout, metadata=_metadata(opts))
+
+    async def generate(self, req: Request) -> Result:
+        msg = request_to_proto(req)
+        try:
+            return result_from_proto(await self._stub.Generate(msg, **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    async def stream(self, req: Request) -> AsyncIterator[StreamChunk]:
+        msg = request_to_proto(req)
+        call = self._stub.GenerateStream(msg, **self._kw)
+        joined = _Joined()
+        try:
+            async for m in call:
+                chunk = _chunk(m, joined)
+                yield chunk
+                if chunk.result is not None:
+                    return
+            raise _no_final()
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, text: str) -> Tokens:
+        try:
+            r = await self._stub.Tokenize(pb.TokenizeRequest(text=text), **self._kw)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        return Tokens(tuple(r.token_ids), tuple(r.tokens))
+
+    async def info(self) -> ModelInfo:
+        try:
+            return info_from_proto(await self._stub.ModelInfo(pb.ModelInfoRequest(), **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,282 @@
+"""Typed results of the client: frozen dataclasses with no transport types in them.
+
+Both transports (gRPC, HTTP) fill the same classes, so code above the transports (the CLI, the sweep) never
+looks at protos or JSON. A field a transport cannot give is ``None`` (documented per field), never a made-up
+zero (an HTTP completion's logprob alternatives, for example, are keyed by text and carry no ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+# The proto's SamplingParameters, in its order. The client's keyword arguments carry exactly these names.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens",
+                   "ignore_eos", "stop", "logprobs", "trace")
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters; ``None`` (unset) means the server's default and is not sent.
+
+    Server defaults differ by endpoint for one field: max_new_tokens is 128 over gRPC and HTTP chat, but
+    16 over HTTP /v1/completions (the OpenAI default); both are capped by the server's limit. Pass it
+    explicitly to compare transports."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    trace: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields that are set, by proto name (``stop`` only when non-empty)."""
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS
+                if (getattr(self, f) is not None and f != "stop") or (f == "stop" and self.stop)}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system, user, assistant, tool or developer
+    content: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One trace candidate: ``prob`` is its probability at that stage (renormalised over the survivors)."""
+
+    token_id: int
+    token: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of the ``logprobs`` most probable tokens at a step. ``token_id`` is None over HTTP."""
+
+    token_id: int | None
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob under the model's raw distribution. ``token_id`` is None over HTTP when the
+    response does not say it (completions' legacy format has texts only)."""
+
+    token_id: int | None
+    token: str
+    logprob: float
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    """One generated step. The candidate lists hold the top ``trace`` tokens of each stage; the counts, masses
+    and entropy are exact over the whole vocabulary, so they say what each control removed."""
+
+    after_temperature: tuple[Candidate, ...]
+    after_top_k: tuple[Candidate, ...]
+    after_top_p: tuple[Candidate, ...]
+    kept_top_k: int  # tokens that survived top-k (the vocabulary size when top-k is off)
+    kept_top_p: int  # tokens that survived top-k and top-p: the support of the draw
+    mass_top_k: float  # probability after temperature of the tokens top-k kept
+    mass_top_p: float  # ... of the tokens top-p kept as well
+    entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """The engine's totals (when the request finished, or when ``info`` was asked)."""
+
+    weight_bytes: int
+    kv_capacity_bytes: int
+    kv_used_bytes: int  # blocks reserved by running requests
+    kv_block_size: int  # tokens per KV block
+    running: int
+    queued: int
+
+
+@dataclass(frozen=True)
+class MemoryAccounting:
+    """What one request cost in memory (the proto's MemoryAccounting)."""
+
+    kv_bytes_per_token: int
+    kv_blocks_reserved: int
+    kv_bytes_reserved: int
+    kv_bytes_used: int
+    activation_peak_bytes: int
+    attention: str
+    engine: EngineMemory | None
+
+
+@dataclass(frozen=True)
+class Result:
+    """One finished request."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...] | None  # None only from a server that does not return them
+    finish_reason: str  # "length", "stop", "cancelled" or "error" (same words on both transports)
+    stop: str | None  # the stop string that matched, "<eos>", or None
+    seed: int  # give it back to reproduce the request exactly
+    usage: Usage
+    memory: MemoryAccounting | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token when logprobs was set
+    trace: tuple[TraceStep, ...] = ()  # one per generated token when trace was set
+    ttft_s: float | None = None  # server-side time to first token (from arrival)
+    duration_s: float | None = None  # server-side duration
+    transport: str = "grpc"
+
+    def token_keys(self) -> tuple:
+        """The generated tokens as comparable keys: ids when the transport gives them, else the tokens' texts
+        from ``logprobs`` (request logprobs=0 over HTTP). Empty when neither is available."""
+        if self.token_ids is not None:
+            return self.token_ids
+        return tuple(lp.token for lp in self.logprobs)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What arrived since the previous chunk. ``result`` (the whole request) is set on the last chunk only."""
+
+    text: str
+    token_ids: tuple[int, ...] | None  # None only from a server that does not return them
+    logprobs: tuple[TokenLogprob, ...] = ()
+    trace: tuple[TraceStep, ...] = ()
+    seed: int | None = None
+    result: Result | None = None
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is served (gRPC ModelInfo, HTTP GET /v1/info: the same fields)."""
+
+    model: str
+    scheme: str
+    context_length: int
+    dtype: str | None = None
+    device: str | None = None
+    attention: str | None = None
+    vocab_size: int | None = None
+    kv_bytes_per_token: int | None = None
+    glue_ops: str | None = None
+    max_new_tokens_limit: int | None = None
+    max_prompt_tokens: int | None = None
+    memory: EngineMemory | None = None
+
+
+@dataclass
+class _Joined:
+    """Accumulates stream chunks into one Result (both transports' streams end through it)."""
+
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    has_ids: bool = True
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    trace: list[TraceStep] = field(default_factory=list)
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text.append(chunk.text)
+        if chunk.token_ids is None:
+            self.has_ids = False
+        else:
+            self.ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.trace.extend(chunk.trace)
+
+    def result(self, **final: Any) -> Result:
+        return Result(text="".join(self.text), token_ids=tuple(self.ids) if self.has_ids else None,
+                      logprobs=tuple(self.logprobs), trace=tuple(self.trace), **final)
+
+
+def to_dict(obj: Any) -> Any:
+    """A result (or any of these dataclasses, or a sequence of them) as JSON-ready plain data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        d = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, Usage):
+            d["total_tokens"] = obj.total_tokens
+        return d
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(x) for x in obj]
+    return obj
+
+
+def trace_from_dict(d: Mapping[str, Any]) -> TraceStep:
+    """A TraceStep from its JSON form (the HTTP body's and :func:`to_dict`'s, which are the same)."""
+    def cands(xs: Sequence[Mapping[str, Any]]) -> tuple[Candidate, ...]:
+        return tuple(Candidate(int(c["token_id"]), str(c["token"]), float(c["prob"])) for c in xs)
+
+    return TraceStep(after_temperature=cands(d["after_temperature"]), after_top_k=cands(d["after_top_k"]),
+                     after_top_p=cands(d["after_top_p"]), kept_top_k=int(d["kept_top_k"]),
+                     kept_top_p=int(d["kept_top_p"]), mass_top_k=float(d["mass_top_k"]),
+                     mass_top_p=float(d["mass_top_p"]), entropy=float(d["entropy"]))
+
+
+def engine_from_dict(d: Mapping[str, Any] | None) -> EngineMemory | None:
+    if not d:
+        return None
+    return EngineMemory(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(EngineMemory)})
+
+
+def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
+    """MemoryAccounting from the HTTP ``memory`` object (which also carries prompt/generated token counts)."""
+    if not d:
+        return None
+    ints = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used",
+            "activation_peak_bytes")
+    return MemoryAccounting(**{k: int(d.get(k, 0)) for k in ints}, attention=str(d.get("attention", "")),
+                            engine=engine_from_dict(d.get("engine")))
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to reach the server. ``target`` is "host:port" (or, with ``http``, also a full http(s):// URL);
+    ``timeout`` is seconds per call (None: no deadline); ``ca_file`` a PEM bundle for TLS (None: the system's
+    roots)."""
+
+    target: str
+    http: bool = False
+    tls: bool = False
+    ca_file: str | None = None
+    api_key: str | None = None
+    timeout: float | None = 60.0
+
+    @property
+    def transport(self) -> str:
+        return "http" if self.http else "grpc"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: exactly one of ``prompt`` (text), ``prompt_ids`` or ``messages``."""
+
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] | None = None
+    sampling: Sampling = Sampling()
+    request_id: str | None = None
