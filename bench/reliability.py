@@ -10,8 +10,9 @@ clients (grpc stubs, httpx):
    huge, empty, unicode edge cases, oversized prompts, garbage bytes). Every answer must be 400 /
    INVALID_ARGUMENT or a well-formed completion; the server must stay healthy.
 2. load: ``--clients`` concurrent streaming clients (half gRPC, half HTTP), every fifth cancelled after its
-   second chunk, ``--rounds`` rounds. All others must finish with exactly ``--max-new-tokens`` tokens and the
-   text of the same seed served alone; after each round the KV pool is back at zero; RSS per round.
+   second chunk, ``--rounds`` rounds. All others must finish with exactly ``--max-new-tokens`` tokens; how many
+   texts differ from the same seed served alone is reported (bfloat16 is not batch-invariant); after each
+   round the KV pool is back at zero; RSS per round.
 3. drain: SIGTERM while the clients stream; each must complete or end with UNAVAILABLE / 503, none hangs,
    requests after SIGTERM are refused, exit code 0.
 
@@ -401,7 +402,10 @@ def main(argv=None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
     print("wrote", a.out)
-    ok = (report["fuzz"]["healthy_after"] and not any(r["failures"] or r["mismatched_text"] for r in rounds)
+    # Texts differing from the request served alone are reported, not failed: in bfloat16 the batch's shape
+    # changes the kernels' reduction order, and a near-tie token can flip (in float32 they are identical,
+    # which tests/test_reliability.py holds).
+    ok = (report["fuzz"]["healthy_after"] and not any(r["failures"] for r in rounds)
           and not d.failures and d.exit_code == 0 and all(g < 0.05 for g in growth[1:]))
     return 0 if ok else 1
 
