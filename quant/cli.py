@@ -107,7 +107,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     s.add_argument("--tls-cert", default=None)
     s.add_argument("--tls-key", default=None)
-    s.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on both transports")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on both transports")
+    key.add_argument("--api-key-file", default=None,
+                     help="the same, the key read from this file (a mounted secret; keeps it out of the argv)")
     s.add_argument("--log-level", default="INFO")
     return p
 
@@ -260,11 +263,18 @@ def _cmd_serve(args, cache_dir: Path) -> int:
     from server.service import Limits
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            api_key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            print(f"quant serve: error: cannot read --api-key-file: {e}", file=sys.stderr)
+            return 1
     cfg = ServeConfig(
         artifact=args.artifact, host=args.host,
         grpc_port=None if args.grpc_port == -1 else args.grpc_port,
         http_port=None if args.http_port == -1 else args.http_port,
-        grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=args.api_key,
+        grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=api_key,
         engine=EngineConfig(memory_budget=args.memory_budget, max_queue=args.max_queue, max_batch=args.max_batch,
                             max_prefill_tokens=args.max_prefill_tokens, dtype=args.dtype, device=args.device,
                             threads=args.threads),

@@ -409,6 +409,7 @@ def test_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be an integer >= 1"),
     (["--max-queue", "0"], "--max-queue must be an integer >= 1"),
+    (["--api-key-file", "no-such-key-file"], "cannot read --api-key-file"),
 ])
 def test_serve_refuses_bad_flags_before_loading_anything(capsys, args, msg):
     from quant.cli import main

@@ -1,0 +1,105 @@
+"""The container entrypoint (server.envconfig: environment -> `quant serve`) and the gRPC health probe
+(clients.health) the images' health checks call."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server.envconfig import VARS, EnvError, main, serve_argv
+
+
+def test_every_variable_maps_to_its_flag():
+    env = {"QUANTSERVE_ARTIFACT": "/artifacts/m", "QUANTSERVE_GRPC_PORT": "-1", "QUANTSERVE_HTTP_PORT": "8080",
+           "QUANTSERVE_MEMORY_BUDGET": "0.3", "QUANTSERVE_MAX_QUEUE": "7", "QUANTSERVE_MAX_BATCH": "8",
+           "QUANTSERVE_MAX_PREFILL_TOKENS": "128", "QUANTSERVE_MAX_NEW_TOKENS": "512",
+           "QUANTSERVE_MAX_PROMPT_TOKENS": "1024", "QUANTSERVE_MAX_REQUEST_BYTES": "65536",
+           "QUANTSERVE_DTYPE": "float16", "QUANTSERVE_DEVICE": "cuda", "QUANTSERVE_THREADS": "4",
+           "QUANTSERVE_GRACE_SECONDS": "25", "QUANTSERVE_TLS_CERT": "/tls/c.pem", "QUANTSERVE_TLS_KEY": "/tls/k.pem",
+           "QUANTSERVE_API_KEY_FILE": "/secrets/key", "QUANTSERVE_LOG_LEVEL": "WARNING", "QUANTSERVE_CACHE": "/c",
+           "PATH": "/usr/bin"}
+    argv = serve_argv(env)
+    assert argv[0] == "/artifacts/m"
+    pairs = dict(zip(argv[1::2], argv[2::2]))
+    assert pairs == {v.flag: env.get(v.name, v.default) for v in VARS if v.flag}  # every flag, nothing else
+    assert pairs["--host"] == "0.0.0.0"  # the container default
+    # The flags are quant serve's own: its parser takes them all.
+    from quant.cli import _build_parser
+
+    parsed = _build_parser().parse_args(["serve", *argv])
+    assert (parsed.grpc_port, parsed.max_batch, parsed.grace, parsed.api_key_file) == (-1, 8, 25.0, "/secrets/key")
+
+
+@pytest.mark.parametrize("env,msg", [
+    ({}, "QUANTSERVE_ARTIFACT must be set"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_GRPC_PORT": "http"}, "QUANTSERVE_GRPC_PORT must be an integer"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_HTTP_PORT": "70000"}, "QUANTSERVE_HTTP_PORT must be a port"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_MAX_BATCH": "0"}, "QUANTSERVE_MAX_BATCH must be an integer >= 1"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_GRACE_SECONDS": "nan"}, "QUANTSERVE_GRACE_SECONDS must be"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_DTYPE": "fp8"}, "QUANTSERVE_DTYPE must be one of"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_GRPC_PRT": "1"}, "QUANTSERVE_GRPC_PRT is not a quantserve setting"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_API_KEY": "k"}, "QUANTSERVE_API_KEY_FILE"),
+    ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_TLS_CERT": "c"}, "go together"),
+    ({"QUANTSERVE_ARTIFACT": " "}, "QUANTSERVE_ARTIFACT must be a non-empty value"),
+])
+def test_bad_environment_is_one_line_naming_the_variable(env, msg, capsys):
+    with pytest.raises(EnvError, match=re.escape(msg)):
+        serve_argv(env)
+    assert main([], env) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantserve: error: ") and msg in err and len(err.splitlines()) == 1
+
+
+def test_print_shows_the_command(capsys):
+    assert main(["--print"], {"QUANTSERVE_ARTIFACT": "/a", "QUANTSERVE_THREADS": "2"}) == 0
+    cmd = json.loads(capsys.readouterr().out)
+    assert cmd == ["-m", "quant.cli", "serve", "/a", "--host", "0.0.0.0", "--threads", "2"]
+
+
+def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(tiny_model_dir, tmp_path):
+    """The real entrypoint process (exec'd into quant serve), probed as a container health check would."""
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTSERVE_") or k == "QUANTSERVE_CACHE"}
+    env.update(QUANTSERVE_ARTIFACT=str(tiny_model_dir), QUANTSERVE_HOST="127.0.0.1", QUANTSERVE_GRPC_PORT="0",
+               QUANTSERVE_HTTP_PORT="0", QUANTSERVE_DTYPE="float32", QUANTSERVE_MEMORY_BUDGET="4MiB",
+               QUANTSERVE_THREADS="1", QUANTSERVE_GRACE_SECONDS="5", QUANTSERVE_API_KEY_FILE=str(key),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "server.envconfig"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"grpc on [\d.]+:(\d+), http on [\d.]+:(\d+)", line)
+            if m:
+                port, http = int(m.group(1)), int(m.group(2))
+                break
+        assert port, "the entrypoint did not start quant serve"
+        probe = [sys.executable, "-m", "clients.health", "--target", f"127.0.0.1:{port}"]
+        r = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "SERVING" in r.stdout  # health is open without the key
+        import httpx
+
+        assert httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=10).status_code == 401  # the key file
+        assert httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=10,
+                         headers={"authorization": "Bearer s3cret"}).status_code == 200
+        proc.send_signal(signal.SIGTERM)  # exec'd: the signal reaches quant serve itself
+        assert proc.wait(60) == 0
+        r = subprocess.run(probe + ["--timeout", "1"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and "UNAVAILABLE" in r.stdout  # nothing there any more
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_health_probe_without_a_server_fails_fast():
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "clients.health", "--target", "127.0.0.1:9", "--timeout", "1"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "127.0.0.1:9:" in r.stdout and time.monotonic() - t0 < 20
