@@ -17,7 +17,9 @@ from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 # The server sends up to 64 MiB (a long generation with trace=50 is large); grpc's default receive limit is 4.
-_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 * 2**20),)
+# round_robin: a target that resolves to several servers (dns:///quantserve-headless...:50051 in Kubernetes)
+# gets its calls spread over all of them; with one address it behaves as the default pick_first.
+_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 * 2**20), ("grpc.lb_policy_name", "round_robin"))
 
 # ------------------------------------------------------------------------------------------ conversion
 

@@ -304,3 +304,28 @@ def test_tls_with_a_ca_file_on_both_transports(tiny_model_dir, cache_dir, tmp_pa
         assert texts[0] == texts[1] and texts[0].strip()
     finally:
         s.shutdown()
+
+
+def test_grpc_calls_are_spread_round_robin_over_every_resolved_server(server, tiny_model_dir, cache_dir):
+    """What a Kubernetes headless Service gives a client (deploy/README.md, "Scaling out"): one target that
+    resolves to several servers; the client's channel must use all of them, not pin the first."""
+    other = start(tiny_model_dir, cache_dir, api_key=KEY)
+    try:
+        servers = (server, other)
+        before = [_grpc_requests(s) for s in servers]
+        with Client("ipv4:" + ",".join(s.grpc_target for s in servers), api_key=KEY) as c:
+            for i in range(8):
+                c.generate("The river", seed=i, max_new_tokens=2)
+        counts = [_grpc_requests(s) - b for s, b in zip(servers, before)]
+        # round_robin picks among connected servers: both serve, though the first call may find one ready
+        assert sum(counts) == 8 and min(counts) >= 2, counts
+    finally:
+        other.shutdown()
+
+
+def _grpc_requests(s) -> float:
+    import httpx
+
+    text = httpx.get(s.http + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("quantserve_requests_total{") and 'transport="grpc"' in ln)
