@@ -339,6 +339,10 @@ def test_overload_is_429_and_resource_exhausted(tiny_model_dir, cache_dir):
             stub(s).Generate(pb.GenerateRequest(prompt="x"), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         gate.set()
+        end = time.monotonic() + 30  # B leaves the queue only when A is done: wait for it, or this races
+        while not done and time.monotonic() < end:
+            time.sleep(0.01)
+        assert done
         assert httpx.post(s.http + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30).is_success
     finally:
         gate.set()
