@@ -2,6 +2,7 @@
 
     python bench/reliability.py [ARTIFACT] [--fuzz 1000] [--clients 64] [--rounds 5] [--max-new-tokens 64]
                                 [--out bench/out/reliability.json]
+    python bench/reliability.py [ARTIFACT] --invariance [--clients 24] [--max-new-tokens 24]
 
 Runs ``quant serve`` in a subprocess (so resident memory is the server's own) and drives it with real
 clients (grpc stubs, httpx):
@@ -15,6 +16,9 @@ clients (grpc stubs, httpx):
    round the KV pool is back at zero; RSS per round.
 3. drain: SIGTERM while the clients stream; each must complete or end with UNAVAILABLE / 503, none hangs,
    requests after SIGTERM are refused, exit code 0.
+
+4. (--invariance, on its own) batch invariance: one round with nobody cancelling, served in float32 and in
+   bfloat16; how many texts differ from the same seed served alone.
 
 The CI tests (tests/test_reliability.py) run these same drivers at a smaller scale.
 """
@@ -123,7 +127,7 @@ class RoundResult:
     texts: dict[int, str] = field(default_factory=dict)  # seed -> text of the requests that completed
 
 
-def request_for(seed: int, max_new_tokens: int) -> tuple[str, dict]:
+def _request(seed: int, max_new_tokens: int) -> tuple[str, dict]:
     """The prompt and sampling of client ``seed``: a fixed function of the seed, so every round and the
     sequential reference ask exactly the same thing."""
     prompt = PROMPTS[seed % len(PROMPTS)]
@@ -131,10 +135,28 @@ def request_for(seed: int, max_new_tokens: int) -> tuple[str, dict]:
                     "ignore_eos": True}
 
 
+def grpc_request(seed: int, max_new_tokens: int) -> pb.GenerateRequest:
+    prompt, s = _request(seed, max_new_tokens)
+    return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(**s))
+
+
+def http_body(seed: int, max_new_tokens: int, stream: bool) -> dict:
+    prompt, s = _request(seed, max_new_tokens)
+    body = {"prompt": prompt, "max_tokens": s.pop("max_new_tokens"), **s}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+async def _sse(r: httpx.Response):
+    """The JSON events of a server-sent event stream, up to [DONE]."""
+    async for line in r.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def _grpc_client(stub, seed: int, max_new: int, cancel: bool, res: RoundResult, timeout: float) -> None:
-    prompt, s = request_for(seed, max_new)
-    call = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(**s)),
-                               timeout=timeout)
+    call = stub.GenerateStream(grpc_request(seed, max_new), timeout=timeout)
     text, n, chunks, final = [], 0, 0, None
     try:
         async for m in call:
@@ -154,18 +176,12 @@ async def _grpc_client(stub, seed: int, max_new: int, cancel: bool, res: RoundRe
 
 
 async def _http_client(http: httpx.AsyncClient, seed: int, max_new: int, cancel: bool, res: RoundResult) -> None:
-    prompt, s = request_for(seed, max_new)
-    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": s.pop("max_new_tokens"), **s}
     text, n, chunks, reason = [], 0, 0, None
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    async with http.stream("POST", "/v1/completions", json=http_body(seed, max_new, stream=True)) as r:
         if r.status_code != 200:
             res.failures.append(f"http seed {seed}: {r.status_code} {(await r.aread())[:200]!r}")
             return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
+        async for d in _sse(r):
             if "error" in d:
                 res.failures.append(f"http seed {seed}: error event {d['error']}")
                 return
@@ -190,10 +206,11 @@ def _finish(res: RoundResult, seed: int, text: str, n: int, reason: str | None, 
     res.texts[seed] = text
 
 
-async def load_round(grpc_target: str, http_base: str, clients: int, max_new_tokens: int, cancel_every: int = 5,
+async def load_round(grpc_target: str, http_base: str, clients: int, max_new_tokens: int,
+                     cancel_every: int | None = 5,
                      timeout: float = 300.0) -> RoundResult:
     """``clients`` concurrent streams; even seeds over gRPC, odd over HTTP; seeds divisible by
-    ``cancel_every`` cancel after their second chunk (20% at 5)."""
+    ``cancel_every`` cancel after their second chunk (20% at 5; None: nobody)."""
     res = RoundResult()
     t0 = time.perf_counter()
     async with grpc.aio.insecure_channel(grpc_target) as ch, \
@@ -202,7 +219,7 @@ async def load_round(grpc_target: str, http_base: str, clients: int, max_new_tok
         stub = pb_grpc.InferenceStub(ch)
         tasks = []
         for seed in range(clients):
-            cancel = seed % cancel_every == 0
+            cancel = cancel_every is not None and seed % cancel_every == 0
             tasks.append(_grpc_client(stub, seed, max_new_tokens, cancel, res, timeout) if seed % 2 == 0
                          else _http_client(http, seed, max_new_tokens, cancel, res))
         await asyncio.wait_for(asyncio.gather(*tasks), timeout)
@@ -215,20 +232,29 @@ def reference_texts(http_base: str, seeds, max_new_tokens: int, timeout: float =
     out = {}
     with httpx.Client(base_url=http_base, timeout=timeout) as c:
         for seed in seeds:
-            prompt, s = request_for(seed, max_new_tokens)
-            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": s.pop("max_new_tokens"), **s})
+            r = c.post("/v1/completions", json=http_body(seed, max_new_tokens, stream=False))
             r.raise_for_status()
             out[seed] = r.json()["choices"][0]["text"]
     return out
 
 
-def kv_in_use(http_base: str) -> float:
-    """The KV pool's bytes in use, from /metrics (what an operator sees)."""
+def metric_sum(http_base: str, sample: str, **labels: str) -> float:
+    """The sum of the /metrics samples named ``sample`` whose labels include ``labels`` (what an operator
+    sees; 0 before a labelled counter's first increment). An error when the server exports no such metric,
+    so a renamed one cannot pass for an idle server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(http_base + "/metrics", timeout=10).text
-    m = re.search(r"^quantserve_kv_pool_used_bytes(?:\{[^}]*\})? (\S+)$", text, re.M)
-    if not m:
-        raise RuntimeError("no quantserve_kv_pool_used_bytes in /metrics")
-    return float(m.group(1))
+    families = [f for f in text_string_to_metric_families(text)
+                if sample == f.name or sample.startswith(f.name + "_")]  # counters: NAME_total samples
+    if not families:
+        raise RuntimeError(f"no {sample} in /metrics")
+    return sum(sm.value for f in families for sm in f.samples
+               if sm.name == sample and labels.items() <= sm.labels.items())
+
+
+def kv_in_use(http_base: str) -> float:
+    return metric_sum(http_base, "quantserve_kv_pool_used_bytes")
 
 
 def wait_idle(http_base: str, timeout: float = 30.0) -> float:
@@ -251,22 +277,14 @@ class DrainResult:
     exit_s: float = 0.0  # SIGTERM to process exit
 
 
-async def _drain_client(transport: str, stub, http, seed: int, max_new: int,
-                        started: asyncio.Event, res: DrainResult, counter: list[int], n: int) -> None:
-    prompt, s = request_for(seed, max_new)
-
-    def mark():
-        counter[0] += 1
-        if counter[0] == n:
-            started.set()
-
+async def _drain_client(transport: str, stub, http, seed: int, max_new: int, streaming, res: DrainResult) -> None:
+    """One client of the drain; ``streaming()`` is called at its first chunk."""
     if transport == "grpc":
-        call = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(**s)))
         first, final = True, None
         try:
-            async for m in call:
+            async for m in stub.GenerateStream(grpc_request(seed, max_new)):
                 if first:
-                    mark()
+                    streaming()
                     first = False
                 if m.HasField("final"):
                     final = m.final
@@ -281,20 +299,15 @@ async def _drain_client(transport: str, stub, http, seed: int, max_new: int,
         if not ok:
             res.failures.append(f"grpc {seed}: ended without error and without completing ({final})")
         return
-    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": s.pop("max_new_tokens"), **s}
-    async with http.stream("POST", "/v1/completions", json=body) as r:
+    async with http.stream("POST", "/v1/completions", json=http_body(seed, max_new, stream=True)) as r:
         if r.status_code == 503:
             res.unavailable += 1
             return
         first, n_tokens = True, 0
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
+        async for d in _sse(r):
             if first:
-                mark()
+                streaming()
                 first = False
-            d = json.loads(line[6:])
             if "error" in d:
                 if d["error"].get("code") == 503:
                     res.unavailable += 1
@@ -313,14 +326,20 @@ async def drain_under_load(srv: ServerProcess, clients: int, short_tokens: int, 
     """``clients`` streams (alternating transports; alternating short requests that can finish within the
     grace period and long ones that cannot), SIGTERM once every stream has its first chunk."""
     res = DrainResult()
-    started, counter = asyncio.Event(), [0]
+    started, streaming = asyncio.Event(), set()
+
+    def streaming_now(seed: int):
+        streaming.add(seed)
+        if len(streaming) == clients:
+            started.set()
+
     async with grpc.aio.insecure_channel(srv.grpc_target) as ch, \
             httpx.AsyncClient(base_url=srv.http, timeout=timeout,
                               limits=httpx.Limits(max_connections=clients + 2)) as http:
         stub = pb_grpc.InferenceStub(ch)
         tasks = [asyncio.create_task(_drain_client("grpc" if i % 2 == 0 else "http", stub, http, i,
                                                    short_tokens if (i // 2) % 2 == 0 else long_tokens,
-                                                   started, res, counter, clients)) for i in range(clients)]
+                                                   lambda i=i: streaming_now(i), res)) for i in range(clients)]
         await asyncio.wait_for(started.wait(), timeout)
         t0 = time.perf_counter()
         srv.sigterm()
@@ -343,6 +362,24 @@ async def drain_under_load(srv: ServerProcess, clients: int, short_tokens: int, 
     return res
 
 
+# ------------------------------------------------------------------------------------- batch invariance
+
+
+def batch_invariance(artifact: str | None, dtype: str, clients: int, max_new_tokens: int, threads: int) -> dict:
+    """How many texts served in one concurrent batch of ``clients`` differ from the same seed served alone,
+    in ``dtype`` (one load round with nobody cancelling; the first differing character of each)."""
+    srv = ServerProcess(artifact, "--dtype", dtype, "--memory-budget", "256MiB", "--threads", str(threads))
+    try:
+        ref = reference_texts(srv.http, range(clients), max_new_tokens)
+        r = asyncio.run(load_round(srv.grpc_target, srv.http, clients, max_new_tokens, cancel_every=None))
+    finally:
+        srv.kill()
+    first_diff = sorted(next((k for k, (x, y) in enumerate(zip(t, ref[s])) if x != y), min(len(t), len(ref[s])))
+                        for s, t in r.texts.items() if t != ref[s])
+    return {"dtype": dtype, "clients": clients, "max_new_tokens": max_new_tokens, "completed": r.completed,
+            "failures": r.failures[:5], "differ": len(first_diff), "first_differing_char": first_diff}
+
+
 # -------------------------------------------------------------------------------------------------- main
 
 
@@ -355,7 +392,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="per load request; also the server's limit")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "reliability.json"))
+    ap.add_argument("--invariance", action="store_true",
+                    help="only: texts in a batch vs alone, float32 and bfloat16 (--clients, --max-new-tokens)")
     a = ap.parse_args(argv)
+    if a.invariance:
+        rows = [batch_invariance(a.artifact, dt, a.clients, a.max_new_tokens, a.threads)
+                for dt in ("float32", "bfloat16")]
+        for row in rows:
+            print("invariance", row, flush=True)
+        out = Path(a.out).with_name("invariance.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=2))
+        return 0 if all(not r["failures"] for r in rows) else 1
     from bench.fuzz import fuzz_grpc, fuzz_http
 
     def serve_args(limit_new: int, budget: str = "256MiB") -> tuple[str, ...]:

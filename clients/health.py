@@ -21,12 +21,10 @@ def check(target: str, service: str = SERVICE, timeout: float = 3.0, tls: bool =
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if tls:
-        roots = open(ca_file, "rb").read() if ca_file else None
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
-    else:
-        channel = grpc.insecure_channel(target)
-    with channel:
+    from clients.transport_grpc import channel as open_channel
+    from clients.types import Options
+
+    with open_channel(Options(target, tls=tls or bool(ca_file), ca_file=ca_file)) as channel:
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                            timeout=timeout)
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls", action="store_true")
     p.add_argument("--ca-file")
     a = p.parse_args(argv)
-    ok, said = check(a.target, a.service, a.timeout, a.tls or bool(a.ca_file), a.ca_file)
+    ok, said = check(a.target, a.service, a.timeout, a.tls, a.ca_file)
     print(f"{a.target}: {said}")
     return 0 if ok else 1
 

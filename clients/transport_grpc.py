@@ -110,6 +110,13 @@ def _no_final() -> ClientError:
 # ------------------------------------------------------------------------------------------ channels
 
 
+def channel(opts: Options) -> grpc.Channel:
+    """A blocking channel to ``opts.target`` (TLS per ``opts``), balanced round robin."""
+    creds = _credentials(opts)
+    return grpc.secure_channel(opts.target, creds, _CHANNEL_OPTIONS) if creds else \
+        grpc.insecure_channel(opts.target, _CHANNEL_OPTIONS)
+
+
 def _credentials(opts: Options) -> grpc.ChannelCredentials | None:
     if not opts.tls:
         return None
@@ -131,9 +138,7 @@ class GrpcTransport:
     name = "grpc"
 
     def __init__(self, opts: Options):
-        creds = _credentials(opts)
-        self._channel = (grpc.secure_channel(opts.target, creds, _CHANNEL_OPTIONS) if creds else
-                         grpc.insecure_channel(opts.target, _CHANNEL_OPTIONS))
+        self._channel = channel(opts)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._kw = dict(timeout=opts.timeout, metadata=_metadata(opts))
 

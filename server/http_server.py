@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
-from server.service import AuthError, DeadlineError, Service, classify
+from server.service import CHAT_ROLES, AuthError, DeadlineError, Service, classify
 
 _OPEN_PATHS = ("/health", "/metrics")
 
@@ -63,7 +63,7 @@ class CompletionBody(_Body):
 
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type] - the one list, server.service.CHAT_ROLES
     content: str | list[dict[str, Any]]
 
 
@@ -79,12 +79,27 @@ class TokenizeBody(BaseModel):
     text: str
 
 
+_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    """OpenAI's error body, for every refusal this server makes (ours, FastAPI's, the gate's)."""
+    typ = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return JSONResponse({"error": {"message": message, "type": typ, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    k = classify(exc)
+    return error_body(k.http_status, k.message, k.param)
+
+
 class _Gate:
     """API key, drain and body size, checked before the body is read. Plain ASGI (not BaseHTTPMiddleware,
     which hides the client's disconnect from the endpoint: a unary request would run on after its client left)."""
 
-    def __init__(self, app, svc: Service, refuse):
-        self.app, self.svc, self.refuse = app, svc, refuse
+    def __init__(self, app, svc: Service):
+        self.app, self.svc = app, svc
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
@@ -96,15 +111,13 @@ class _Gate:
                 self.svc.check_accepting()
                 size = headers.get("content-length")
                 if size is None:  # a chunked body could be any size; the limit needs it declared
-                    return await JSONResponse(
-                        {"error": {"message": "send Content-Length: chunked request bodies are not accepted",
-                                   "type": "invalid_request_error", "param": None, "code": 411}},
-                        status_code=411)(scope, receive, send)
+                    return await error_body(411, "send Content-Length: chunked request bodies are not accepted")(
+                        scope, receive, send)
                 limit = self.svc.limits.max_request_bytes
                 if size.isdigit() and int(size) > limit:
                     raise RequestError("body", f"request body is larger than {limit} bytes")
         except Exception as e:  # noqa: BLE001 - one mapping
-            return await self.refuse(e)(scope, receive, send)
+            return await error_response(e)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -192,13 +205,6 @@ def create_app(svc: Service) -> FastAPI:
     app = FastAPI(title="quantserve", version="1", docs_url=None, redoc_url=None)
     model_name = svc.engine.info.model
 
-    def error_response(exc: BaseException) -> JSONResponse:
-        k = classify(exc)
-        typ = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
-               503: "service_unavailable", 504: "timeout"}.get(k.http_status, "internal_error")
-        return JSONResponse({"error": {"message": k.message, "type": typ, "param": k.param, "code": k.http_status}},
-                            status_code=k.http_status)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         e = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
@@ -209,9 +215,7 @@ def create_app(svc: Service) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):
         """FastAPI's own refusals (an undecodable body, 404, 405) in the same error body as ours."""
-        return JSONResponse({"error": {"message": str(exc.detail), "param": None, "code": exc.status_code,
-                                       "type": "invalid_request_error" if exc.status_code < 500 else "internal_error"}},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error_body(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     async def _known(request: Request, exc: Exception):
         return error_response(exc)
@@ -221,7 +225,7 @@ def create_app(svc: Service) -> FastAPI:
         app.add_exception_handler(cls, _known)
     app.add_exception_handler(Exception, _known)
 
-    app.add_middleware(_Gate, svc=svc, refuse=error_response)
+    app.add_middleware(_Gate, svc=svc)
 
     @app.get("/health")
     async def health():

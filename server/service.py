@@ -46,6 +46,10 @@ class Limits:
         return self
 
 
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # lone surrogates (JSON can carry them) count too
+
+
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -132,16 +136,17 @@ class Service:
             if m.get("role") not in CHAT_ROLES:
                 raise RequestError("messages", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                                f"got {m.get('role')!r}")
-        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
-        if size > self.limits.max_request_bytes:
-            raise RequestError("messages", f"messages are larger than {self.limits.max_request_bytes} bytes")
+        self._check_bytes("messages", "messages are", sum(_utf8_len(m["content"]) for m in messages))
         return await asyncio.to_thread(self.engine.chat_prompt, messages)
+
+    def _check_bytes(self, param: str, what: str, n: int) -> None:
+        if n > self.limits.max_request_bytes:
+            raise RequestError(param, f"{what} larger than {self.limits.max_request_bytes} bytes")
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (tokenized off the event loop) or checked ids, within the limits."""
         if isinstance(prompt, str):
-            if len(prompt.encode("utf-8", "surrogatepass")) > self.limits.max_request_bytes:
-                raise RequestError("prompt", f"prompt is larger than {self.limits.max_request_bytes} bytes")
+            self._check_bytes("prompt", "prompt is", _utf8_len(prompt))
             ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)

@@ -22,6 +22,8 @@ from clients import AsyncClient, Client, ClientError, to_dict
 from clients.cli import main
 from live_server import self_signed_cert, start
 
+from bench.reliability import metric_sum
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "k3y-for-tests"
 TRANSPORTS = ("grpc", "http")
@@ -324,8 +326,4 @@ def test_grpc_calls_are_spread_round_robin_over_every_resolved_server(server, ti
 
 
 def _grpc_requests(s) -> float:
-    import httpx
-
-    text = httpx.get(s.http + "/metrics", timeout=10).text
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-               if ln.startswith("quantserve_requests_total{") and 'transport="grpc"' in ln)
+    return metric_sum(s.http, "quantserve_requests_total", transport="grpc")

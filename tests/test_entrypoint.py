@@ -57,6 +57,11 @@ def test_bad_environment_is_one_line_naming_the_variable(env, msg, capsys):
     assert err.startswith("quantserve: error: ") and msg in err and len(err.splitlines()) == 1
 
 
+def test_unknown_arguments_are_refused(capsys):
+    assert main(["--dry-run"], {"QUANTSERVE_ARTIFACT": "/a"}) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m server.envconfig")
+
+
 def test_print_shows_the_command(capsys):
     assert main(["--print"], {"QUANTSERVE_ARTIFACT": "/a", "QUANTSERVE_THREADS": "2"}) == 0
     cmd = json.loads(capsys.readouterr().out)

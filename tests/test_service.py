@@ -17,6 +17,8 @@ from quantserve.v1 import inference_pb2_grpc as pb_grpc
 from server.service import Limits
 from live_server import start
 
+from bench.reliability import metric_sum
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, cache_dir):
@@ -156,10 +158,7 @@ def test_http_extensions_token_ids_timings_info_tokenize(server):
 
 def test_http_unary_request_is_cancelled_when_its_client_leaves(server):
     def cancelled() -> float:
-        m = httpx.get(server.http + "/metrics").text
-        line = [ln for ln in m.splitlines() if ln.startswith("quantserve_requests_total{")
-                and 'transport="http"' in ln and 'outcome="cancelled"' in ln]
-        return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
+        return metric_sum(server.http, "quantserve_requests_total", transport="http", outcome="cancelled")
 
     before = cancelled()
     with pytest.raises(httpx.ReadTimeout):
@@ -270,6 +269,23 @@ def test_grpc_corrupt_message_is_invalid_argument(server):
     with pytest.raises(grpc.RpcError) as e:
         raw(b"\x0a\xff\xff", timeout=30)  # field 1 claims a length far past the end
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed Generate message" in e.value.details()
+
+
+def test_service_refuses_empty_and_oversized_conversations(server):
+    """The Service's own checks (the transports' size limits usually refuse first)."""
+    import asyncio
+
+    from server.outputs import RequestError
+    from server.service import Service
+
+    svc = Service(server.engine, Limits(max_request_bytes=8))
+    with pytest.raises(RequestError, match="messages must not be empty"):
+        asyncio.run(svc.chat_prompt([]))
+    with pytest.raises(RequestError, match="messages are larger than 8 bytes") as e:
+        asyncio.run(svc.chat_prompt([{"role": "user", "content": "12345"}, {"role": "user", "content": "6789"}]))
+    assert e.value.param == "messages"
+    with pytest.raises(RequestError, match="prompt is larger than 8 bytes"):
+        asyncio.run(svc.prompt_ids("\u00e9" * 5))  # 10 bytes in UTF-8, 5 characters
 
 
 def test_grpc_deadline_and_cancel_free_the_kv_blocks(server):
