@@ -23,3 +23,7 @@ class ArtifactError(QuantError):
 
 class ConfigError(QuantError):
     """An option has a value outside what it accepts."""
+
+
+class UnsupportedModelError(QuantError):
+    """An architecture, layer shape or model feature that the engine or the pipeline does not implement."""

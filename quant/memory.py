@@ -219,37 +219,39 @@ def prefill_activation_bytes(shape: ModelShape, batch: int, seq: int, attn: str,
 
 def engine_prefill_bytes(shape: ModelShape, tokens: int, dtype_bytes_: int, glue: str = "fused", past: int = 0,
                          sampled: int = 1, transients: dict | None = None) -> int:
-    """Peak activation bytes of one step of the serving engine's runner (server/runner.py) over ``tokens``
-    new tokens (after ``past`` cached ones), ``sampled`` of which get logits. The runner is not transformers'
-    forward, so it has its own model, phase by phase (T tokens, b bytes per element):
+    """Peak activation bytes of one step of the serving engine's model (server/models/base.py) over ``tokens``
+    new tokens (after ``past`` cached ones), ``sampled`` of which get logits. The engine runs its own model
+    definitions, not transformers' forward, so it has its own model, phase by phase (T tokens, b bytes per
+    element):
 
-    - alive throughout: the rotary tables 2·T·d; the residual x, the normed input h and the previous
-      sub-layer's output (the runner folds the residual add into the next norm): X = 3·T·H;
-    - attention: q/k/v T·(h+2kv)·d, then q (T·h·d), the SDPA output and its copy into the step's output
-      (2·T·h·d), fp32 log-sum-exp T·h·4, and for a chunk after cached tokens the bool mask T·(past+T);
-      the o projection's output T·H, then the next norm's two outputs (2·T·H) while the old ones live;
+    - alive throughout: the rotary tables 2·T·d; the residual x, the sub-layer input h and the previous
+      sub-layer's output (the residual add is folded into the next norm): X = 3·T·H; for a chunk after cached
+      tokens, the attention backend's bool mask T·(past+T), built once per step;
+    - attention: q/k/v T·(h+2kv)·d, rotated in place (the eager rotary keeps ~3·T·h·d of temporaries), alive
+      until o_proj has run; the SDPA output and its copy into the step's output (2·T·h·d), fp32 log-sum-exp
+      T·h·4; the o projection's output T·H, then the next norm's two outputs (2·T·H) while the old ones live;
     - MLP: gate|up T·2I and silu(gate)·up T·I (fused glue; the eager ops also keep silu(gate), T·I more);
       then the down projection's output T·H;
-    - eager glue only: the RMSNorm's fp32 copies (2·T·H·4) and rotary temporaries (3·T·(h+kv)·d);
+    - eager glue only: the RMSNorm's fp32 copies (2·T·H·4);
     - the end: x and the pending output for the sampled rows, the logits S·V in the dtype and in fp32.
     ``transients``: bytes a projection allocates while it runs (a weight-only layer dequantizing its
     weight above its kernel's row limit), by role: qkv, o, gate_up, down. bench/engine_memory.py holds
-    this to the runner's measured peak.
+    this to the engine's measured peak.
     """
     if glue not in ("fused", "eager"):
         raise ValueError(f"glue must be 'fused' or 'eager', got {glue!r}")
     tr = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, **(transients or {})}
     b, T, S = dtype_bytes_, tokens, sampled
     H, I, h, kv, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
-    base = 2 * T * d * b + 3 * T * H * b
+    base = 2 * T * d * b + 3 * T * H * b + (T * (past + T) if past else 0)
     qkv = T * (h + 2 * kv) * d * b
     eager = glue == "eager"
-    rope = qkv + (3 * T * (h + kv) * d * b if eager else T * h * d * b)
-    attend = 3 * T * h * d * b + 4 * T * h + (T * (past + T) if past else 0)
+    rope = qkv + (3 * T * h * d * b if eager else 0)
+    attend = qkv + 2 * T * h * d * b + 4 * T * h
     norm = 3 * T * H * b + (2 * 4 * T * H if eager else 0)
     phases = [
         qkv + tr["qkv"], rope, attend,
-        2 * T * h * d * b + T * H * b + tr["o"],  # q and the attention output bound while o_proj runs
+        qkv + T * h * d * b + T * H * b + tr["o"],  # q/k/v and the attention output bound while o_proj runs
         norm,
         2 * T * I * b + tr["gate_up"],
         (4 if eager else 3) * T * I * b,

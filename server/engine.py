@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 
 from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes, weight_report
+from server import models
 from server import outputs as out
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.kv_pool import BlockPool, KVLayout, resolve_budget
 from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
-from server.runner import ModelRunner, attention_implementation, build_step
+from server.runner import ModelRunner, build_step
 from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
 from server.scheduler import Scheduler, Sequence
 
@@ -133,13 +134,14 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         mcfg = model.config
+        models.model_class(mcfg)  # an architecture the engine does not serve is refused before any allocation
         self.shape = ModelShape.from_config(mcfg)
         self.context_length = int(mcfg.max_position_embeddings)
         self.vocab_size = int(mcfg.vocab_size)
-        self.attention = attention_implementation(self.device)
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
         self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
-        self.runner = ModelRunner(model, self.pool.storage, config.block_size, self.attention, config.fused_ops)
+        self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops)
+        self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)

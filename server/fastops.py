@@ -1,9 +1,10 @@
-"""Fused CPU ops for the runner's per-layer glue, and the plain PyTorch reference of each.
+"""Fused CPU ops for the engine's per-layer glue, and the plain PyTorch reference of each.
 
 A batch-1 decode step of the default model runs ~40 small tensor ops per layer around the four matmuls; on
 CPU each costs a few microseconds of dispatch however small it is, which added up to a third of the step
-(bench/RESULTS.md, session 3). ``server/csrc/decode_ops.cpp`` does the same arithmetic in three calls per
-layer: the residual add with the next RMSNorm, rotary embedding with the K/V cache write, and SiLU·up.
+(bench/RESULTS.md, session 3). ``server/csrc/decode_ops.cpp`` does the same arithmetic in a few calls per
+layer: the residual add with the next RMSNorm, rotary embedding in place (partial rotary included), the K/V
+cache write of the sdpa backend, and the gated activations (SiLU·up, GELU-tanh·up).
 
 The C++ source is compiled on first use with torch's extension builder (needs a C++ compiler; ~15 s, cached
 under torch's extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the
@@ -66,16 +67,20 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def ref_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor, H: int, Hkv: int) -> Tensor:
-    """qkv (T, (H + 2Hkv)·D), cos/sin (T, D), kv (2, slots, Hkv, D): rotate q and k, write k and v to their
-    slots, return q (T, H, D)."""
-    T, D = cos.shape
-    qkv = qkv.view(T, H + 2 * Hkv, D)
-    qk = qkv[:, : H + Hkv]  # (T, H + Hkv, D): rotary on q and k in one pass
-    qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
-    kv[0].index_copy_(0, slots, qk[:, H:].to(kv.dtype))
-    kv[1].index_copy_(0, slots, qkv[:, H + Hkv :].to(kv.dtype))
-    return qk[:, :H]
+def ref_rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place: q (T, H, D), k (T, Hkv, D), cos/sin (T, R), R <= D: rotate the first R dims of every head
+    (HF's rotate-half convention; R < D is partial rotary) and leave the rest."""
+    R = cos.shape[-1]
+    c, s = cos[:, None], sin[:, None]  # (T, 1, R)
+    for x in (q, k):
+        r = x[..., :R]
+        r.copy_(r * c + rotate_half(r) * s)
+
+
+def ref_store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
+    """k, v (T, Hkv, D) into their slots of one layer's cache kv (2, slots, Hkv, D)."""
+    kv[0].index_copy_(0, slots, k)
+    kv[1].index_copy_(0, slots, v)
 
 
 def ref_silu_mul(gate_up: Tensor) -> Tensor:
@@ -83,8 +88,13 @@ def ref_silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(g) * u
 
 
+def ref_gelu_tanh_mul(gate_up: Tensor) -> Tensor:
+    g, u = gate_up.chunk(2, dim=-1)  # (T, I) each
+    return F.gelu(g, approximate="tanh") * u
+
+
 class Ops:
-    """The four glue ops, fused or reference; the runner calls these and does not care which."""
+    """The glue ops, fused or reference; the layers and the sdpa backend call these and do not care which."""
 
     def __init__(self, fused: bool):
         self.fused = fused
@@ -92,10 +102,14 @@ class Ops:
             ops = torch.ops.quantserve
             self.rms_norm = ops.rms_norm.default
             self.add_rms_norm = ops.add_rms_norm.default
-            self.rope_store = ops.rope_store.default
+            self.rope_ = ops.rope_.default
+            self.store_kv = ops.store_kv.default
             self.silu_mul = ops.silu_mul.default
+            self.gelu_tanh_mul = ops.gelu_tanh_mul.default
         else:
             self.rms_norm = ref_rms_norm
             self.add_rms_norm = ref_add_rms_norm
-            self.rope_store = ref_rope_store
+            self.rope_ = ref_rope_
+            self.store_kv = ref_store_kv
             self.silu_mul = ref_silu_mul
+            self.gelu_tanh_mul = ref_gelu_tanh_mul

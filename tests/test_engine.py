@@ -120,7 +120,8 @@ def test_runner_single_row_contiguous_view_path(hf_model):
     ids = list(range(40, 53))
     runner.forward(build_step([], [(ids, 0, t, True)], 4, CPU))
     step = build_step([(99, 13, t)], [], 4, CPU)
-    assert step.decode_range is not None and step.decode_slots is None
+    meta = runner.backend.prepare(step)
+    assert meta.decode_range and meta.decode_slots is None  # a view of the cache, no gather
     torch.testing.assert_close(runner.forward(step)[0], hf_logits(hf_model, ids + [99])[-1], atol=1e-4, rtol=1e-4)
 
 

@@ -1,4 +1,4 @@
-// Fused CPU kernels for the runner's per-layer glue (server/fastops.py loads them; each has a PyTorch
+// Fused CPU kernels for the engine's per-layer glue (server/layers and the sdpa attention backend use them) (server/fastops.py loads them; each has a PyTorch
 // reference there and tests hold one to the other).
 //
 // Why: at batch 1 on a small model a decode step is ~40 small tensor ops per layer, and on CPU each op costs
@@ -94,43 +94,34 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {xo, h};
 }
 
-// Rotary embedding (rotate-half convention) on the q and k heads of a fused qkv row, with k and v written to
-// their cache slots. qkv: (T, (H + 2 Hkv) * D); cos, sin: (T, D); kv: (2, slots, Hkv, D); slots: (T,) int64.
-// Returns the rotated q as (T, H, D).
-at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv,
-                      const at::Tensor& slots, int64_t H, int64_t Hkv) {
-  check_rows(qkv, "qkv");
+// Rotary embedding (rotate-half convention), in place, on q (T, H, D) and k (T, Hkv, D): views whose heads and
+// head dims are contiguous (a row may be strided, as when q and k are slices of a fused qkv output). cos, sin:
+// (T, R) with R <= D; the first R dims of each head are rotated, the rest left as they are (partial rotary).
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv must be (T, (H + 2 Hkv) * D)");
-  TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes(), "cos and sin must be (T, D)");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(2) == Hkv && kv.size(3) == D && kv.is_contiguous(),
-              "kv must be a contiguous (2, slots, Hkv, D) tensor");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots must be a contiguous (T,) int64 tensor");
-  TORCH_CHECK(qkv.scalar_type() == kv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
-              sin.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and kv must share a dtype");
-  const int64_t nslots = kv.size(1);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot ", sp[t], " is outside the cache");
-  at::Tensor q = at::empty({T, H, D}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
-    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+  for (const at::Tensor* t : {&q, &k}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "q and k must be (T, heads, D) with contiguous heads");
+    TORCH_CHECK(t->scalar_type() == cos.scalar_type(), "q, k, cos and sin must share a dtype");
+  }
+  const int64_t T = q.size(0), D = q.size(2), R = cos.size(1), half = R / 2;
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D, "k must be (T, Hkv, D) like q");
+  TORCH_CHECK(R % 2 == 0 && R <= D && cos.size(0) == T && sin.sizes() == cos.sizes(),
+              "cos and sin must be (T, R) with an even R <= D");
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* snp = sin.data_ptr<scalar_t>();
-    scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* kp = kv.data_ptr<scalar_t>();
-    scalar_t* vp = kp + nslots * Hkv * D;
-    const int64_t width = (H + 2 * Hkv) * D;
-    at::parallel_for(0, T, grain_rows(width), [&](int64_t b, int64_t e) {
+    const int64_t qs = q.stride(0), ks = k.stride(0);
+    at::parallel_for(0, T, grain_rows((H + Hkv) * D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        const scalar_t* row = xp + t * width;
-        const scalar_t* c = cp + t * D;
-        const scalar_t* s = snp + t * D;
+        const scalar_t* c = cp + t * R;
+        const scalar_t* s = snp + t * R;
         for (int64_t h = 0; h < H + Hkv; ++h) {
-          const scalar_t* x = row + h * D;
-          scalar_t* out = h < H ? qp + (t * H + h) * D : kp + (sp[t] * Hkv + (h - H)) * D;
+          scalar_t* x = h < H ? qp + t * qs + h * D : kp + t * ks + (h - H) * D;
           // x * cos + rotate_half(x) * sin, each product and the sum rounded like the eager ops.
           for (int64_t j = 0; j < half; ++j) {
             const float a = static_cast<float>(x[j]), bb = static_cast<float>(x[j + half]);
@@ -138,15 +129,42 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                              static_cast<float>(rnd<scalar_t>(-bb * static_cast<float>(s[j])));
             const float hi = static_cast<float>(rnd<scalar_t>(bb * static_cast<float>(c[j + half]))) +
                              static_cast<float>(rnd<scalar_t>(a * static_cast<float>(s[j + half])));
-            out[j] = rnd<scalar_t>(lo);
-            out[j + half] = rnd<scalar_t>(hi);
+            x[j] = rnd<scalar_t>(lo);
+            x[j + half] = rnd<scalar_t>(hi);
           }
         }
-        std::copy(row + (H + Hkv) * D, row + width, vp + sp[t] * Hkv * D);
       }
     });
   });
-  return q;
+}
+
+// k and v (T, Hkv, D), rows possibly strided, copied to their slots of one layer's paged cache
+// kv (2, slots, Hkv, D). Slots are checked before anything is written.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv, const at::Tensor& slots) {
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous (2, slots, Hkv, D) tensor");
+  const int64_t T = k.size(0), Hkv = kv.size(2), D = kv.size(3), nslots = kv.size(1);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1 &&
+                t->stride(1) == D && t->scalar_type() == kv.scalar_type(),
+                "k and v must be (T, Hkv, D) with contiguous heads, in the cache's dtype");
+  }
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be a contiguous (T,) int64 tensor");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot ", sp[t], " is outside the cache");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv.scalar_type(), "store_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = kv.data_ptr<scalar_t>();
+    scalar_t* vc = kc + nslots * Hkv * D;
+    const int64_t kst = k.stride(0), vst = v.stride(0), row = Hkv * D;
+    at::parallel_for(0, T, grain_rows(2 * row), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        std::copy(kp + t * kst, kp + t * kst + row, kc + sp[t] * row);
+        std::copy(vp + t * vst, vp + t * vst + row, vc + sp[t] * row);
+      }
+    });
+  });
 }
 
 // silu(gate) * up for a fused (T, 2I) gate_up output; silu rounded to the dtype before the product.
@@ -173,16 +191,47 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// gelu_tanh(gate) * up for a fused (T, 2I) gate_up output (Gemma's MLP); the activation rounded to the dtype
+// before the product, as the eager ops do.
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, gu.options());
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "gelu_tanh_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* g = gp + t * 2 * I;
+        const scalar_t* u = g + I;
+        for (int64_t j = 0; j < I; ++j) {
+          const float x = static_cast<float>(g[j]);
+          const float inner = kAlpha * (x + 0.044715f * x * x * x);
+          const scalar_t act = rnd<scalar_t>(0.5f * x * (1.0f + std::tanh(inner)));
+          op[t * I + j] = rnd<scalar_t>(static_cast<float>(act) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
 TORCH_LIBRARY(quantserve, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor slots, int H, int Hkv) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) kv, Tensor slots) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_store", &rope_store);
+  m.impl("rope_", &rope_);
+  m.impl("store_kv", &store_kv);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
 }

@@ -1,0 +1,24 @@
+"""Attention backends behind one interface (``base.AttentionBackend``): prepare per-step metadata once, then
+``forward(q, k, v, layer, meta)`` per layer; each backend states its KV layout and the features it implements
+(sliding windows, soft-capping). ``reference`` is the eager masked softmax every backend is held to.
+
+Adding a backend is one file here and one entry in ``BACKENDS``; ``choose`` picks per device and reports what
+it chose (ModelInfo.attention and the engine's log line).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.attention.base import AttentionBackend, AttentionSpec
+from server.attention.sdpa import SdpaBackend
+
+BACKENDS: dict[str, type[AttentionBackend]] = {SdpaBackend.name: SdpaBackend}
+
+
+def choose(device: torch.device) -> type[AttentionBackend]:
+    """The backend for a device. Only ``sdpa`` exists yet; it runs on every device."""
+    return BACKENDS["sdpa"]
+
+
+__all__ = ["AttentionBackend", "AttentionSpec", "BACKENDS", "choose"]

@@ -1,0 +1,158 @@
+"""The ``sdpa`` backend: PyTorch's scaled_dot_product_attention over the paged pool, gathering each request's
+slots (or taking a view of them when its blocks are consecutive). The CPU backend, and the reference path on
+any device.
+
+KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat run of slots per layer.
+
+- Decode rows: one query each, so the g query heads sharing a KV head stand in for the query axis,
+  (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
+  row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
+- Prefill chunks: one call each, causal over the request's past plus the chunk (bottom-right aligned).
+- Sliding windows: the keys a window hides are cut from the view or masked; masks are built once per step per
+  distinct window (Gemma alternates two).
+- Soft-capping: SDPA cannot express it, so those layers run the eager masked softmax of
+  ``server.attention.reference`` in the same shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from server.attention.base import AttentionBackend, AttentionSpec
+from server.attention.reference import visible
+from server.batch import StepInputs
+
+
+def _slots(table: list[int], lo: int, end: int, bs: int) -> list[int]:
+    """Slot indices of positions [lo, end) for a request whose blocks are ``table``."""
+    return [table[p // bs] * bs + p % bs for p in range(lo, end)]
+
+
+def _as_range(table: list[int], lo: int, end: int, bs: int) -> slice | None:
+    """The slots of positions [lo, end) as one slice when the blocks they use are consecutive (a fresh pool
+    hands them out that way), else None. Decided on the block table, not per position."""
+    used = table[lo // bs : -(-end // bs)]
+    if used != list(range(used[0], used[0] + len(used))):
+        return None
+    a = used[0] * bs + lo % bs
+    return slice(a, a + end - lo)
+
+
+@dataclass
+class _Chunk:
+    t0: int
+    length: int
+    keys: dict  # window -> (slots: slice | Tensor, mask: Tensor | None); mask None means square causal
+
+
+@dataclass
+class SdpaMeta:
+    slots: Tensor  # (T,) where each token's K/V goes
+    num_decode: int
+    decode_range: dict = field(default_factory=dict)  # window -> slice: the lone contiguous decode row's keys
+    decode_slots: Tensor | None = None  # (Bd, Lmax) every cached slot of each decode row, padded with 0
+    decode_mask: dict = field(default_factory=dict)  # window -> (Bd, 1, 1, Lmax) bool
+    chunks: list[_Chunk] = field(default_factory=list)
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    features = frozenset({"window", "softcap"})
+
+    @staticmethod
+    def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (layers, 2, blocks, block_size, kv_heads, head_dim)
+
+    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops):
+        layers, two, blocks, bs, kvh, d = kv_storage.shape
+        assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
+        self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
+        self.specs = specs
+        self.windows = list(dict.fromkeys(s.window for s in specs))  # distinct, in layer order
+        self.ops = ops
+
+    # ------------------------------------------------------------------------------------ per step
+
+    def prepare(self, step: StepInputs) -> SdpaMeta:
+        bs, dev = step.block_size, step.input_ids.device
+        meta = SdpaMeta(slots=step.slots, num_decode=step.num_decode)
+        i64 = dict(dtype=torch.int64, device=dev)
+        if len(step.decode) == 1 and (r := _as_range(step.decode[0][1], 0, step.decode[0][0] + 1, bs)) is not None:
+            p = step.decode[0][0]
+            for w in self.windows:  # a window keeps the last w keys of the view
+                meta.decode_range[w] = r if w is None or w > p else slice(r.stop - w, r.stop)
+        elif step.decode:
+            rows = [_slots(table, 0, p + 1, bs) for p, table in step.decode]
+            width = max(len(r) for r in rows)
+            meta.decode_slots = torch.tensor([r + [0] * (width - len(r)) for r in rows], **i64)  # (Bd, Lmax)
+            pos = torch.tensor([p for p, _ in step.decode], **i64)  # (Bd,)
+            j = torch.arange(width, device=dev)[None, :]  # (1, Lmax): key j sits at position j
+            for w in self.windows:
+                m = j <= pos[:, None]
+                if w is not None:
+                    m &= j > pos[:, None] - w
+                meta.decode_mask[w] = m[:, None, None, :]  # (Bd, 1, 1, Lmax)
+        for t0, c, start, table in step.chunks:
+            keys = {}
+            for w in self.windows:
+                lo = 0 if w is None else max(0, start - w + 1)  # the first query's window starts here
+                span = _as_range(table, lo, start + c, bs)
+                sl = span if span is not None else torch.tensor(_slots(table, lo, start + c, bs), **i64)
+                square = lo == start and (w is None or c <= w)
+                mask = None if square else visible(torch.arange(start, start + c, device=dev),
+                                                   torch.arange(lo, start + c, device=dev), w)  # (C, past + C)
+                keys[w] = (sl, mask)
+            meta.chunks.append(_Chunk(t0, c, keys))
+        return meta
+
+    # ------------------------------------------------------------------------------------ per layer
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta: SdpaMeta) -> Tensor:
+        spec = self.specs[layer]
+        kv = self.kv[layer]  # (2, slots, Hkv, D)
+        self.ops.store_kv(k, v, kv, meta.slots)
+        kc, vc = kv[0], kv[1]
+        T, H, D = q.shape
+        out = q.new_empty(T, H, D)  # (T, H, D)
+        bd, w = meta.num_decode, spec.window
+        if meta.decode_range:
+            rng = meta.decode_range[w]
+            qd = q[:1].reshape(1, spec.kv_heads, spec.group, D)  # (1, Hkv, g, D)
+            kd = kc[rng].transpose(0, 1)[None]  # (1, Hkv, L, D)
+            vd = vc[rng].transpose(0, 1)[None]
+            out[:1] = _attend(qd, kd, vd, None, False, spec).reshape(1, H, D)
+        elif bd:
+            qd = q[:bd].reshape(bd, spec.kv_heads, spec.group, D)  # (Bd, Hkv, g, D)
+            kd = kc[meta.decode_slots].transpose(1, 2)  # (Bd, Hkv, L, D)
+            vd = vc[meta.decode_slots].transpose(1, 2)
+            out[:bd] = _attend(qd, kd, vd, meta.decode_mask[w], False, spec).reshape(bd, H, D)
+        for ch in meta.chunks:
+            sl, mask = ch.keys[w]
+            qc = q[ch.t0 : ch.t0 + ch.length].transpose(0, 1)[None]  # (1, H, C, D)
+            kk = kc[sl].transpose(0, 1)[None]  # (1, Hkv, past + C, D)
+            vv = vc[sl].transpose(0, 1)[None]
+            out[ch.t0 : ch.t0 + ch.length] = _attend(qc, kk, vv, mask, mask is None, spec)[0].transpose(0, 1)
+        return out
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, spec: AttentionSpec) -> Tensor:
+    """q (B, Hq, Tq, D) against k, v (B, Hk, Tk, D), Hq a multiple of Hk; mask broadcastable to (B, Hq, Tq, Tk),
+    True where visible; causal: square and causal. SDPA, or the eager masked softmax for soft-capped layers."""
+    gqa = q.shape[1] != k.shape[1]
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=spec.scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * spec.scale  # (B, Hq, Tq, Tk)
+    s = torch.tanh(s / spec.softcap) * spec.softcap
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

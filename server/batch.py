@@ -1,0 +1,28 @@
+"""One engine step's flat batch: what the runner prepares and the model and attention backend read.
+
+A step is T tokens from many requests: one per decoding request (the decode rows come first), then a chunk of
+prompt per prefilling request. Linears see all T as one (T, hidden) matrix; attention needs to know which
+request each token belongs to, which is what the per-request lists say. How K/V slots are gathered or read
+through the block tables is the attention backend's business (``server.attention``), prepared once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class StepInputs:
+    input_ids: Tensor  # (T,) int64
+    positions: Tensor  # (T,) int64
+    slots: Tensor  # (T,) int64: where each token's K/V is written (slot = block * block_size + offset)
+    sample_index: Tensor  # (S,) int64: the token rows whose logits are returned, in order
+    decode: list[tuple[int, list[int]]]  # per decode row (token row i): (its position, its block table)
+    chunks: list[tuple[int, int, int, list[int]]]  # per prefill chunk: (first row in T, length C, first position, table)
+    block_size: int
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode)

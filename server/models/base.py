@@ -1,0 +1,245 @@
+"""The decoder-only causal LM the engine runs, built from ``server.layers``; architecture files subclass it.
+
+A step is a flat batch of T tokens (``server.batch.StepInputs``). Per layer, with the norms a family has:
+
+    x, h = attn_in.add(x, delta)            # the residual add folded into the next norm (delta: pending output)
+    a = attn_out(attention(h)) * r          # r: Granite's residual multiplier, else 1
+    x, h = mlp_in.add(x, a)
+    delta = mlp_out(mlp(h)) * r
+
+Llama-style models have attn_in (input_layernorm) and mlp_in (post_attention_layernorm); Gemma 2/3 add the
+norms on each sub-layer's output; OLMo 2 has only those. After the last layer only the sampled rows go
+through the final norm and the head.
+
+A subclass states what its family needs as class attributes (weight names, norms, q/k norm kind, norm offset)
+and hooks over the config (attention scale, window and soft-cap per layer, embedding scale, residual
+multiplier, logit post-processing); ``server/models/__init__.py`` says how to add one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quant.errors import UnsupportedModelError
+from server.attention.base import AttentionSpec
+from server.batch import StepInputs
+from server.layers.linear import Projections
+from server.layers.linear import bind as bind_module
+from server.layers.mlp import GatedMLP
+from server.layers.norm import RMSNorm
+from server.layers.rotary import Rotary
+
+
+class Weights:
+    """Named modules and tensors of a loaded checkpoint: the module tree quant's loader (artifacts, with every
+    scheme's runtime modules swapped in) or transformers (plain model dirs) built, tensors memory-mapped."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def module(self, name: str) -> nn.Module:
+        try:
+            return self.model.get_submodule(name)
+        except AttributeError:
+            raise UnsupportedModelError(
+                f"{self.model.config.model_type} checkpoint has no module {name!r}; its layout is not the one "
+                "the engine's model definition expects") from None
+
+    def tensor(self, name: str) -> Tensor:
+        mod, _, leaf = name.rpartition(".")
+        t = getattr(self.module(mod), leaf, None)
+        if not isinstance(t, Tensor):
+            raise UnsupportedModelError(f"{self.model.config.model_type} checkpoint has no tensor {name!r}")
+        return t.detach()
+
+    def has(self, name: str) -> bool:
+        try:
+            self.model.get_submodule(name)
+            return True
+        except AttributeError:
+            return False
+
+    def tensors(self) -> list[Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Which norms a decoder layer has, by checkpoint name (None: absent)."""
+
+    attn_in: str | None = "input_layernorm"
+    attn_out: str | None = None
+    mlp_in: str | None = "post_attention_layernorm"
+    mlp_out: str | None = None
+
+
+@dataclass
+class _Layer:
+    attn_in: RMSNorm | None
+    attn_out: RMSNorm | None
+    mlp_in: RMSNorm | None
+    mlp_out: RMSNorm | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    qkv: object  # callable (T, hidden) -> (T, (H + 2 Hkv) * D)
+    o: object  # callable (T, H * D) -> (T, hidden)
+    mlp: GatedMLP
+    spec: AttentionSpec
+    rope: int  # index into the model's rotaries
+
+
+def _enter(norm: RMSNorm | None, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(x + delta, the sub-layer's input): normed when the layer has an input norm, else the stream itself."""
+    if norm is None:
+        x = x if delta is None else x + delta
+        return x, x
+    return (x, norm(x)) if delta is None else norm.add(x, delta)
+
+
+class CausalLM:
+    # ---- what a family states (Llama's values here)
+    prefix = "model."
+    norms = Norms()
+    norm_offset = 0.0  # Gemma: norms scale by (1 + w)
+    qk_norm: str | None = None  # "head": RMSNorm over each head's D (Qwen3, Gemma 3); "proj": over H·D (OLMo 2)
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # one name when the checkpoint fuses them
+    o_proj = ("self_attn.o_proj",)
+    gate_up = ("mlp.gate_proj", "mlp.up_proj")
+    down = ("mlp.down_proj",)
+
+    # ---- hooks over the config
+    def activation(self, config) -> str:
+        return getattr(config, "hidden_act", "silu")
+
+    def layer_type(self, config, i: int) -> str | None:
+        types = getattr(config, "layer_types", None)
+        return types[i] if types else None
+
+    def window(self, config, i: int) -> int | None:
+        """Sliding window of layer i: per layer type where the config has them, else every layer's."""
+        w = getattr(config, "sliding_window", None)
+        lt = self.layer_type(config, i)
+        if lt is not None:
+            return w if lt == "sliding_attention" else None
+        return w
+
+    def attention_spec(self, config, i: int) -> AttentionSpec:
+        return AttentionSpec(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, self.window(config, i))
+
+    def rope_layer_type(self, config, i: int) -> str | None:
+        """Which entry of config.rope_parameters layer i uses (None: the one flat set)."""
+        return None
+
+    def embed_scale(self, config) -> float | Tensor | None:
+        return None
+
+    def residual_scale(self, config) -> float:
+        return 1.0
+
+    def finish_logits(self, logits: Tensor) -> Tensor:
+        """(S, V) fp32 from the head -> what sampling sees (soft-capping, scaling)."""
+        return logits
+
+    # ---- construction
+    def __init__(self, config, weights: Weights, ops):
+        self.config = config
+        self.weights = weights
+        self.ops = ops
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        p = self.prefix
+        self.embed = weights.tensor(f"{p}embed_tokens.weight")  # (V, hidden)
+        self.dtype = self.embed.dtype
+        self.projections = Projections(self.dtype)
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        rope_keys: dict[str | None, int] = {}
+        self.rotaries: list[Rotary] = []
+        self.layers: list[_Layer] = []
+        act = self.activation(config)
+        for i in range(config.num_hidden_layers):
+            lp = f"{p}layers.{i}."
+            norm = lambda n: None if n is None else self._norm(f"{lp}{n}.weight", eps)  # noqa: E731
+            rk = self.rope_layer_type(config, i)
+            if rk not in rope_keys:
+                rope_keys[rk] = len(self.rotaries)
+                self.rotaries.append(Rotary(config, self.head_dim, rk))
+            bind = self.projections.bind
+            self.layers.append(_Layer(
+                attn_in=norm(self.norms.attn_in), attn_out=norm(self.norms.attn_out),
+                mlp_in=norm(self.norms.mlp_in), mlp_out=norm(self.norms.mlp_out),
+                q_norm=norm("self_attn.q_norm") if self.qk_norm else None,
+                k_norm=norm("self_attn.k_norm") if self.qk_norm else None,
+                qkv=bind("qkv", [weights.module(lp + n) for n in self.qkv]),
+                o=bind("o", [weights.module(lp + n) for n in self.o_proj]),
+                mlp=GatedMLP(bind("gate_up", [weights.module(lp + n) for n in self.gate_up]),
+                             bind("down", [weights.module(lp + n) for n in self.down]), act, ops),
+                spec=self.attention_spec(config, i), rope=rope_keys[rk],
+            ))
+        self.norm = self._norm(f"{p}norm.weight", eps)
+        self.head = bind_module(weights.module("lm_head"))  # (S, hidden) -> (S, V); tied: the embedding
+        self._embed_scale = self.embed_scale(config)
+        self._residual = float(self.residual_scale(config))
+        self.projections.prepare_kernels(self._all_modules())
+
+    def _norm(self, name: str, eps: float) -> RMSNorm:
+        return RMSNorm(self.weights.tensor(name), eps, self.ops, self.dtype, self.norm_offset)
+
+    def _all_modules(self) -> list[nn.Module]:
+        return list(self.weights.model.modules())
+
+    @property
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [layer.spec for layer in self.layers]
+
+    def runtime_weight_bytes(self) -> int:
+        """Weight bytes held beyond the loaded checkpoint's tensors (fused GPTQ copies, kernel packs and tables,
+        Gemma's 1 + w norm weights are not counted: they replace nothing and are a few KiB)."""
+        return self.projections.runtime_weight_bytes(self.weights.tensors(), self._all_modules())
+
+    # ---- forward
+    @torch.inference_mode()
+    def forward(self, step: StepInputs, backend, meta) -> Tensor:
+        """Logits (S, V) fp32 for the rows in ``step.sample_index``."""
+        x = F.embedding(step.input_ids, self.embed)  # (T, hidden)
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
+        tables = [r.cos_sin(step.positions, self.dtype) for r in self.rotaries]  # (T, R) cos and sin each
+        r = self._residual
+        delta = None
+        for i, layer in enumerate(self.layers):
+            x, h = _enter(layer.attn_in, x, delta)
+            a = self._attention(i, layer, h, tables[layer.rope], backend, meta)  # (T, hidden)
+            if layer.attn_out is not None:
+                a = layer.attn_out(a)
+            if r != 1.0:
+                a = a * r
+            x, h = _enter(layer.mlp_in, x, a)
+            del a  # freed before the MLP, the layer's activation peak
+            delta = layer.mlp(h)  # (T, hidden)
+            if layer.mlp_out is not None:
+                delta = layer.mlp_out(delta)
+            if r != 1.0:
+                delta = delta * r
+        idx = step.sample_index  # only the rows that are sampled go through the final norm and the head
+        _, h = self.norm.add(x[idx], delta[idx])  # (S, hidden)
+        return self.finish_logits(self.head(h).float())  # (S, V)
+
+    def _attention(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
+        """Layer i's attention sub-layer output (T, hidden). A method of its own so that q/k/v and the attention
+        output are freed before the MLP, the layer's activation peak (quant.memory.engine_prefill_bytes)."""
+        T, H, Hkv, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        q, k, v = layer.qkv(h).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H + 2 Hkv) D)
+        if self.qk_norm == "proj":
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.qk_norm == "head":
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = cos_sin
+        self.ops.rope_(q, k, cos, sin)  # in place
+        o = backend.forward(q, k, v, i, meta)  # (T, H, D)
+        return layer.o(o.reshape(T, H * D))

@@ -1,0 +1,159 @@
+"""The engine's model definitions against transformers, per architecture (tests/archs.py): logits at every
+position of a 100-token prompt, greedy generation past the sliding window alone and batched, mixed steps of
+prefill chunks and decode rows across a window boundary, and each scheme's artifact against quant.load."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from archs import ARCHITECTURES, WINDOW, make_tiny
+from server.engine import Engine, EngineConfig
+from server.kv_pool import BlockPool, KVLayout
+from server.runner import ModelRunner, build_step
+from server.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+ARCHS = list(ARCHITECTURES)
+
+
+@pytest.fixture(scope="session")
+def arch_dirs(tmp_path_factory, tokenizer):
+    made: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = make_tiny(name, tmp_path_factory.mktemp("arch") / name, tokenizer)
+        return made[name]
+
+    return get
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+def runner_for(model, blocks: int = 64, block_size: int = 16, fused_ops: bool = True):
+    lay = KVLayout.from_config(model.config, torch.float32, block_size=block_size)
+    pool = BlockPool(lay, lay.bytes_per_block * blocks)
+    return ModelRunner(model, pool.storage, block_size, "sdpa", fused_ops=fused_ops), pool
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_at_every_position_match_transformers(arch, arch_dirs):
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    ids = prompt_ids(100, 0)
+    ref = hf_logits(model, ids)  # (100, V)
+    runner, pool = runner_for(model)
+    step = build_step([], [(ids, 0, pool.try_reserve("a", 100), True)], 16, CPU)
+    step.sample_index = torch.arange(100)  # every position's logits, not only the last
+    got = runner.forward(step)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert ref[-1].abs().max() > 1.0  # the check is not vacuous: the logits are not all near zero
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fused_ops", [True, False])
+def test_mixed_steps_with_chunks_across_the_window_and_fragmented_blocks(arch, arch_dirs, fused_ops):
+    """Prefill chunks that cross the sliding window's edge, decode rows beside them, non-contiguous blocks."""
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    runner, pool = runner_for(model, blocks=72, block_size=4, fused_ops=fused_ops)
+    pool.try_reserve("x", 12)
+    pool.try_reserve("y", 12)
+    pool.release("x")  # fragment the pool so block tables are not contiguous
+    a, b, c = prompt_ids(70, 1), prompt_ids(9, 2), prompt_ids(45, 3)
+    ta, tb, tc = (pool.try_reserve(n, 80) for n in "abc")
+    tol = dict(atol=1e-4, rtol=1e-4)
+    # step 1: a's first 30 (inside the window), b whole; step 2: a's next 25 (crossing it) + b decoding
+    l1 = runner.forward(build_step([], [(a[:30], 0, ta, False), (b, 0, tb, True)], 4, CPU))
+    torch.testing.assert_close(l1[0], hf_logits(model, b)[-1], **tol)
+    l2 = runner.forward(build_step([(11, 9, tb)], [(a[30:55], 30, ta, True)], 4, CPU))
+    torch.testing.assert_close(l2[0], hf_logits(model, b + [11])[-1], **tol)
+    torch.testing.assert_close(l2[1], hf_logits(model, a[:55])[-1], **tol)
+    # step 3: a's last chunk, b decoding, c whole (longer than the window in one chunk)
+    l3 = runner.forward(build_step([(7, 10, tb)], [(a[55:], 55, ta, True), (c, 0, tc, True)], 4, CPU))
+    torch.testing.assert_close(l3[0], hf_logits(model, b + [11, 7])[-1], **tol)
+    torch.testing.assert_close(l3[1], hf_logits(model, a)[-1], **tol)
+    torch.testing.assert_close(l3[2], hf_logits(model, c)[-1], **tol)
+    # step 4: a and c decoding past the window, batched (gathered, per-window masks)
+    l4 = runner.forward(build_step([(5, 70, ta), (6, 45, tc)], [], 4, CPU))
+    torch.testing.assert_close(l4[0], hf_logits(model, a + [5])[-1], **tol)
+    torch.testing.assert_close(l4[1], hf_logits(model, c + [6])[-1], **tol)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n)
+
+
+def run_batched(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        results[i] = list(engine.complete(prompts[i], greedy(n)).token_ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_48_past_the_window_equals_generate_alone_and_batched(arch, arch_dirs, cache_dir):
+    path = arch_dirs(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    main, others = prompt_ids(20, 4), [prompt_ids(13, 5), prompt_ids(37, 6)]
+    want = hf_greedy(model, main, 48)
+    assert 20 + 48 > 2 * WINDOW and len(set(want)) >= 4  # past the window, and not one repeated token
+    engine = Engine.from_path(str(path), EngineConfig(memory_budget="8MiB", dtype="float32",
+                                                      max_prefill_tokens=16), cache_dir)
+    try:
+        assert list(engine.complete(main, greedy(48)).token_ids) == want
+        batched = run_batched(engine, [others[0], main, others[1]], 48)
+        assert batched[1] == want
+        assert batched[2] == hf_greedy(model, others[1], 48)
+    finally:
+        engine.close()
+
+
+def test_cancellation_mid_window_frees_blocks_and_others_continue(arch_dirs, cache_dir):
+    path = arch_dirs("gemma2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = Engine.from_path(str(path), EngineConfig(memory_budget="8MiB", dtype="float32",
+                                                      max_prefill_tokens=16), cache_dir)
+    try:
+        keep, drop = prompt_ids(30, 7), prompt_ids(30, 8)
+        events = []
+        handle = engine.submit(drop, greedy(200), events.append)
+        result = engine.complete(keep, greedy(40))
+        handle.cancel()
+        for _ in range(2000):
+            if events and events[-1].finished:
+                break
+            threading.Event().wait(0.005)
+        assert events[-1].finished and events[-1].finish_reason == "cancelled"
+        assert list(result.token_ids) == hf_greedy(model, keep, 40)
+        for _ in range(2000):
+            if engine.pool.used_blocks == 0:
+                break
+            threading.Event().wait(0.005)
+        assert engine.pool.used_blocks == 0
+    finally:
+        engine.close()
