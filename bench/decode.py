@@ -206,13 +206,23 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
     raise ValueError(case)
 
 
-def child(case: str, spec: str, cache: Path, threads: int, repeats: int) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--case", case, spec, "--threads", str(threads), "--repeats",
-                        str(repeats)], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "QUANTSERVE_CACHE": str(cache)})
+def child(case: str, spec: str, cache: Path, threads: int, repeats: int, root: Path = ROOT) -> dict:
+    """One case in a fresh process, run by the bench script of ``root`` (ours, or a baseline's worktree)."""
+    p = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--case", case, spec, "--threads",
+                        str(threads), "--repeats", str(repeats)], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "QUANTSERVE_CACHE": str(cache), "PYTHONPATH": str(root)})
     if p.returncode != 0:
         raise RuntimeError(f"case {case} {spec} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def baseline_worktree(ref: str) -> Path:
+    """A detached git worktree of ``ref`` under bench/out/ (made once per commit)."""
+    sha = subprocess.run(["git", "rev-parse", ref], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
+    path = ROOT / "bench" / "out" / f"baseline-{sha[:12]}"
+    if not (path / "bench" / "decode.py").is_file():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], check=True, cwd=ROOT)
+    return path
 
 
 def main(argv=None) -> int:
@@ -222,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="batch1,concurrent,rss")
+    ap.add_argument("--baseline", default=None, metavar="GIT_REF",
+                    help="also run our engine's cases with the engine of this commit (a git worktree under "
+                         "bench/out/), alternating with ours, and report ours / baseline")
     ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from quant.models import default_cache_dir, resolve
@@ -237,9 +250,18 @@ def main(argv=None) -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "torch": torch.__version__,
                  "prompt": PROMPT, "new_tokens": NEW}
 
+    wt = baseline_worktree(args.baseline) if args.baseline else None
+
     def record(table, name, case, spec):
+        if wt is not None and case.startswith("ours"):  # the baseline first, then ours, case by case
+            res.setdefault(table, {})[f"{name} [baseline {args.baseline}]"] = b = child(
+                case, spec, cache, args.threads, args.repeats, wt)
+            print(table, name, "baseline", b, flush=True)
         res.setdefault(table, {})[name] = r = child(case, spec, cache, args.threads, args.repeats)
         print(table, name, r, flush=True)
+        if wt is not None and case.startswith("ours"):
+            key = "tok_s" if "tok_s" in r else next(k for k in r if k.endswith("tok_s"))
+            res.setdefault("vs_baseline", {})[f"{table}: {name}"] = round(r[key] / b[key], 3)
 
     if "batch1" in only:
         for name, spec in specs.items():

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from clients.client import Client, default_target
 from clients.errors import EXIT_CODES, EXIT_LOCAL, ClientError
-from clients.types import SAMPLING_FIELDS, Message, to_dict
+from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, to_dict
 
 EPILOG = "exit status: 0 ok, 1 local problem (file, missing package), 2 bad command line, " + ", ".join(
     f"{v} {k}" for k, v in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])) + "."
@@ -43,21 +43,27 @@ def _connection_flags() -> argparse.ArgumentParser:
     return p
 
 
+# The sampling flags are the fields of clients.types.Sampling; these have more to say than their name.
+_SAMPLING_HELP = MappingProxyType({"stop": "a stop string (repeat for several)",
+                                   "logprobs": "0..20: each token's logprob and this many alternatives"})
+
+
 def _sampling_flags(max_new_tokens_default: int | None = None, logprobs: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sampling (unset: the server's default)")
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens_default,
-                   help=f"(default {max_new_tokens_default})" if max_new_tokens_default else None)
-    g.add_argument("--min-tokens", type=int)
-    g.add_argument("--ignore-eos", action="store_true", default=None)
-    g.add_argument("--stop", action="append", help="a stop string (repeat for several)")
-    if logprobs:
-        g.add_argument("--logprobs", type=int, help="0..20: each token's logprob and this many alternatives")
+    for name in SAMPLING_FIELDS:
+        if name == "trace" or (name == "logprobs" and not logprobs):  # trace: the trace command's --trace-n
+            continue
+        kind, kw = SAMPLING_TYPES[name], {"help": _SAMPLING_HELP.get(name)}
+        if kind is bool:
+            kw.update(action="store_true", default=None)
+        elif kind is tuple:
+            kw.update(action="append")
+        else:
+            kw.update(type=kind)
+        if name == "max_new_tokens" and max_new_tokens_default:
+            kw.update(default=max_new_tokens_default, help=f"(default {max_new_tokens_default})")
+        g.add_argument("--" + name.replace("_", "-"), **kw)
     return p
 
 

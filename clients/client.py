@@ -7,9 +7,9 @@
         for chunk in c.stream("The river", max_new_tokens=32):
             print(chunk.text, end="")                          # chunk.result is set on the last chunk
 
-Sampling parameters are keyword arguments named as in the proto (temperature, top_k, top_p,
-repetition_penalty, seed, max_new_tokens, min_tokens, ignore_eos, stop, logprobs, trace); one left out is not
-sent, so the server's default applies. Every failure is a :class:`clients.errors.ClientError`.
+Sampling parameters are keyword arguments, the fields of :class:`clients.types.Sampling` (named as in the
+proto: temperature, top_k, top_p, seed, ...); one left out is not sent, so the server's default applies.
+Every failure is a :class:`clients.errors.ClientError`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import numbers
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
 from clients.errors import INVALID_ARGUMENT, ClientError
-from clients.types import (SAMPLING_FIELDS, Message, ModelInfo, Options, Request, Result, Sampling, StreamChunk,
-                           Tokens)
+from clients.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Request, Result, Sampling,
+                           StreamChunk, Tokens)
 
 GRPC_PORT, HTTP_PORT = 50051, 8000
 Prompt = Union[str, Sequence[int]]
 MessageLike = Union[Message, Mapping[str, str], Sequence[str]]
 
-_FLOATS = ("temperature", "top_p", "repetition_penalty")
-_INTS = ("top_k", "seed", "max_new_tokens", "min_tokens", "logprobs", "trace")
+# what make_sampling accepts for each type of field (clients.types.SAMPLING_TYPES), as its errors say it
+_KINDS = {float: "a number", int: "an integer", bool: "a bool", tuple: "a string or a list of strings"}
 
 
 def default_target(http: bool) -> str:
@@ -43,22 +43,21 @@ def make_sampling(**kw: Any) -> Sampling:
     for name, v in kw.items():
         if v is None:
             continue
-        if name in _FLOATS:
+        kind = SAMPLING_TYPES[name]
+        if kind is float:
             ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
             v = float(v) if ok else v
-        elif name in _INTS:
+        elif kind is int:
             ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
             v = int(v) if ok else v
-        elif name == "ignore_eos":
+        elif kind is bool:
             ok = isinstance(v, bool)
-        else:  # stop: one string or a sequence of strings
+        else:  # a repeated string (stop): one string or a sequence of strings
             v = (v,) if isinstance(v, str) else v
             ok = isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
             v = tuple(v) if ok else v
         if not ok:
-            kind = {"ignore_eos": "a bool", "stop": "a string or a list of strings"}.get(
-                name, "a number" if name in _FLOATS else "an integer")
-            raise ClientError(INVALID_ARGUMENT, f"{name} must be {kind}, got {type(v).__name__} {v!r}", name)
+            raise ClientError(INVALID_ARGUMENT, f"{name} must be {_KINDS[kind]}, got {type(v).__name__} {v!r}", name)
         out[name] = v
     return Sampling(**out)
 

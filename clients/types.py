@@ -3,23 +3,30 @@
 Both transports (gRPC, HTTP) fill the same classes, so code above the transports (the CLI, the sweep) never
 looks at protos or JSON. A field a transport cannot give is ``None`` (documented per field), never a made-up
 zero (an HTTP completion's logprob alternatives, for example, are keyed by text and carry no ids).
+
+The standard library only: the server imports :class:`Sampling`'s field list from here (the one source of the
+sampling controls), and the client must not pull in protobuf or grpc for HTTP.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
+from types import MappingProxyType, UnionType
 from typing import Any, Mapping, Sequence
 
-# The proto's SamplingParameters, in its order. The client's keyword arguments carry exactly these names.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens",
-                   "ignore_eos", "stop", "logprobs", "trace")
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass(frozen=True)
 class Sampling:
     """Sampling parameters; ``None`` (unset) means the server's default and is not sent.
+
+    The one list of sampling controls, in the proto's order (SamplingParameters): the client's keyword
+    arguments, the client CLI's flags and, imported by the server, the fields its gRPC and HTTP transports read
+    are derived from these fields (SAMPLING_FIELDS, SAMPLING_TYPES below). A new control is a field here, in
+    the proto and in the engine's server.sampling.SamplingParams; tests/test_protos.py holds the three equal.
 
     Server defaults differ by endpoint for one field: max_new_tokens is 128 over gRPC and HTTP chat, but
     16 over HTTP /v1/completions (the OpenAI default); both are capped by the server's limit. Pass it
@@ -39,8 +46,21 @@ class Sampling:
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by proto name (``stop`` only when non-empty)."""
-        return {f: getattr(self, f) for f in SAMPLING_FIELDS
-                if (getattr(self, f) is not None and f != "stop") or (f == "stop" and self.stop)}
+        values = {f: getattr(self, f) for f in SAMPLING_FIELDS}
+        return {f: v for f, v in values.items() if (v if SAMPLING_TYPES[f] is tuple else v is not None)}
+
+
+def _value_type(hint: Any) -> type:
+    """float for ``float | None``, tuple for ``tuple[str, ...]``."""
+    if typing.get_origin(hint) in (typing.Union, UnionType):
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return typing.get_origin(hint) or hint
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
+# name -> the type of a given value: float, int, bool or tuple (a repeated field: stop)
+SAMPLING_TYPES: Mapping[str, type] = MappingProxyType(
+    {f: _value_type(t) for f, t in typing.get_type_hints(Sampling).items() if f in SAMPLING_FIELDS})
 
 
 @dataclass(frozen=True)

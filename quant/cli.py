@@ -1,4 +1,4 @@
-"""`quant`: build, eval, inspect and verify artifacts.
+"""`quant`: build, eval, inspect and verify artifacts; `quant serve` is handed to the server (server/cli.py).
 
 Errors in the input (`QuantError`) print one line and exit 1; argparse usage errors exit 2.
 """
@@ -6,6 +6,7 @@ Errors in the input (`QuantError`) print one line and exit 1; argparse usage err
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -15,6 +16,10 @@ from rich.table import Table
 
 from quant.config import CALIB_METHODS, DTYPES, SCHEMES, BuildConfig, CalibConfig, EvalConfig
 from quant.errors import QuantError
+
+# Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
+# only when one runs, so the pipeline never depends on it. `quant serve` is the server's (server/cli.py).
+DELEGATED = {"serve": ("server.cli", "serve an artifact (or a plain model) over gRPC and HTTP")}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -89,29 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every file's sha256 against the manifest")
     v.add_argument("artifact")
 
-    s = sub.add_parser("serve", help="serve an artifact (or a plain model) over gRPC and HTTP")
-    s.add_argument("artifact", nargs="?", default=None, help="artifact dir, model dir or GGUF (default: embedded model)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    s.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC; 0: any free port")
-    s.add_argument("--http-port", type=int, default=8000, help="-1: no HTTP; 0: any free port")
-    s.add_argument("--memory-budget", default="1GiB", help="KV pool: bytes (2GiB) or a fraction of free memory (0.3)")
-    s.add_argument("--max-queue", type=int, default=256)
-    s.add_argument("--max-batch", type=int, default=64)
-    s.add_argument("--max-prefill-tokens", type=int, default=256)
-    s.add_argument("--max-new-tokens", type=int, default=4096, help="limit on a request's max_new_tokens")
-    s.add_argument("--max-prompt-tokens", type=int, default=None, help="limit on prompt tokens (default: context)")
-    s.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    s.add_argument("--tls-cert", default=None)
-    s.add_argument("--tls-key", default=None)
-    key = s.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None, help="require 'authorization: Bearer KEY' on both transports")
-    key.add_argument("--api-key-file", default=None,
-                     help="the same, the key read from this file (a mounted secret; keeps it out of the argv)")
-    s.add_argument("--log-level", default="INFO")
+    for name, (_, summary) in DELEGATED.items():  # listed here, parsed by their owner (see main)
+        sub.add_parser(name, help=summary, add_help=False)
     return p
 
 
@@ -255,41 +239,10 @@ def _cmd_verify(args, console: Console) -> int:
     return 0
 
 
-def _cmd_serve(args, cache_dir: Path) -> int:
-    import logging
-
-    from server.engine import EngineConfig
-    from server.serve import ServeConfig, serve
-    from server.service import Limits
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key
-    if args.api_key_file is not None:
-        try:
-            api_key = Path(args.api_key_file).read_text().strip()
-        except OSError as e:
-            print(f"quant serve: error: cannot read --api-key-file: {e}", file=sys.stderr)
-            return 1
-    cfg = ServeConfig(
-        artifact=args.artifact, host=args.host,
-        grpc_port=None if args.grpc_port == -1 else args.grpc_port,
-        http_port=None if args.http_port == -1 else args.http_port,
-        grace_s=args.grace, tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=api_key,
-        engine=EngineConfig(memory_budget=args.memory_budget, max_queue=args.max_queue, max_batch=args.max_batch,
-                            max_prefill_tokens=args.max_prefill_tokens, dtype=args.dtype, device=args.device,
-                            threads=args.threads),
-        limits=Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                      max_request_bytes=args.max_request_bytes),
-    )
-    try:
-        cfg.validate()
-    except ValueError as e:  # a bad flag: one line, exit 1 (as QuantError)
-        print(f"quant serve: error: {e}", file=sys.stderr)
-        return 1
-    return serve(cfg, cache_dir)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
     from quant.models import default_cache_dir
 
     args = _build_parser().parse_args(argv)
@@ -305,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_estimate(args, console, default_cache_dir())
         if args.cmd == "inspect":
             return _cmd_inspect(args, console)
-        if args.cmd == "serve":
-            return _cmd_serve(args, default_cache_dir())
         return _cmd_verify(args, console)
     except QuantError as e:
         print(f"quant {args.cmd}: error: {e}", file=sys.stderr)

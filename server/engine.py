@@ -38,20 +38,24 @@ from server.outputs import (
 from server.runner import ModelRunner, build_step
 from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
 from server.scheduler import Scheduler, Sequence
+from server.settings import setting
 
 log = logging.getLogger("quantserve.engine")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    memory_budget: str = "1GiB"  # KV pool: bytes ("2GiB", "500000000") or a fraction of free memory ("0.3")
-    max_queue: int = 256  # accepted requests waiting for KV blocks or a batch slot; beyond it: overloaded
-    max_batch: int = 64  # requests running at once
-    max_prefill_tokens: int = 256  # prompt tokens per step (chunked prefill)
+    """The engine's settings. Those `quant serve` exposes take their default and meaning from the settings table
+    (server/settings.py); the others are the engine's own."""
+
+    memory_budget: str = setting("memory_budget")
+    max_queue: int = setting("max_queue")
+    max_batch: int = setting("max_batch")
+    max_prefill_tokens: int = setting("max_prefill_tokens")
     block_size: int = 16  # tokens per KV block
-    dtype: str = "bfloat16"  # activations, KV cache and unquantized weights
-    device: str = "cpu"
-    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    dtype: str = setting("dtype")
+    device: str = setting("device")
+    threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
 
     def validate(self) -> "EngineConfig":

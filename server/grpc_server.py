@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from clients.types import SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
@@ -24,17 +25,21 @@ from server.service import Service, classify
 log = logging.getLogger("quantserve.grpc")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens",
-                    "ignore_eos", "logprobs", "trace")
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and discovery need no key
 
 
 # ---------------------------------------------------------------------------------------- conversion
 
 def params_from_proto(s: pb.SamplingParameters, default_max_new_tokens: int) -> SamplingParams:
-    kw = {f: getattr(s, f) for f in _SAMPLING_FIELDS if s.HasField(f)}
+    """The controls set in ``s``; an unset one is the engine's default."""
+    kw = {}
+    for name, kind in SAMPLING_TYPES.items():
+        if kind is tuple:  # a repeated field (stop): empty is its default
+            kw[name] = tuple(getattr(s, name))
+        elif s.HasField(name):
+            kw[name] = getattr(s, name)
     kw.setdefault("max_new_tokens", default_max_new_tokens)
-    return SamplingParams(stop=tuple(s.stop), **kw)
+    return SamplingParams(**kw)
 
 
 async def prompt_from_proto(svc: Service, req: pb.GenerateRequest) -> str | list[int]:

@@ -2,8 +2,9 @@
 
 Requests are parsed by pydantic in strict mode (no "5" for 5) and every error leaves through one handler
 (``server.service.classify``) as OpenAI's error body with 400 / 401 / 429 / 503 / 504 / 500. Our extensions
-ride in the same body (the official client sends them with ``extra_body``): top_k, repetition_penalty,
-min_tokens, ignore_eos (spelled as vLLM spells them), trace; every response adds seed and memory.
+ride in the same body (the official client sends them with ``extra_body``): every sampling control OpenAI does
+not have, under its own name (top_k, repetition_penalty, min_tokens, ignore_eos as vLLM spells them, trace);
+every response adds seed and memory.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
@@ -29,28 +31,30 @@ from server.service import CHAT_ROLES, AuthError, DeadlineError, Service, classi
 _OPEN_PATHS = ("/health", "/metrics")
 
 
-class _Body(BaseModel):
+class _OpenAIBody(BaseModel):
+    """What OpenAI's completions and chat bodies share, spelt their way."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     user: str | None = None
-    # extensions
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    trace: int | None = None
+
+
+# Sampling controls (clients.types.Sampling, the one list) that the OpenAI body spells its own way, per endpoint:
+# max_new_tokens is max_tokens / max_completion_tokens, logprobs differs between the endpoints, stop is a string or
+# a list. Every other control rides in the body under its own name and type: OpenAI's temperature, top_p and
+# seed, and our extensions (top_k, repetition_penalty, ...).
+_OPENAI_SPELT = ("max_new_tokens", "logprobs", "stop")
+_SAME_NAME = tuple(f for f in SAMPLING_FIELDS if f not in _OPENAI_SPELT)
+_Body = create_model("_Body", __base__=_OpenAIBody, **{f: (SAMPLING_TYPES[f] | None, None) for f in _SAME_NAME})
 
 
 class CompletionBody(_Body):
@@ -157,9 +161,7 @@ def _unsupported(body: _Body) -> None:
 def params_from_body(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     _unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    kw = dict(temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_k=body.top_k,
-              repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
-              trace=body.trace, max_new_tokens=max_tokens, logprobs=logprobs)
+    kw = {f: getattr(body, f) for f in _SAME_NAME} | {"max_new_tokens": max_tokens, "logprobs": logprobs}
     return SamplingParams(stop=tuple(stop), **{k: v for k, v in kw.items() if v is not None})
 
 

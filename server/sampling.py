@@ -59,6 +59,9 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _real(name: str, value, lo: float, hi: float | None, lo_open: bool, rng: str) -> float:
     # bool is an int subclass, but True as a temperature is a client bug, not 1.0.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -104,12 +107,15 @@ class SamplingParams:
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        put("temperature", _real("temperature", self.temperature, 0.0, None, False, "finite and >= 0"))
+        # Logits are fp32: a value past float32's range would become inf there (-inf / inf is NaN).
+        put("temperature", _real("temperature", self.temperature, 0.0, FLOAT32_MAX, False,
+                                 f"finite, >= 0 and <= {FLOAT32_MAX:.4g} (float32)"))
         put("top_k", _int("top_k", self.top_k, 0, None, ">= 0 (0 = off)"))
         put("top_p", _real("top_p", self.top_p, 0.0, 1.0, False, "in [0, 1]"))
         put(
             "repetition_penalty",
-            _real("repetition_penalty", self.repetition_penalty, 0.0, None, True, "finite and > 0"),
+            _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, True,
+                  f"finite, > 0 and <= {FLOAT32_MAX:.4g} (float32)"),
         )
         put("seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)", optional=True))
         put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1, None, ">= 1"))

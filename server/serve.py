@@ -1,4 +1,5 @@
-"""`quant serve`: one engine behind gRPC and HTTP in one process, with a graceful drain on SIGTERM.
+"""What `quant serve` runs (its command line: server/cli.py): one engine behind gRPC and HTTP in one process,
+with a graceful drain on SIGTERM.
 
 The main thread runs the asyncio loop (both transports) and never does torch work; the engine loads and runs
 on its own thread (server/engine.py). SIGTERM or SIGINT: health flips to NOT_SERVING / HTTP 503, new requests
@@ -17,20 +18,23 @@ from pathlib import Path
 
 from server.engine import Engine, EngineConfig
 from server.service import Limits, Service
+from server.settings import setting
 
 log = logging.getLogger("quantserve.serve")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    artifact: str | None  # artifact dir, plain model dir / GGUF, or None for the embedded default model
-    host: str = "127.0.0.1"
-    grpc_port: int | None = 50051  # None: no gRPC; 0: any free port
-    http_port: int | None = 8000  # None: no HTTP; 0: any free port
-    grace_s: float = 30.0  # drain: how long in-flight requests may run after SIGTERM
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    api_key: str | None = None
+    """What `quant serve` runs. Defaults and meanings: the settings table (server/settings.py)."""
+
+    artifact: str | None  # None: the embedded default model (required here; the command line's default is None)
+    host: str = setting("host")
+    grpc_port: int | None = setting("grpc_port")  # None: no gRPC
+    http_port: int | None = setting("http_port")  # None: no HTTP
+    grace_s: float = setting("grace")
+    tls_cert: str | None = setting("tls_cert")
+    tls_key: str | None = setting("tls_key")
+    api_key: str | None = setting("api_key")
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
 

@@ -21,6 +21,7 @@ from server.engine import Engine
 from server.metrics import Metrics
 from server.outputs import EngineClosedError, Event, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
+from server.settings import setting
 
 log = logging.getLogger("quantserve.service")
 request_log = logging.getLogger("quantserve.requests")
@@ -30,9 +31,9 @@ request_log = logging.getLogger("quantserve.requests")
 class Limits:
     """Per-request limits of a server (on top of the engine's own: context length, KV pool)."""
 
-    max_prompt_tokens: int | None = None  # None: the model's context length
-    max_new_tokens: int = 4096
-    max_request_bytes: int = 4 * 2**20  # one request message / body
+    max_prompt_tokens: int | None = setting("max_prompt_tokens")  # None: the model's context length
+    max_new_tokens: int = setting("max_new_tokens")
+    max_request_bytes: int = setting("max_request_bytes")
     max_stop: int = 16  # stop sequences per request (SamplingParams allows at most 16)
 
     def validate(self) -> "Limits":

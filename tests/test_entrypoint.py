@@ -31,9 +31,9 @@ def test_every_variable_maps_to_its_flag():
     assert pairs == {v.flag: env.get(v.name, v.default) for v in VARS if v.flag}  # every flag, nothing else
     assert pairs["--host"] == "0.0.0.0"  # the container default
     # The flags are quant serve's own: its parser takes them all.
-    from quant.cli import _build_parser
+    from server.cli import build_parser
 
-    parsed = _build_parser().parse_args(["serve", *argv])
+    parsed = build_parser().parse_args(argv)
     assert (parsed.grpc_port, parsed.max_batch, parsed.grace, parsed.api_key_file) == (-1, 8, 25.0, "/secrets/key")
 
 
@@ -65,7 +65,7 @@ def test_unknown_arguments_are_refused(capsys):
 def test_print_shows_the_command(capsys):
     assert main(["--print"], {"QUANTSERVE_ARTIFACT": "/a", "QUANTSERVE_THREADS": "2"}) == 0
     cmd = json.loads(capsys.readouterr().out)
-    assert cmd == ["-m", "quant.cli", "serve", "/a", "--host", "0.0.0.0", "--threads", "2"]
+    assert cmd == ["-m", "server.cli", "/a", "--host", "0.0.0.0", "--threads", "2"]  # quant serve itself
 
 
 def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(tiny_model_dir, tmp_path):

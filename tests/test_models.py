@@ -157,3 +157,109 @@ def test_cancellation_mid_window_frees_blocks_and_others_continue(arch_dirs, cac
         assert engine.pool.used_blocks == 0
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------------------ artifacts
+
+# CI serves seven (architecture, scheme) pairs, each scheme on two or three families (llama's artifacts are
+# also served in tests/test_engine.py); QUANTSERVE_ALL_SCHEMES=1 runs the whole matrix (a build of a tiny model
+# takes 10-60 s on 2 cores). OLMo 2's w4a16 and w8a8 builds fail in the pipeline (its calibration assumes an
+# input_layernorm; the pipeline issue makes it generic), so it has int8-sym only.
+CI_CASES = [("mistral-window", "int8-sym"), ("olmo2", "int8-sym"), ("gemma3", "int8-sym"), ("qwen3", "w4a16"),
+            ("phi3", "w4a16"), ("qwen2-window", "w8a8"), ("gemma2", "w8a8")]
+FAMILIES = ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "granite",
+            "olmo2"]
+ALL = [(a, s) for a in FAMILIES for s in ("int8-sym", "w4a16", "w8a8") if not (a == "olmo2" and s != "int8-sym")]
+
+
+def artifact_cases():
+    import os
+
+    if os.environ.get("QUANTSERVE_ALL_SCHEMES") == "1":
+        return ALL
+    return CI_CASES
+
+
+@pytest.mark.parametrize("arch,scheme", artifact_cases())
+def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme, arch_dirs, text_file, tmp_path,
+                                                                   cache_dir):
+    from conftest import run_cli
+    from quant.loader import load
+
+    out = tmp_path / f"{arch}-{scheme}"
+    extra = ["--calib-method", "minmax"] if scheme == "w8a8" else []
+    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", scheme, "--calib", text_file, "--calib-samples",
+                   "2", "--calib-seqlen", "32", "--no-progress", "--out", out, *extra) == 0
+    ref_model = load(out, dtype=torch.float32).model
+    main, other = prompt_ids(20, 9), prompt_ids(31, 10)
+    want = hf_greedy(ref_model, main, 40)
+    engine = Engine.from_path(str(out), EngineConfig(memory_budget="8MiB", dtype="float32", max_prefill_tokens=16),
+                              cache_dir)
+    try:
+        assert engine.info.scheme == scheme
+        alone = list(engine.complete(main, greedy(40)).token_ids)
+        batched = run_batched(engine, [other, main], 40)
+    finally:
+        engine.close()
+    assert alone == want
+    if scheme != "w8a8":
+        assert batched[1] == want
+        assert batched[0] == hf_greedy(ref_model, other, 40)
+    else:
+        # W8A8 rounds activations to int8 with a static scale: in a batch the fp32 sums before that rounding run
+        # in another order, so a code can move by one and a near-tie flip (measured: gemma2, a 0.001 gap on
+        # logits of 1.14). Held instead to the reference, teacher-forced: every token the engine chose is the
+        # reference's argmax or within 0.2% of the top logit.
+        for prompt, got in ((main, batched[1]), (other, batched[0])):
+            with torch.no_grad():
+                lg = ref_model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]  # (40, V)
+            top = lg.max(-1).values
+            gap = top - lg.gather(1, torch.tensor(got)[:, None])[:, 0]
+            assert (gap <= 2e-3 * top.abs().clamp_min(1.0)).all(), gap.max()
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+def test_an_unregistered_architecture_is_refused_in_one_line_naming_it(tmp_path, tokenizer, cache_dir):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from quant.errors import QuantError, UnsupportedModelError
+    from server import models
+
+    path = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=128)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with pytest.raises(UnsupportedModelError) as e:
+        Engine.from_path(str(path), EngineConfig(memory_budget="1MiB", dtype="float32"), cache_dir)
+    msg = str(e.value)
+    assert isinstance(e.value, QuantError) and "\n" not in msg
+    assert "'gpt_neox'" in msg and all(t in msg for t in models.supported())
+
+
+def test_quant_serve_refuses_an_unregistered_architecture_in_one_line(tmp_path, tokenizer):
+    import subprocess
+    import sys
+
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    path = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=128)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    p = subprocess.run([sys.executable, "-m", "quant.cli", "serve", str(path), "--grpc-port", "0", "--http-port", "0",
+                        "--memory-budget", "1MiB", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "Loading weights" not in ln]
+    assert "Traceback" not in p.stderr
+    assert any("'gpt_neox'" in ln and "qwen3" in ln for ln in lines), p.stderr[-2000:]
+
+
+def test_a_rope_type_the_engine_does_not_implement_is_refused(arch_dirs):
+    from quant.errors import UnsupportedModelError
+
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs("llama"), dtype=torch.float32)
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not served"):
+        runner_for(model)

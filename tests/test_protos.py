@@ -1,7 +1,10 @@
-"""The committed gRPC stubs are exactly what scripts/gen_protos.sh generates from protos/."""
+"""The committed gRPC stubs are exactly what scripts/gen_protos.sh generates from protos/, and the proto's
+sampling controls are the one list every layer derives from (clients.types.Sampling)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 from pathlib import Path
 
@@ -26,3 +29,65 @@ def test_stubs_import_without_torch():
     code = ("import sys; import quantserve.v1.inference_pb2_grpc; "
             "assert 'torch' not in sys.modules, 'the stubs pulled in torch'")
     subprocess.run(["python", "-c", code], check=True, cwd=ROOT)
+
+
+# ------------------------------------------------------------------ the one list of sampling controls
+# clients.types.Sampling is the source; the proto and the engine's SamplingParams declare the same controls (a
+# layer each), and every transport's field list is derived from it.
+
+def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
+    from quantserve.v1 import inference_pb2 as pb
+    from server.sampling import SamplingParams
+
+    proto = pb.SamplingParameters.DESCRIPTOR.fields
+    assert tuple(f.name for f in proto) == SAMPLING_FIELDS  # same names, in the proto's order
+    scalar = {FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_INT64: int, FieldDescriptor.TYPE_BOOL: bool}
+    for f in proto:
+        if f.is_repeated:
+            assert SAMPLING_TYPES[f.name] is tuple and f.type == FieldDescriptor.TYPE_STRING, f.name
+        else:
+            assert SAMPLING_TYPES[f.name] is scalar[f.type], f.name
+            assert f.has_presence, f"{f.name}: optional, so that unset means the server's default"
+    assert tuple(f.name for f in dataclasses.fields(SamplingParams)) == SAMPLING_FIELDS
+    assert Sampling().given() == {}
+
+
+def test_every_transport_reads_and_writes_every_control():
+    """One request with every control set goes through each transport's conversion unchanged."""
+    from clients import make_sampling
+    from clients.transport_grpc import request_to_proto
+    from clients.transport_http import path_and_body
+    from clients.types import SAMPLING_FIELDS, Request
+    from server.grpc_server import params_from_proto
+    from server.http_server import ChatBody, CompletionBody, params_from_body
+
+    values = dict(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.1, seed=3, max_new_tokens=9,
+                  min_tokens=2, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5)
+    assert set(values) == set(SAMPLING_FIELDS), "a new control: add it here"
+    s = make_sampling(**values)
+    assert s.given() == values
+
+    got = params_from_proto(request_to_proto(Request(prompt="p", sampling=s)).sampling, 128)
+    assert {f: getattr(got, f) for f in SAMPLING_FIELDS} == values
+
+    _, body = path_and_body(Request(prompt="p", sampling=s), stream=False)
+    b = CompletionBody.model_validate_json(json.dumps(body))
+    got = params_from_body(b, b.max_tokens, b.logprobs)
+    assert {f: getattr(got, f) for f in SAMPLING_FIELDS} == values
+
+    _, body = path_and_body(Request(messages=(), sampling=s), stream=False)
+    body["messages"] = [{"role": "user", "content": "p"}]
+    b = ChatBody.model_validate_json(json.dumps(body))
+    got = params_from_body(b, b.max_tokens, b.top_logprobs if b.logprobs else None)
+    assert {f: getattr(got, f) for f in SAMPLING_FIELDS} == values
+
+
+def test_the_client_cli_has_a_flag_per_control():
+    from clients.cli import build_parser
+    from clients.types import SAMPLING_FIELDS
+
+    gen = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
+    assert set(SAMPLING_FIELDS) - gen == {"trace"}  # the trace command's own --trace-n

@@ -86,6 +86,8 @@ INVALID = [
     ("trace", 51),
     ("trace", 2.0),
     ("trace", False),
+    ("temperature", 7.9e68),  # finite in Python, inf in the fp32 logits (the HTTP fuzz found it: NaN trace probs)
+    ("repetition_penalty", 1e39),
 ]
 
 
@@ -519,3 +521,13 @@ def test_reference_steps():
     assert int((ref_top_p(row, 0.0) > -math.inf).sum()) == 1
     assert torch.equal(ref_top_p(row, 1.0), row)
     assert torch.equal(ref_penalty(row, [0, 1, 1], 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0, -4.0]))
+
+
+def test_the_largest_float32_temperature_samples_uniformly_without_nan():
+    p = SamplingParams(temperature=3.4e38, top_p=0.0, trace=3, seed=1, min_tokens=1, max_new_tokens=2)
+    logits = torch.randn(1, 50)
+    logits[0, 7] = -float("inf")  # a suppressed token (EOS under min_tokens) stays impossible
+    res = sample(logits, SamplingBatch.build([p], [1], [0], None, device=torch.device("cpu")))
+    assert res.tokens[0].item() != 7
+    assert not any(pr.isnan().any() for _, pr in res.trace.values())
+    assert not res.trace_stats.isnan().any()

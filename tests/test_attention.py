@@ -1,0 +1,96 @@
+"""Attention backends against the eager reference (server/attention/reference.py): decode rows gathered and as a
+contiguous view, prefill chunks with and without past, sliding windows and soft-capping, GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server import fastops
+from server.attention import BACKENDS, AttentionSpec
+from server.attention import reference as R
+from server.batch import StepInputs
+
+SPECS = {
+    "plain": AttentionSpec(8, 2, 16, 0.25),
+    "window": AttentionSpec(8, 2, 16, 0.25, window=7),
+    "softcap": AttentionSpec(8, 4, 16, 0.3, softcap=5.0),
+    "window+softcap": AttentionSpec(8, 8, 16, 0.3, window=5, softcap=2.0),
+}
+
+
+def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: list[tuple[int, int]], seed: int,
+             contiguous: bool):
+    """decode: past lengths of decode rows (each adds one token); chunks: (past, C) of prefill chunks. Every
+    request's past K/V is written first, then one step runs; returns (backend output, reference output)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, blocks = 4, 64
+    cls = BACKENDS[backend_name]
+    storage = torch.zeros(cls.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim))
+    backend = cls(storage, bs, [spec], fastops.Ops(False))
+    free = list(range(blocks)) if contiguous else torch.randperm(blocks, generator=g).tolist()
+    reqs = []  # (past, new, table, k_all, v_all)
+    for past, new in [(p, 1) for p in decode] + chunks:
+        n = -(-(past + new) // bs)
+        table, free = free[:n], free[n:]
+        k_all = torch.randn(past + new, spec.kv_heads, spec.head_dim, generator=g)
+        v_all = torch.randn(past + new, spec.kv_heads, spec.head_dim, generator=g)
+        for p in range(past):  # the cache as earlier steps left it
+            s = table[p // bs] * bs + p % bs
+            backend.kv[0, 0, s], backend.kv[0, 1, s] = k_all[p], v_all[p]
+        reqs.append((past, new, table, k_all, v_all))
+    q = torch.randn(sum(r[1] for r in reqs), spec.heads, spec.head_dim, generator=g)
+    k = torch.cat([r[3][r[0]:] for r in reqs])
+    v = torch.cat([r[4][r[0]:] for r in reqs])
+    pos, slots, chunk_meta, t0 = [], [], [], 0
+    for i, (past, new, table, _, _) in enumerate(reqs):
+        pos += list(range(past, past + new))
+        slots += [table[p // bs] * bs + p % bs for p in range(past, past + new)]
+        if i >= len(decode):
+            chunk_meta.append((t0, new, past, table))
+        t0 += new
+    step = StepInputs(torch.zeros(len(pos), dtype=torch.int64), torch.tensor(pos), torch.tensor(slots),
+                      torch.tensor([0]), [(reqs[i][0], reqs[i][2]) for i in range(len(decode))], chunk_meta, bs)
+    got = backend.forward(q, k, v, 0, backend.prepare(step))
+    want, t0 = [], 0
+    for past, new, _, k_all, v_all in reqs:
+        want.append(R.attention(q[t0:t0 + new], k_all, v_all, torch.arange(past, past + new),
+                                torch.arange(past + new), spec))
+        t0 += new
+    return got, torch.cat(want)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_backend_matches_reference_on_mixed_steps(backend, spec, contiguous):
+    got, want = run_case(backend, SPECS[spec], decode=[0, 5, 13], chunks=[(0, 9), (6, 11), (0, 3)], seed=1,
+                         contiguous=contiguous)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_backend_matches_reference_for_a_lone_decode_row(backend, spec):
+    for past in (0, 3, 6, 7, 30):  # below, at and past the window
+        got, want = run_case(backend, SPECS[spec], decode=[past], chunks=[], seed=past, contiguous=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_window_mask_is_transformers_rule():
+    m = R.visible(torch.arange(5, 8), torch.arange(0, 8), window=3)
+    # query 5 sees 3, 4, 5; query 7 sees 5, 6, 7 (kv > q - window and kv <= q)
+    assert m[0].nonzero().flatten().tolist() == [3, 4, 5]
+    assert m[2].nonzero().flatten().tolist() == [5, 6, 7]
+
+
+def test_backend_refuses_specs_it_cannot_run():
+    from server.attention.base import AttentionBackend
+
+    class NoWindows(AttentionBackend):
+        name = "nowin"
+        features = frozenset({"softcap"})
+
+    assert NoWindows.unsupported([SPECS["plain"]]) is None
+    assert "'window'" in NoWindows.unsupported([SPECS["plain"], SPECS["window"]])
+    assert "divide" in BACKENDS["sdpa"].unsupported([AttentionSpec(6, 4, 16, 0.25)])
