@@ -167,49 +167,34 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv, const at:
   });
 }
 
-// silu(gate) * up for a fused (T, 2I) gate_up output; silu rounded to the dtype before the product.
-at::Tensor silu_mul(const at::Tensor& gu) {
-  check_rows(gu, "gate_up");
-  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, gu.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
-    const scalar_t* gp = gu.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const scalar_t* g = gp + t * 2 * I;
-        const scalar_t* u = g + I;
-        for (int64_t j = 0; j < I; ++j) {
-          const float gv = static_cast<float>(g[j]);
-          const scalar_t act = rnd<scalar_t>(gv / (1.0f + std::exp(-gv)));
-          op[t * I + j] = rnd<scalar_t>(static_cast<float>(act) * static_cast<float>(u[j]));
-        }
-      }
-    });
-  });
-  return out;
-}
+// Activations of a gated MLP, computed in float.
+struct Silu {
+  static float apply(float x) { return x / (1.0f + std::exp(-x)); }
+};
+struct GeluTanh {  // Gemma's MLP
+  static float apply(float x) {
+    constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
+  }
+};
 
-// gelu_tanh(gate) * up for a fused (T, 2I) gate_up output (Gemma's MLP); the activation rounded to the dtype
-// before the product, as the eager ops do.
-at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+// act(gate) * up for a fused (T, 2I) gate_up output; the activation is rounded to the dtype before the product,
+// as the eager ops do.
+template <typename Act>
+at::Tensor act_mul(const at::Tensor& gu) {
   check_rows(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gu.options());
-  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "gelu_tanh_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "act_mul", [&] {
     const scalar_t* gp = gu.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, grain_rows(2 * I), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        const scalar_t* g = gp + t * 2 * I;
+        const scalar_t* g = gp + t * 2 * I;  // (I,) gate then (I,) up
         const scalar_t* u = g + I;
         for (int64_t j = 0; j < I; ++j) {
-          const float x = static_cast<float>(g[j]);
-          const float inner = kAlpha * (x + 0.044715f * x * x * x);
-          const scalar_t act = rnd<scalar_t>(0.5f * x * (1.0f + std::tanh(inner)));
+          const scalar_t act = rnd<scalar_t>(Act::apply(static_cast<float>(g[j])));
           op[t * I + j] = rnd<scalar_t>(static_cast<float>(act) * static_cast<float>(u[j]));
         }
       }
@@ -232,6 +217,6 @@ TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("store_kv", &store_kv);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  m.impl("silu_mul", &act_mul<Silu>);
+  m.impl("gelu_tanh_mul", &act_mul<GeluTanh>);
 }
