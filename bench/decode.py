@@ -235,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None, metavar="GIT_REF",
                     help="also run our engine's cases with the engine of this commit (a git worktree under "
                          "bench/out/), alternating with ours, and report ours / baseline")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --baseline: processes per engine and case, alternating; the median is kept (one "
+                         "process's speed varies by ~10%% on a 2-core machine)")
     ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from quant.models import default_cache_dir, resolve
@@ -252,15 +255,31 @@ def main(argv=None) -> int:
 
     wt = baseline_worktree(args.baseline) if args.baseline else None
 
+    def speed_key(r: dict) -> str:
+        return "tok_s" if "tok_s" in r else next(k for k in r if k.endswith("tok_s"))
+
+    def median_run(runs: list[dict]) -> dict:
+        """The run with the median speed (the middle one of an odd count), with every run's speed beside it."""
+        if len(runs) == 1:
+            return runs[0]
+        key = speed_key(runs[0])
+        ranked = sorted(runs, key=lambda r: r[key])
+        return {**ranked[(len(ranked) - 1) // 2], f"rounds_{key}": [round(r[key], 2) for r in runs]}
+
     def record(table, name, case, spec):
-        if wt is not None and case.startswith("ours"):  # the baseline first, then ours, case by case
-            res.setdefault(table, {})[f"{name} [baseline {args.baseline}]"] = b = child(
-                case, spec, cache, args.threads, args.repeats, wt)
+        vs = wt is not None and case.startswith("ours")
+        ours, base_runs = [], []
+        for _ in range(args.rounds if vs else 1):  # the baseline first, then ours, round by round
+            if vs:
+                base_runs.append(child(case, spec, cache, args.threads, args.repeats, wt))
+            ours.append(child(case, spec, cache, args.threads, args.repeats))
+        if vs:
+            res.setdefault(table, {})[f"{name} [baseline {args.baseline}]"] = b = median_run(base_runs)
             print(table, name, "baseline", b, flush=True)
-        res.setdefault(table, {})[name] = r = child(case, spec, cache, args.threads, args.repeats)
+        res.setdefault(table, {})[name] = r = median_run(ours)
         print(table, name, r, flush=True)
-        if wt is not None and case.startswith("ours"):
-            key = "tok_s" if "tok_s" in r else next(k for k in r if k.endswith("tok_s"))
+        if vs:
+            key = speed_key(r)
             res.setdefault("vs_baseline", {})[f"{table}: {name}"] = round(r[key] / b[key], 3)
 
     if "batch1" in only:

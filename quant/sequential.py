@@ -1,8 +1,8 @@
 """Layer-by-layer execution over calibration data (shared by W8A8 calibration and GPTQ).
 
 Only one decoder layer's inputs (and the inputs of its Linears) are held at a time: the embeddings
-are captured by stopping the model at its first decoder layer, each layer is then run on its own,
-and its outputs become the next layer's inputs.
+and every layer's own kwargs are captured in a pass that does not run the layers, each layer is then
+run on its own, and its outputs become the next layer's inputs.
 """
 
 from __future__ import annotations
@@ -49,19 +49,36 @@ def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 @torch.inference_mode()
-def capture_first_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Run only the embedding part: returns hidden states (S, T, D) fp32 and the layer kwargs
-    (rotary embeddings, masks) shared by every sample of length T."""
-    layer0 = decoder_layers(model)[0]
-    seen: list[tuple[torch.Tensor, dict]] = []
+def capture_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+    """Run only the embedding part: returns the first layer's hidden states (S, T, D) fp32 and, for every
+    decoder layer, the kwargs the model passes it (rotary embeddings, masks), shared by every sample of
+    length T. They differ per layer where layers differ in type (Gemma 2/3, Qwen 2 with max_window_layers:
+    sliding vs global masks, local vs global rope), so each layer is calibrated with its own.
 
-    def hook(_mod, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        seen.append((hidden.detach().float(), kw))
-        raise _StopForward
+    The layers are not run: each returns its input while the kwargs are recorded, and the pass stops at the
+    last one (nothing after the layers, e.g. the head, is computed)."""
+    layers = decoder_layers(model)
+    hidden: list[torch.Tensor] = []
+    kws: list[dict] = [{} for _ in layers]
 
-    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    def record(i: int):
+        def hook(_mod, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            if i == 0:
+                hidden.append(h.detach().float())
+            if len(hidden) == 1:  # the first sample: every sample of length T gets the same kwargs
+                kws[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            if i == len(layers) - 1:
+                raise _StopForward
+
+        return hook
+
+    def passthrough(hidden_states, *args, **kwargs):
+        return hidden_states
+
+    handles = [layer.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    for layer in layers:
+        layer.forward = passthrough  # an instance attribute shadows the class's forward
     try:
         for s in range(ids.shape[0]):
             try:
@@ -69,9 +86,26 @@ def capture_first_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[tor
             except _StopForward:
                 pass
     finally:
-        handle.remove()
-    hidden = torch.cat([h for h, _ in seen])  # (S, T, D)
-    return hidden, seen[0][1]
+        for h in handles:
+            h.remove()
+        for layer in layers:
+            del layer.forward
+    return torch.cat(hidden), kws  # (S, T, D)
+
+
+@torch.inference_mode()
+def linear_order(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[str, ...]:
+    """The layer's Linears in the order its forward calls them, traced on one sample (S, T, D)[:1]."""
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    seen: list[str] = []
+    handles = [m.register_forward_pre_hook(lambda _m, _a, n=n: None if n in seen else seen.append(n))
+               for n, m in linears.items()]
+    try:
+        run_layer(layer, hidden[:1], kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return (*seen, *(n for n in linears if n not in seen))  # never-called Linears last
 
 
 def _cast_kwargs(kwargs: dict, dtype: torch.dtype) -> dict:

@@ -8,7 +8,9 @@ division is folded into whatever produced X when that is a linear map we own:
   attention several query heads share one V head, so s is tied across those heads (max over the tied
   channels) to keep the fold exact;
 - down_proj reads act(gate) * up, linear in up: divide up_proj's output rows.
-Anything else keeps s as an explicit divisor on the quantized module (`smooth_scale`).
+Which of these folds a layer allows is its family's to say (quant.families: Gemma's 1 + w norms, OLMo 2's
+post-norms and Phi-3's fused projections allow fewer). Anything else keeps s as an explicit divisor on the
+quantized module (`smooth_scale`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quant.families import LayerPlan
 from quant.primitives import smooth_factors
 
 
@@ -25,32 +28,26 @@ from quant.primitives import smooth_factors
 class SmoothGroup:
     linears: tuple[str, ...]  # names relative to the decoder layer, sharing one input
     producer: str | None  # module whose output is X (norm or Linear), None: explicit scale
-    producer_kind: str  # "norm" | "linear" | "none"
+    producer_kind: str  # "norm" | "v_proj" (attention output, heads tied) | "linear" | "none"
 
 
-LLAMA_GROUPS = (
-    SmoothGroup(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "norm"),
-    SmoothGroup(("self_attn.o_proj",), "self_attn.v_proj", "linear"),
-    SmoothGroup(("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", "norm"),
-    SmoothGroup(("mlp.down_proj",), "mlp.up_proj", "linear"),
-)
+def layer_groups(layer: nn.Module, plan: LayerPlan) -> list[SmoothGroup]:
+    """The smoothing groups of `layer` and what each folds into (its family's, see quant.families);
+    one explicit group per Linear, in execution order, for a layer no family describes."""
+    fam = plan.family
+    if fam is None:
+        return [SmoothGroup((n,), None, "none") for n in plan.order]
 
+    def norm(name: str | None) -> tuple[str | None, str]:
+        return (name, "norm") if name is not None and fam.norm_folds else (None, "none")
 
-def _foldable_norm(mod: nn.Module) -> bool:
-    # Gemma-style norms scale by (1 + weight): dividing `weight` would not divide the output.
-    name = type(mod).__name__
-    return isinstance(getattr(mod, "weight", None), torch.Tensor) and "Gemma" not in name and "Norm" in name
-
-
-def layer_groups(layer: nn.Module) -> list[SmoothGroup]:
-    """Llama-family groups when the layer has that shape; otherwise one explicit group per Linear."""
-    names = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    expected = {l for g in LLAMA_GROUPS for l in g.linears}
-    if names == expected and all(
-        _foldable_norm(layer.get_submodule(g.producer)) for g in LLAMA_GROUPS if g.producer_kind == "norm"
-    ):
-        return list(LLAMA_GROUPS)
-    return [SmoothGroup((n,), None, "none") for n in sorted(names)]
+    v, up = fam.qkv[-1], fam.gate_up[-1]
+    return [
+        SmoothGroup(fam.qkv, *norm(fam.attn_norm)),
+        SmoothGroup((fam.o,), *((v, "v_proj") if fam.fold_o_into_v else (None, "none"))),
+        SmoothGroup(fam.gate_up, *norm(fam.mlp_norm)),
+        SmoothGroup((fam.down,), *((up, "linear") if fam.fold_down_into_up else (None, "none"))),
+    ]
 
 
 def gqa_tie_index(config, o_in: int, v_out: int) -> torch.Tensor | None:
@@ -78,8 +75,8 @@ def compute_scales(
 ) -> tuple[torch.Tensor, bool]:
     """Per-input-channel s for `group` (K,), and whether it can be folded into the producer."""
     w_absmax = group_weight_absmax(layer, group)
-    if group.producer_kind == "linear" and group.linears == ("self_attn.o_proj",):
-        o = layer.get_submodule("self_attn.o_proj")
+    if group.producer_kind == "v_proj":
+        o = layer.get_submodule(group.linears[0])
         v = layer.get_submodule(group.producer)
         tie = gqa_tie_index(config, o.in_features, v.out_features)
         if tie is None:
@@ -104,8 +101,8 @@ def apply(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, fold: bool, con
         if getattr(prod, "bias", None) is not None:
             prod.bias.div_(s.to(prod.bias.dtype))
         return
-    if group.linears == ("self_attn.o_proj",):
-        o = layer.get_submodule("self_attn.o_proj")
+    if group.producer_kind == "v_proj":
+        o = layer.get_submodule(group.linears[0])
         tie = gqa_tie_index(config, o.in_features, prod.out_features)
         # Every channel tied to one V channel carries the same s; read it back per V channel.
         s_v = torch.zeros(prod.out_features, dtype=s.dtype).scatter(0, tie, s)

@@ -3,9 +3,9 @@
 GPTQ runs sequentially: each decoder layer sees the calibration activations produced by the already
 quantized layers before it, and inside a layer each group of Linears (q/k/v, then o, then gate/up,
 then down) sees inputs computed with the groups before it already quantized. For Llama-shaped layers
-the layer is executed in stages (norm -> attention -> o -> norm -> MLP up to down -> down), each
-stage once, after the weights it uses are quantized: the same result as re-running the layer between
-groups, at the cost of one layer pass. Other layer shapes re-run the whole layer per group.
+(quant.families says which) the layer is executed in stages (norm -> attention -> o -> norm -> MLP up to
+down -> down), each stage once, after the weights it uses are quantized: the same result as re-running the
+layer between groups, at the cost of one layer pass. Other layer shapes re-run the whole layer per group.
 Memory is bounded by one layer's activations for the calibration set plus one Hessian.
 """
 
@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 from quant import gptq as G
 from quant.errors import ConfigError
 from quant.int4 import PACK, GPTQLinear
+from quant.families import LayerPlan, plan
 from quant.sequential import (
-    _StopForward, _cast_kwargs, block_linears, capture_first_layer_inputs, capture_inputs,
-    decoder_layers, run_layer, set_module,
+    _StopForward, _cast_kwargs, block_linears, capture_inputs, capture_layer_inputs, decoder_layers,
+    linear_order, run_layer, set_module,
 )
-from quant.smooth import LLAMA_GROUPS, layer_groups
+from quant.smooth import layer_groups
 
 GROUP_CHOICES = (128, 64, 32)
 
@@ -67,28 +68,28 @@ class _Hessian:
         return self.h * (2.0 / max(self.n, 1))
 
 
-def _llama_shaped(layer: nn.Module) -> bool:
-    return layer_groups(layer) == list(LLAMA_GROUPS)
-
-
 @torch.inference_mode()
-def _staged_llama(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable) -> torch.Tensor:
-    """One pass over the calibration set with each group quantized right before its stage."""
+def _staged(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable, lp: LayerPlan) -> torch.Tensor:
+    """One pass over the calibration set with each group quantized right before its stage: for layers
+    h' = h + r * attn(norm1(h)); out = h' + r * mlp(norm2(h')) (lp.staged)."""
+    fam, r = lp.family, lp.residual_scale
     attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.get_submodule(fam.attn_norm), layer.get_submodule(fam.mlp_norm)
+    o_proj, down_proj = layer.get_submodule(fam.o), layer.get_submodule(fam.down)
     samples = range(hidden.shape[0])
-    # Stage 1: q/k/v read input_layernorm(h).
+    # Stage 1: q/k/v read norm1(h).
     h_qkv = _Hessian(hidden.shape[-1])
     for s in samples:
-        h_qkv.add(layer.input_layernorm(hidden[s : s + 1]))
-    quantize_group(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), h_qkv)
+        h_qkv.add(norm1(hidden[s : s + 1]))
+    quantize_group(fam.qkv, h_qkv)
     # Stage 2: attention with quantized q/k/v, stopped at o_proj's input.
     attn_in = []
-    with capture_inputs({"o": attn.o_proj}) as store:
-        stop = attn.o_proj.register_forward_pre_hook(_stop)
+    with capture_inputs({"o": o_proj}) as store:
+        stop = o_proj.register_forward_pre_hook(_stop)
         try:
             for s in samples:
                 try:
-                    attn(hidden_states=layer.input_layernorm(hidden[s : s + 1]), **kw)
+                    attn(hidden_states=norm1(hidden[s : s + 1]), **kw)
                 except _StopForward:
                     pass
         finally:
@@ -97,21 +98,21 @@ def _staged_llama(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_gro
     h_o = _Hessian(attn_in[0].shape[-1])
     for x in attn_in:
         h_o.add(x)
-    quantize_group(("self_attn.o_proj",), h_o)
-    # Stage 3: residual + o_proj, then post_attention_layernorm feeds gate/up.
-    mid = torch.cat([hidden[s : s + 1] + attn.o_proj(attn_in[s]).reshape(hidden[s : s + 1].shape) for s in samples])
+    quantize_group((fam.o,), h_o)
+    # Stage 3: residual + r * o_proj, then norm2 feeds gate/up.
+    mid = torch.cat([hidden[s : s + 1] + r * o_proj(attn_in[s]).reshape(hidden[s : s + 1].shape) for s in samples])
     del attn_in
     h_gu = _Hessian(mid.shape[-1])
     for s in samples:
-        h_gu.add(layer.post_attention_layernorm(mid[s : s + 1]))
-    quantize_group(("mlp.gate_proj", "mlp.up_proj"), h_gu)
+        h_gu.add(norm2(mid[s : s + 1]))
+    quantize_group(fam.gate_up, h_gu)
     # Stage 4: the MLP up to down_proj's input.
-    with capture_inputs({"down": mlp.down_proj}) as store:
-        stop = mlp.down_proj.register_forward_pre_hook(_stop)
+    with capture_inputs({"down": down_proj}) as store:
+        stop = down_proj.register_forward_pre_hook(_stop)
         try:
             for s in samples:
                 try:
-                    mlp(layer.post_attention_layernorm(mid[s : s + 1]))
+                    mlp(norm2(mid[s : s + 1]))
                 except _StopForward:
                     pass
         finally:
@@ -120,14 +121,15 @@ def _staged_llama(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_gro
     h_d = _Hessian(down_in[0].shape[-1])
     for x in down_in:
         h_d.add(x)
-    quantize_group(("mlp.down_proj",), h_d)
+    quantize_group((fam.down,), h_d)
     # Stage 5: the layer's output.
-    return torch.cat([mid[s : s + 1] + mlp.down_proj(down_in[s]).reshape(mid[s : s + 1].shape) for s in samples])
+    return torch.cat([mid[s : s + 1] + r * down_proj(down_in[s]).reshape(mid[s : s + 1].shape) for s in samples])
 
 
 @torch.inference_mode()
-def _generic(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable) -> torch.Tensor:
-    for g in layer_groups(layer):
+def _exact(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable, lp: LayerPlan) -> torch.Tensor:
+    """The layer's own forward re-run for each group (any layer shape)."""
+    for g in layer_groups(layer, lp):
         first = layer.get_submodule(g.linears[0])
         h = _Hessian(first.in_features)
         with capture_inputs({"x": first}) as store:
@@ -156,9 +158,10 @@ def quantize(
         for name, lin in tqdm(block_linears(model).items(), desc="rtn-w4", disable=not progress):
             results[name] = G.rtn(lin.weight.data, 4, group_size, sym)
     else:
-        hidden, kw = capture_first_layer_inputs(model, calib_ids)  # (S, T, D)
-        kw = _cast_kwargs(kw, torch.float32)
+        hidden, kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
         for li, layer in enumerate(tqdm(layers, desc="gptq", unit="layer", disable=not progress)):
+            kw = _cast_kwargs(kws[li], torch.float32)
+            lp = plan(model.config, layer, linear_order(layer, hidden, kw))
 
             def quantize_group(names, hess: _Hessian, li=li, layer=layer):
                 h = hess.value()
@@ -175,7 +178,7 @@ def quantize(
                         report["fallbacks"].append({"module": full, "reason": q.fallback})
                     lin.weight.data = q.dequantize().to(lin.weight.dtype)
 
-            hidden = (_staged_llama if _llama_shaped(layer) else _generic)(layer, hidden, kw, quantize_group)
+            hidden = (_staged if lp.staged else _exact)(layer, hidden, kw, quantize_group, lp)
 
     for name, lin in block_linears(model).items():
         q = results[name]

@@ -22,7 +22,8 @@ from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
 from quant.layers import W8A8Linear
-from quant.sequential import capture_first_layer_inputs, capture_inputs, decoder_layers, run_layer
+from quant.families import plan
+from quant.sequential import capture_inputs, capture_layer_inputs, decoder_layers, linear_order, run_layer
 
 
 def threshold_candidates(x: torch.Tensor, method: str, search: bool = False) -> dict[str, float]:
@@ -104,10 +105,11 @@ def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progre
     layers = decoder_layers(model)
     prefix = next(n for n, m in model.named_modules() if m is layers)
     gen = torch.Generator().manual_seed(cfg.calib.seed)
-    hidden, kw = capture_first_layer_inputs(model, calib_ids)  # (S, T, D)
+    hidden, kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
     report: dict = {"groups": {}, "linears": {}}
     for li, layer in enumerate(tqdm(layers, desc="w8a8 calibrate+quantize", unit="layer", disable=not progress)):
-        groups = smooth.layer_groups(layer)
+        kw = kws[li]
+        groups = smooth.layer_groups(layer, plan(model.config, layer, linear_order(layer, hidden, kw)))
         heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
         with capture_inputs(heads) as store:
             run_layer(layer, hidden, kw)

@@ -76,6 +76,21 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def arch_dirs(tmp_path_factory, tokenizer):
+    """name -> the dir of a tiny model of that architecture (tests/archs.py), made once per session."""
+    from archs import make_tiny
+
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_tiny(name, tmp_path_factory.mktemp("arch") / name, tokenizer)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def text_file(tmp_path_factory) -> Path:
     """Real text for calibration and evaluation: a slice of WikiText-2 valid when present."""
     path = tmp_path_factory.mktemp("data") / "text.txt"

@@ -176,17 +176,21 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from quant.sequential import capture_first_layer_inputs, decoder_layers, run_layer
-    from quant.w4a16 import _generic, _staged_llama
+    from quant.families import plan
+    from quant.sequential import capture_layer_inputs, decoder_layers, run_layer
+    from quant.w4a16 import _exact, _staged
 
     path = make_tiny_llama(tmp_path / "m", tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(0))
-    hidden, kw = capture_first_layer_inputs(model, ids)
+    hidden, kws = capture_layer_inputs(model, ids)
+    kw = kws[0]
     layer = decoder_layers(model)[0]
+    lp = plan(model.config, layer)
+    assert lp.staged
     seen = []
-    staged = _staged_llama(layer, hidden, kw, lambda names, h: seen.append((names, h.n)))
-    generic = _generic(layer, hidden, kw, lambda names, h: None)
+    staged = _staged(layer, hidden, kw, lambda names, h: seen.append((names, h.n)), lp)
+    generic = _exact(layer, hidden, kw, lambda names, h: None, lp)
     plain = run_layer(layer, hidden, kw)
     assert torch.allclose(staged, plain, atol=1e-5) and torch.allclose(generic, plain, atol=1e-5)
     assert [n for n, _ in seen] == [

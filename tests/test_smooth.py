@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from quant import smooth
-from quant.sequential import capture_first_layer_inputs, decoder_layers, run_layer
+from quant.families import plan
+from quant.sequential import capture_layer_inputs, decoder_layers, run_layer
 
 
 def _tiny(tokenizer, tmp_path, **kw):
@@ -21,10 +22,11 @@ def _tiny(tokenizer, tmp_path, **kw):
 def test_folded_smoothing_preserves_layer_output(tokenizer, tmp_path, kv_heads):
     model = _tiny(tokenizer, tmp_path, num_key_value_heads=kv_heads)
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    hidden, kw = capture_first_layer_inputs(model, ids)
+    hidden, kws = capture_layer_inputs(model, ids)
+    kw = kws[0]
     layer = decoder_layers(model)[0]
     before = run_layer(layer, hidden, kw)
-    groups = smooth.layer_groups(layer)
+    groups = smooth.layer_groups(layer, plan(model.config, layer))
     assert [g.producer for g in groups] == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj"]
     g = torch.Generator().manual_seed(1)
     for grp in groups:
@@ -48,9 +50,14 @@ def test_gqa_tie_index_maps_query_heads_to_their_kv_head():
 
 def test_unknown_layer_shape_gets_explicit_groups():
     layer = torch.nn.Sequential()
-    layer.add_module("a", torch.nn.Linear(4, 4))
     layer.add_module("b", torch.nn.Linear(4, 4))
-    groups = smooth.layer_groups(layer)
+    layer.add_module("a", torch.nn.Linear(4, 4))
+
+    class C:
+        model_type = "llama"  # a known family, but not its Linears
+
+    groups = smooth.layer_groups(layer, plan(C, layer, order=("a", "b")))
+    assert [g.linears for g in groups] == [("a",), ("b",)]  # execution order
     assert [g.producer_kind for g in groups] == ["none", "none"]
     s, fold = smooth.compute_scales(layer, groups[0], torch.ones(4) * 5, 0.5, None)
     assert not fold and s.shape == (4,)

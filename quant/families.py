@@ -1,0 +1,102 @@
+"""How the pipeline walks one decoder layer of each model family: the build-side twin of the engine's model
+registry (``server/models``; ``quant`` sits below ``server`` and cannot import it).
+
+A family states, for the transformers decoder layer of its ``model_type``:
+- its Linears in execution order, as the groups that read one input (q/k/v, o, gate/up, down);
+- which norm produces the input of q/k/v and of gate/up (None where they read the residual stream, as in
+  OLMo 2's post-norm layers), and whether that norm's weight divides its output, so that a smoothing scale
+  can be folded into it (Gemma's norms scale by ``1 + weight``: they cannot);
+- whether o_proj's and down_proj's smoothing folds into v_proj's and up_proj's rows (separate modules only);
+- whether the layer is exactly ``h + r * attn(norm(h))`` then ``h + r * mlp(norm(h))`` with nothing else
+  (sandwich norms, post-norms and fused checkpoints are not), so that GPTQ may run it in stages, and the
+  residual multiplier r (Granite's ``residual_multiplier``).
+
+A model type not listed here, or a layer whose Linears are not the family's, is calibrated through the
+exact transformers layer forward, one Linear at a time, with explicit smoothing scales: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    qkv: tuple[str, ...] = QKV
+    o: str = "self_attn.o_proj"
+    gate_up: tuple[str, ...] = GATE_UP
+    down: str = "mlp.down_proj"
+    attn_norm: str | None = "input_layernorm"  # what q/k/v read (None: the residual stream itself)
+    mlp_norm: str | None = "post_attention_layernorm"  # what gate/up read
+    norm_folds: bool = True  # the norms multiply by `weight`, so a smoothing scale divides into it
+    fold_o_into_v: bool = True  # o_proj reads attention output, linear in v_proj's rows
+    fold_down_into_up: bool = True  # down_proj reads act(gate) * up, linear in up_proj's rows
+    staged: bool = True  # pre-norm, one attention and one MLP residual branch, nothing else
+    residual_scale_attr: str | None = None  # config attribute scaling both residual branches
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return (*self.qkv, self.o, *self.gate_up, self.down)
+
+    def residual_scale(self, config) -> float:
+        return float(getattr(config, self.residual_scale_attr)) if self.residual_scale_attr else 1.0
+
+
+LLAMA = Family()
+_SANDWICH = Family(norm_folds=False, staged=False)  # pre- and post-norms around both branches (Gemma 2/3)
+
+FAMILIES: dict[str, Family] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": LLAMA,  # q/k norms act inside attention, after q/k/v: the staged pass runs the attention module
+    "granite": Family(residual_scale_attr="residual_multiplier"),
+    "gemma": Family(norm_folds=False),
+    "gemma2": _SANDWICH,
+    "gemma3_text": _SANDWICH,
+    "olmo2": Family(attn_norm=None, mlp_norm=None, staged=False),  # norms on the branch outputs
+    # Fused checkpoints: v and up are row ranges of one module, not folded into (yet); run exactly.
+    "phi3": Family(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), fold_o_into_v=False,
+                   fold_down_into_up=False, staged=False),
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the pipeline does with one decoder layer: its family when the layer has that family's Linears,
+    else None (exact forward, one Linear at a time, in the order `order` gives)."""
+
+    family: Family | None
+    order: tuple[str, ...] = field(default=())  # every Linear of the layer, in execution order
+    residual_scale: float = 1.0
+
+    @property
+    def staged(self) -> bool:
+        return self.family is not None and self.family.staged
+
+
+def plan(config, layer: nn.Module, order: tuple[str, ...] | None = None) -> LayerPlan:
+    """The plan for `layer` of a model with `config`. `order` is the execution order of its Linears (from a
+    traced forward); by default the module registration order."""
+    names = tuple(n for n, m in layer.named_modules() if isinstance(m, nn.Linear))
+    order = tuple(order) if order is not None else names
+    fam = FAMILIES.get(getattr(config, "model_type", None))
+    if fam is None or set(names) != set(fam.linears) or not _has(layer, fam.attn_norm, fam.mlp_norm):
+        return LayerPlan(None, order)
+    return LayerPlan(fam, order, fam.residual_scale(config))
+
+
+def _has(layer: nn.Module, *names: str | None) -> bool:
+    for n in names:
+        if n is None:
+            continue
+        try:
+            layer.get_submodule(n)
+        except AttributeError:
+            return False
+    return True
