@@ -15,7 +15,7 @@ from torch import nn
 
 import quant
 from quant import artifact, calibration, evaluate, loader, lora, memory, models, w4a16, w8a8
-from quant.config import BuildConfig
+from quant.config import DTYPES, BuildConfig
 from quant.errors import ConfigError
 from quant.layers import Int8WeightLinear, W8A8Linear
 from quant.sequential import block_linears, set_module
@@ -237,20 +237,25 @@ def evaluate_artifact(path: Path, source: models.ModelSource, adapter_dir: str |
     return {**q.to_dict(), "dtype": dtype_name, "data": windows.describe()}
 
 
-def merge(model_spec: str | None, adapter_dir: str, out: Path, force: bool, cache_dir: Path) -> Path:
-    """`quant merge`: base + LoRA adapter -> a plain HF model dir (unquantized), written atomically."""
+def merge(model_spec: str | None, adapter_dir: str, out: Path, force: bool, cache_dir: Path,
+          dtype: str | None = None) -> Path:
+    """`quant merge`: base + LoRA adapter -> a plain HF model dir (unquantized), written atomically, in the
+    base checkpoint's own dtype unless `dtype` is given (as PEFT's merge_and_unload keeps it: bit-exact with
+    PEFT on a base loaded in that dtype)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
     artifact.check_target(out, force)
     source = models.resolve(model_spec, cache_dir)
-    model, tok = models.load_model(source, torch.float32)
-    dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float32
+    dtype = dtype or models.stored_dtype(source)
+    model, tok = models.load_model(source, models.torch_dtype(dtype))
     info = lora.merge_adapter(model, adapter_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = artifact.staging_dir(out)
     try:
-        model.to(dtype).save_pretrained(staging)
+        model.save_pretrained(staging)
         tok.save_pretrained(staging)
         (staging / "quantserve_merge.json").write_text(
-            json.dumps({"source_model": source.to_dict(), "adapter": info.to_dict()}, indent=2) + "\n"
+            json.dumps({"source_model": source.to_dict(), "adapter": info.to_dict(), "dtype": dtype}, indent=2) + "\n"
         )
         artifact.commit(staging, out, force)
     except BaseException:

@@ -67,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     mg.add_argument("--out", required=True)
     mg.add_argument("--force", action="store_true")
+    mg.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (default auto: the base's own)")
 
     es = sub.add_parser("estimate", help="memory plan: weights, KV cache, activations; training W/A/G/O; GPUs")
     es.add_argument("--model", default=None, help="model dir / .gguf / hub id whose config to use (default: embedded)")
@@ -193,7 +194,8 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
 def _cmd_merge(args, console: Console, cache_dir: Path) -> int:
     from quant.build import merge
 
-    out = merge(args.model, args.lora, Path(args.out), args.force, cache_dir)
+    dtype = None if args.dtype == "auto" else args.dtype
+    out = merge(args.model, args.lora, Path(args.out), args.force, cache_dir, dtype)
     console.print(f"merged model written to [bold]{out}[/bold]")
     return 0
 

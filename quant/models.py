@@ -145,5 +145,19 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     return model, tok
 
 
+def stored_dtype(source: ModelSource) -> str:
+    """The dtype the source checkpoint stores its weights in (its config's ``dtype`` / ``torch_dtype``),
+    float32 when the config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        dt = AutoConfig.from_pretrained(source.path).dtype
+    except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelSourceError(f"cannot read the config of {source.spec!r}: {first}") from e
+    name = str(dt).replace("torch.", "") if dt is not None else "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -13,6 +13,7 @@ references below, which are the eager ops it replaces; tests hold the two to eac
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -36,7 +37,10 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                build(name="quantserve_decode_ops", sources=[str(_SOURCE)], extra_cflags=["-O3"],
+                # Named by the source's hash: checkouts of different versions (a bench baseline's worktree) each
+                # keep their own build instead of rebuilding the one shared name in turn.
+                digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+                build(name=f"quantserve_decode_ops_{digest}", sources=[str(_SOURCE)], extra_cflags=["-O3"],
                       is_python_module=False, verbose=False)
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, a read-only home: fall back to the references

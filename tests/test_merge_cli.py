@@ -24,6 +24,33 @@ def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
     assert run_cli("merge", "--lora", adapter, "--model", tiny_model_dir, "--out", out) == 1  # exists
 
 
+def test_merge_writes_the_base_dtype_bit_exact_with_peft_in_it(tmp_path, tiny_model_dir, capsys):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "bf16-base"
+    _base(tiny_model_dir, torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
+    adapter = _make_adapter(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+
+    def stored(path):
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            return {f.get_tensor(k).dtype for k in f.keys()}
+
+    for flag, dtype in ((), torch.bfloat16), (("--dtype", "float32"), torch.float32):
+        out = tmp_path / f"merged-{dtype}"
+        assert run_cli("merge", "--lora", adapter, "--model", base, "--out", out, *flag) == 0
+        assert stored(out) == {dtype}  # a bf16 base was written as fp32, twice its size
+        got = _base(out, dtype).state_dict()
+        want = _peft_merged(base, adapter, dtype)  # PEFT on the base loaded in that dtype
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert json.loads((out / "quantserve_merge.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    capsys.readouterr()
+    assert run_cli("merge", "--lora", adapter, "--model", base, "--out", tmp_path / "x", "--dtype", "int8") == 1
+    err = capsys.readouterr().err
+    assert "--dtype must be one of auto, float32, bfloat16, float16" in err and not (tmp_path / "x").exists()
+
+
 def test_build_with_lora_records_adapter_and_evaluates_against_the_merged_model(tmp_path, tiny_model_dir, text_file):
     adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
     out = tmp_path / "art"
