@@ -17,6 +17,7 @@ exact transformers layer forward, one Linear at a time, with explicit smoothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -80,15 +81,14 @@ class LayerPlan:
         return self.family is not None and self.family.staged
 
 
-def plan(config, layer: nn.Module, order: tuple[str, ...] | None = None) -> LayerPlan:
-    """The plan for `layer` of a model with `config`. `order` is the execution order of its Linears (from a
-    traced forward); by default the module registration order."""
+def plan(config, layer: nn.Module, order: Callable[[], tuple[str, ...]] | None = None) -> LayerPlan:
+    """The plan for `layer` of a model with `config`. `order` traces the execution order of its Linears; it
+    is called only for a layer no family describes (by default: the module registration order)."""
     names = tuple(n for n, m in layer.named_modules() if isinstance(m, nn.Linear))
-    order = tuple(order) if order is not None else names
     fam = FAMILIES.get(getattr(config, "model_type", None))
     if fam is None or set(names) != set(fam.linears) or not _has(layer, fam.attn_norm, fam.mlp_norm):
-        return LayerPlan(None, order)
-    return LayerPlan(fam, order, fam.residual_scale(config))
+        return LayerPlan(None, tuple(order()) if order is not None else names)
+    return LayerPlan(fam, fam.linears, fam.residual_scale(config))
 
 
 def _has(layer: nn.Module, *names: str | None) -> bool:

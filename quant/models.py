@@ -131,6 +131,11 @@ def resolve(spec: str | None, cache_dir: Path) -> ModelSource:
     return ModelSource(spec, "hub", spec, f"hub:{spec}")
 
 
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load (model, tokenizer) from a resolved source, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,8 +144,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         tok = AutoTokenizer.from_pretrained(source.path)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {first}") from e
+        raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {_first_line(e)}") from e
     model.to(device).eval()
     return model, tok
 
@@ -153,8 +157,7 @@ def stored_dtype(source: ModelSource) -> str:
     try:
         dt = AutoConfig.from_pretrained(source.path).dtype
     except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelSourceError(f"cannot read the config of {source.spec!r}: {first}") from e
+        raise ModelSourceError(f"cannot read the config of {source.spec!r}: {_first_line(e)}") from e
     name = str(dt).replace("torch.", "") if dt is not None else "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from quant.families import LayerPlan, plan
+
 
 class _StopForward(Exception):
     pass
@@ -106,6 +108,11 @@ def linear_order(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[
         for h in handles:
             h.remove()
     return (*seen, *(n for n in linears if n not in seen))  # never-called Linears last
+
+
+def layer_plan(model: nn.Module, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> LayerPlan:
+    """The family plan of `layer`; a layer no family describes gets its Linears' traced execution order."""
+    return plan(model.config, layer, lambda: linear_order(layer, hidden, kwargs))
 
 
 def _cast_kwargs(kwargs: dict, dtype: torch.dtype) -> dict:

@@ -20,11 +20,11 @@ from tqdm.auto import tqdm
 
 from quant import gptq as G
 from quant.errors import ConfigError
+from quant.families import LayerPlan
 from quant.int4 import PACK, GPTQLinear
-from quant.families import LayerPlan, plan
 from quant.sequential import (
     _StopForward, _cast_kwargs, block_linears, capture_inputs, capture_layer_inputs, decoder_layers,
-    linear_order, run_layer, set_module,
+    layer_plan, run_layer, set_module,
 )
 from quant.smooth import layer_groups
 
@@ -161,7 +161,7 @@ def quantize(
         hidden, kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
         for li, layer in enumerate(tqdm(layers, desc="gptq", unit="layer", disable=not progress)):
             kw = _cast_kwargs(kws[li], torch.float32)
-            lp = plan(model.config, layer, linear_order(layer, hidden, kw))
+            lp = layer_plan(model, layer, hidden, kw)
 
             def quantize_group(names, hess: _Hessian, li=li, layer=layer):
                 h = hess.value()

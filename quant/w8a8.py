@@ -22,8 +22,7 @@ from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
 from quant.layers import W8A8Linear
-from quant.families import plan
-from quant.sequential import capture_inputs, capture_layer_inputs, decoder_layers, linear_order, run_layer
+from quant.sequential import capture_inputs, capture_layer_inputs, decoder_layers, layer_plan, run_layer
 
 
 def threshold_candidates(x: torch.Tensor, method: str, search: bool = False) -> dict[str, float]:
@@ -109,7 +108,7 @@ def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progre
     report: dict = {"groups": {}, "linears": {}}
     for li, layer in enumerate(tqdm(layers, desc="w8a8 calibrate+quantize", unit="layer", disable=not progress)):
         kw = kws[li]
-        groups = smooth.layer_groups(layer, plan(model.config, layer, linear_order(layer, hidden, kw)))
+        groups = smooth.layer_groups(layer, layer_plan(model, layer, hidden, kw))
         heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
         with capture_inputs(heads) as store:
             run_layer(layer, hidden, kw)

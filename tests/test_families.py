@@ -14,7 +14,7 @@ from archs import ARCHITECTURES
 from quant import gptq as G
 from quant import smooth
 from quant.families import FAMILIES, plan
-from quant.sequential import capture_layer_inputs, decoder_layers, linear_order, run_layer
+from quant.sequential import capture_layer_inputs, decoder_layers, layer_plan, run_layer
 
 ARCHS = list(ARCHITECTURES)
 
@@ -76,7 +76,7 @@ def test_smoothing_folds_leave_every_layer_unchanged(arch, arch_dirs):
     g = torch.Generator().manual_seed(1)
     for layer, kw in zip(decoder_layers(model), kws):
         before = run_layer(layer, hidden, kw)
-        lp = plan(model.config, layer, linear_order(layer, hidden, kw))
+        lp = layer_plan(model, layer, hidden, kw)
         assert lp.family is FAMILIES[model.config.model_type]
         groups = smooth.layer_groups(layer, lp)
         folds = []
@@ -110,7 +110,7 @@ def test_staged_gptq_equals_gptq_through_the_exact_layer(arch, arch_dirs):
     model = _model(arch_dirs, arch)
     hidden, kws = capture_layer_inputs(model, _ids(3, 24))
     layer = decoder_layers(model)[0]
-    lp = plan(model.config, layer, linear_order(layer, hidden, kws[0]))
+    lp = layer_plan(model, layer, hidden, kws[0])
     assert lp.staged
     if arch == "granite":
         assert lp.residual_scale == 0.7  # both residual branches are scaled: a staged pass without it is wrong
@@ -131,7 +131,7 @@ def test_an_unknown_family_runs_every_linear_through_the_exact_forward(arch_dirs
     model.config.model_type = "my-llama"
     hidden, kws = capture_layer_inputs(model, _ids(1, 16))
     layer = decoder_layers(model)[0]
-    lp = plan(model.config, layer, linear_order(layer, hidden, kws[0]))
+    lp = layer_plan(model, layer, hidden, kws[0])
     assert lp.family is None and not lp.staged
     assert lp.order == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
