@@ -1,8 +1,8 @@
 """The artifact directory: atomic writes, the manifest, hashes, verification, memory-mapped reads.
 
-Layout: model.safetensors, config.json (with `quantization_config`), tokenizer files,
-quant_manifest.json. The manifest lists the sha256 of every other file; `verify` refuses a damaged
-artifact naming the file. A build writes into a temporary sibling dir and renames it into place only
+Layout: model.safetensors (or shards and their index, quant.shards), config.json (with
+`quantization_config`), tokenizer files, quant_manifest.json. The manifest lists the sha256 of every
+other file; `verify` refuses a damaged artifact naming the file. A build writes into a temporary sibling dir and renames it into place only
 when complete, so an interrupted build leaves nothing at the target.
 """
 

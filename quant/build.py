@@ -10,15 +10,16 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 import quant
-from quant import artifact, calibration, evaluate, loader, lora, memory, models, w4a16, w8a8
+from quant import artifact, calibration, evaluate, loader, lora, memory, models, stream, w4a16, w8a8
 from quant.config import DTYPES, BuildConfig
 from quant.errors import ConfigError
 from quant.layers import Int8WeightLinear, W8A8Linear
-from quant.sequential import block_linears, set_module
+from quant.sequential import decoder_layers, set_module
+from quant.shards import ShardWriter, header_reserve
 
 
 def default_out(cfg: BuildConfig, source: models.ModelSource) -> Path:
@@ -28,9 +29,17 @@ def default_out(cfg: BuildConfig, source: models.ModelSource) -> Path:
     return Path("artifacts") / f"{name}-{cfg.scheme}"
 
 
-def _quantize_weight_only(model: nn.Module, affine: bool) -> None:
-    for name, lin in block_linears(model).items():
-        set_module(model, name, Int8WeightLinear.from_float(lin, affine))
+class _Int8Layers:
+    """int8-sym / int8-affine: per-channel RTN, one decoder layer at a time (no calibration)."""
+
+    report = None
+
+    def __init__(self, affine: bool):
+        self.affine = affine
+
+    def quantize_layer(self, li: int, layer: nn.Module) -> None:
+        for name, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+            set_module(layer, name, Int8WeightLinear.from_float(lin, self.affine))
 
 
 def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
@@ -44,13 +53,6 @@ def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
     if hasattr(model, "_tied_weights_keys"):
         model._tied_weights_keys = None
     model.lm_head = new
-
-
-def _state_for_disk(model: nn.Module) -> dict[str, torch.Tensor]:
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return {k: v.detach().contiguous().clone() for k, v in state.items()}
 
 
 def _modules_spec(model: nn.Module) -> dict[str, dict]:
@@ -85,96 +87,184 @@ def _gptq_config(cfg: BuildConfig, group_size: int) -> dict:
     }
 
 
+def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log) -> calibration.TokenWindows | None:
+    if not cfg.needs_calibration:
+        return None
+    if cfg.calib.source != "self":
+        return calibration.random_windows(sm.tokenizer, cfg.calib.source, cfg.calib.samples, cfg.calib.seqlen,
+                                          cfg.calib.seed)
+    # Generating needs every weight at once: the whole model is materialised for it, if it fits.
+    need = memory.float_model_bytes(sm.model, sm.dtype)
+    budget = memory.available_bytes(sm.device) // 2
+    if need > budget:
+        raise ConfigError(
+            f"--calib self generates text with the whole model in memory ({need / 2**30:.1f} GiB in "
+            f"{str(sm.dtype).replace('torch.', '')}, more than half of the {2 * budget / 2**30:.1f} GiB available); "
+            "pass --calib FILE (text or JSONL)"
+        )
+    log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed})")
+    sm.load()
+    try:
+        return calibration.self_generated(sm.model, sm.tokenizer, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
+    finally:
+        if sm.streamed:
+            sm.release()
+
+
+def _layer_quantizer(cfg: BuildConfig, model: nn.Module, calib, group_size: int | None):
+    if cfg.scheme in ("int8-sym", "int8-affine"):
+        return _Int8Layers(cfg.scheme == "int8-affine")
+    if cfg.scheme == "w8a8":
+        return w8a8.LayerQuantizer(model, calib.ids, cfg)
+    method = "gptq" if cfg.scheme == "w4a16" else "rtn"
+    return w4a16.LayerQuantizer(model, None if calib is None else calib.ids, method, group_size,
+                                not cfg.asym, cfg.damp, cfg.act_order)
+
+
+def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, group_size: int | None,
+                       writer: ShardWriter, progress: bool) -> tuple[dict | None, list[float]]:
+    """Quantize and write the model part by part: the embeddings (materialised to capture the first
+    layer's calibration inputs), each decoder layer, the head. Only the part at hand holds storage."""
+    model = sm.model
+    store_dtype = models.torch_dtype(cfg.dtype)
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    outer = (prefix, head)
+
+    sm.load("", exclude=outer)
+    quantizer = _layer_quantizer(cfg, model, calib, group_size)  # captures layer 0's inputs
+    writer.add_state(sm.part_state("", outer, store_dtype))
+    sm.release("", exclude=outer)
+
+    seconds = []
+    for li in tqdm(range(len(layers)), desc=f"{cfg.scheme}", unit="layer", disable=not progress):
+        t = time.perf_counter()
+        part = f"{prefix}.{li}"
+        sm.load(part)
+        quantizer.quantize_layer(li, layers[li])
+        writer.add_state(sm.part_state(part, (), store_dtype))
+        sm.release(part)
+        seconds.append(time.perf_counter() - t)
+
+    if cfg.include_lm_head:
+        sm.load(head)
+        _quantize_lm_head(model, cfg)
+        writer.add_state(sm.part_state(head, (), store_dtype))
+        sm.release(head)
+        # A tied head brought the embedding back, in the compute dtype: drop it in the dtype it was written in.
+        sm.part_state("", outer, store_dtype)
+        sm.release("", exclude=outer)
+    elif not getattr(model.config, "tie_word_embeddings", False):
+        sm.load(head)
+        writer.add_state(sm.part_state(head, (), store_dtype))
+        sm.release(head)
+    expected = set(sm.part_state())
+    if getattr(model.config, "tie_word_embeddings", False):
+        expected -= {f"{head}.weight"}
+    if expected != writer.names:
+        raise RuntimeError(f"internal error: the artifact's tensors differ from the model's "
+                           f"(missing {sorted(expected - writer.names)[:3]}, extra {sorted(writer.names - expected)[:3]})")
+    return quantizer.report, seconds
+
+
 def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -> Path:
     """Build the artifact described by `cfg`; returns its directory. Nothing is left at the target
-    unless the build completes."""
+    unless the build completes.
+
+    The model is streamed: built on the meta device, each decoder layer read from the checkpoint,
+    quantized, written and dropped in turn, so memory is bounded by one layer plus the calibration
+    activations (quant.stream). Sources that cannot be streamed are loaded whole and go the same way."""
     cfg.validate()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    # Fail on bad paths before minutes of work.
+    # Fail on bad paths and options before minutes of work.
     if cfg.calib.source != "self" and cfg.needs_calibration:
         calibration.read_texts(cfg.calib.source)
     if cfg.eval.data:
         calibration.read_texts(cfg.eval.data)
+    if cfg.is_int4 and cfg.include_lm_head:
+        raise ConfigError("--include-lm-head is not available for 4-bit schemes: the GPTQ format keeps lm_head in float")
     source = models.resolve(cfg.model, cache_dir)
     out = Path(cfg.out) if cfg.out else default_out(cfg, source)
     artifact.check_target(out, cfg.force)
-    model, tok = models.load_model(source, torch.float32)
-    adapter = lora.merge_adapter(model, cfg.lora) if cfg.lora else None
+    rss_before = memory.current_rss_bytes()
+    sm = stream.open_model(source, torch.float32, "cpu", log=log)
+    model, tok = sm.model, sm.tokenizer
+    adapter_plan = lora.plan_adapter(model, cfg.lora) if cfg.lora else None
+    if adapter_plan is not None:
+        if sm.streamed:
+            sm.on_load = adapter_plan.apply
+        else:
+            adapter_plan.apply_all(model)
     eval_windows = None
     if cfg.eval.data:
         eval_windows = calibration.eval_windows(tok, cfg.eval.data, cfg.eval.windows, cfg.eval.seqlen, cfg.eval.flag)
     store_dtype = models.torch_dtype(cfg.dtype)
     base_bytes = memory.float_model_bytes(model, store_dtype)
+    group_size = w4a16.choose_group_size(model, cfg.group_size) if cfg.is_int4 else None
+    estimate = memory.build_peak_bytes(
+        memory.ModelShape.from_config(model.config), cfg.scheme,
+        cfg.calib.samples * cfg.calib.seqlen if cfg.needs_calibration else 0,
+        streamed=sm.streamed, self_calibration=cfg.needs_calibration and cfg.calib.source == "self",
+    )
+    estimate["runtime"] = rss_before
+    estimate["total"] += rss_before
+    log(f"estimated peak memory of this build: {estimate['total'] / 2**30:.2f} GiB")
     timings["load_s"] = time.perf_counter() - t0
 
-    if cfg.is_int4 and cfg.include_lm_head:
-        raise ConfigError("--include-lm-head is not available for 4-bit schemes: the GPTQ format keeps lm_head in float")
-    group_size = w4a16.choose_group_size(model, cfg.group_size) if cfg.is_int4 else None
-
-    calib = None
-    report: dict | None = None
     t = time.perf_counter()
-    if cfg.needs_calibration:
-        if cfg.calib.source == "self":
-            log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed})")
-            calib = calibration.self_generated(model, tok, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
-        else:
-            calib = calibration.random_windows(tok, cfg.calib.source, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
+    calib = _calibration(cfg, sm, log)
+    if calib is not None:
         timings["calibration_data_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-    if cfg.scheme in ("int8-sym", "int8-affine"):
-        _quantize_weight_only(model, cfg.scheme == "int8-affine")
-    elif cfg.scheme == "w8a8":
-        report = w8a8.quantize(model, calib.ids, cfg, progress=progress)
-    else:
-        method = "gptq" if cfg.scheme == "w4a16" else "rtn"
-        report = w4a16.quantize(model, None if calib is None else calib.ids, method, group_size,
-                                not cfg.asym, cfg.damp, cfg.act_order, progress)
-    if cfg.include_lm_head:
-        _quantize_lm_head(model, cfg)
-    loader.cast_float_params(model, store_dtype)
-    timings["quantize_s"] = time.perf_counter() - t
-
-    weights = memory.weight_report(model)
-    mem = {
-        "weights": weights,
-        "base_weight_bytes": base_bytes,
-        "base_dtype": cfg.dtype,
-        "compression_ratio": base_bytes / weights["total"],
-        "kv_bytes_per_token": {
-            "bfloat16": memory.kv_bytes_per_token(model.config, torch.bfloat16),
-            "float32": memory.kv_bytes_per_token(model.config, torch.float32),
-        },
-    }
-    params = {
-        "calib_method": None if cfg.scheme != "w8a8" or cfg.act_dynamic else cfg.calib_method,
-        "act_dynamic": cfg.act_dynamic if cfg.scheme == "w8a8" else None,
-        "smooth": cfg.smooth if cfg.scheme == "w8a8" else None,
-        "smooth_alpha": (cfg.smooth_alpha if cfg.smooth_alpha is not None else "searched")
-        if cfg.scheme == "w8a8" and cfg.smooth else None,
-        "include_lm_head": cfg.include_lm_head,
-        "float_dtype": cfg.dtype,
-        "weight_granularity": "per-output-channel",
-        "runtime_kernels": _runtime_kernels(model),
-    }
-    if cfg.scheme == "w8a8":
-        params["calibration_summary"] = w8a8.summarize(report)
-    if cfg.is_int4:
-        params.update(
-            bits=4, group_size=group_size, sym=not cfg.asym,
-            damp=cfg.damp if cfg.scheme == "w4a16" else None,
-            act_order=cfg.act_order if cfg.scheme == "w4a16" else None,
-            checkpoint_format=_gptq_config(cfg, group_size)["checkpoint_format"],
-            rtn_fallbacks=report["fallbacks"],
-        )
-        params["weight_granularity"] = f"per-output-channel, groups of {group_size} inputs"
-    mem["build_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = artifact.staging_dir(out)
     try:
-        save_file(_state_for_disk(model), str(staging / artifact.WEIGHTS), metadata={"format": "pt"})
+        t = time.perf_counter()
+        writer = ShardWriter(staging, cfg.max_shard_bytes, header_reserve(model.state_dict()))
+        report, layer_seconds = _quantize_streamed(cfg, sm, calib, group_size, writer, progress)
+        writer.finish()
+        if adapter_plan is not None and (left := sorted(set(adapter_plan.deltas) - adapter_plan.applied)):
+            raise RuntimeError(f"internal error: LoRA deltas never merged: {left[:3]}")
+        timings["quantize_s"] = time.perf_counter() - t
+        measured_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        log(f"peak memory: {measured_peak / 2**30:.2f} GiB (estimated {estimate['total'] / 2**30:.2f} GiB)")
+        weights = memory.weight_report(model)
+        mem = {
+            "weights": weights,
+            "base_weight_bytes": base_bytes,
+            "base_dtype": cfg.dtype,
+            "compression_ratio": base_bytes / weights["total"],
+            "kv_bytes_per_token": {
+                "bfloat16": memory.kv_bytes_per_token(model.config, torch.bfloat16),
+                "float32": memory.kv_bytes_per_token(model.config, torch.float32),
+            },
+            "build_peak_rss_bytes": measured_peak,
+            "build_peak_estimate_bytes": estimate,
+        }
+        params = {
+            "calib_method": None if cfg.scheme != "w8a8" or cfg.act_dynamic else cfg.calib_method,
+            "act_dynamic": cfg.act_dynamic if cfg.scheme == "w8a8" else None,
+            "smooth": cfg.smooth if cfg.scheme == "w8a8" else None,
+            "smooth_alpha": (cfg.smooth_alpha if cfg.smooth_alpha is not None else "searched")
+            if cfg.scheme == "w8a8" and cfg.smooth else None,
+            "include_lm_head": cfg.include_lm_head,
+            "float_dtype": cfg.dtype,
+            "weight_granularity": "per-output-channel",
+            "runtime_kernels": _runtime_kernels(model),
+        }
+        if cfg.scheme == "w8a8":
+            params["calibration_summary"] = w8a8.summarize(report)
+        if cfg.is_int4:
+            params.update(
+                bits=4, group_size=group_size, sym=not cfg.asym,
+                damp=cfg.damp if cfg.scheme == "w4a16" else None,
+                act_order=cfg.act_order if cfg.scheme == "w4a16" else None,
+                checkpoint_format=_gptq_config(cfg, group_size)["checkpoint_format"],
+                rtn_fallbacks=report["fallbacks"],
+            )
+            params["weight_granularity"] = f"per-output-channel, groups of {group_size} inputs"
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["dtype"] = cfg.dtype
@@ -198,14 +288,16 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "scheme": cfg.scheme,
             "parameters": params,
             "source_model": source.to_dict(),
-            "adapter": None if adapter is None else adapter.to_dict(),
+            "adapter": None if adapter_plan is None else adapter_plan.info.to_dict(),
             "calibration": None if calib is None else {**calib.describe(), "seed": cfg.calib.seed},
             "memory": mem,
+            "build": {"streamed": sm.streamed, "not_streamed_because": sm.reason, "device": str(sm.device),
+                      "layer_seconds": [round(x, 3) for x in layer_seconds]},
             "quality": None,
             "timings": timings,
         }
         artifact.write_manifest(staging, manifest)
-        del model
+        del model, sm
         if eval_windows is not None:
             t = time.perf_counter()
             manifest["quality"] = evaluate_artifact(staging, source, cfg.lora, eval_windows, cfg.eval.dtype, progress)

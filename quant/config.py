@@ -79,6 +79,8 @@ class BuildConfig:
     act_order: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096
+    # Data bytes per safetensors shard of the artifact (one model.safetensors when it all fits).
+    max_shard_bytes: int = 5_000_000_000
 
     def validate(self) -> None:
         if self.scheme not in SCHEMES:
@@ -95,6 +97,8 @@ class BuildConfig:
             raise ConfigError(f"--group-size must be one of 32, 64, 128, 256, got {self.group_size}")
         if not (math.isfinite(self.damp) and 0.0 < self.damp < 1.0):
             raise ConfigError(f"--damp must be in (0, 1), got {self.damp}")
+        if self.max_shard_bytes < 1:
+            raise ConfigError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if self.search_tokens < 1:
             raise ConfigError(f"search_tokens must be >= 1, got {self.search_tokens}")
         if self.dtype not in DTYPES:

@@ -23,6 +23,12 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _aligned(t: torch.Tensor, align: int = 64) -> torch.Tensor:
+    """`t`, or an aligned copy of it: the CPU int8 GEMM kernels fault on int8 weights that are not 64-byte
+    aligned, and a memory-mapped file gives only the alignment its writer chose (ours: 64)."""
+    return t if t.data_ptr() % align == 0 else t.clone()
+
+
 class WeightOnlyLinear(nn.Module):
     """The shared shape of weight-only modules: a low-bit kernel for short 16-bit inputs (decode),
     a dequantized dense matmul otherwise (long prefills, fp32 activations), then the float bias."""
@@ -92,6 +98,10 @@ class Int8WeightLinear(WeightOnlyLinear):
             m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
         return m
 
+    def prepare(self) -> None:
+        """After loading: the kernel's layout requirements (alignment)."""
+        self.weight = _aligned(self.weight)
+
     def spec(self) -> dict:
         return {"type": "int8_weight", "affine": self.affine, "bias": self.bias is not None}
 
@@ -151,6 +161,10 @@ class W8A8Linear(nn.Module):
         if linear.bias is not None:
             m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
         return m
+
+    def prepare(self) -> None:
+        """After loading: the kernel's layout requirements (alignment)."""
+        self.weight = _aligned(self.weight)
 
     def spec(self) -> dict:
         return {

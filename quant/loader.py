@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant import artifact
+from quant import artifact, shards
 from quant.errors import ArtifactError
-from quant.int4 import GPTQLinear
 from quant.layers import module_from_spec
 from quant.sequential import set_module
 
@@ -67,7 +66,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
     raw_config = json.loads((root / "config.json").read_text())
     qc = raw_config.pop("quantization_config", None)
-    state = artifact.mmap_safetensors(root / artifact.WEIGHTS)
+    state = shards.read_weights(root)
     modules = _module_specs(qc, state, root)
     config = AutoConfig.for_model(**raw_config)
     with init_empty_weights(include_buffers=False):
@@ -83,7 +82,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     missing = set(result.missing_keys) - tied
     if missing or result.unexpected_keys:
         raise ArtifactError(
-            f"{root / artifact.WEIGHTS} does not match the model: missing {sorted(missing)[:3]}, "
+            f"the weights in {root} do not match the model: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(result.unexpected_keys)[:3]}"
         )
     if tied:
@@ -95,7 +94,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
         model.config.dtype = dtype
     model.to(device).eval()
     for mod in model.modules():
-        if isinstance(mod, GPTQLinear):
-            mod.prepare()
+        if hasattr(mod, "spec"):
+            mod.prepare()  # after-load hooks: int4 repacking, kernel alignment
     tok = AutoTokenizer.from_pretrained(root)
     return LoadedArtifact(model, tok, manifest, root)

@@ -215,8 +215,60 @@ def _pairs(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor
     return pairs
 
 
-def merge_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterInfo:
-    """Merge the adapter in place into `model` (W' = W + scaling * B @ A); checks everything first."""
+@dataclass
+class _Delta:
+    module: str
+    a: torch.Tensor  # (r, in)
+    b: torch.Tensor  # (out, r)
+    transpose: bool
+    scaling: float
+    saved: torch.Tensor | None  # a full base weight PEFT saved for the module (lm_head), checked on apply
+
+
+class AdapterPlan:
+    """An adapter checked against a model's modules (shapes, dtypes, targets), not yet applied: `apply`
+    merges it into a weight when that weight is materialised, so a layer-streamed build merges layer by
+    layer. The checks that need the weight's values (a saved base weight) run there."""
+
+    def __init__(self, info: AdapterInfo, deltas: dict[str, _Delta]):
+        self.info = info
+        self.deltas = deltas  # weight parameter name -> delta
+        self.applied: set[str] = set()
+
+    @staticmethod
+    def _check_saved(d: _Delta, w: torch.Tensor) -> None:
+        if d.saved is not None and (d.saved.shape != w.shape or not torch.equal(d.saved.to(w.device, w.dtype), w)):
+            raise LoraError(
+                f"adapter carries a full base weight for {d.module!r} that differs from the model's "
+                f"({tuple(d.saved.shape)} vs {tuple(w.shape)}); replacement weights are not merged"
+            )
+
+    @torch.no_grad()
+    def apply(self, names: tuple[str, ...], w: torch.Tensor) -> None:
+        """Merge every delta for the parameter known by `names` (tied weights have several) into `w`, a
+        weight as read from the checkpoint (each time it is materialised)."""
+        for name in names:
+            d = self.deltas.get(name)
+            if d is None:
+                continue
+            self._check_saved(d, w)
+            cdt = torch.float64 if w.dtype == torch.float64 else torch.float32
+            delta = d.b.to(w.device, cdt) @ d.a.to(w.device, cdt)
+            delta = (delta.T if d.transpose else delta) * d.scaling
+            w.copy_((w.to(cdt) + delta).to(w.dtype))
+            self.applied.add(name)
+
+    def apply_all(self, model: nn.Module) -> None:
+        """Merge into a model whose weights are all materialised; every saved base weight is checked first."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name in sorted(self.deltas):
+            self._check_saved(self.deltas[name], params[name])  # before any weight is touched
+        for name in sorted(self.deltas):
+            self.apply((name,), params[name])
+
+
+def plan_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterPlan:
+    """Read and check the adapter against `model` (real or meta weights); nothing is changed."""
     from transformers.pytorch_utils import Conv1D
 
     d = Path(adapter_dir)
@@ -239,7 +291,7 @@ def merge_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterInfo:
         raise LoraError(f"adapter in {d} has no LoRA weights")
 
     use_rslora = bool(config.get("use_rslora", False))
-    plan = []  # validate every module before touching any weight
+    deltas = {}
     for name in sorted(pairs):
         mod, a, b = modules[name], pairs[name]["A"], pairs[name]["B"]
         if isinstance(mod, nn.Embedding):
@@ -263,23 +315,10 @@ def merge_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterInfo:
             )
         # PEFT saves the base weight of targeted embedding-like layers (lm_head) and loads it over the
         # model's; we only accept it when it is the model's weight already (a retrained/resized one is refused).
-        saved = pairs[name].get("W")
-        if saved is not None and (saved.shape != w.shape or not torch.equal(saved.to(w.device, w.dtype), w)):
-            raise LoraError(
-                f"adapter carries a full base weight for {name!r} that differs from the model's "
-                f"({tuple(saved.shape)} vs {tuple(w.shape)}); replacement weights are not merged"
-            )
         scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-        plan.append((w, a, b, transpose, scaling))
+        deltas[f"{name}.weight"] = _Delta(name, a, b, transpose, scaling, pairs[name].get("W"))
 
-    with torch.no_grad():
-        for w, a, b, transpose, scaling in plan:
-            cdt = torch.float64 if w.dtype == torch.float64 else torch.float32
-            delta = b.to(w.device, cdt) @ a.to(w.device, cdt)
-            delta = (delta.T if transpose else delta) * scaling
-            w.copy_((w.to(cdt) + delta).to(w.dtype))
-
-    return AdapterInfo(
+    info = AdapterInfo(
         path=str(d),
         fingerprint=fingerprint,
         base_model=config.get("base_model_name_or_path"),
@@ -288,3 +327,11 @@ def merge_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterInfo:
         use_rslora=use_rslora,
         modules=tuple(sorted(pairs)),
     )
+    return AdapterPlan(info, deltas)
+
+
+def merge_adapter(model: nn.Module, adapter_dir: str | Path) -> AdapterInfo:
+    """Merge the adapter in place into `model` (W' = W + scaling * B @ A); checks everything first."""
+    plan = plan_adapter(model, adapter_dir)
+    plan.apply_all(model)
+    return plan.info

@@ -18,6 +18,7 @@ The tests and bench/memory_check.py hold this to measured peaks (MemoryTracker) 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -46,9 +47,12 @@ def _unique_tensors(model: nn.Module):
             (n, b) for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set
         ]
         for n, t in tensors:
-            if t is None or t.data_ptr() in seen and t.numel():
+            # Shared storage is one tensor; a meta tensor (a streamed build's released part) has none,
+            # and ties there are the same Parameter object.
+            key = id(t) if t is not None and t.is_meta else (t.data_ptr() if t is not None else None)
+            if t is None or key in seen and t.numel():
                 continue
-            seen.add(t.data_ptr())
+            seen.add(key)
             yield (f"{mod_name}.{n}" if mod_name else n), t, mod
 
 
@@ -187,6 +191,58 @@ def weight_bytes(shape: ModelShape, scheme: str, float_bytes: int = 2, group_siz
         q += head
         p += 4 * shape.vocab
     return {"quantized_weights": q, "quant_params": p, "float_weights": fl, "total": q + p + fl}
+
+
+def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed: bool = True,
+                     self_calibration: bool = False, compute_bytes: int = 4) -> dict:
+    """Predicted peak memory of `quant build` beyond the process's own runtime, by what holds it:
+    - part: the model part materialised at a time, in the compute dtype (fp32): one decoder layer, or
+      the embedding matrix while the first layer's inputs are captured; the whole model when it is not
+      streamed or generates its own calibration text;
+    - activations: the calibration set's hidden states (S*T x hidden, fp32) in, out and in the middle of
+      a layer, plus what a scheme keeps of a layer's inner activations (GPTQ: the attention output and
+      the MLP's down_proj input; W8A8: every smoothing group's input at once);
+    - solver: the largest Linear's working set (GPTQ: the Hessian, its damped copy, Cholesky factors
+      and the identity, K x K fp32 each, plus the weight's fp32 copies and codes).
+    """
+    h, d, H, I = shape.heads, shape.head_dim, shape.hidden, shape.intermediate
+    layer = (sum(n * k for _, n, k in shape.linears()) + 2 * H) * compute_bytes
+    embed = shape.vocab * H * compute_bytes
+    whole = shape.params() * compute_bytes
+    part = whole if (not streamed or self_calibration) else max(layer, embed)
+    hidden = calib_tokens * H * 4
+    activations = 0
+    if scheme == "w4a16":
+        activations = 3 * hidden + calib_tokens * (h * d + I) * 4
+    elif scheme == "w8a8":
+        activations = 2 * hidden + calib_tokens * (2 * H + h * d + I) * 4
+    biggest_n, biggest_k = max(((n, k) for _, n, k in shape.linears()), key=lambda nk: (nk[1], nk[0]))
+    if scheme == "w4a16":
+        solver = 5 * biggest_k**2 * 4 + 4 * biggest_n * biggest_k * 4
+    else:
+        solver = 3 * biggest_n * biggest_k * 4
+    return {"part": part, "activations": activations, "solver": solver, "total": part + activations + solver}
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where that is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a build may use on `device`: free CUDA memory, or the machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def kv_bytes_per_token(config_or_shape, dtype: torch.dtype | int) -> int:

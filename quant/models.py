@@ -131,7 +131,7 @@ def resolve(spec: str | None, cache_dir: Path) -> ModelSource:
     return ModelSource(spec, "hub", spec, f"hub:{spec}")
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -144,7 +144,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         tok = AutoTokenizer.from_pretrained(source.path)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
-        raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {_first_line(e)}") from e
+        raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {first_line(e)}") from e
     model.to(device).eval()
     return model, tok
 
@@ -157,7 +157,7 @@ def stored_dtype(source: ModelSource) -> str:
     try:
         dt = AutoConfig.from_pretrained(source.path).dtype
     except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
-        raise ModelSourceError(f"cannot read the config of {source.spec!r}: {_first_line(e)}") from e
+        raise ModelSourceError(f"cannot read the config of {source.spec!r}: {first_line(e)}") from e
     name = str(dt).replace("torch.", "") if dt is not None else "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from quant import gptq as G
 from quant.errors import ConfigError
@@ -140,47 +139,48 @@ def _exact(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Cal
     return run_layer(layer, hidden, kw)
 
 
-@torch.inference_mode()
-def quantize(
-    model: nn.Module, calib_ids: torch.Tensor | None, method: str, group_size: int, sym: bool,
-    damp: float, act_order: bool, progress: bool = True,
-) -> dict:
-    """Quantize every Linear in the decoder blocks to 4 bits in place (GPTQLinear modules).
+class LayerQuantizer:
+    """W4A16 one decoder layer at a time, in order: `quantize_layer(li, layer)` swaps the layer's Linears
+    for GPTQLinear modules. For GPTQ the calibration inputs of layer 0 are captured on construction (the
+    model's embedding must be materialised then) and each layer's output becomes the next one's input.
 
-    method: "gptq" (needs calib_ids) or "rtn". Returns the per-Linear report.
+    method: "gptq" (needs calib_ids) or "rtn". `report` holds the per-Linear figures and the fallbacks.
     """
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    report: dict = {"linears": {}, "fallbacks": []}
-    results: dict[str, G.QuantizedWeight] = {}
 
-    if method == "rtn":
-        for name, lin in tqdm(block_linears(model).items(), desc="rtn-w4", disable=not progress):
-            results[name] = G.rtn(lin.weight.data, 4, group_size, sym)
-    else:
-        hidden, kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
-        for li, layer in enumerate(tqdm(layers, desc="gptq", unit="layer", disable=not progress)):
-            kw = _cast_kwargs(kws[li], torch.float32)
-            lp = layer_plan(model, layer, hidden, kw)
+    def __init__(self, model: nn.Module, calib_ids: torch.Tensor | None, method: str, group_size: int,
+                 sym: bool, damp: float, act_order: bool):
+        self.model, self.method = model, method
+        self.group_size, self.sym, self.damp, self.act_order = group_size, sym, damp, act_order
+        layers = decoder_layers(model)
+        self.prefix = next(n for n, m in model.named_modules() if m is layers)
+        self.report: dict = {"linears": {}, "fallbacks": []}
+        self.hidden, self.kws = capture_layer_inputs(model, calib_ids) if method == "gptq" else (None, None)
 
-            def quantize_group(names, hess: _Hessian, li=li, layer=layer):
+    @torch.inference_mode()
+    def quantize_layer(self, li: int, layer: nn.Module) -> None:
+        linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        if self.method == "rtn":
+            results = {n: G.rtn(lin.weight.data, 4, self.group_size, self.sym) for n, lin in linears.items()}
+        else:
+            results = {}
+            kw = _cast_kwargs(self.kws[li], torch.float32)
+            lp = layer_plan(self.model, layer, self.hidden, kw)
+
+            def quantize_group(names, hess: _Hessian):
                 h = hess.value()
                 for n in names:
                     lin = layer.get_submodule(n)
                     t = time.perf_counter()
-                    q = G.gptq(lin.weight.data, h, 4, group_size, sym, damp, act_order)
-                    full = f"{prefix}.{li}.{n}"
-                    results[full] = q
-                    report["linears"][full] = {
+                    q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order)
+                    full = f"{self.prefix}.{li}.{n}"
+                    results[n] = q
+                    self.report["linears"][full] = {
                         "damp": q.damp, "loss": q.error, "fallback": q.fallback, "seconds": time.perf_counter() - t,
                     }
                     if q.fallback:
-                        report["fallbacks"].append({"module": full, "reason": q.fallback})
+                        self.report["fallbacks"].append({"module": full, "reason": q.fallback})
                     lin.weight.data = q.dequantize().to(lin.weight.dtype)
 
-            hidden = (_staged if lp.staged else _exact)(layer, hidden, kw, quantize_group, lp)
-
-    for name, lin in block_linears(model).items():
-        q = results[name]
-        set_module(model, name, GPTQLinear.from_quantized(q, lin.bias, v2=not sym))
-    return report
+            self.hidden = (_staged if lp.staged else _exact)(layer, self.hidden, kw, quantize_group, lp)
+        for n, lin in linears.items():
+            set_module(layer, n, GPTQLinear.from_quantized(results.pop(n), lin.bias, v2=not self.sym))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from quant import primitives as P
 from quant import smooth, thresholds
@@ -98,16 +97,23 @@ def _choose_threshold(
     }
 
 
-@torch.inference_mode()
-def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progress: bool = True) -> dict:
-    """Quantize every Linear in the decoder blocks to W8A8, in place. Returns the calibration report."""
-    layers = decoder_layers(model)
-    prefix = next(n for n, m in model.named_modules() if m is layers)
-    gen = torch.Generator().manual_seed(cfg.calib.seed)
-    hidden, kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
-    report: dict = {"groups": {}, "linears": {}}
-    for li, layer in enumerate(tqdm(layers, desc="w8a8 calibrate+quantize", unit="layer", disable=not progress)):
-        kw = kws[li]
+class LayerQuantizer:
+    """W8A8 one decoder layer at a time, in order: `quantize_layer(li, layer)` smooths, calibrates and swaps
+    the layer's Linears for W8A8Linear modules, then runs it to make the next layer's inputs. The
+    calibration inputs of layer 0 are captured on construction (the embedding must be materialised)."""
+
+    def __init__(self, model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig):
+        self.model, self.cfg = model, cfg
+        layers = decoder_layers(model)
+        self.prefix = next(n for n, m in model.named_modules() if m is layers)
+        self.gen = torch.Generator().manual_seed(cfg.calib.seed)
+        self.hidden, self.kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
+        self.report: dict = {"groups": {}, "linears": {}}
+
+    @torch.inference_mode()
+    def quantize_layer(self, li: int, layer: nn.Module) -> None:
+        model, cfg, gen, prefix, report, hidden = self.model, self.cfg, self.gen, self.prefix, self.report, self.hidden
+        kw = self.kws[li]
         groups = smooth.layer_groups(layer, layer_plan(model, layer, hidden, kw))
         heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
         with capture_inputs(heads) as store:
@@ -160,8 +166,7 @@ def quantize(model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig, progre
                 setattr(layer.get_submodule(parent) if parent else layer, child, new)
                 report["linears"][full] = info
             del x, x_s, x_sub
-        hidden = run_layer(layer, hidden, kw)
-    return report
+        self.hidden = run_layer(layer, hidden, kw)
 
 
 def summarize(report: dict) -> dict:

@@ -70,6 +70,27 @@ def make_tiny_llama(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def make_adapter(model_dir, out: Path, dtype=torch.float32, seed=0, safe=True, **lora_kwargs) -> Path:
+    """A PEFT LoRA adapter for the model at `model_dir`, with random (seeded) lora_A/B so merging changes
+    the weights; `lora_kwargs` go to peft.LoraConfig."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        pm = get_peft_model(base, LoraConfig(**lora_kwargs))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    torch.nn.init.normal_(p, std=0.2)
+        pm.save_pretrained(out, safe_serialization=safe)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", tokenizer)

@@ -99,3 +99,21 @@ def test_dequantized_weight_matches_primitives():
     lin = _linear()
     m = Int8WeightLinear.from_float(lin, False)
     assert torch.equal(m.dequantized(torch.float32), P.fake_quant_weight(lin.weight))
+
+
+@pytest.mark.parametrize("factory", [lambda lin: Int8WeightLinear.from_float(lin, False),
+                                     lambda lin: W8A8Linear.from_float(lin, 0.05)])
+def test_prepare_realigns_a_misaligned_memory_mapped_weight(factory):
+    """A file written by another tool may place an int8 weight 8 bytes off a 64-byte boundary, where the
+    CPU int8 GEMM faults: after loading, `prepare` gives the module an aligned copy with the same values."""
+    torch.manual_seed(0)
+    m = factory(nn.Linear(64, 32))
+    buf = torch.empty(m.weight.numel() + 128, dtype=torch.int8)
+    off = (-buf.data_ptr()) % 64 + 8  # 8 bytes past an aligned address
+    m.weight = buf[off : off + m.weight.numel()].view(32, 64).copy_(m.weight)
+    before = m.weight.clone()
+    assert m.weight.data_ptr() % 64 == 8
+    m.prepare()
+    assert m.weight.data_ptr() % 64 == 0 and torch.equal(m.weight, before)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(m(x).float(), m.reference_forward(x).float(), atol=0.05, rtol=0.05)

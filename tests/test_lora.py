@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import make_adapter
 from quant.lora import AdapterInfo, LoraError, merge_adapter, read_adapter
 
 peft = pytest.importorskip("peft")
@@ -25,21 +26,6 @@ def _base(model_dir, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-
-
-def _make_adapter(model_dir, out: Path, dtype=torch.float32, seed=0, safe=True, **lora_kwargs) -> Path:
-    from peft import LoraConfig, get_peft_model
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = get_peft_model(_base(model_dir, dtype), LoraConfig(**lora_kwargs))
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_" in name:
-                    torch.nn.init.normal_(p, std=0.2)
-        pm.save_pretrained(out, safe_serialization=safe)
-    return out
 
 
 def _peft_merged(model_dir, adapter_dir, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -122,7 +108,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_merge_equals_peft_merge_and_unload(tiny_model_dir, tmp_path, case):
     kwargs, modules = CASES[case]
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "a", **kwargs)
+    adapter = make_adapter(tiny_model_dir, tmp_path / "a", **kwargs)
     info = _check_same_as_peft(tiny_model_dir, adapter)
     assert list(info.modules) == modules
     assert info.r == kwargs["r"] and info.lora_alpha == kwargs["lora_alpha"]
@@ -134,14 +120,14 @@ def test_literal_all_linear_and_fan_in_fan_out_config(tiny_model_dir, tmp_path):
     # PEFT saves "all-linear" expanded to full names; a hand-written config may keep the shorthand (which
     # skips lm_head). fan_in_fan_out=true is ignored for nn.Linear by PEFT (q_proj is square, so a wrong
     # transpose would still fit the shape and only exact comparison catches it).
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "a", target_modules="all-linear", r=2, lora_alpha=4)
+    adapter = make_adapter(tiny_model_dir, tmp_path / "a", target_modules="all-linear", r=2, lora_alpha=4)
     _edit_config(adapter, target_modules="all-linear", fan_in_fan_out=True)
     info = _check_same_as_peft(tiny_model_dir, adapter)
     assert list(info.modules) == _names([0, 1], ALL)
 
 
 def test_bf16_base_rounds_once(tiny_model_dir, tmp_path):
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "a", dtype=torch.bfloat16, target_modules=["q_proj", "down_proj"])
+    adapter = make_adapter(tiny_model_dir, tmp_path / "a", dtype=torch.bfloat16, target_modules=["q_proj", "down_proj"])
     _check_same_as_peft(tiny_model_dir, adapter, dtype=torch.bfloat16)
 
 
@@ -152,7 +138,7 @@ def test_conv1d_gpt2_is_transposed(tmp_path):
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
-    adapter = _make_adapter(tmp_path / "gpt2", tmp_path / "a", target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    adapter = make_adapter(tmp_path / "gpt2", tmp_path / "a", target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     info = _check_same_as_peft(tmp_path / "gpt2", adapter)
     assert len(info.modules) == 6 and "transformer.h.1.attn.c_attn" in info.modules
 
@@ -161,7 +147,7 @@ def test_tied_lm_head_like_peft(tiny_model_dir, tmp_path):
     # PEFT saves lm_head's base weight with the adapter; the tied embedding moves with lm_head, as in PEFT.
     from safetensors.torch import load_file, save_file
 
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["lm_head", "q_proj"], r=2)
+    adapter = make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["lm_head", "q_proj"], r=2)
     info = _check_same_as_peft(tiny_model_dir, adapter, also_changed=["model.embed_tokens"])
     assert "lm_head" in info.modules
     path = adapter / "adapter_model.safetensors"
@@ -172,7 +158,7 @@ def test_tied_lm_head_like_peft(tiny_model_dir, tmp_path):
 
 
 def test_read_adapter_and_fingerprint(tiny_model_dir, tmp_path):
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj"], r=2)
+    adapter = make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj"], r=2)
     config, tensors = read_adapter(adapter)
     assert config["peft_type"] == "LORA" and config["r"] == 2
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
@@ -187,7 +173,7 @@ def test_read_adapter_and_fingerprint(tiny_model_dir, tmp_path):
 
 @pytest.fixture()
 def adapter(tiny_model_dir, tmp_path) -> Path:
-    return _make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj", "v_proj"], r=4)
+    return make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj", "v_proj"], r=4)
 
 
 def _refused(model_dir, adapter_dir, *needles) -> str:
@@ -203,7 +189,7 @@ def _refused(model_dir, adapter_dir, *needles) -> str:
 
 
 def test_dora_refused(tiny_model_dir, tmp_path):
-    a = _make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj"], use_dora=True)
+    a = make_adapter(tiny_model_dir, tmp_path / "a", target_modules=["q_proj"], use_dora=True)
     _refused(tiny_model_dir, a, "DoRA")
 
 
@@ -235,19 +221,19 @@ def test_config_and_tensors_disagree_refused(tiny_model_dir, adapter):
 
 
 def test_shape_mismatch_refused(tokenizer, tiny_model_dir, tmp_path):
-    from conftest import make_tiny_llama
+    from conftest import make_adapter, make_tiny_llama
 
     other = make_tiny_llama(tmp_path / "wide", tokenizer, hidden_size=32, intermediate_size=64)
-    a = _make_adapter(other, tmp_path / "a", target_modules=["q_proj"], r=4)
+    a = make_adapter(other, tmp_path / "a", target_modules=["q_proj"], r=4)
     _refused(tiny_model_dir, a, "model.layers.0.self_attn.q_proj", "(64, 64)", "(32, 32)")
 
 
 def test_unsupported_kinds_refused(tiny_model_dir, tmp_path, adapter):
-    a = _make_adapter(tiny_model_dir, tmp_path / "bias", target_modules=["q_proj"], bias="all")
+    a = make_adapter(tiny_model_dir, tmp_path / "bias", target_modules=["q_proj"], bias="all")
     _refused(tiny_model_dir, a, "bias='all'")
-    a = _make_adapter(tiny_model_dir, tmp_path / "emb", target_modules=["embed_tokens"])
+    a = make_adapter(tiny_model_dir, tmp_path / "emb", target_modules=["embed_tokens"])
     _refused(tiny_model_dir, a, "embedding LoRA not supported")
-    a = _make_adapter(tiny_model_dir, tmp_path / "mts", target_modules=["q_proj"], modules_to_save=["lm_head"])
+    a = make_adapter(tiny_model_dir, tmp_path / "mts", target_modules=["q_proj"], modules_to_save=["lm_head"])
     _refused(tiny_model_dir, a, "modules_to_save", "lm_head")
     _edit_config(adapter, peft_type="LOHA")
     _refused(tiny_model_dir, adapter, "LOHA")
@@ -256,7 +242,7 @@ def test_unsupported_kinds_refused(tiny_model_dir, tmp_path, adapter):
 
 
 def test_pickled_adapter_refused_without_unpickling(tiny_model_dir, tmp_path, monkeypatch):
-    a = _make_adapter(tiny_model_dir, tmp_path / "a", safe=False, target_modules=["q_proj"])
+    a = make_adapter(tiny_model_dir, tmp_path / "a", safe=False, target_modules=["q_proj"])
     assert (a / "adapter_model.bin").is_file() and not (a / "adapter_model.safetensors").exists()
 
     def no_unpickling(*args, **kwargs):

@@ -8,11 +8,12 @@ import torch
 
 from conftest import run_cli
 from quant import artifact, load
-from test_lora import _base, _make_adapter, _peft_merged
+from conftest import make_adapter
+from test_lora import _base, _peft_merged
 
 
 def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=4, lora_alpha=8,
+    adapter = make_adapter(tiny_model_dir, tmp_path / "ad", r=4, lora_alpha=8,
                             target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)
     out = tmp_path / "merged"
     assert run_cli("merge", "--lora", adapter, "--model", tiny_model_dir, "--out", out) == 0
@@ -31,7 +32,7 @@ def test_merge_writes_the_base_dtype_bit_exact_with_peft_in_it(tmp_path, tiny_mo
     base = tmp_path / "bf16-base"
     _base(tiny_model_dir, torch.bfloat16).save_pretrained(base)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
-    adapter = _make_adapter(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    adapter = make_adapter(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
 
     def stored(path):
         with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -52,7 +53,7 @@ def test_merge_writes_the_base_dtype_bit_exact_with_peft_in_it(tmp_path, tiny_mo
 
 
 def test_build_with_lora_records_adapter_and_evaluates_against_the_merged_model(tmp_path, tiny_model_dir, text_file):
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
+    adapter = make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
     out = tmp_path / "art"
     assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", adapter, "--out", out,
                    "--eval-data", text_file, "--eval-windows", "2", "--eval-seqlen", "64", "--no-progress") == 0
@@ -80,7 +81,7 @@ def test_build_with_bad_lora_is_refused(tmp_path, tiny_model_dir, capsys):
 
 def test_eval_of_a_lora_artifact_uses_the_merged_reference_and_checks_the_adapter(tmp_path, tiny_model_dir, text_file,
                                                                                    capsys):
-    adapter = _make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
+    adapter = make_adapter(tiny_model_dir, tmp_path / "ad", r=8, lora_alpha=16, target_modules="all-linear")
     out = tmp_path / "art"
     assert run_cli("build", "--scheme", "int8-sym", "--model", tiny_model_dir, "--lora", adapter, "--out", out,
                    "--eval-data", text_file, "--eval-windows", "2", "--eval-seqlen", "64", "--no-progress") == 0

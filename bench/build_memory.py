@@ -1,0 +1,115 @@
+"""Peak memory of a layer-streamed build as the model grows: Llama-3-8B-shaped layers, 2 vs 4 of them.
+
+Each model is written once under --out (random bf16 weights, hidden 4096, MLP 14336, 32 query / 8 KV
+heads, the default model's tokenizer and vocabulary, untied head), then built by its own `quant build`
+process one after the other (16 x 256 WikiText-2 calibration tokens, seed 0). Peak RSS, the build's own
+estimate and the per-layer seconds come from the artifact's manifest.
+
+Bar (#14): going from 2 to 4 layers grows the peak by at most half of those two layers' bf16 bytes.
+
+    python bench/build_memory.py [--scheme w4a16] [--layers 2,4] [--out bench/out/build_memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
+
+
+def make_model(path: Path, layers: int, seed: int = 0) -> Path:
+    """An 8B-shaped Llama with `layers` layers of random bf16 weights, written a tensor at a time."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from quant.models import default_gguf_path
+    from quant.shards import ShardWriter, header_reserve
+
+    if (path / "config.json").is_file():
+        return path
+    from transformers import AutoTokenizer
+
+    gguf = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(vocab_size=len(tok), num_hidden_layers=layers, tie_word_embeddings=False,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, dtype="bfloat16", **SHAPE)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    state = skeleton.state_dict()
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    writer = ShardWriter(path, 2 * 2**30, header_reserve(state, per_name=1))
+    for name, meta in state.items():
+        if "norm" in name:
+            t = 1.0 + 0.1 * torch.rand(meta.shape, generator=g)
+        else:
+            t = torch.randn(meta.shape, generator=g) * (1.0 / meta.shape[-1] ** 0.5)
+        writer.add(name, t.to(torch.bfloat16))
+    writer.finish()
+    config.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def build(model: Path, out: Path, scheme: str, samples: int, seqlen: int) -> dict:
+    cmd = [sys.executable, "-m", "quant.cli", "build", "--scheme", scheme, "--model", str(model), "--out", str(out),
+           "--force", "--calib", str(DATA / "valid.txt"), "--calib-samples", str(samples),
+           "--calib-seqlen", str(seqlen), "--seed", "0", "--no-progress"]
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    wall = time.perf_counter() - t
+    m = json.loads((out / "quant_manifest.json").read_text())
+    return {"wall_s": wall, "peak_rss_bytes": m["memory"]["build_peak_rss_bytes"],
+            "estimate": m["memory"]["build_peak_estimate_bytes"], "layer_seconds": m["build"]["layer_seconds"],
+            "streamed": m["build"]["streamed"], "timings": m["timings"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "build_memory"))
+    ap.add_argument("--scheme", default="w4a16")
+    ap.add_argument("--layers", default="2,4")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=256)
+    args = ap.parse_args()
+    out = Path(args.out)
+    counts = [int(x) for x in args.layers.split(",")]
+    rows = {}
+    for n in counts:
+        model = make_model(out / f"llama8b-shaped-{n}L", n)
+        rows[n] = build(model, out / f"llama8b-shaped-{n}L-{args.scheme}", args.scheme, args.samples, args.seqlen)
+        r = rows[n]
+        print(f"{n} layers: peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB (estimated "
+              f"{r['estimate']['total'] / 2**30:.2f}), layers {', '.join(f'{s:.0f}' for s in r['layer_seconds'])} s, "
+              f"wall {r['wall_s']:.0f} s", flush=True)
+    layer_bf16 = sum(n * k for n, k in [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+                                        (14336, 4096), (14336, 4096), (4096, 14336)]) * 2 + 2 * 4096 * 2
+    summary = {"scheme": args.scheme, "calibration": f"{args.samples} x {args.seqlen}", "rows": rows,
+               "layer_bf16_bytes": layer_bf16}
+    if len(counts) == 2:
+        a, b = counts
+        growth = rows[b]["peak_rss_bytes"] - rows[a]["peak_rss_bytes"]
+        bar = (b - a) * layer_bf16 / 2
+        all_s = sorted(s for n in counts for s in rows[n]["layer_seconds"])
+        per_layer = all_s[len(all_s) // 2]
+        summary.update(growth_bytes=growth, bar_bytes=bar, median_layer_s=per_layer,
+                       extrapolated_32_layers_min=32 * per_layer / 60)
+        print(f"peak growth {a} -> {b} layers: {growth / 2**30:.3f} GiB (bar {bar / 2**30:.3f} GiB: "
+              f"{'met' if growth <= bar else 'MISSED'}); median layer {per_layer:.0f} s, "
+              f"32 layers ~ {32 * per_layer / 60:.0f} min")
+    (out / f"build_memory-{args.scheme}.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
