@@ -185,11 +185,12 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         calibration.read_texts(cfg.eval.data)
     if cfg.is_int4 and cfg.include_lm_head:
         raise ConfigError("--include-lm-head is not available for 4-bit schemes: the GPTQ format keeps lm_head in float")
+    device = cfg.torch_device()
     source = models.resolve(cfg.model, cache_dir)
     out = Path(cfg.out) if cfg.out else default_out(cfg, source)
     artifact.check_target(out, cfg.force)
     rss_before = memory.current_rss_bytes()
-    sm = stream.open_model(source, torch.float32, "cpu", log=log)
+    sm = stream.open_model(source, torch.float32, device, log=log)
     model, tok = sm.model, sm.tokenizer
     adapter_plan = lora.plan_adapter(model, cfg.lora) if cfg.lora else None
     if adapter_plan is not None:

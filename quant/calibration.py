@@ -123,7 +123,7 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i in range(0, samples, batch):
-            start = torch.tensor(firsts[i : i + batch], dtype=torch.long)[:, None]  # (b, 1)
+            start = torch.tensor(firsts[i : i + batch], dtype=torch.long, device=model.device)[:, None]  # (b, 1)
             out = model.generate(
                 start,
                 attention_mask=torch.ones_like(start),
@@ -135,7 +135,7 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
                 min_new_tokens=seqlen - 1,
                 pad_token_id=tok.eos_token_id,
             )  # (b, T)
-            rows.append(out[:, :seqlen])
+            rows.append(out[:, :seqlen].cpu())
     ids = torch.cat(rows)  # (S, T)
     settings = {"source": "self", "samples": samples, "seqlen": seqlen, "seed": seed}
     return TokenWindows(ids, "self", _fingerprint(ids, settings), ids.numel())

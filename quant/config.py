@@ -8,6 +8,7 @@ environment at import time. `BuildConfig.validate()` is called once at the bound
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from quant.errors import ConfigError
@@ -79,6 +80,8 @@ class BuildConfig:
     act_order: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096
+    # Where calibration and GPTQ run: "auto" (cuda when available), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
     # Data bytes per safetensors shard of the artifact (one model.safetensors when it all fits).
     max_shard_bytes: int = 5_000_000_000
 
@@ -97,6 +100,8 @@ class BuildConfig:
             raise ConfigError(f"--group-size must be one of 32, 64, 128, 256, got {self.group_size}")
         if not (math.isfinite(self.damp) and 0.0 < self.damp < 1.0):
             raise ConfigError(f"--damp must be in (0, 1), got {self.damp}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_shard_bytes < 1:
             raise ConfigError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if self.search_tokens < 1:
@@ -105,6 +110,20 @@ class BuildConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         self.calib.validate()
         self.eval.validate()
+
+    def torch_device(self):
+        """The device to build on; refuses a CUDA device this machine does not have."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: no CUDA device is available to this process")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return dev
 
     @property
     def needs_calibration(self) -> bool:

@@ -36,7 +36,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) fp32: scale * (code - zero) with each column's group parameters."""
-        g = torch.arange(self.codes.shape[1]) // self.group_size  # (K,)
+        g = torch.arange(self.codes.shape[1], device=self.codes.device) // self.group_size  # (K,)
         s = self.scales[g].t()  # (N, K)
         z = self.zeros[g].t().float()  # (N, K)
         return s * (self.codes.float() - z)
@@ -73,10 +73,10 @@ def rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True)
     w = w.float()
     n, k = w.shape
     maxq = 2**bits - 1
-    codes = torch.empty(n, k, dtype=torch.int32)
+    codes = torch.empty(n, k, dtype=torch.int32, device=w.device)
     groups = k // group_size
-    scales = torch.empty(groups, n)
-    zeros = torch.empty(groups, n, dtype=torch.int32)
+    scales = torch.empty(groups, n, device=w.device)
+    zeros = torch.empty(groups, n, dtype=torch.int32, device=w.device)
     for g in range(groups):
         cols = slice(g * group_size, (g + 1) * group_size)
         s, z = group_params(w[:, cols], bits, sym)
@@ -86,15 +86,21 @@ def rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True)
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float, tries: int) -> tuple[torch.Tensor | None, float]:
-    """Upper Cholesky factor of (H + lambda I)^-1, raising lambda x10 on failure."""
+    """Upper Cholesky factor of (H + lambda I)^-1, raising lambda x10 on failure. Each K x K step frees
+    the one before it, so the working set is H plus two K x K matrices (an 8B model's down_proj: K = 14336,
+    0.8 GB each in fp32)."""
     mean_diag = float(torch.diag(h).mean())
     lam = damp * mean_diag
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
     for _ in range(tries):
-        l, info = torch.linalg.cholesky_ex(h + lam * eye)
+        damped = h.clone()
+        damped.diagonal().add_(lam)
+        l, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             hinv = torch.cholesky_inverse(l)
+            del l
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            del hinv
             if int(info) == 0 and bool(torch.isfinite(u).all()):
                 return u, lam / max(mean_diag, 1e-30)
         lam = lam * 10 if lam > 0 else 1e-8
@@ -123,25 +129,29 @@ def gptq(
     w[:, dead] = 0.0
 
     groups = k // group_size
-    scales = torch.empty(groups, n)
-    zeros = torch.empty(groups, n)
+    scales = torch.empty(groups, n, device=w.device)
+    zeros = torch.empty(groups, n, device=w.device)
     if act_order:
         # Static groups: parameters from the original weights, before any error is propagated.
         for g in range(groups):
             scales[g], zeros[g] = group_params(w[:, g * group_size : (g + 1) * group_size], bits, sym)
         perm = torch.argsort(torch.diag(h), descending=True)
-        w, h = w[:, perm], h[perm][:, perm]
+        w = w[:, perm]
+        h = h[perm]  # one permuted copy at a time: K x K is the big one
+        h = h[:, perm]
     else:
-        perm = torch.arange(k)
+        perm = torch.arange(k, device=w.device)
+    group_of = (perm // group_size).tolist()  # each processed column's group, read once (no sync per column)
 
     u, used_damp = _inverse_hessian_factor(h, damp, max_damp_tries)
+    del h  # only its factor is needed from here on
     if u is None:
         q = rtn(w[:, torch.argsort(perm)], bits, group_size, sym)
         q.fallback = f"Cholesky failed up to damp {used_damp:.3g} x mean diag(H)"
         return q
 
-    codes = torch.zeros(n, k, dtype=torch.int32)  # in processing order
-    losses = torch.zeros(n)
+    codes = torch.zeros(n, k, dtype=torch.int32, device=w.device)  # in processing order
+    losses = torch.zeros(n, device=w.device)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1 = w[:, i1:i2].clone()  # (N, B) updated in place as columns are quantized
@@ -149,7 +159,7 @@ def gptq(
         u1 = u[i1:i2, i1:i2]  # (B, B)
         for i in range(i2 - i1):
             col = i1 + i
-            g = int(perm[col]) // group_size
+            g = group_of[col]
             if not act_order and col % group_size == 0:
                 # The group's weights as updated so far: inside this block from w1, beyond it from w.
                 span = w1[:, i : i + group_size]

@@ -58,7 +58,7 @@ def pack_gptq(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
         "qweight": pack_rows(codes.t().contiguous()),  # (K/8, N)
         "qzeros": pack_rows(stored.t().contiguous()).t().contiguous(),  # (G, N/8)
         "scales": scales.to(torch.float16).contiguous(),  # (G, N)
-        "g_idx": (torch.arange(k) // group_size).to(torch.int32),  # (K,)
+        "g_idx": (torch.arange(k, device=codes.device) // group_size).to(torch.int32),  # (K,)
     }
 
 
@@ -101,7 +101,7 @@ class GPTQLinear(WeightOnlyLinear):
     @classmethod
     def from_quantized(cls, q, bias: torch.Tensor | None, v2: bool) -> "GPTQLinear":
         n, k = q.codes.shape
-        m = cls(k, n, bias is not None, q.group_size, v2)
+        m = cls(k, n, bias is not None, q.group_size, v2, device="meta")  # every tensor is set below
         for name, t in pack_gptq(q.codes, q.scales, q.zeros, q.group_size, v2).items():
             setattr(m, name, t)
         if bias is not None:

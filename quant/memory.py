@@ -202,8 +202,8 @@ def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed
     - activations: the calibration set's hidden states (S*T x hidden, fp32) in, out and in the middle of
       a layer, plus what a scheme keeps of a layer's inner activations (GPTQ: the attention output and
       the MLP's down_proj input; W8A8: every smoothing group's input at once);
-    - solver: the largest Linear's working set (GPTQ: the Hessian, its damped copy, Cholesky factors
-      and the identity, K x K fp32 each, plus the weight's fp32 copies and codes).
+    - solver: the largest Linear's working set (GPTQ: the group's Hessian, GPTQ's own copy and two
+      factorisation steps, K x K fp32 each, plus the weight's fp32 copies and codes).
     """
     h, d, H, I = shape.heads, shape.head_dim, shape.hidden, shape.intermediate
     layer = (sum(n * k for _, n, k in shape.linears()) + 2 * H) * compute_bytes
@@ -218,7 +218,7 @@ def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed
         activations = 2 * hidden + calib_tokens * (2 * H + h * d + I) * 4
     biggest_n, biggest_k = max(((n, k) for _, n, k in shape.linears()), key=lambda nk: (nk[1], nk[0]))
     if scheme == "w4a16":
-        solver = 5 * biggest_k**2 * 4 + 4 * biggest_n * biggest_k * 4
+        solver = 4 * biggest_k**2 * 4 + 4 * biggest_n * biggest_k * 4
     else:
         solver = 3 * biggest_n * biggest_k * 4
     return {"part": part, "activations": activations, "solver": solver, "total": part + activations + solver}

@@ -60,6 +60,7 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Ten
     The layers are not run: each returns its input while the kwargs are recorded, and the pass stops at the
     last one (nothing after the layers, e.g. the head, is computed)."""
     layers = decoder_layers(model)
+    device = model.get_input_embeddings().weight.device
     hidden: list[torch.Tensor] = []
     kws: list[dict] = [{} for _ in layers]
 
@@ -84,7 +85,7 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Ten
     try:
         for s in range(ids.shape[0]):
             try:
-                model(ids[s : s + 1], use_cache=False)
+                model(ids[s : s + 1].to(device), use_cache=False)
             except _StopForward:
                 pass
     finally:

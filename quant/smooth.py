@@ -50,7 +50,7 @@ def layer_groups(layer: nn.Module, plan: LayerPlan) -> list[SmoothGroup]:
     ]
 
 
-def gqa_tie_index(config, o_in: int, v_out: int) -> torch.Tensor | None:
+def gqa_tie_index(config, o_in: int, v_out: int, device: torch.device | None = None) -> torch.Tensor | None:
     """For each o_proj input channel, the v_proj output channel it is computed from (None if the
     shapes do not follow the usual head layout)."""
     heads = getattr(config, "num_attention_heads", None)
@@ -60,8 +60,8 @@ def gqa_tie_index(config, o_in: int, v_out: int) -> torch.Tensor | None:
     hd = getattr(config, "head_dim", None) or o_in // heads
     if heads * hd != o_in or kv * hd != v_out:
         return None
-    h = torch.arange(heads).repeat_interleave(hd)  # (o_in,) query head of each channel
-    d = torch.arange(hd).repeat(heads)  # (o_in,)
+    h = torch.arange(heads, device=device).repeat_interleave(hd)  # (o_in,) query head of each channel
+    d = torch.arange(hd, device=device).repeat(heads)  # (o_in,)
     return (h // (heads // kv)) * hd + d  # (o_in,)
 
 
@@ -78,11 +78,12 @@ def compute_scales(
     if group.producer_kind == "v_proj":
         o = layer.get_submodule(group.linears[0])
         v = layer.get_submodule(group.producer)
-        tie = gqa_tie_index(config, o.in_features, v.out_features)
+        tie = gqa_tie_index(config, o.in_features, v.out_features, w_absmax.device)
         if tie is None:
             return smooth_factors(act_absmax, w_absmax, alpha), False
-        a = torch.zeros(v.out_features).scatter_reduce(0, tie, act_absmax.float(), "amax")  # (v_out,)
-        w = torch.zeros(v.out_features).scatter_reduce(0, tie, w_absmax, "amax")  # (v_out,)
+        zeros = torch.zeros(v.out_features, device=w_absmax.device)
+        a = zeros.scatter_reduce(0, tie, act_absmax.float(), "amax")  # (v_out,)
+        w = zeros.scatter_reduce(0, tie, w_absmax, "amax")  # (v_out,)
         return smooth_factors(a, w, alpha)[tie], True
     return smooth_factors(act_absmax, w_absmax, alpha), group.producer_kind != "none"
 
@@ -103,9 +104,9 @@ def apply(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, fold: bool, con
         return
     if group.producer_kind == "v_proj":
         o = layer.get_submodule(group.linears[0])
-        tie = gqa_tie_index(config, o.in_features, prod.out_features)
+        tie = gqa_tie_index(config, o.in_features, prod.out_features, s.device)
         # Every channel tied to one V channel carries the same s; read it back per V channel.
-        s_v = torch.zeros(prod.out_features, dtype=s.dtype).scatter(0, tie, s)
+        s_v = torch.zeros(prod.out_features, dtype=s.dtype, device=s.device).scatter(0, tie, s)
     else:
         s_v = s
     prod.weight.div_(s_v.to(prod.weight.dtype)[:, None])

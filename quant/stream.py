@@ -166,6 +166,22 @@ class StreamedModel:
             for attr, b in list(mod._buffers.items()):
                 if b is not None and not b.is_meta and attr not in mod._non_persistent_buffers_set:
                     mod._buffers[attr] = b.to("meta")
+        # Modules quantization swapped out of the part still hold the weights loaded into them: drop those
+        # too (they are no longer in the tree walked above, and would otherwise live on, one layer each).
+        if self.streamed:
+            for name, group in self._slots.items():
+                if self._in_part(name, prefix, exclude):
+                    for _, owner, a in group:
+                        p = owner._parameters.get(a)
+                        if p is not None and not p.is_meta:
+                            owner._parameters[a] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
+
+    @staticmethod
+    def _in_part(name: str, prefix: str, exclude: tuple[str, ...]) -> bool:
+        def under(p: str) -> bool:
+            return name.startswith(f"{p}.")
+
+        return (not prefix or under(prefix)) and not any(under(e) for e in exclude)
 
     def part_state(self, prefix: str = "", exclude: tuple[str, ...] = (),
                    float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -108,12 +108,13 @@ def abs_histogram(chunks: Iterable[torch.Tensor] | torch.Tensor, bins: int = 204
         return AbsHistogram(counts=counts, edges=np.zeros(bins + 1), amax=0.0)
 
     # float64 counts: histc on float32 stops counting exactly past 2**24 per bin.
-    acc = torch.zeros(bins, dtype=torch.float64)
+    acc = None
     for c in chunks:
         t = _as_float_chunk(c)
         if t.numel():
-            acc += torch.histc(t.reshape(-1).to(torch.float64).abs(), bins=bins, min=0.0, max=amax)
-    counts = acc.round().to(torch.int64).numpy()
+            part = torch.histc(t.reshape(-1).to(torch.float64).abs(), bins=bins, min=0.0, max=amax)
+            acc = part if acc is None else acc + part
+    counts = acc.round().to(torch.int64).cpu().numpy()
     # linspace pins edges[-1] to amax exactly (histc puts |x| == amax in the last bin).
     return AbsHistogram(counts=counts, edges=np.linspace(0.0, amax, bins + 1), amax=amax)
 

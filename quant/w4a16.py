@@ -55,16 +55,20 @@ class _Hessian:
     """Streaming H = 2 X^T X / n in fp32."""
 
     def __init__(self, k: int):
-        self.h = torch.zeros(k, k)
-        self.n = 0
+        self.k, self.h, self.n = k, None, 0  # h is allocated on the device of the first batch
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = x.reshape(-1, x.shape[-1]).float()  # (rows, K)
+        if self.h is None:
+            self.h = torch.zeros(self.k, self.k, device=x.device)
         self.h.addmm_(x.t(), x)
         self.n += x.shape[0]
 
     def value(self) -> torch.Tensor:
-        return self.h * (2.0 / max(self.n, 1))
+        """H, scaled in place (the accumulator is done with): no second K x K copy."""
+        if self.h is None:
+            return torch.zeros(self.k, self.k)
+        return self.h.mul_(2.0 / max(self.n, 1))
 
 
 @torch.inference_mode()
@@ -159,10 +163,14 @@ class LayerQuantizer:
     @torch.inference_mode()
     def quantize_layer(self, li: int, layer: nn.Module) -> None:
         linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        # Packed as soon as each Linear is quantized: its int32 codes would be 8x the packed bytes, and a
+        # layer's worth of them (an 8B layer: 0.9 GB) would otherwise be held until the layer is done.
+        packed: dict[str, GPTQLinear] = {}
         if self.method == "rtn":
-            results = {n: G.rtn(lin.weight.data, 4, self.group_size, self.sym) for n, lin in linears.items()}
+            for n, lin in linears.items():
+                q = G.rtn(lin.weight.data, 4, self.group_size, self.sym)
+                packed[n] = GPTQLinear.from_quantized(q, lin.bias, v2=not self.sym)
         else:
-            results = {}
             kw = _cast_kwargs(self.kws[li], torch.float32)
             lp = layer_plan(self.model, layer, self.hidden, kw)
 
@@ -173,14 +181,15 @@ class LayerQuantizer:
                     t = time.perf_counter()
                     q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order)
                     full = f"{self.prefix}.{li}.{n}"
-                    results[n] = q
+                    packed[n] = GPTQLinear.from_quantized(q, lin.bias, v2=not self.sym)
                     self.report["linears"][full] = {
                         "damp": q.damp, "loss": q.error, "fallback": q.fallback, "seconds": time.perf_counter() - t,
                     }
                     if q.fallback:
                         self.report["fallbacks"].append({"module": full, "reason": q.fallback})
-                    lin.weight.data = q.dequantize().to(lin.weight.dtype)
+                    lin.weight.data = q.dequantize().to(lin.weight.dtype)  # what the next groups see
+                    del q
 
             self.hidden = (_staged if lp.staged else _exact)(layer, self.hidden, kw, quantize_group, lp)
-        for n, lin in linears.items():
-            set_module(layer, n, GPTQLinear.from_quantized(results.pop(n), lin.bias, v2=not self.sym))
+        for n in linears:
+            set_module(layer, n, packed.pop(n))

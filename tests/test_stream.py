@@ -78,6 +78,20 @@ def test_parts_are_read_and_dropped_ties_kept(sharded_dir):
     assert not _real(sm.model) and sm.model.lm_head.weight is sm.model.model.embed_tokens.weight
 
 
+def test_release_drops_the_weights_of_modules_swapped_out_of_the_part(sharded_dir):
+    """Quantizing replaces a layer's Linears; the replaced modules still hold the weights read into them,
+    and releasing the layer must drop those too (else every layer's float weights stay alive)."""
+    sm = stream.open_model(_source(sharded_dir), torch.float32, "cpu", log=lambda m: None)
+    sm.load("model.layers.0")
+    attn = sm.model.model.layers[0].self_attn
+    old = attn.q_proj
+    assert not old.weight.is_meta
+    attn.q_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)  # as a quantizer swaps it
+    sm.release("model.layers.0")
+    assert old.weight.is_meta and attn.q_proj.weight.is_meta
+    assert not [n for n, group in sm._slots.items() for _, m, a in group if not m._parameters[a].is_meta]
+
+
 def test_unstreamable_sources_are_loaded_whole_and_say_why(pickled_dir):
     said = []
     sm = stream.open_model(_source(pickled_dir), torch.float32, "cpu", log=said.append)
@@ -148,3 +162,12 @@ def test_self_calibration_of_a_model_too_large_to_hold_is_refused(tmp_path, shar
         build(cfg, tmp_path, progress=False, log=lambda m: None)
     assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".art")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("device,needle", [("cuda", "no CUDA device"), ("cuda:1", "no CUDA device"),
+                                           ("tpu", "--device must be auto, cpu, cuda or cuda:N")])
+def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, sharded_dir, text_file, device, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        _build(sharded_dir, tmp_path / "art", "w4a16", text_file, device=device)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
