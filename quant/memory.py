@@ -49,8 +49,10 @@ def _unique_tensors(model: nn.Module):
         for n, t in tensors:
             # Shared storage is one tensor; a meta tensor (a streamed build's released part) has none,
             # and ties there are the same Parameter object.
-            key = id(t) if t is not None and t.is_meta else (t.data_ptr() if t is not None else None)
-            if t is None or key in seen and t.numel():
+            if t is None:
+                continue
+            key = id(t) if t.is_meta else t.data_ptr()
+            if key in seen and t.numel():
                 continue
             seen.add(key)
             yield (f"{mod_name}.{n}" if mod_name else n), t, mod

@@ -30,6 +30,11 @@ from quant.shards import INDEX
 SINGLE = "model.safetensors"
 
 
+def _within(name: str, prefix: str) -> bool:
+    """Whether the module or tensor `name` is `prefix` or lies under it ("" holds everything)."""
+    return not prefix or name == prefix or name.startswith(f"{prefix}.")
+
+
 class Checkpoint:
     """The safetensors files of a model dir, by tensor name."""
 
@@ -120,7 +125,7 @@ class StreamedModel:
         dot = f"{prefix}." if prefix else ""
         for n, mod in root.named_modules():
             full = f"{dot}{n}" if n else prefix
-            if not any(full == e or full.startswith(f"{e}.") for e in exclude):
+            if not any(_within(full, e) for e in exclude):
                 yield full, mod
 
     def load(self, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
@@ -170,18 +175,12 @@ class StreamedModel:
         # too (they are no longer in the tree walked above, and would otherwise live on, one layer each).
         if self.streamed:
             for name, group in self._slots.items():
-                if self._in_part(name, prefix, exclude):
+                if _within(name, prefix) and not any(_within(name, e) for e in exclude):
                     for _, owner, a in group:
                         p = owner._parameters.get(a)
                         if p is not None and not p.is_meta:
                             owner._parameters[a] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
 
-    @staticmethod
-    def _in_part(name: str, prefix: str, exclude: tuple[str, ...]) -> bool:
-        def under(p: str) -> bool:
-            return name.startswith(f"{p}.")
-
-        return (not prefix or under(prefix)) and not any(under(e) for e in exclude)
 
     def part_state(self, prefix: str = "", exclude: tuple[str, ...] = (),
                    float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
