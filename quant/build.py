@@ -14,11 +14,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import quant
-from quant import artifact, calibration, evaluate, loader, lora, memory, models, stream, w4a16, w8a8
+from quant import artifact, calibration, evaluate, loader, lora, memory, models, schemes, stream
 from quant.config import DTYPES, BuildConfig
-from quant.errors import ConfigError
-from quant.layers import Int8WeightLinear, W8A8Linear
-from quant.sequential import decoder_layers, set_module
+from quant.errors import ConfigError, QualityGateError
+from quant.sequential import decoder_layers
 from quant.shards import ShardWriter, header_reserve
 
 
@@ -29,25 +28,8 @@ def default_out(cfg: BuildConfig, source: models.ModelSource) -> Path:
     return Path("artifacts") / f"{name}-{cfg.scheme}"
 
 
-class _Int8Layers:
-    """int8-sym / int8-affine: per-channel RTN, one decoder layer at a time (no calibration)."""
-
-    report = None
-
-    def __init__(self, affine: bool):
-        self.affine = affine
-
-    def quantize_layer(self, li: int, layer: nn.Module) -> None:
-        for name, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
-            set_module(layer, name, Int8WeightLinear.from_float(lin, self.affine))
-
-
 def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
-    head = model.get_output_embeddings()
-    if cfg.scheme == "w8a8":
-        new = W8A8Linear.from_float(head, input_scale=None)  # dynamic: no calibration of the final norm
-    else:
-        new = Int8WeightLinear.from_float(head, cfg.scheme == "int8-affine")
+    new = cfg.scheme_def().quantize_head(cfg, model.get_output_embeddings())
     # The quantized head no longer shares the embedding matrix.
     model.config.tie_word_embeddings = False
     if hasattr(model, "_tied_weights_keys"):
@@ -56,35 +38,12 @@ def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
 
 
 def _modules_spec(model: nn.Module) -> dict[str, dict]:
-    return {name: mod.spec() for name, mod in model.named_modules() if hasattr(mod, "spec")}
+    return {name: mod.spec() for name, mod in schemes.quantized_modules(model).items()}
 
 
 def _runtime_kernels(model: nn.Module) -> dict[str, str]:
-    mod = next(m for m in model.modules() if hasattr(m, "spec"))
+    mod = next(iter(schemes.quantized_modules(model).values()))
     return {str(d).replace("torch.", ""): mod.kernel(d) for d in (torch.bfloat16, torch.float32)}
-
-
-def _gptq_config(cfg: BuildConfig, group_size: int) -> dict:
-    """The standard GPTQ `quantization_config` (transformers/gptqmodel, optimum, vLLM).
-
-    Act-order uses static groups here, so g_idx is the trivial k // group and loaders are told
-    desc_act = false: no runtime reordering is needed. Asymmetric zero-points do not survive the v1
-    format's zero - 1 storage at zero = 0, hence gptq_v2 for --asym.
-    """
-    return {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": group_size,
-        "desc_act": False,
-        "sym": not cfg.asym,
-        "static_groups": cfg.act_order,
-        "true_sequential": True,
-        "damp_percent": cfg.damp,
-        "lm_head": False,
-        "checkpoint_format": "gptq_v2" if cfg.asym else "gptq",
-        "pack_dtype": "int32",
-        "model_file_base_name": "model",
-    }
 
 
 def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log) -> calibration.TokenWindows | None:
@@ -111,17 +70,7 @@ def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log) -> calibration
             sm.release()
 
 
-def _layer_quantizer(cfg: BuildConfig, model: nn.Module, calib, group_size: int | None):
-    if cfg.scheme in ("int8-sym", "int8-affine"):
-        return _Int8Layers(cfg.scheme == "int8-affine")
-    if cfg.scheme == "w8a8":
-        return w8a8.LayerQuantizer(model, calib.ids, cfg)
-    method = "gptq" if cfg.scheme == "w4a16" else "rtn"
-    return w4a16.LayerQuantizer(model, None if calib is None else calib.ids, method, group_size,
-                                not cfg.asym, cfg.damp, cfg.act_order)
-
-
-def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, group_size: int | None,
+def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, resolved: dict,
                        writer: ShardWriter, progress: bool) -> tuple[dict | None, list[float]]:
     """Quantize and write the model part by part: the embeddings (materialised to capture the first
     layer's calibration inputs), each decoder layer, the head. Only the part at hand holds storage."""
@@ -133,7 +82,8 @@ def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, group_
     outer = (prefix, head)
 
     sm.load("", exclude=outer)
-    quantizer = _layer_quantizer(cfg, model, calib, group_size)  # captures layer 0's inputs
+    # Calibrated schemes capture layer 0's inputs here.
+    quantizer = cfg.scheme_def().layer_quantizer(cfg, model, None if calib is None else calib.ids, resolved)
     writer.add_state(sm.part_state("", outer, store_dtype))
     sm.release("", exclude=outer)
 
@@ -183,8 +133,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         calibration.read_texts(cfg.calib.source)
     if cfg.eval.data:
         calibration.read_texts(cfg.eval.data)
-    if cfg.is_int4 and cfg.include_lm_head:
-        raise ConfigError("--include-lm-head is not available for 4-bit schemes: the GPTQ format keeps lm_head in float")
+    scheme = cfg.scheme_def()
     device = cfg.torch_device()
     source = models.resolve(cfg.model, cache_dir)
     out = Path(cfg.out) if cfg.out else default_out(cfg, source)
@@ -203,7 +152,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         eval_windows = calibration.eval_windows(tok, cfg.eval.data, cfg.eval.windows, cfg.eval.seqlen, cfg.eval.flag)
     store_dtype = models.torch_dtype(cfg.dtype)
     base_bytes = memory.float_model_bytes(model, store_dtype)
-    group_size = w4a16.choose_group_size(model, cfg.group_size) if cfg.is_int4 else None
+    resolved = scheme.resolve(cfg, model)
     estimate = memory.build_peak_bytes(
         memory.ModelShape.from_config(model.config), cfg.scheme,
         cfg.calib.samples * cfg.calib.seqlen if cfg.needs_calibration else 0,
@@ -224,7 +173,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     try:
         t = time.perf_counter()
         writer = ShardWriter(staging, cfg.max_shard_bytes, header_reserve(model.state_dict()))
-        report, layer_seconds = _quantize_streamed(cfg, sm, calib, group_size, writer, progress)
+        report, layer_seconds = _quantize_streamed(cfg, sm, calib, resolved, writer, progress)
         writer.finish()
         if adapter_plan is not None and (left := sorted(set(adapter_plan.deltas) - adapter_plan.applied)):
             raise RuntimeError(f"internal error: LoRA deltas never merged: {left[:3]}")
@@ -245,40 +194,18 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "build_peak_estimate_bytes": estimate,
         }
         params = {
-            "calib_method": None if cfg.scheme != "w8a8" or cfg.act_dynamic else cfg.calib_method,
-            "act_dynamic": cfg.act_dynamic if cfg.scheme == "w8a8" else None,
-            "smooth": cfg.smooth if cfg.scheme == "w8a8" else None,
-            "smooth_alpha": (cfg.smooth_alpha if cfg.smooth_alpha is not None else "searched")
-            if cfg.scheme == "w8a8" and cfg.smooth else None,
             "include_lm_head": cfg.include_lm_head,
             "float_dtype": cfg.dtype,
             "weight_granularity": "per-output-channel",
+            **scheme.parameters(cfg, resolved, report),
             "runtime_kernels": _runtime_kernels(model),
         }
-        if cfg.scheme == "w8a8":
-            params["calibration_summary"] = w8a8.summarize(report)
-        if cfg.is_int4:
-            params.update(
-                bits=4, group_size=group_size, sym=not cfg.asym,
-                damp=cfg.damp if cfg.scheme == "w4a16" else None,
-                act_order=cfg.act_order if cfg.scheme == "w4a16" else None,
-                checkpoint_format=_gptq_config(cfg, group_size)["checkpoint_format"],
-                rtn_fallbacks=report["fallbacks"],
-            )
-            params["weight_granularity"] = f"per-output-channel, groups of {group_size} inputs"
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["dtype"] = cfg.dtype
-        if cfg.is_int4:
-            config["quantization_config"] = _gptq_config(cfg, group_size)
-            (staging / "quantize_config.json").write_text(json.dumps(_gptq_config(cfg, group_size), indent=2) + "\n")
-        else:
-            config["quantization_config"] = {
-                "quant_method": artifact.QUANT_METHOD,
-                "format_version": artifact.FORMAT_VERSION,
-                "scheme": cfg.scheme,
-                "modules": _modules_spec(model),
-            }
+        config["quantization_config"] = scheme.quantization_config(cfg, resolved, _modules_spec(model))
+        for name, text in scheme.extra_files(cfg, resolved).items():
+            (staging / name).write_text(text)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tok.save_pretrained(staging)
         if report is not None:
@@ -303,6 +230,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             t = time.perf_counter()
             manifest["quality"] = evaluate_artifact(staging, source, cfg.lora, eval_windows, cfg.eval.dtype, progress)
             timings["eval_s"] = time.perf_counter() - t
+            manifest["quality"]["gate"] = quality_gate(cfg, manifest["quality"])
         timings["total_s"] = time.perf_counter() - t0
         artifact.write_manifest(staging, manifest)
         artifact.commit(staging, out, cfg.force)
@@ -310,6 +238,22 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def quality_gate(cfg: BuildConfig, quality: dict) -> dict | None:
+    """The gate's record for the manifest, or QualityGateError (the build then publishes nothing) saying by how
+    much each missed bound was missed."""
+    bounds = {"max_dppl": (cfg.max_dppl, quality["delta_ppl_pct"], "perplexity {:+.2f}%", "%"),
+              "max_kl": (cfg.max_kl, quality["mean_kl"], "mean KL {:.4f}", "")}
+    gate = {name: bound for name, (bound, *_) in bounds.items() if bound is not None}
+    if not gate:
+        return None
+    missed = [f"{what.format(value)} > --{name.replace('_', '-')} {bound:g}{unit} (by {value - bound:.4g}{unit})"
+              for name, (bound, value, what, unit) in bounds.items() if bound is not None and value > bound]
+    if missed:
+        raise QualityGateError(f"the artifact misses its quality gate on {quality['data']['source']}: "
+                               f"{'; '.join(missed)}; nothing was written")
+    return {**gate, "passed": True}
 
 
 def reference_model(source: models.ModelSource, adapter_dir: str | None, dtype: torch.dtype):

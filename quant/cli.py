@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quant.config import CALIB_METHODS, DTYPES, SCHEMES, BuildConfig, CalibConfig, EvalConfig
+from quant import schemes
+from quant.config import CALIB_METHODS, DTYPES, BuildConfig, CalibConfig, EvalConfig
 from quant.errors import ConfigError, QuantError
 
 # Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
@@ -27,7 +28,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="quantize a model into an artifact dir")
-    b.add_argument("--scheme", required=True, help=f"one of: {', '.join(SCHEMES)}")
+    b.add_argument("--scheme", required=True, help="; ".join(f"{s.name}: {s.summary}" for s in schemes.REGISTRY.values()))
     b.add_argument("--model", default=None, help="HF model dir, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--lora", default=None, help="PEFT LoRA adapter dir merged into the base before quantization")
     b.add_argument("--out", default=None, help="artifact dir (default: artifacts/<model>-<scheme>)")
@@ -53,6 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eval-windows", type=int, default=40)
     b.add_argument("--eval-seqlen", type=int, default=512)
     b.add_argument("--eval-dtype", default="float32")
+    b.add_argument("--max-dppl", type=float, default=None, metavar="PCT",
+                   help="quality gate: refuse to publish when perplexity on --eval-data rises more than PCT percent")
+    b.add_argument("--max-kl", type=float, default=None, metavar="X",
+                   help="quality gate: refuse to publish when the mean KL to the float model exceeds X")
     b.add_argument("--no-progress", action="store_true")
 
     e = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against the base model")
@@ -76,7 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     es.add_argument("--params", default=None, help="hub-style size instead of a model: 135M, 7B, 70B ...")
     for name in ("layers", "hidden", "intermediate", "heads", "kv-heads", "head-dim", "vocab"):
         es.add_argument(f"--{name}", type=int, default=None, help="override the model shape")
-    es.add_argument("--scheme", default="float", help="float, int8-sym, int8-affine, w8a8, w4a16, rtn-w4")
+    es.add_argument("--scheme", default="float", help=f"float, {', '.join(schemes.names())}")
     es.add_argument("--group-size", type=int, default=128)
     es.add_argument("--dtype", default="bfloat16", help="dtype of float weights, activations and the KV cache")
     es.add_argument("--batch", type=int, default=1)
@@ -169,6 +174,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
         act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
         group_size=args.group_size, asym=args.asym, damp=args.damp, act_order=args.act_order,
         max_shard_bytes=_size_arg("--max-shard-size", args.max_shard_size), device=args.device,
+        max_dppl=args.max_dppl, max_kl=args.max_kl,
         eval=EvalConfig(data=args.eval_data, windows=args.eval_windows, seqlen=args.eval_seqlen,
                         dtype=args.eval_dtype, flag="--eval-"),
     )

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 
 from quant.errors import ConfigError
 
-SCHEMES = ("int8-sym", "int8-affine", "w8a8", "w4a16", "rtn-w4")
 CALIB_METHODS = ("minmax", "percentile", "kl", "auto")
 # Percentiles tried by `percentile` (the first one) and offered to `auto` as candidates.
 PERCENTILES = (99.99, 99.999, 99.9)
@@ -58,7 +57,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class BuildConfig:
-    scheme: str
+    scheme: str  # a name registered in quant.schemes
     model: str | None = None  # None: the embedded default model
     lora: str | None = None  # a PEFT LoRA adapter dir merged into the base before quantization
     out: str | None = None
@@ -84,10 +83,12 @@ class BuildConfig:
     device: str = "auto"
     # Data bytes per safetensors shard of the artifact (one model.safetensors when it all fits).
     max_shard_bytes: int = 5_000_000_000
+    # Quality gate, measured on `eval.data`: the artifact is not published past either bound.
+    max_dppl: float | None = None  # perplexity increase over the float model, percent
+    max_kl: float | None = None  # mean KL(float || quantized) per token, nats
 
     def validate(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        self.scheme_def().check(self)  # refuses an unknown name, and options the scheme cannot honour
         if self.calib_method not in CALIB_METHODS:
             raise ConfigError(
                 f"unknown --calib-method {self.calib_method!r}; choose one of {', '.join(CALIB_METHODS)}"
@@ -104,6 +105,13 @@ class BuildConfig:
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_shard_bytes < 1:
             raise ConfigError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
+        for flag, bound in (("--max-dppl", self.max_dppl), ("--max-kl", self.max_kl)):
+            if bound is None:
+                continue
+            if not (math.isfinite(bound) and bound >= 0):
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {bound}")
+            if not self.eval.data:
+                raise ConfigError(f"{flag} needs --eval-data FILE: the gate is measured on that text")
         if self.search_tokens < 1:
             raise ConfigError(f"search_tokens must be >= 1, got {self.search_tokens}")
         if self.dtype not in DTYPES:
@@ -125,13 +133,15 @@ class BuildConfig:
                 raise ConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         return dev
 
-    @property
-    def needs_calibration(self) -> bool:
-        return self.scheme in ("w8a8", "w4a16")
+    def scheme_def(self):
+        """The registered scheme (quant.schemes) this build uses."""
+        from quant import schemes  # the registry imports the runtime modules (torch); this module does not
+
+        return schemes.get(self.scheme)
 
     @property
-    def is_int4(self) -> bool:
-        return self.scheme in ("w4a16", "rtn-w4")
+    def needs_calibration(self) -> bool:
+        return self.scheme_def().needs_calibration
 
     def to_dict(self) -> dict:
         return asdict(self)

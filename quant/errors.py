@@ -27,3 +27,7 @@ class ConfigError(QuantError):
 
 class UnsupportedModelError(QuantError):
     """An architecture, layer shape or model feature that the engine or the pipeline does not implement."""
+
+
+class QualityGateError(QuantError):
+    """A build's measured quality missed the gate it was given (--max-dppl / --max-kl): nothing was published."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quant.layers import WeightOnlyLinear
+from quant.layers import WeightOnlyLinear, fused_bias
 
 BITS = 4
 PACK = 32 // BITS  # codes per int32
@@ -84,6 +84,9 @@ class GPTQLinear(WeightOnlyLinear):
 
     The CPU kernel is only used for 16-bit activations (fp32 measured ~20x slower than dense)."""
 
+    SPEC_TYPE = "gptq"
+    DATA_TENSORS = ("qweight",)
+    PARAM_TENSORS = ("qzeros", "scales", "g_idx")
     max_kernel_rows = INT4PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, v2: bool, device=None):
@@ -109,7 +112,40 @@ class GPTQLinear(WeightOnlyLinear):
         return m
 
     def spec(self) -> dict:
-        return {"type": "gptq", "group_size": self.group_size, "v2": self.v2, "bias": self.bias is not None}
+        return {"type": self.SPEC_TYPE, "group_size": self.group_size, "v2": self.v2, "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "GPTQLinear":
+        return cls(in_features, out_features, spec["bias"], spec["group_size"], spec["v2"], device=device)
+
+    @classmethod
+    def fuse(cls, mods: list["GPTQLinear"]) -> "GPTQLinear | None":
+        """GPTQ tensors pack along the output axis in columns, so the fused module gets its own kernel repack
+        and the parts drop theirs (they fall back to their dequantizing path if called directly)."""
+        first = mods[0]
+        if any(m.out_features % PACK for m in mods) or any(
+                m.group_size != first.group_size or m.v2 != first.v2 or not torch.equal(m.g_idx, first.g_idx)
+                for m in mods):
+            return None  # different group assignments (act-order with a permuted g_idx) cannot share a kernel call
+        bias = fused_bias(mods, torch.float32)
+        fused = cls(first.in_features, sum(m.out_features for m in mods), bias is not None, first.group_size,
+                    first.v2, device="meta")
+        fused.qweight = torch.cat([m.qweight for m in mods], dim=1)  # (K/8, N) packs along K: columns concatenate
+        fused.qzeros = torch.cat([m.qzeros for m in mods], dim=1)  # (G, N/8)
+        fused.scales = torch.cat([m.scales for m in mods], dim=1)  # (G, N)
+        fused.g_idx = first.g_idx.clone()
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        fused.prepare()
+        for m in mods:
+            m._packed, m._sz = None, {}  # the fused module holds the only kernel copy
+        return fused
+
+    def warm(self, dtype: torch.dtype) -> None:
+        if self._packed is not None and dtype in (torch.bfloat16, torch.float16):
+            self._scales_and_zeros(dtype)
+
+    def runtime_tensors(self) -> list[torch.Tensor]:
+        return ([self._packed] if self._packed is not None else []) + list(self._sz.values())
 
     def kernel(self, dtype: torch.dtype) -> str:
         if dtype in (torch.bfloat16, torch.float16):

@@ -1,9 +1,11 @@
 """Runtime quantized Linear modules, each with a plain reference path beside its fast path.
 
-The fast paths use PyTorch's own int8 kernels; `reference_forward` dequantizes and does a float
-matmul, and the tests hold the two together. Modules are built empty (optionally on the meta device)
-from a JSON spec stored in the artifact's config, then filled by `load_state_dict(assign=True)` from a
-memory-mapped safetensors file: no quantization work happens at load time.
+Every scheme's runtime module is a `QuantizedLinear`: the loader, the server's fusing and the memory
+accounting use only that interface, never a scheme's own fields. The fast paths use PyTorch's own int8
+kernels; `reference_forward` dequantizes and does a float matmul, and the tests hold the two together.
+Modules are built empty (optionally on the meta device) from a JSON spec stored in the artifact's config,
+then filled by `load_state_dict(assign=True)` from a memory-mapped safetensors file: no quantization work
+happens at load time beyond the after-load hook (`prepare`: kernel layouts).
 """
 
 from __future__ import annotations
@@ -29,7 +31,83 @@ def _aligned(t: torch.Tensor, align: int = 64) -> torch.Tensor:
     return t if t.data_ptr() % align == 0 else t.clone()
 
 
-class WeightOnlyLinear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """The interface of a scheme's runtime module (vLLM's create_weights / apply /
+    process_weights_after_loading, as one class):
+    - ``from_spec(spec, in_features, out_features, device)`` builds it empty from the JSON ``spec()`` that the
+      artifact's config stores for it (``SPEC_TYPE`` names the class there);
+    - ``prepare()`` is the after-load hook, run once on the target device (kernel repacking, alignment);
+      ``warm(dtype)`` builds what a first call in ``dtype`` would (per-dtype tables) ahead of traffic;
+    - ``runtime_tensors()``: what it holds beyond its state dict (repacked weights, tables), for the
+      accounting; ``DATA_TENSORS`` / ``PARAM_TENSORS`` name its stored tensors by class (weight, parameters);
+    - ``fuse(mods)``: one module computing ``cat([m(x) for m in mods], -1)``, or None where it cannot.
+    """
+
+    SPEC_TYPE: str
+    DATA_TENSORS: tuple[str, ...] = ("weight",)
+    PARAM_TENSORS: tuple[str, ...] = ()
+    in_features: int
+    out_features: int
+
+    def spec(self) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "QuantizedLinear":
+        raise NotImplementedError
+
+    def kernel(self, dtype: torch.dtype) -> str:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        pass
+
+    def warm(self, dtype: torch.dtype) -> None:
+        pass
+
+    def runtime_tensors(self) -> list[torch.Tensor]:
+        return []
+
+    @classmethod
+    def fuse(cls, mods: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        return None
+
+
+def fused_offsets(mods) -> list[tuple[int, int]]:
+    """The row range of each part in the fused output."""
+    spans, a = [], 0
+    for m in mods:
+        spans.append((a, a + m.out_features))
+        a += m.out_features
+    return spans
+
+
+def fused_bias(mods, dtype) -> torch.Tensor | None:
+    """The parts' biases concatenated (zeros for a part without one), or None when none has one."""
+    biases = [m.bias for m in mods if m.bias is not None]
+    if not biases:
+        return None
+    dev = biases[0].device
+    return torch.cat([
+        m.bias.data.to(dtype) if m.bias is not None else torch.zeros(m.out_features, dtype=dtype, device=dev)
+        for m in mods
+    ])
+
+
+def view_rows(mods, fused, names) -> None:
+    """Point each part's tensors at its rows of the fused tensors (no copy kept)."""
+    for m, (a, b) in zip(mods, fused_offsets(mods)):
+        for n in names:
+            t = getattr(fused, n)
+            if t is None:
+                continue
+            if isinstance(getattr(m, n), nn.Parameter):
+                setattr(m, n, nn.Parameter(t.data[a:b], requires_grad=False))
+            else:
+                setattr(m, n, t[a:b])
+
+
+class WeightOnlyLinear(QuantizedLinear):
     """The shared shape of weight-only modules: a low-bit kernel for short 16-bit inputs (decode),
     a dequantized dense matmul otherwise (long prefills, fp32 activations), then the float bias."""
 
@@ -74,6 +152,8 @@ class Int8WeightLinear(WeightOnlyLinear):
     Otherwise (fp32 activations or long prefills): dequantize into the activation dtype and matmul.
     """
 
+    SPEC_TYPE = "int8_weight"
+    PARAM_TENSORS = ("weight_scale", "weight_zero_point")
     max_kernel_rows = INT8PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, affine: bool, device=None):
@@ -103,7 +183,27 @@ class Int8WeightLinear(WeightOnlyLinear):
         self.weight = _aligned(self.weight)
 
     def spec(self) -> dict:
-        return {"type": "int8_weight", "affine": self.affine, "bias": self.bias is not None}
+        return {"type": self.SPEC_TYPE, "affine": self.affine, "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "Int8WeightLinear":
+        return cls(in_features, out_features, spec["bias"], spec["affine"], device=device)
+
+    @classmethod
+    def fuse(cls, mods: list["Int8WeightLinear"]) -> "Int8WeightLinear | None":
+        """Concatenated rows; the parts become views of them (nothing stored twice)."""
+        if len({m.affine for m in mods}) != 1:
+            return None
+        bias = fused_bias(mods, torch.float32)
+        fused = cls(mods[0].in_features, sum(m.out_features for m in mods), bias is not None, mods[0].affine,
+                    device="meta")
+        fused.weight = torch.cat([m.weight for m in mods])
+        fused.weight_scale = torch.cat([m.weight_scale for m in mods])
+        if mods[0].affine:
+            fused.weight_zero_point = torch.cat([m.weight_zero_point for m in mods])
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point"])
+        return fused
 
     def kernel(self, dtype: torch.dtype) -> str:
         if dtype in (torch.bfloat16, torch.float16):
@@ -122,13 +222,19 @@ class Int8WeightLinear(WeightOnlyLinear):
         return y
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     """int8 weights (per output channel) x int8 activations (per tensor static, or per token dynamic).
 
     y = (q_x @ q_w^T) * s_x * s_w with the integer product from `torch._int_mm` (int8 x int8 -> int32).
     `smooth_scale`, when present, is the SmoothQuant divisor that could not be folded into a
     preceding op; activations are divided by it before quantization.
+
+    Not fused: each Linear calibrated its own static input scale, so sharing one input quantization would
+    change the numbers.
     """
+
+    SPEC_TYPE = "w8a8"
+    PARAM_TENSORS = ("weight_scale", "input_scale", "smooth_scale")
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dynamic: bool, smooth: bool, device=None
@@ -168,11 +274,15 @@ class W8A8Linear(nn.Module):
 
     def spec(self) -> dict:
         return {
-            "type": "w8a8",
+            "type": self.SPEC_TYPE,
             "dynamic": self.dynamic,
             "smooth": self.smooth_scale is not None,
             "bias": self.bias is not None,
         }
+
+    @classmethod
+    def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "W8A8Linear":
+        return cls(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device)
 
     def kernel(self, dtype: torch.dtype) -> str:
         act = "per-token dynamic" if self.dynamic else "per-tensor static"
@@ -207,16 +317,3 @@ class W8A8Linear(nn.Module):
         w = P.dequantize_weight(self.weight, self.weight_scale)
         b = None if self.bias is None else self.bias.float()
         return F.linear(xf, w, b).reshape(*x.shape[:-1], self.out_features)
-
-
-def module_from_spec(spec: dict, in_features: int, out_features: int, device=None) -> nn.Module:
-    kind = spec.get("type")
-    if kind == "int8_weight":
-        return Int8WeightLinear(in_features, out_features, spec["bias"], spec["affine"], device=device)
-    if kind == "w8a8":
-        return W8A8Linear(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device)
-    if kind == "gptq":
-        from quant.int4 import GPTQLinear
-
-        return GPTQLinear(in_features, out_features, spec["bias"], spec["group_size"], spec["v2"], device=device)
-    raise ValueError(f"unknown quantized module type {kind!r}")

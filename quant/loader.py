@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant import artifact, shards
+from quant import artifact, schemes, shards
 from quant.errors import ArtifactError
-from quant.layers import module_from_spec
+from quant.layers import QuantizedLinear
 from quant.sequential import set_module
 
 
@@ -32,28 +32,11 @@ def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast the parameters of every non-quantized module to `dtype`; quantized modules keep their
     integer tensors and fp32 scales as stored."""
     for mod in model.modules():
-        if hasattr(mod, "spec"):
+        if isinstance(mod, QuantizedLinear):
             continue
         for p in mod.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-
-
-def _module_specs(qc, state: dict, root: Path) -> dict[str, dict]:
-    """Which Linears are quantized, and how: from our own config block, or for GPTQ checkpoints from
-    the tensors themselves (every module with a `qweight`)."""
-    if isinstance(qc, dict) and qc.get("quant_method") == artifact.QUANT_METHOD:
-        return qc["modules"]
-    if isinstance(qc, dict) and qc.get("quant_method") == "gptq":
-        if qc.get("bits") != 4 or qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
-            raise ArtifactError(f"{root / 'config.json'}: only 4-bit GPTQ (gptq / gptq_v2) is supported")
-        v2 = qc.get("checkpoint_format") == "gptq_v2"
-        names = [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]
-        return {
-            n: {"type": "gptq", "group_size": int(qc["group_size"]), "v2": v2, "bias": f"{n}.bias" in state}
-            for n in names
-        }
-    raise ArtifactError(f"{root / 'config.json'} has no quantserve or GPTQ quantization_config")
 
 
 def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True) -> LoadedArtifact:
@@ -67,7 +50,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     raw_config = json.loads((root / "config.json").read_text())
     qc = raw_config.pop("quantization_config", None)
     state = shards.read_weights(root)
-    modules = _module_specs(qc, state, root)
+    modules = schemes.module_specs(qc, state, root)
     config = AutoConfig.for_model(**raw_config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
@@ -76,7 +59,11 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
             lin = model.get_submodule(name)
         except AttributeError as e:
             raise ArtifactError(f"{root / 'config.json'} names module {name} that the model does not have") from e
-        set_module(model, name, module_from_spec(spec, lin.in_features, lin.out_features, device="meta"))
+        try:
+            empty = schemes.module_from_spec(spec, lin.in_features, lin.out_features, device="meta")
+        except (ValueError, KeyError) as e:
+            raise ArtifactError(f"{root / 'config.json'}: module {name}: {e}") from e
+        set_module(model, name, empty)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = set(result.missing_keys) - tied
@@ -94,7 +81,7 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
         model.config.dtype = dtype
     model.to(device).eval()
     for mod in model.modules():
-        if hasattr(mod, "spec"):
+        if isinstance(mod, QuantizedLinear):
             mod.prepare()  # after-load hooks: int4 repacking, kernel alignment
     tok = AutoTokenizer.from_pretrained(root)
     return LoadedArtifact(model, tok, manifest, root)

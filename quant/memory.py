@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-# Tensor classes of the weight memory (W). Quantized modules name their tensors; anything else is float.
-QUANT_DATA = {"weight", "qweight"}  # int tensors inside quantized modules
-QUANT_PARAMS = {"weight_scale", "weight_zero_point", "input_scale", "smooth_scale", "qzeros", "scales", "g_idx"}
+from quant import schemes
+from quant.layers import QuantizedLinear
+
 ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 
 
@@ -64,10 +64,11 @@ def weight_report(model: nn.Module) -> dict:
     for name, t, mod in _unique_tensors(model):
         leaf = name.rsplit(".", 1)[-1]
         nbytes = t.numel() * t.element_size()
-        quantized_module = hasattr(mod, "spec")
-        if quantized_module and leaf in QUANT_DATA and not t.is_floating_point():
+        # Tensor classes of the weight memory (W): quantized modules name their tensors; anything else is float.
+        quantized_module = isinstance(mod, QuantizedLinear)
+        if quantized_module and leaf in mod.DATA_TENSORS and not t.is_floating_point():
             classes["quantized_weights"] += nbytes
-        elif quantized_module and leaf in QUANT_PARAMS:
+        elif quantized_module and leaf in mod.PARAM_TENSORS:
             classes["quant_params"] += nbytes
         else:
             classes["float_weights"] += nbytes
@@ -171,27 +172,24 @@ def parse_bytes(text: str) -> int:
 def weight_bytes(shape: ModelShape, scheme: str, float_bytes: int = 2, group_size: int = 128,
                  include_lm_head: bool = False) -> dict:
     """Predicted weight bytes by class for `scheme` ("float" for an unquantized model), exactly as the
-    artifacts lay them out (int8: fp32 per-channel scales; w4a16: GPTQ qweight/qzeros/fp16 scales/g_idx)."""
+    artifacts lay them out (each scheme's `linear_bytes`: int8 fp32 per-channel scales, GPTQ
+    qweight/qzeros/fp16 scales/g_idx, ...)."""
     q = p = 0
     fl = shape.embedding_params() * float_bytes + 2 * shape.layers * shape.hidden * float_bytes
+    if scheme == "float":
+        fl += shape.layers * sum(n * k for _, n, k in shape.linears()) * float_bytes
+        return {"quantized_weights": 0, "quant_params": 0, "float_weights": fl, "total": fl}
+    sch = schemes.get(scheme)
     for _, n, k in shape.linears():
-        if scheme == "float":
-            fl += shape.layers * n * k * float_bytes
-        elif scheme in ("int8-sym", "int8-affine", "w8a8"):
-            q += shape.layers * n * k
-            p += shape.layers * (4 * n + (n if scheme == "int8-affine" else 0) + (4 if scheme == "w8a8" else 0))
-        elif scheme in ("w4a16", "rtn-w4"):
-            g = k // group_size
-            q += shape.layers * n * k // 2  # qweight
-            p += shape.layers * (g * n // 2 + 2 * g * n + 4 * k)  # qzeros, scales, g_idx
-        else:
-            raise ValueError(f"unknown scheme {scheme!r}")
-    if include_lm_head and scheme in ("int8-sym", "int8-affine", "w8a8"):
-        head = shape.vocab * shape.hidden
+        lq, lp = sch.linear_bytes(n, k, group_size)
+        q += shape.layers * lq
+        p += shape.layers * lp
+    if include_lm_head and sch.supports_lm_head:
         if not shape.tie_embeddings:
-            fl -= head * float_bytes
-        q += head
-        p += 4 * shape.vocab
+            fl -= shape.vocab * shape.hidden * float_bytes
+        hq, hp = sch.head_bytes(shape.vocab, shape.hidden)
+        q += hq
+        p += hp
     return {"quantized_weights": q, "quant_params": p, "float_weights": fl, "total": q + p + fl}
 
 
@@ -207,22 +205,15 @@ def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed
     - solver: the largest Linear's working set (GPTQ: the group's Hessian, GPTQ's own copy and two
       factorisation steps, K x K fp32 each, plus the weight's fp32 copies and codes).
     """
-    h, d, H, I = shape.heads, shape.head_dim, shape.hidden, shape.intermediate
+    H = shape.hidden
     layer = (sum(n * k for _, n, k in shape.linears()) + 2 * H) * compute_bytes
     embed = shape.vocab * H * compute_bytes
     whole = shape.params() * compute_bytes
     part = whole if (not streamed or self_calibration) else max(layer, embed)
-    hidden = calib_tokens * H * 4
-    activations = 0
-    if scheme == "w4a16":
-        activations = 3 * hidden + calib_tokens * (h * d + I) * 4
-    elif scheme == "w8a8":
-        activations = 2 * hidden + calib_tokens * (2 * H + h * d + I) * 4
+    sch = schemes.get(scheme)
+    activations = sch.calib_activation_bytes(shape, calib_tokens) if sch.needs_calibration else 0
     biggest_n, biggest_k = max(((n, k) for _, n, k in shape.linears()), key=lambda nk: (nk[1], nk[0]))
-    if scheme == "w4a16":
-        solver = 4 * biggest_k**2 * 4 + 4 * biggest_n * biggest_k * 4
-    else:
-        solver = 3 * biggest_n * biggest_k * 4
+    solver = sch.solver_bytes(biggest_n, biggest_k)
     return {"part": part, "activations": activations, "solver": solver, "total": part + activations + solver}
 
 

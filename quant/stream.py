@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from quant.errors import ModelSourceError
+from quant.layers import QuantizedLinear
 from quant.models import ModelSource, first_line, load_model
 from quant.shards import INDEX
 
@@ -190,7 +191,7 @@ class StreamedModel:
         out = {}
         for full, mod in self._under(prefix, exclude):
             dot = f"{full}." if full else ""
-            cast = float_dtype is not None and not hasattr(mod, "spec")
+            cast = float_dtype is not None and not isinstance(mod, QuantizedLinear)
             for attr, p in mod._parameters.items():
                 if p is None:
                     continue

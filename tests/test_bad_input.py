@@ -90,6 +90,12 @@ def test_bad_option_value(capsys, tmp_path, tiny_model_dir, extra, names):
         assert name in msg, msg
 
 
+def test_include_lm_head_refused_by_a_4bit_scheme(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "art"
+    msg = failing_build(capsys, out, *build_args(tiny_model_dir, out, "--include-lm-head", scheme="w4a16"))
+    assert "--include-lm-head" in msg and "w4a16" in msg and "GPTQ" in msg, msg
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. the model
 
@@ -243,6 +249,58 @@ def test_build_eval_options_are_named_as_typed(capsys, tmp_path, tiny_model_dir,
     args = build_args(tiny_model_dir, tmp_path / "art", "--eval-data", text_file, *EVAL, *extra)
     msg = failing_build(capsys, tmp_path / "art", *args)
     assert option in msg, msg
+
+
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        (("--max-dppl", "2"), ["--max-dppl", "--eval-data"]),
+        (("--max-kl", "0.1"), ["--max-kl", "--eval-data"]),
+        (("--max-kl", "-1", "--eval-data", "EVAL"), ["--max-kl", "-1"]),
+        (("--max-dppl", "nan", "--eval-data", "EVAL"), ["--max-dppl", "nan"]),
+    ],
+    ids=["dppl-without-data", "kl-without-data", "kl-negative", "dppl-nan"],
+)
+def test_quality_gate_options(capsys, tmp_path, tiny_model_dir, text_file, extra, names):
+    extra = [text_file if a == "EVAL" else a for a in extra]
+    msg = failing_build(capsys, tmp_path / "art", *build_args(tiny_model_dir, tmp_path / "art", *extra))
+    for name in names:
+        assert name in msg, msg
+
+
+def test_quality_gate_missed_publishes_nothing(capsys, tmp_path, tiny_model_dir, text_file):
+    """A build past its gate says by how much, exits 1, and leaves the previous artifact (--force) untouched."""
+    out = tmp_path / "art"
+    assert run_cli(*build_args(tiny_model_dir, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    msg = failing_build_keeping(capsys, out, *build_args(
+        tiny_model_dir, out, "--force", "--eval-data", text_file, *EVAL, "--max-kl", "0", "--max-dppl", "1000",
+        scheme="rtn-w4"))
+    assert "quality gate" in msg and re.search(r"mean KL [0-9.]+ > --max-kl 0 \(by [0-9.e-]+\)", msg), msg
+    assert "--max-dppl" not in msg, msg  # the bound that held is not reported as missed
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_quality_gate_passed_is_recorded(tmp_path, tiny_model_dir, text_file):
+    from quant.artifact import read_manifest
+
+    out = tmp_path / "art"
+    assert run_cli(*build_args(tiny_model_dir, out, "--eval-data", text_file, *EVAL, "--max-kl", "100",
+                               "--max-dppl", "1000")) == 0
+    quality = read_manifest(out)["quality"]
+    assert quality["gate"] == {"max_dppl": 1000.0, "max_kl": 100.0, "passed": True}
+    assert quality["mean_kl"] <= 100
+
+
+def failing_build_keeping(capsys, out: Path, *args) -> str:
+    """Like failing_build, for a target that existed before: only staging leftovers are checked."""
+    code = run_cli(*args)
+    msg = error_line(capsys, "build")
+    assert code == 1
+    leftovers = sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+    assert leftovers == [], f"staging dirs left behind: {leftovers}"
+    return msg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,6 +511,25 @@ def test_format_version_from_the_future(capsys, artifact_copy, cmd):
     msg = error_line(capsys, cmd)
     assert "999" in msg and ("upgrade" in msg or "newer" in msg)
     with pytest.raises(ArtifactError, match="999"):
+        quant.load(artifact_copy)
+
+
+@pytest.mark.parametrize("change", ["unknown-type", "missing-field"])
+def test_module_spec_damaged(artifact_copy, change):
+    """A config.json naming a runtime module type no scheme registers, or a spec without a field its module
+    needs: one ArtifactError naming the module, not a KeyError from inside the registry."""
+    import quant
+
+    cpath = artifact_copy / "config.json"
+    config = json.loads(cpath.read_text())
+    name, spec = next(iter(config["quantization_config"]["modules"].items()))
+    if change == "unknown-type":
+        spec["type"] = "int3"
+    else:
+        del spec["affine"]
+    cpath.write_text(json.dumps(config))
+    _rehash(artifact_copy, "config.json")
+    with pytest.raises(ArtifactError, match=re.escape(name)):
         quant.load(artifact_copy)
 
 

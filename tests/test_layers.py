@@ -9,7 +9,8 @@ from torch import nn
 
 from quant import layers
 from quant import primitives as P
-from quant.layers import Int8WeightLinear, W8A8Linear, module_from_spec
+from quant.layers import Int8WeightLinear, W8A8Linear
+from quant.schemes import module_from_spec
 
 
 def _linear(k=128, n=96, bias=True, seed=0, shift=0.0):

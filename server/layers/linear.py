@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quant.int4 import GPTQLinear
-from quant.layers import WeightOnlyLinear
+from quant.layers import QuantizedLinear, WeightOnlyLinear
 from server.fuse import fuse_linears
 
 ROLES = ("qkv", "o", "gate_up", "down")  # quant.memory.engine_prefill_bytes keys its transients by these
@@ -66,26 +65,24 @@ class Projections:
         return [m for ms in self.by_role.values() for m in ms]
 
     def prepare_kernels(self, extra: list[nn.Module]) -> None:
-        """Build the int4 kernels' scale/zero tables now rather than on a first request (its peak would be
-        the tables', not the activations')."""
-        if self.dtype in (torch.bfloat16, torch.float16):
-            for m in self.gptq_modules(extra):
-                if m._packed is not None:
-                    m._scales_and_zeros(self.dtype)
+        """Build the kernels' per-dtype tables (int4 scale/zero) now rather than on a first request (its peak
+        would be the tables', not the activations')."""
+        for m in self.quantized_modules(extra):
+            m.warm(self.dtype)
 
-    def gptq_modules(self, extra: list[nn.Module]) -> list[GPTQLinear]:
-        mods = {id(m): m for m in [*extra, *self.modules()] if isinstance(m, GPTQLinear)}
+    def quantized_modules(self, extra: list[nn.Module]) -> list[QuantizedLinear]:
+        mods = {id(m): m for m in [*extra, *self.modules()] if isinstance(m, QuantizedLinear)}
         return list(mods.values())
 
     def runtime_weight_bytes(self, held: list[Tensor], extra: list[nn.Module]) -> int:
         """Weight memory held beyond the tensors in ``held`` (the loaded model's own): fused projections that
-        could not be views of their parts (GPTQ) and the int4 kernels' repacked weights and scale/zero tables.
+        could not be views of their parts (GPTQ) and what the kernels hold beside the stored tensors (int4:
+        repacked weights and scale/zero tables).
         Counted by storage, so views of one tensor count once."""
         seen = {t.untyped_storage().data_ptr() for t in held}
         tensors = [t for m in self.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
-        for m in self.gptq_modules(extra):
-            tensors += [m._packed] if m._packed is not None else []
-            tensors += list(m._sz.values())
+        for m in self.quantized_modules(extra):
+            tensors += m.runtime_tensors()
         extra_bytes = 0
         for t in tensors:
             st = t.untyped_storage()

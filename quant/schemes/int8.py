@@ -1,0 +1,48 @@
+"""int8-sym / int8-affine: weight-only int8, per output channel, round-to-nearest; no calibration.
+
+Runtime: ``quant.layers.Int8WeightLinear`` (PyTorch's int8 weight-only kernel for short 16-bit inputs,
+a dequantized matmul otherwise); fusable (q/k/v and gate/up become row views of one tensor).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from quant.layers import Int8WeightLinear
+from quant.schemes.base import Scheme
+from quant.sequential import set_module
+
+
+class _Int8Layers:
+    """Per-channel RTN, one decoder layer at a time."""
+
+    report = None
+
+    def __init__(self, affine: bool):
+        self.affine = affine
+
+    def quantize_layer(self, li: int, layer: nn.Module) -> None:
+        for name, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+            set_module(layer, name, Int8WeightLinear.from_float(lin, self.affine))
+
+
+class Int8Scheme(Scheme):
+    runtime = (Int8WeightLinear,)
+
+    def __init__(self, affine: bool):
+        self.affine = affine
+        self.name = "int8-affine" if affine else "int8-sym"
+        zero = "with an int8 zero-point" if affine else "symmetric"
+        self.summary = f"int8 weights per output channel, {zero}; float activations"
+
+    def layer_quantizer(self, cfg, model, calib_ids, resolved):
+        return _Int8Layers(self.affine)
+
+    def quantize_head(self, cfg, head):
+        return Int8WeightLinear.from_float(head, self.affine)
+
+    def linear_bytes(self, n, k, group_size):
+        return n * k, 4 * n + (n if self.affine else 0)  # int8 weight; fp32 scales (+ int8 zero-points)
+
+
+SCHEMES = (Int8Scheme(affine=False), Int8Scheme(affine=True))
