@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import quant
-from quant import artifact, calibration, evaluate, loader, lora, memory, models, schemes, stream
+from quant import artifact, calibration, evaluate, loader, lora, memory, models, moe, schemes, stream
 from quant.config import DTYPES, BuildConfig
 from quant.errors import ConfigError, QualityGateError
 from quant.sequential import decoder_layers
@@ -38,7 +38,9 @@ def _quantize_lm_head(model: nn.Module, cfg: BuildConfig) -> None:
 
 
 def _modules_spec(model: nn.Module) -> dict[str, dict]:
-    return {name: mod.spec() for name, mod in schemes.quantized_modules(model).items()}
+    """Each quantized module's spec, by its name in the artifact (the checkpoint's)."""
+    to_ckpt = moe.Names(model.config).to_checkpoint
+    return {to_ckpt(name): mod.spec() for name, mod in schemes.quantized_modules(model).items()}
 
 
 def _runtime_kernels(model: nn.Module) -> dict[str, str]:
@@ -81,10 +83,15 @@ def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, resolv
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
     outer = (prefix, head)
 
+    names = moe.Names(model.config)  # the artifact names tensors as the source checkpoint does
+
+    def put(state: dict[str, torch.Tensor]) -> None:
+        writer.add_state({names.to_checkpoint(k): v for k, v in state.items()})
+
     sm.load("", exclude=outer)
     # Calibrated schemes capture layer 0's inputs here.
     quantizer = cfg.scheme_def().layer_quantizer(cfg, model, None if calib is None else calib.ids, resolved)
-    writer.add_state(sm.part_state("", outer, store_dtype))
+    put(sm.part_state("", outer, store_dtype))
     sm.release("", exclude=outer)
 
     seconds = []
@@ -93,23 +100,23 @@ def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, resolv
         part = f"{prefix}.{li}"
         sm.load(part)
         quantizer.quantize_layer(li, layers[li])
-        writer.add_state(sm.part_state(part, (), store_dtype))
+        put(sm.part_state(part, (), store_dtype))
         sm.release(part)
         seconds.append(time.perf_counter() - t)
 
     if cfg.include_lm_head:
         sm.load(head)
         _quantize_lm_head(model, cfg)
-        writer.add_state(sm.part_state(head, (), store_dtype))
+        put(sm.part_state(head, (), store_dtype))
         sm.release(head)
         # A tied head brought the embedding back, in the compute dtype: drop it in the dtype it was written in.
         sm.part_state("", outer, store_dtype)
         sm.release("", exclude=outer)
     elif not getattr(model.config, "tie_word_embeddings", False):
         sm.load(head)
-        writer.add_state(sm.part_state(head, (), store_dtype))
+        put(sm.part_state(head, (), store_dtype))
         sm.release(head)
-    expected = set(sm.part_state())
+    expected = {names.to_checkpoint(n) for n in sm.part_state()}
     if getattr(model.config, "tie_word_embeddings", False):
         expected -= {f"{head}.weight"}
     if expected != writer.names:
@@ -172,7 +179,8 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     staging = artifact.staging_dir(out)
     try:
         t = time.perf_counter()
-        writer = ShardWriter(staging, cfg.max_shard_bytes, header_reserve(model.state_dict()))
+        to_ckpt = moe.Names(model.config).to_checkpoint
+        writer = ShardWriter(staging, cfg.max_shard_bytes, header_reserve(map(to_ckpt, model.state_dict())))
         report, layer_seconds = _quantize_streamed(cfg, sm, calib, resolved, writer, progress)
         writer.finish()
         if adapter_plan is not None and (left := sorted(set(adapter_plan.deltas) - adapter_plan.applied)):
@@ -220,7 +228,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "calibration": None if calib is None else {**calib.describe(), "seed": cfg.calib.seed},
             "memory": mem,
             "build": {"streamed": sm.streamed, "not_streamed_because": sm.reason, "device": str(sm.device),
-                      "layer_seconds": [round(x, 3) for x in layer_seconds]},
+                      "layer_seconds": [round(x, 3) for x in layer_seconds], "moe": moe.describe(model)},
             "quality": None,
             "timings": timings,
         }

@@ -12,6 +12,14 @@ import torch
 from quant.errors import CalibrationError
 
 
+def min_rows(k: int) -> int:
+    """Calibration rows (tokens) a Linear with `k` inputs needs for its calibrated quantization (a GPTQ
+    Hessian, a static input scale). Every dense Linear gets all the calibration tokens; an expert of a MoE
+    layer only those routed to it, and one that gets fewer than this falls back (GPTQ to RTN, a static
+    input scale to a dynamic one), which the build records."""
+    return max(16, k // 16)
+
+
 @dataclass(frozen=True)
 class TokenWindows:
     ids: torch.Tensor  # (S, T) int64

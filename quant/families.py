@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from quant.moe import quantizable_linears
+
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 
@@ -84,7 +86,7 @@ class LayerPlan:
 def plan(config, layer: nn.Module, order: Callable[[], tuple[str, ...]] | None = None) -> LayerPlan:
     """The plan for `layer` of a model with `config`. `order` traces the execution order of its Linears; it
     is called only for a layer no family describes (by default: the module registration order)."""
-    names = tuple(n for n, m in layer.named_modules() if isinstance(m, nn.Linear))
+    names = tuple(quantizable_linears(layer))
     fam = FAMILIES.get(getattr(config, "model_type", None))
     if fam is None or set(names) != set(fam.linears) or not _has(layer, fam.attn_norm, fam.mlp_norm):
         return LayerPlan(None, tuple(order()) if order is not None else names)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant import artifact, schemes, shards
+from quant import artifact, moe, schemes, shards
 from quant.errors import ArtifactError
 from quant.layers import QuantizedLinear
 from quant.sequential import set_module
@@ -54,16 +54,19 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
     config = AutoConfig.for_model(**raw_config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
+    moe.unfuse_experts(model)  # MoE experts as per-expert Linears, as the artifact stores them
+    names = moe.Names(config)
+    state = {names.to_model(k): v for k, v in state.items()}
     for name, spec in modules.items():
         try:
-            lin = model.get_submodule(name)
+            lin = model.get_submodule(names.to_model(name))
         except AttributeError as e:
             raise ArtifactError(f"{root / 'config.json'} names module {name} that the model does not have") from e
         try:
             empty = schemes.module_from_spec(spec, lin.in_features, lin.out_features, device="meta")
         except (ValueError, KeyError) as e:
             raise ArtifactError(f"{root / 'config.json'}: module {name}: {e}") from e
-        set_module(model, name, empty)
+        set_module(model, names.to_model(name), empty)
     result = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = set(result.missing_keys) - tied

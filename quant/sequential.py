@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from quant.families import LayerPlan, plan
+from quant.moe import quantizable_linears
 
 
 class _StopForward(Exception):
@@ -34,14 +35,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """Every nn.Linear inside the decoder blocks, by full module name, in execution-ish order."""
+    """Every Linear a scheme quantizes inside the decoder blocks, by full module name, in execution-ish order."""
     layers = decoder_layers(model)
     prefix = next(name for name, mod in model.named_modules() if mod is layers)
-    return {
-        f"{prefix}.{name}": mod
-        for name, mod in layers.named_modules()
-        if isinstance(mod, nn.Linear)
-    }
+    return {f"{prefix}.{name}": mod for name, mod in quantizable_linears(layers).items()}
 
 
 def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -99,7 +96,7 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Ten
 @torch.inference_mode()
 def linear_order(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[str, ...]:
     """The layer's Linears in the order its forward calls them, traced on one sample (S, T, D)[:1]."""
-    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    linears = quantizable_linears(layer)
     seen: list[str] = []
     handles = [m.register_forward_pre_hook(lambda _m, _a, n=n: None if n in seen else seen.append(n))
                for n, m in linears.items()]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quant import moe
 from quant.errors import ModelSourceError
 from quant.layers import QuantizedLinear
 from quant.models import ModelSource, first_line, load_model
@@ -39,8 +40,19 @@ def _within(name: str, prefix: str) -> bool:
 class Checkpoint:
     """The safetensors files of a model dir, by tensor name."""
 
-    def __init__(self, root: Path, files: dict[str, str]):
+    def __init__(self, root: Path, files: dict[str, str], stored: dict[str, str] | None = None):
         self.root, self.files = root, files  # tensor name -> file name
+        self.stored = stored or {}  # tensor name -> the name it is stored under, where they differ
+
+    def renamed(self, to_model: Callable[[str], str]) -> Checkpoint:
+        """This checkpoint with its tensors named as the model names them (`to_model` of the stored name)."""
+        files, stored = {}, {}
+        for name, file in self.files.items():
+            new = to_model(name)
+            files[new] = file
+            if new != name:
+                stored[new] = name
+        return Checkpoint(self.root, files, stored)
 
     @classmethod
     def find(cls, root: Path) -> Checkpoint | None:
@@ -74,7 +86,7 @@ class Checkpoint:
             try:
                 with safe_open(str(self.root / file), "pt") as f:
                     for key, name in pairs:
-                        t = f.get_tensor(name)
+                        t = f.get_tensor(self.stored.get(name, name))
                         out[key] = t.to(device, dtype) if t.is_floating_point() else t.to(device)
             except Exception as e:  # noqa: BLE001 - a damaged shard is a bad model source
                 raise ModelSourceError(f"cannot read {self.root / file}: {first_line(e)}") from e
@@ -89,6 +101,7 @@ def _meta_skeleton(path: str):
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()  # tied names then share one (meta) Parameter, read once from the checkpoint
+    moe.unfuse_experts(model)  # per-expert Linears, named as the checkpoint names them
     return model.eval()
 
 
@@ -219,6 +232,7 @@ def open_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
             tok = AutoTokenizer.from_pretrained(source.path)
         except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
             raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {first_line(e)}") from e
+        ckpt = ckpt.renamed(moe.Names(model.config).to_model)
         sm = StreamedModel(model, tok, ckpt, dtype, device)
         names = set(model.state_dict())
         absent = sorted(n for n in names if n in sm._slots and not any(a in ckpt.files for a, _, _ in sm._slots[n]))
@@ -227,4 +241,5 @@ def open_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         reason = f"its tensor names differ from the model's (no {absent[0]})"
     log(f"loading the whole model (not streamed layer by layer: {reason})")
     model, tok = load_model(source, dtype, device)
+    moe.unfuse_experts(model)
     return StreamedModel(model, tok, None, dtype, device, reason)

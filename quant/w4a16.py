@@ -17,10 +17,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from quant import calibration
 from quant import gptq as G
 from quant.errors import ConfigError
 from quant.families import LayerPlan
 from quant.int4 import PACK, GPTQLinear
+from quant.moe import quantizable_linears
 from quant.sequential import (
     _StopForward, _cast_kwargs, block_linears, capture_inputs, capture_layer_inputs, decoder_layers,
     layer_plan, run_layer, set_module,
@@ -162,7 +164,7 @@ class LayerQuantizer:
 
     @torch.inference_mode()
     def quantize_layer(self, li: int, layer: nn.Module) -> None:
-        linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        linears = quantizable_linears(layer)
         # Packed as soon as each Linear is quantized: its int32 codes would be 8x the packed bytes, and a
         # layer's worth of them (an 8B layer: 0.9 GB) would otherwise be held until the layer is done.
         packed: dict[str, GPTQLinear] = {}
@@ -176,10 +178,15 @@ class LayerQuantizer:
 
             def quantize_group(names, hess: _Hessian):
                 h = hess.value()
+                need = calibration.min_rows(hess.k)
                 for n in names:
                     lin = layer.get_submodule(n)
                     t = time.perf_counter()
-                    q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order)
+                    if hess.n < need:  # a MoE expert the calibration set hardly routes to
+                        q = G.rtn(lin.weight.data, 4, self.group_size, self.sym)
+                        q.fallback = f"{hess.n} calibration tokens reached it, fewer than the {need} GPTQ needs here"
+                    else:
+                        q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order)
                     full = f"{self.prefix}.{li}.{n}"
                     packed[n] = GPTQLinear.from_quantized(q, lin.bias, v2=not self.sym)
                     self.report["linears"][full] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quant import calibration
 from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
@@ -118,23 +119,32 @@ class LayerQuantizer:
         heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
         with capture_inputs(heads) as store:
             run_layer(layer, hidden, kw)
-        inputs = {g: torch.cat(store.pop(g.linears[0])) for g in groups}  # (R, K) fp32 each
+        inputs = {g: torch.cat(store.pop(g.linears[0]) or [torch.zeros(0, layer.get_submodule(g.linears[0]).in_features)])
+                  for g in groups}  # (R, K) fp32 each; R differs per expert of a MoE layer
         rows = next(iter(inputs.values())).shape[0]
-        sub = torch.randperm(rows, generator=gen)[: cfg.search_tokens]
+        subs = {rows: torch.randperm(rows, generator=gen)[: cfg.search_tokens]}
+        for x in inputs.values():  # the experts of a MoE layer each see the rows routed to them
+            if x.shape[0] not in subs:
+                subs[x.shape[0]] = torch.randperm(x.shape[0], generator=gen)[: cfg.search_tokens]
         # Smoothing strengths are scored on half the subsample: 7 candidates per group add up.
-        sub_alpha = sub[: max(1, cfg.search_tokens // 2)]
+        half = max(1, cfg.search_tokens // 2)
+        # Too few rows (an expert the calibration set seldom routes to): no smoothing, dynamic input scales.
+        few = {g for g, x in inputs.items() if x.shape[0] < calibration.min_rows(x.shape[1])}
         # Phase 1: smoothing for every group, before any weight is quantized (a fold rescales the
         # rows of v_proj / up_proj, which per-row weight quantization absorbs exactly).
         scales: dict = {}
         for g in groups:
             x = inputs[g]
-            absmax = x.abs().amax(dim=0)  # (K,)
             entry: dict = {"linears": list(g.linears)}
-            if cfg.smooth:
+            if g in few:
+                entry["skipped"] = f"{x.shape[0]} calibration tokens reached it"
+            elif cfg.smooth:
+                absmax = x.abs().amax(dim=0)  # (K,)
                 if cfg.smooth_alpha is not None:
                     alpha = cfg.smooth_alpha
                 else:
-                    errs = {a: _score_alpha(layer, g, x[sub_alpha], absmax, a, cfg, model.config) for a in ALPHA_GRID}
+                    x_alpha = x[subs[x.shape[0]][:half]]
+                    errs = {a: _score_alpha(layer, g, x_alpha, absmax, a, cfg, model.config) for a in ALPHA_GRID}
                     alpha = min(errs, key=errs.get)
                     entry["alpha_rel_error"] = {str(a): e for a, e in errs.items()}
                 s, fold = smooth.compute_scales(layer, g, absmax, alpha, model.config)
@@ -147,14 +157,19 @@ class LayerQuantizer:
             s, fold = scales.get(g, (None, False))
             x = inputs.pop(g)
             x_s = x if s is None else x / s  # what the quantized module will see, (R, K)
-            x_sub = x_s[sub]
-            cands = None if cfg.act_dynamic else threshold_candidates(x_s, cfg.calib_method)
+            x_sub = x_s[subs[x.shape[0]]]
+            dynamic = cfg.act_dynamic or g in few
+            cands = None if dynamic else threshold_candidates(x_s, cfg.calib_method)
             for name in g.linears:
                 lin = layer.get_submodule(name)
                 w = lin.weight.detach().float()
                 full = f"{prefix}.{li}.{name}"
                 if cfg.act_dynamic:
                     input_scale, info = None, {"method": "dynamic-per-token"}
+                elif g in few:
+                    input_scale, info = None, {"method": "dynamic-per-token", "fallback": (
+                        f"{x.shape[0]} calibration tokens reached it, fewer than the "
+                        f"{calibration.min_rows(x.shape[1])} a static scale needs")}
                 else:
                     ref = x_sub @ w.t()  # (R, N)
                     info = _choose_threshold(cands, x_sub, ref, *P.quantize_weight_sym(w))

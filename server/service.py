@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
@@ -49,6 +50,17 @@ class Limits:
 
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))  # lone surrogates (JSON can carry them) count too
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(param: str, text: str) -> None:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"), which is not Unicode text: no tokenizer takes it."""
+    m = _SURROGATE.search(text)
+    if m:
+        raise RequestError(param, f"{param} contains a lone UTF-16 surrogate (U+{ord(m.group()):04X} at "
+                                  f"character {m.start()}), which is not valid Unicode text")
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -138,6 +150,8 @@ class Service:
                 raise RequestError("messages", f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                                                f"got {m.get('role')!r}")
         self._check_bytes("messages", "messages are", sum(_utf8_len(m["content"]) for m in messages))
+        for m in messages:
+            _check_text("messages", m["content"])
         return await asyncio.to_thread(self.engine.chat_prompt, messages)
 
     def _check_bytes(self, param: str, what: str, n: int) -> None:
@@ -148,6 +162,7 @@ class Service:
         """Token ids of a text prompt (tokenized off the event loop) or checked ids, within the limits."""
         if isinstance(prompt, str):
             self._check_bytes("prompt", "prompt is", _utf8_len(prompt))
+            _check_text("prompt", prompt)
             ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)

@@ -123,6 +123,20 @@ def test_http_invalid_requests_get_400_naming_the_parameter(server, body, param)
     assert err["param"] == param and param.split("_")[0] in err["message"]
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+     "messages"),
+    ("/tokenize", b'{"text": "x\\ud83d"}', "prompt"),
+])
+def test_http_lone_surrogate_is_400_not_500(server, path, body, param):
+    """JSON can escape a lone UTF-16 surrogate, which no tokenizer takes (found by bench/fuzz.py)."""
+    r = httpx.post(server.http + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+
+
 def test_http_malformed_json_and_health_and_metrics(server):
     r = httpx.post(server.http + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from quant.layers import Int8WeightLinear
+from quant.moe import quantizable_linears
 from quant.schemes.base import Scheme
 from quant.sequential import set_module
 
@@ -22,7 +23,7 @@ class _Int8Layers:
         self.affine = affine
 
     def quantize_layer(self, li: int, layer: nn.Module) -> None:
-        for name, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]:
+        for name, lin in quantizable_linears(layer).items():
             set_module(layer, name, Int8WeightLinear.from_float(lin, self.affine))
 
 
