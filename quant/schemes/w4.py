@@ -8,6 +8,7 @@ fused module holds the one kernel copy). Act-order uses static groups, so ``g_id
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from quant.errors import ArtifactError
@@ -73,8 +74,6 @@ class GPTQScheme(Scheme):
         }
 
     def extra_files(self, cfg, resolved):
-        import json
-
         return {"quantize_config.json": json.dumps(self.quantization_config(cfg, resolved, {}), indent=2) + "\n"}
 
     def linear_bytes(self, n, k, group_size):
