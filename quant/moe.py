@@ -47,11 +47,12 @@ class Layout:
 
 LAYOUTS = {"mixtral": Layout(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
 DEFAULT_LAYOUT = Layout()  # Qwen2-MoE, Qwen3-MoE and the other transformers MoE models converted like them
-FLOAT_GATES = ("shared_expert_gate",)
+FLOAT_GATES = ("shared_expert_gate",)  # Linear gates of a MoE block (Qwen2-MoE)
 
 
-def _layout(config) -> Layout:
-    return LAYOUTS.get(getattr(config, "model_type", ""), DEFAULT_LAYOUT)  # Linear gates of a MoE block (Qwen2-MoE)
+def layout_of(config) -> Layout:
+    """How `config`'s family names its MoE blocks."""
+    return LAYOUTS.get(getattr(config, "model_type", ""), DEFAULT_LAYOUT)
 
 
 class Expert(nn.Module):
@@ -114,7 +115,7 @@ def _check(name: str, mod: nn.Module) -> tuple[int, int, int]:
 def unfuse_experts(model: nn.Module) -> int:
     """Replace every fused experts module of `model` by ExpertLinears (weights sliced from the 3-D tensors;
     meta in, meta out) and mark Linear gates KeptFloat. Returns the number of experts modules replaced."""
-    layout = _layout(model.config)
+    layout = layout_of(model.config)
     found = [(n, m) for n, m in model.named_modules() if _is_fused_experts(m)]
     for name, mod in found:
         n_exp, hidden, inter = _check(name, mod)
@@ -141,7 +142,7 @@ class Names:
     ``mlp``; everything else keeps its name."""
 
     def __init__(self, config):
-        layout = _layout(config)
+        layout = layout_of(config)
         self._to_ckpt = self._from_ckpt = None
         if layout.block != "mlp":
             self._to_ckpt = (re.compile(r"(^|\.)(layers\.\d+\.)mlp\."), rf"\1\2{layout.block}.")
@@ -159,7 +160,7 @@ def describe(model: nn.Module) -> dict | None:
     blocks = [m for m in model.modules() if isinstance(m, ExpertLinears)]
     if not blocks:
         return None
-    layout = _layout(model.config)
+    layout = layout_of(model.config)
     return {
         "moe_layers": len(blocks),
         "experts_per_layer": len(blocks[0]),

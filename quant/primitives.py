@@ -83,3 +83,41 @@ def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: floa
     s = a.pow(alpha) / w.pow(1.0 - alpha)
     dead = (act_absmax <= 0) | (w_absmax <= 0)
     return torch.where(dead, torch.ones_like(s), s).clamp_min(1e-5)
+
+
+_INT_MM_FASTER: dict[str, bool] = {}
+
+
+def int_mm_is_faster(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` beats an fp32 matmul on `device`, measured once per device type. On CPUs
+    with int8 dot-product instructions (VNNI, AMX) it is ~2x faster; on AVX2-only ones ~25x slower
+    (bench/RESULTS.md), so calibration, which only needs the product's value, picks per machine."""
+    key = torch.device(device).type
+    if key not in _INT_MM_FASTER:
+        if key == "cuda":
+            _INT_MM_FASTER[key] = True
+        else:
+            import time
+
+            g = torch.Generator().manual_seed(0)
+            a = torch.randint(-127, 128, (256, 512), generator=g, dtype=torch.int8)
+            b = torch.randint(-127, 128, (512, 512), generator=g, dtype=torch.int8)
+            af, bf = a.float(), b.float()
+            timings = []
+            for f in (lambda: torch._int_mm(a, b), lambda: af @ bf):
+                f()  # warm-up
+                t = time.perf_counter()
+                for _ in range(3):
+                    f()
+                timings.append(time.perf_counter() - t)
+            _INT_MM_FASTER[key] = timings[0] < timings[1]
+    return _INT_MM_FASTER[key]
+
+
+def int8_product(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq (M, K) int8 @ wq (N, K)^T int8 -> (M, N) fp32: exact integer products, summed exactly by
+    ``torch._int_mm`` or in fp32 (exact up to 2**24 per partial sum) when that is this device's faster path."""
+    m, k = xq.shape
+    if int_mm_is_faster(xq.device) and m > 16 and k % 8 == 0 and wq.shape[0] % 8 == 0:
+        return torch._int_mm(xq, wq.t()).float()
+    return xq.float() @ wq.float().t()

@@ -3,11 +3,24 @@
 Only one decoder layer's inputs (and the inputs of its Linears) are held at a time: the embeddings
 and every layer's own kwargs are captured in a pass that does not run the layers, each layer is then
 run on its own, and its outputs become the next layer's inputs.
+
+Inside a layer, the Linears are quantized sequentially: each group (q/k/v, o, gate/up, down) is calibrated on
+inputs computed with the groups before it already quantized, which a scheme arranges by making each Linear
+compute its quantized function in float once its group is done (`quantize_group` below). Two passes do this:
+- `staged_pass` (Llama-shaped layers, quant.families says which) executes the layer in stages (norm ->
+  attention -> o -> norm -> MLP up to down -> down), each stage once: one layer pass in all;
+- `exact_pass` (any layer) re-runs the layer's own forward once per stage of its plan (a stage: groups whose
+  inputs do not depend on each other, such as all the experts' gate/up of a MoE block), then once more.
+
+`quantize_group(names, inputs)` gets the group's Linears and their common input, one (1, T, K) or (rows, K)
+tensor per calibration sample (a sequence that may compute them on access: iterate it, or cat it once), and
+returns the per-channel divisor it folded into the producer of that input (SmoothQuant), or None; the staged
+pass then divides the inputs it holds by it, so the next stage sees what the quantized layer computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -156,3 +169,93 @@ def capture_inputs(modules: dict[str, nn.Module]) -> Iterator[dict[str, list[tor
     finally:
         for h in handles:
             h.remove()
+
+
+QuantizeGroup = Callable[[tuple[str, ...], Sequence[torch.Tensor]], "torch.Tensor | None"]
+
+
+def _stop(_mod, _args):
+    raise _StopForward
+
+
+class _Computed(Sequence):
+    """f(0), ..., f(n-1), each computed when read (a stage's inputs that the next stage recomputes anyway)."""
+
+    def __init__(self, f: Callable[[int], torch.Tensor], n: int):
+        self.f, self.n = f, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.f(j) for j in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.f(i % self.n)
+
+
+def _inputs_until(module: nn.Module, run: Callable[[int], object], samples: int) -> list[torch.Tensor]:
+    """`module`'s input for each sample, the forward stopped there (nothing after it is computed)."""
+    with capture_inputs({"x": module}) as store:
+        stop = module.register_forward_pre_hook(_stop)
+        try:
+            for s in range(samples):
+                try:
+                    run(s)
+                except _StopForward:
+                    pass
+        finally:
+            stop.remove()
+    return store["x"]  # S x (T, K)
+
+
+def _divided(xs: list[torch.Tensor], div: torch.Tensor | None) -> list[torch.Tensor]:
+    return xs if div is None else [x / div for x in xs]
+
+
+@torch.inference_mode()
+def staged_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: QuantizeGroup,
+                lp: LayerPlan) -> torch.Tensor:
+    """One pass over the calibration set (S, T, D) with each group quantized right before its stage, for layers
+    h' = h + r * attn(norm1(h)); out = h' + r * mlp(norm2(h')) (lp.staged). Returns the layer's output."""
+    fam, r = lp.family, lp.residual_scale
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.get_submodule(fam.attn_norm), layer.get_submodule(fam.mlp_norm)
+    o_proj, down_proj = layer.get_submodule(fam.o), layer.get_submodule(fam.down)
+    n = hidden.shape[0]
+
+    def h(s: int) -> torch.Tensor:
+        return hidden[s : s + 1]  # (1, T, D)
+
+    # Stage 1: q/k/v read norm1(h) (recomputed after the group: a smoothing fold changes norm1).
+    quantize_group(fam.qkv, _Computed(lambda s: norm1(h(s)), n))
+    # Stage 2: attention with quantized q/k/v, stopped at o_proj's input.
+    attn_in = _inputs_until(o_proj, lambda s: attn(hidden_states=norm1(h(s)), **kw), n)
+    attn_in = _divided(attn_in, quantize_group((fam.o,), attn_in))
+    # Stage 3: residual + r * o_proj, then norm2 feeds gate/up.
+    mid = torch.cat([h(s) + r * o_proj(attn_in[s]).reshape(h(s).shape) for s in range(n)])  # (S, T, D)
+    del attn_in
+    quantize_group(fam.gate_up, _Computed(lambda s: norm2(mid[s : s + 1]), n))
+    # Stage 4: the MLP up to down_proj's input.
+    down_in = _inputs_until(down_proj, lambda s: mlp(norm2(mid[s : s + 1])), n)
+    down_in = _divided(down_in, quantize_group((fam.down,), down_in))
+    # Stage 5: the layer's output.
+    return torch.cat([mid[s : s + 1] + r * down_proj(down_in[s]).reshape(mid[s : s + 1].shape) for s in range(n)])
+
+
+@torch.inference_mode()
+def exact_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: QuantizeGroup,
+               lp: LayerPlan, groups) -> torch.Tensor:
+    """The layer's own forward re-run once per stage of `lp` (any layer shape), capturing the input of every
+    group of the stage (`groups`: quant.smooth.SmoothGroup, each named by its Linears), then once for the
+    output."""
+    for stage in lp.stages:
+        now = [g for g in groups if g.linears[0] in stage]
+        with capture_inputs({g.linears[0]: layer.get_submodule(g.linears[0]) for g in now}) as store:
+            run_layer(layer, hidden, kw)
+        for g in now:
+            x = store.pop(g.linears[0])
+            quantize_group(g.linears, x)
+            del x
+    return run_layer(layer, hidden, kw)

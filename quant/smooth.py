@@ -41,10 +41,15 @@ def layer_groups(layer: nn.Module, plan: LayerPlan) -> list[SmoothGroup]:
     def norm(name: str | None) -> tuple[str | None, str]:
         return (name, "norm") if name is not None and fam.norm_folds else (None, "none")
 
-    v, up = fam.qkv[-1], fam.gate_up[-1]
-    return [
+    v = fam.qkv[-1]
+    attn = [
         SmoothGroup(fam.qkv, *norm(fam.attn_norm)),
         SmoothGroup((fam.o,), *((v, "v_proj") if fam.fold_o_into_v else (None, "none"))),
+    ]
+    if fam.moe:  # the router reads the experts' input too: nothing folds into the norm (see quant.families)
+        return attn + [SmoothGroup((n,), None, "none") for st in plan.stages[2:] for n in st]
+    up = fam.gate_up[-1]
+    return attn + [
         SmoothGroup(fam.gate_up, *norm(fam.mlp_norm)),
         SmoothGroup((fam.down,), *((up, "linear") if fam.fold_down_into_up else (None, "none"))),
     ]
@@ -88,6 +93,17 @@ def compute_scales(
     return smooth_factors(act_absmax, w_absmax, alpha), group.producer_kind != "none"
 
 
+def producer_divisor(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, config) -> torch.Tensor:
+    """What the producer's output channels are divided by to fold `s`: s itself, or for v_proj one value per
+    V channel (every o_proj channel tied to one V channel carries the same s)."""
+    if group.producer_kind != "v_proj":
+        return s
+    prod = layer.get_submodule(group.producer)
+    o = layer.get_submodule(group.linears[0])
+    tie = gqa_tie_index(config, o.in_features, prod.out_features, s.device)
+    return torch.zeros(prod.out_features, dtype=s.dtype, device=s.device).scatter(0, tie, s)  # (v_out,)
+
+
 @torch.no_grad()
 def apply(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, fold: bool, config) -> None:
     """Multiply the group's weight columns by s and, when `fold`, divide the producer's output by s."""
@@ -102,13 +118,7 @@ def apply(layer: nn.Module, group: SmoothGroup, s: torch.Tensor, fold: bool, con
         if getattr(prod, "bias", None) is not None:
             prod.bias.div_(s.to(prod.bias.dtype))
         return
-    if group.producer_kind == "v_proj":
-        o = layer.get_submodule(group.linears[0])
-        tie = gqa_tie_index(config, o.in_features, prod.out_features, s.device)
-        # Every channel tied to one V channel carries the same s; read it back per V channel.
-        s_v = torch.zeros(prod.out_features, dtype=s.dtype, device=s.device).scatter(0, tie, s)
-    else:
-        s_v = s
-    prod.weight.div_(s_v.to(prod.weight.dtype)[:, None])
+    d = producer_divisor(layer, group, s, config)  # (out,)
+    prod.weight.div_(d.to(prod.weight.dtype)[:, None])
     if prod.bias is not None:
-        prod.bias.div_(s_v.to(prod.bias.dtype))
+        prod.bias.div_(d.to(prod.bias.dtype))

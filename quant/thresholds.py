@@ -33,6 +33,7 @@ import torch
 # A zero scale would make quantize() divide by zero. Any positive scale maps an all-zero tensor to
 # zeros exactly, so a tiny one is safe for the only case that needs it (amax == 0).
 EPS_SCALE = 1e-8
+_HIST_SLICE = 1 << 24  # elements per histc call (see abs_histogram)
 
 
 # eq=False: the generated __eq__/__hash__ would compare/hash numpy arrays and raise.
@@ -91,12 +92,13 @@ def abs_histogram(chunks: Iterable[torch.Tensor] | torch.Tensor, bins: int = 204
         t = _as_float_chunk(c)
         if t.numel() == 0:
             continue
-        if torch.isnan(t).any():
+        lo, hi = (float(v) for v in torch.aminmax(t))  # one pass; NaN and inf come out in the extremes
+        if math.isnan(lo) or math.isnan(hi):
             raise ValueError(f"abs_histogram: chunk {k} contains NaN values")
-        if torch.isinf(t).any():
+        if math.isinf(lo) or math.isinf(hi):
             raise ValueError(f"abs_histogram: chunk {k} contains inf values")
         numel += t.numel()
-        amax = max(amax, float(t.abs().max()))
+        amax = max(amax, -lo, hi)
     if numel == 0:
         raise ValueError("abs_histogram: no data (all chunks are empty)")
 
@@ -107,13 +109,14 @@ def abs_histogram(chunks: Iterable[torch.Tensor] | torch.Tensor, bins: int = 204
         counts[0] = numel
         return AbsHistogram(counts=counts, edges=np.zeros(bins + 1), amax=0.0)
 
-    # float64 counts: histc on float32 stops counting exactly past 2**24 per bin.
-    acc = None
+    # histc counts in its input's dtype, exact in float32 up to 2**24 per bin: slices of at most that many
+    # elements, summed in float64 (this also bounds the |x| temporary to one slice).
+    acc = torch.zeros(bins, dtype=torch.float64)
     for c in chunks:
-        t = _as_float_chunk(c)
-        if t.numel():
-            part = torch.histc(t.reshape(-1).to(torch.float64).abs(), bins=bins, min=0.0, max=amax)
-            acc = part if acc is None else acc + part
+        flat = _as_float_chunk(c).reshape(-1)
+        for a in range(0, flat.numel(), _HIST_SLICE):
+            part = torch.histc(flat[a : a + _HIST_SLICE].abs(), bins=bins, min=0.0, max=amax)
+            acc += part.to(device="cpu", dtype=torch.float64)
     counts = acc.round().to(torch.int64).cpu().numpy()
     # linspace pins edges[-1] to amax exactly (histc puts |x| == amax in the last bin).
     return AbsHistogram(counts=counts, edges=np.linspace(0.0, amax, bins + 1), amax=amax)

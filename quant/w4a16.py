@@ -2,17 +2,16 @@
 
 GPTQ runs sequentially: each decoder layer sees the calibration activations produced by the already
 quantized layers before it, and inside a layer each group of Linears (q/k/v, then o, then gate/up,
-then down) sees inputs computed with the groups before it already quantized. For Llama-shaped layers
-(quant.families says which) the layer is executed in stages (norm -> attention -> o -> norm -> MLP up to
-down -> down), each stage once, after the weights it uses are quantized: the same result as re-running the
-layer between groups, at the cost of one layer pass. Other layer shapes re-run the whole layer per group.
-Memory is bounded by one layer's activations for the calibration set plus one Hessian.
+then down) sees inputs computed with the groups before it already quantized (quant.sequential's staged
+pass for Llama-shaped layers, one layer pass; the exact pass otherwise). A quantized group computes with
+its dequantized weights for the rest of the layer's pass. Memory is bounded by one layer's activations for
+the calibration set plus one Hessian (accumulated sample by sample).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -20,12 +19,11 @@ from torch import nn
 from quant import calibration
 from quant import gptq as G
 from quant.errors import ConfigError
-from quant.families import LayerPlan
 from quant.int4 import PACK, GPTQLinear
 from quant.moe import quantizable_linears
 from quant.sequential import (
-    _StopForward, _cast_kwargs, block_linears, capture_inputs, capture_layer_inputs, decoder_layers,
-    layer_plan, run_layer, set_module,
+    _cast_kwargs, block_linears, capture_layer_inputs, decoder_layers, exact_pass, layer_plan, set_module,
+    staged_pass,
 )
 from quant.smooth import layer_groups
 
@@ -49,10 +47,6 @@ def choose_group_size(model: nn.Module, requested: int | None) -> int:
     raise ConfigError("no group size of 128, 64 or 32 divides every Linear's input dimension; pass --group-size")
 
 
-def _stop(_mod, _args):
-    raise _StopForward
-
-
 class _Hessian:
     """Streaming H = 2 X^T X / n in fp32."""
 
@@ -71,78 +65,6 @@ class _Hessian:
         if self.h is None:
             return torch.zeros(self.k, self.k)
         return self.h.mul_(2.0 / max(self.n, 1))
-
-
-@torch.inference_mode()
-def _staged(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable, lp: LayerPlan) -> torch.Tensor:
-    """One pass over the calibration set with each group quantized right before its stage: for layers
-    h' = h + r * attn(norm1(h)); out = h' + r * mlp(norm2(h')) (lp.staged)."""
-    fam, r = lp.family, lp.residual_scale
-    attn, mlp = layer.self_attn, layer.mlp
-    norm1, norm2 = layer.get_submodule(fam.attn_norm), layer.get_submodule(fam.mlp_norm)
-    o_proj, down_proj = layer.get_submodule(fam.o), layer.get_submodule(fam.down)
-    samples = range(hidden.shape[0])
-    # Stage 1: q/k/v read norm1(h).
-    h_qkv = _Hessian(hidden.shape[-1])
-    for s in samples:
-        h_qkv.add(norm1(hidden[s : s + 1]))
-    quantize_group(fam.qkv, h_qkv)
-    # Stage 2: attention with quantized q/k/v, stopped at o_proj's input.
-    attn_in = []
-    with capture_inputs({"o": o_proj}) as store:
-        stop = o_proj.register_forward_pre_hook(_stop)
-        try:
-            for s in samples:
-                try:
-                    attn(hidden_states=norm1(hidden[s : s + 1]), **kw)
-                except _StopForward:
-                    pass
-        finally:
-            stop.remove()
-        attn_in = store["o"]  # S x (T, K)
-    h_o = _Hessian(attn_in[0].shape[-1])
-    for x in attn_in:
-        h_o.add(x)
-    quantize_group((fam.o,), h_o)
-    # Stage 3: residual + r * o_proj, then norm2 feeds gate/up.
-    mid = torch.cat([hidden[s : s + 1] + r * o_proj(attn_in[s]).reshape(hidden[s : s + 1].shape) for s in samples])
-    del attn_in
-    h_gu = _Hessian(mid.shape[-1])
-    for s in samples:
-        h_gu.add(norm2(mid[s : s + 1]))
-    quantize_group(fam.gate_up, h_gu)
-    # Stage 4: the MLP up to down_proj's input.
-    with capture_inputs({"down": down_proj}) as store:
-        stop = down_proj.register_forward_pre_hook(_stop)
-        try:
-            for s in samples:
-                try:
-                    mlp(norm2(mid[s : s + 1]))
-                except _StopForward:
-                    pass
-        finally:
-            stop.remove()
-        down_in = store["down"]
-    h_d = _Hessian(down_in[0].shape[-1])
-    for x in down_in:
-        h_d.add(x)
-    quantize_group((fam.down,), h_d)
-    # Stage 5: the layer's output.
-    return torch.cat([mid[s : s + 1] + r * down_proj(down_in[s]).reshape(mid[s : s + 1].shape) for s in samples])
-
-
-@torch.inference_mode()
-def _exact(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: Callable, lp: LayerPlan) -> torch.Tensor:
-    """The layer's own forward re-run for each group (any layer shape)."""
-    for g in layer_groups(layer, lp):
-        first = layer.get_submodule(g.linears[0])
-        h = _Hessian(first.in_features)
-        with capture_inputs({"x": first}) as store:
-            run_layer(layer, hidden, kw)
-        for x in store["x"]:
-            h.add(x)
-        quantize_group(g.linears, h)
-    return run_layer(layer, hidden, kw)
 
 
 class LayerQuantizer:
@@ -176,7 +98,10 @@ class LayerQuantizer:
             kw = _cast_kwargs(self.kws[li], torch.float32)
             lp = layer_plan(self.model, layer, self.hidden, kw)
 
-            def quantize_group(names, hess: _Hessian):
+            def quantize_group(names: tuple[str, ...], inputs: Sequence[torch.Tensor]) -> None:
+                hess = _Hessian(layer.get_submodule(names[0]).in_features)
+                for x in inputs:
+                    hess.add(x)
                 h = hess.value()
                 need = calibration.min_rows(hess.k)
                 for n in names:
@@ -197,6 +122,9 @@ class LayerQuantizer:
                     lin.weight.data = q.dequantize().to(lin.weight.dtype)  # what the next groups see
                     del q
 
-            self.hidden = (_staged if lp.staged else _exact)(layer, self.hidden, kw, quantize_group, lp)
+            if lp.staged:
+                self.hidden = staged_pass(layer, self.hidden, kw, quantize_group, lp)
+            else:
+                self.hidden = exact_pass(layer, self.hidden, kw, quantize_group, lp, layer_groups(layer, lp))
         for n in linears:
             set_module(layer, n, packed.pop(n))

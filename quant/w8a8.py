@@ -1,28 +1,35 @@
 """W8A8: smoothing, activation-threshold calibration and int8 x int8 modules, layer by layer.
 
-Per decoder layer, on the calibration activations that reach it through the already-quantized
-layers before it:
-1. capture the input of each smoothing group (q/k/v, o, gate/up, down) from the float layer;
-2. smoothing: per group, alpha is `--smooth-alpha` or the grid value whose fake-quantized outputs are
-   closest to the float outputs on a seeded token subsample; the scales are folded (see smooth.py);
-3. static thresholds per Linear by `--calib-method` on the smoothed activations (full data
-   histogram); `auto` scores every candidate (minmax, percentiles, KL) by that Linear's output error
-   on the subsample and keeps the best, minmax winning ties, so it never scores worse than minmax;
-4. swap in `W8A8Linear` (real int8 kernels) and run the quantized layer to produce the next layer's
-   inputs.
+Sequential, as GPTQ (quant.sequential): each decoder layer sees the calibration activations of the quantized
+layers before it, and inside a layer each group of Linears (q/k/v, o, gate/up, down) the inputs computed with
+the groups before it quantized, in one staged pass for Llama-shaped layers. Per group:
+1. smoothing: alpha is `--smooth-alpha` or the grid value whose fake-quantized outputs are closest to the
+   float outputs on a seeded token subsample; the scales are folded (see smooth.py) where the family allows,
+   including into an already quantized v_proj / up_proj (a per-row weight scale absorbs a row factor exactly);
+2. static thresholds per Linear by `--calib-method` on the smoothed activations (full data histogram);
+   `auto` scores every candidate (minmax, percentiles, KL) by that Linear's output error on the subsample
+   and keeps the best, minmax winning ties, so it never scores worse than minmax;
+3. the group's `W8A8Linear`s are built, and for the rest of the layer's pass each Linear computes their
+   function in fp32 (dequantized weight, fake-quantized input: `W8A8Linear.reference_forward`), the fast dense
+   path on every machine, where `_int_mm` is 25x slower than fp32 on AVX2-only CPUs. The int8 modules are
+   swapped in when the layer is done.
+Scores compare int8 x int8 products computed by `primitives.int8_product` (the machine's faster path).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from quant import calibration
 from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
 from quant.layers import W8A8Linear
-from quant.sequential import capture_inputs, capture_layer_inputs, decoder_layers, layer_plan, run_layer
+from quant.sequential import (
+    _cast_kwargs, capture_layer_inputs, decoder_layers, exact_pass, layer_plan, set_module, staged_pass,
+)
 
 
 def threshold_candidates(x: torch.Tensor, method: str, search: bool = False) -> dict[str, float]:
@@ -55,18 +62,18 @@ def _act_q(x: torch.Tensor, threshold: float | None) -> tuple[torch.Tensor, torc
 
 
 def _output_error(xq, x_scale, wq: torch.Tensor, w_scale: torch.Tensor, ref: torch.Tensor) -> float:
-    """Squared error of the quantized output against the float output, computed the way the runtime
-    computes it: an int8 x int8 product rescaled (and 4x cheaper than a float matmul here)."""
-    y = torch._int_mm(xq, wq.t()).float() * (x_scale * w_scale)  # (R, N)
+    """Squared error of the quantized output against the float output, computed as the runtime computes it:
+    an int8 x int8 product rescaled."""
+    y = P.int8_product(xq, wq) * (x_scale * w_scale)  # (R, N)
     return float(torch.linalg.vector_norm(y - ref) ** 2)
 
 
 def _score_alpha(
-    layer: nn.Module, group: smooth.SmoothGroup, x_sub: torch.Tensor, absmax: torch.Tensor,
+    layer: nn.Module, group: smooth.SmoothGroup, x_sub: torch.Tensor, absmax: torch.Tensor, refs: dict,
     alpha: float, cfg: BuildConfig, config,
 ) -> float:
     """Relative output error of the group at smoothing strength `alpha`, each Linear with its best
-    search threshold."""
+    search threshold. `refs`: each Linear's float weight (N, K) and float output on `x_sub` (R, N)."""
     s, _ = smooth.compute_scales(layer, group, absmax, alpha, config)
     xs = x_sub / s  # (R, K)
     if cfg.act_dynamic:
@@ -76,11 +83,10 @@ def _score_alpha(
         x_qs = [_act_q(xs, t) for t in cands.values()]
     err, norm = 0.0, 0.0
     for name in group.linears:
-        w = layer.get_submodule(name).weight.detach().float()  # (N, K)
-        ref = x_sub @ w.t()  # (R, N)
+        w, ref, ref_norm = refs[name]
         wq, ws = P.quantize_weight_sym(w * s[None, :])
         err += min(_output_error(xq, xsc, wq, ws, ref) for xq, xsc in x_qs)
-        norm += float(torch.linalg.vector_norm(ref) ** 2)
+        norm += ref_norm
     return err / max(norm, 1e-30)
 
 
@@ -98,10 +104,28 @@ def _choose_threshold(
     }
 
 
+def _simulate(lin: nn.Linear, mod: W8A8Linear) -> RemovableHandle:
+    """Make the float `lin` compute `mod.reference_forward` (what the int8 module computes) until the handle
+    is removed: its weight becomes the dequantized int8 weight, its input is divided by the explicit smoothing
+    scale and fake-quantized with the input scale."""
+    lin.weight.data = P.dequantize_weight(mod.weight, mod.weight_scale).to(lin.weight.dtype)
+    smooth_scale = mod.smooth_scale
+    scale = None if mod.dynamic else float(mod.input_scale)
+
+    def hook(_m, args):
+        x = args[0]
+        x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
+        if smooth_scale is not None:
+            x2 = x2 / smooth_scale
+        return (P.fake_quant_act(x2, scale).to(x.dtype).reshape(x.shape), *args[1:])
+
+    return lin.register_forward_pre_hook(hook)
+
+
 class LayerQuantizer:
     """W8A8 one decoder layer at a time, in order: `quantize_layer(li, layer)` smooths, calibrates and swaps
-    the layer's Linears for W8A8Linear modules, then runs it to make the next layer's inputs. The
-    calibration inputs of layer 0 are captured on construction (the embedding must be materialised)."""
+    the layer's Linears for W8A8Linear modules, its output becoming the next layer's input. The calibration
+    inputs of layer 0 are captured on construction (the embedding must be materialised)."""
 
     def __init__(self, model: nn.Module, calib_ids: torch.Tensor, cfg: BuildConfig):
         self.model, self.cfg = model, cfg
@@ -111,77 +135,102 @@ class LayerQuantizer:
         self.hidden, self.kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
         self.report: dict = {"groups": {}, "linears": {}}
 
+    def _subsample(self, rows: int, n: int) -> torch.Tensor:
+        return torch.randperm(rows, generator=self.gen)[:n]
+
     @torch.inference_mode()
     def quantize_layer(self, li: int, layer: nn.Module) -> None:
-        model, cfg, gen, prefix, report, hidden = self.model, self.cfg, self.gen, self.prefix, self.report, self.hidden
-        kw = self.kws[li]
-        groups = smooth.layer_groups(layer, layer_plan(model, layer, hidden, kw))
-        heads = {g.linears[0]: layer.get_submodule(g.linears[0]) for g in groups}
-        with capture_inputs(heads) as store:
-            run_layer(layer, hidden, kw)
-        inputs = {g: torch.cat(store.pop(g.linears[0]) or [torch.zeros(0, layer.get_submodule(g.linears[0]).in_features)])
-                  for g in groups}  # (R, K) fp32 each; R differs per expert of a MoE layer
-        rows = next(iter(inputs.values())).shape[0]
-        subs = {rows: torch.randperm(rows, generator=gen)[: cfg.search_tokens]}
-        for x in inputs.values():  # the experts of a MoE layer each see the rows routed to them
-            if x.shape[0] not in subs:
-                subs[x.shape[0]] = torch.randperm(x.shape[0], generator=gen)[: cfg.search_tokens]
-        # Smoothing strengths are scored on half the subsample: 7 candidates per group add up.
-        half = max(1, cfg.search_tokens // 2)
-        # Too few rows (an expert the calibration set seldom routes to): no smoothing, dynamic input scales.
-        few = {g for g, x in inputs.items() if x.shape[0] < calibration.min_rows(x.shape[1])}
-        # Phase 1: smoothing for every group, before any weight is quantized (a fold rescales the
-        # rows of v_proj / up_proj, which per-row weight quantization absorbs exactly).
-        scales: dict = {}
-        for g in groups:
-            x = inputs[g]
-            entry: dict = {"linears": list(g.linears)}
-            if g in few:
-                entry["skipped"] = f"{x.shape[0]} calibration tokens reached it"
-            elif cfg.smooth:
-                absmax = x.abs().amax(dim=0)  # (K,)
-                if cfg.smooth_alpha is not None:
-                    alpha = cfg.smooth_alpha
-                else:
-                    x_alpha = x[subs[x.shape[0]][:half]]
-                    errs = {a: _score_alpha(layer, g, x_alpha, absmax, a, cfg, model.config) for a in ALPHA_GRID}
-                    alpha = min(errs, key=errs.get)
-                    entry["alpha_rel_error"] = {str(a): e for a, e in errs.items()}
-                s, fold = smooth.compute_scales(layer, g, absmax, alpha, model.config)
-                smooth.apply(layer, g, s, fold, model.config)
-                scales[g] = (s, fold)
-                entry.update(alpha=alpha, folded=fold, folded_into=g.producer if fold else None)
-            report["groups"][f"{prefix}.{li}.{g.linears[0]}"] = entry
-        # Phase 2: thresholds and int8 modules.
-        for g in groups:
-            s, fold = scales.get(g, (None, False))
-            x = inputs.pop(g)
-            x_s = x if s is None else x / s  # what the quantized module will see, (R, K)
-            x_sub = x_s[subs[x.shape[0]]]
-            dynamic = cfg.act_dynamic or g in few
-            cands = None if dynamic else threshold_candidates(x_s, cfg.calib_method)
-            for name in g.linears:
-                lin = layer.get_submodule(name)
+        model, cfg = self.model, self.cfg
+        kw = _cast_kwargs(self.kws[li], torch.float32)
+        lp = layer_plan(model, layer, self.hidden, kw)
+        groups = smooth.layer_groups(layer, lp)
+        by_first = {g.linears[0]: g for g in groups}
+        built: dict[str, W8A8Linear] = {}
+        hooks: list[RemovableHandle] = []
+
+        def quantize_group(names: tuple[str, ...], inputs) -> torch.Tensor | None:
+            g = by_first[names[0]]
+            k = layer.get_submodule(names[0]).in_features
+            x = torch.cat([t.reshape(-1, k).float() for t in inputs]) if len(inputs) else torch.zeros(0, k)  # (R, K)
+            s, fold = self._smooth(li, layer, g, x, built)
+            self._quantize(li, layer, g, x, s, fold, built, hooks)
+            return s if fold else None
+
+        try:
+            if lp.staged:
+                self.hidden = staged_pass(layer, self.hidden, kw, quantize_group, lp)
+            else:
+                self.hidden = exact_pass(layer, self.hidden, kw, quantize_group, lp, groups)
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, mod in built.items():
+            set_module(layer, name, mod)
+
+    def _smooth(self, li: int, layer: nn.Module, g: smooth.SmoothGroup, x: torch.Tensor,
+                built: dict[str, W8A8Linear]) -> tuple[torch.Tensor | None, bool]:
+        """Smoothing of group `g` on its input x (R, K): the scale applied (None: none) and whether it folded.
+        A fold into an already quantized producer (v_proj, up_proj) divides that module's rows too."""
+        cfg, config = self.cfg, self.model.config
+        entry: dict = {"linears": list(g.linears)}
+        self.report["groups"][f"{self.prefix}.{li}.{g.linears[0]}"] = entry
+        if x.shape[0] < calibration.min_rows(x.shape[1]):
+            entry["skipped"] = f"{x.shape[0]} calibration tokens reached it"
+            return None, False
+        if not cfg.smooth:
+            return None, False
+        absmax = x.abs().amax(dim=0)  # (K,)
+        if cfg.smooth_alpha is not None:
+            alpha = cfg.smooth_alpha
+        else:
+            # Strengths are scored on half the subsample: 7 candidates per group add up.
+            x_alpha = x[self._subsample(x.shape[0], max(1, cfg.search_tokens // 2))]  # (R', K)
+            refs = {}
+            for n in g.linears:
+                w = layer.get_submodule(n).weight.detach().float()  # (N, K)
+                ref = x_alpha @ w.t()  # (R', N)
+                refs[n] = (w, ref, float(torch.linalg.vector_norm(ref) ** 2))
+            errs = {a: _score_alpha(layer, g, x_alpha, absmax, refs, a, cfg, config) for a in ALPHA_GRID}
+            alpha = min(errs, key=errs.get)
+            entry["alpha_rel_error"] = {str(a): e for a, e in errs.items()}
+        s, fold = smooth.compute_scales(layer, g, absmax, alpha, config)
+        smooth.apply(layer, g, s, fold, config)
+        if fold and g.producer in built:  # the float producer now computes the int8 one's function: divide both
+            d = smooth.producer_divisor(layer, g, s, config)
+            prod = built[g.producer]
+            prod.weight_scale.div_(d)
+            if prod.bias is not None:
+                prod.bias.div_(d)
+        entry.update(alpha=alpha, folded=fold, folded_into=g.producer if fold else None)
+        return s, fold
+
+    def _quantize(self, li: int, layer: nn.Module, g: smooth.SmoothGroup, x: torch.Tensor,
+                  s: torch.Tensor | None, fold: bool, built: dict, hooks: list) -> None:
+        """Thresholds and W8A8Linear modules for group `g` (weights already smoothed), which its Linears
+        compute from now on."""
+        cfg = self.cfg
+        x_s = x if s is None else x / s  # what the quantized modules will see, (R, K)
+        few = x.shape[0] < calibration.min_rows(x.shape[1])
+        dynamic = cfg.act_dynamic or few
+        x_sub = x_s[self._subsample(x.shape[0], cfg.search_tokens)] if not dynamic else None
+        cands = None if dynamic else threshold_candidates(x_s, cfg.calib_method)
+        for name in g.linears:
+            lin = layer.get_submodule(name)
+            if cfg.act_dynamic:
+                input_scale, info = None, {"method": "dynamic-per-token"}
+            elif few:
+                input_scale, info = None, {"method": "dynamic-per-token", "fallback": (
+                    f"{x.shape[0]} calibration tokens reached it, fewer than the "
+                    f"{calibration.min_rows(x.shape[1])} a static scale needs")}
+            else:
                 w = lin.weight.detach().float()
-                full = f"{prefix}.{li}.{name}"
-                if cfg.act_dynamic:
-                    input_scale, info = None, {"method": "dynamic-per-token"}
-                elif g in few:
-                    input_scale, info = None, {"method": "dynamic-per-token", "fallback": (
-                        f"{x.shape[0]} calibration tokens reached it, fewer than the "
-                        f"{calibration.min_rows(x.shape[1])} a static scale needs")}
-                else:
-                    ref = x_sub @ w.t()  # (R, N)
-                    info = _choose_threshold(cands, x_sub, ref, *P.quantize_weight_sym(w))
-                    input_scale = thresholds.scale_from_threshold(info["threshold"])
-                    info["input_scale"] = input_scale
-                explicit = None if (s is None or fold) else s
-                new = W8A8Linear.from_float(lin, input_scale, explicit)
-                parent, _, child = name.rpartition(".")
-                setattr(layer.get_submodule(parent) if parent else layer, child, new)
-                report["linears"][full] = info
-            del x, x_s, x_sub
-        self.hidden = run_layer(layer, hidden, kw)
+                info = _choose_threshold(cands, x_sub, x_sub @ w.t(), *P.quantize_weight_sym(w))
+                input_scale = thresholds.scale_from_threshold(info["threshold"])
+                info["input_scale"] = input_scale
+            mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s)
+            built[name] = mod
+            hooks.append(_simulate(lin, mod))
+            self.report["linears"][f"{self.prefix}.{li}.{name}"] = info
 
 
 def summarize(report: dict) -> dict:

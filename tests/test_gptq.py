@@ -177,8 +177,8 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quant.families import plan
-    from quant.sequential import capture_layer_inputs, decoder_layers, run_layer
-    from quant.w4a16 import _exact, _staged
+    from quant.sequential import capture_layer_inputs, decoder_layers, exact_pass, run_layer, staged_pass
+    from quant.smooth import layer_groups
 
     path = make_tiny_llama(tmp_path / "m", tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -188,9 +188,14 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     layer = decoder_layers(model)[0]
     lp = plan(model.config, layer)
     assert lp.staged
-    seen = []
-    staged = _staged(layer, hidden, kw, lambda names, h: seen.append((names, h.n)), lp)
-    generic = _exact(layer, hidden, kw, lambda names, h: None, lp)
+    seen, seen_exact = [], []
+
+    def rows(xs):
+        return sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs)
+
+    staged = staged_pass(layer, hidden, kw, lambda names, xs: seen.append((names, rows(xs))), lp)
+    generic = exact_pass(layer, hidden, kw, lambda names, xs: seen_exact.append((names, rows(xs))), lp,
+                         layer_groups(layer, lp))
     plain = run_layer(layer, hidden, kw)
     assert torch.allclose(staged, plain, atol=1e-5) and torch.allclose(generic, plain, atol=1e-5)
     assert [n for n, _ in seen] == [
@@ -198,6 +203,7 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
         ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",),
     ]
     assert all(count == 3 * 20 for _, count in seen)  # every calibration token reached every Hessian
+    assert seen_exact == seen
 
 
 def test_group_size_choice(tokenizer, tmp_path):

@@ -160,3 +160,32 @@ def test_an_expert_no_token_reaches_falls_back_and_is_named(tokenizer, tmp_path,
         else:
             dyn = {k for k, v in report["linears"].items() if "fallback" in v}
             assert dyn == {f"model.layers.{li}.mlp.experts.4.{p}" for li in (0, 1) for p in ("w1", "w3", "w2")}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_experts_are_calibrated_in_two_stages_not_one_pass_per_expert(name, tokenizer):
+    """Every expert's gate/up read the block's input and its down their product: one layer pass captures all the
+    gate/up inputs, one more all the downs', so a layer costs 5 passes whatever the expert count (it was 3E + 5)."""
+    from quant.families import plan
+    from quant.sequential import decoder_layers
+    from quant.w4a16 import LayerQuantizer
+
+    model = _model(name, tokenizer)
+    moe.unfuse_experts(model)
+    layer = decoder_layers(model)[0]
+    lp = plan(model.config, layer)
+    lay = moe.layout_of(model.config)
+    assert lp.family is not None and not lp.staged and len(lp.stages) == 4
+    assert {n.rpartition(".")[2] for n in lp.stages[2]} == {lay.gate, lay.up}
+    assert {n.rpartition(".")[2] for n in lp.stages[3]} == {lay.down}
+    assert sorted(n for st in lp.stages for n in st) == sorted(moe.quantizable_linears(layer))
+    ids = torch.randint(100, 40000, (3, 32), generator=torch.Generator().manual_seed(0))
+    lq = LayerQuantizer(model, ids, "gptq", 32, True, 0.01, True)
+    calls = []
+    handle = layer.register_forward_hook(lambda *_: calls.append(1))
+    lq.quantize_layer(0, layer)
+    handle.remove()
+    assert len(calls) == 3 * (len(lp.stages) + 1)
+    assert not moe.quantizable_linears(layer)
+    assert all(info["fallback"] is None or "calibration tokens" in info["fallback"]
+               for info in lq.report["linears"].values())

@@ -2,7 +2,7 @@
 minmax, percentile, KL entropy or output-error search, or dynamic per-token scales).
 
 Runtime: ``quant.layers.W8A8Linear`` (``torch._int_mm``). Not fusable: each Linear calibrated its own input
-scale. The build (``quant.w8a8``) runs the calibration set through every layer.
+scale. The build (``quant.w8a8``) calibrates layer by layer and group by group, sequentially, as GPTQ does.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ class W8A8Scheme(Scheme):
         return vocab * hidden, 4 * vocab  # dynamic input: no input scale
 
     def calib_activation_bytes(self, shape, tokens):
-        # The layer's input and output, and every smoothing group's input at once.
+        # The layer's input and the stage output beside it; the widest group input as the pass holds it,
+        # concatenated, and smoothed (quant.w8a8 calibrates one group at a time).
         H, h, d, I = shape.hidden, shape.heads, shape.head_dim, shape.intermediate
-        return 2 * tokens * H * 4 + tokens * (2 * H + h * d + I) * 4
+        return 2 * tokens * H * 4 + 3 * tokens * max(H, h * d, I) * 4
 
 
 SCHEMES = (W8A8Scheme(),)
