@@ -155,7 +155,8 @@ def gptq(
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1 = w[:, i1:i2].clone()  # (N, B) updated in place as columns are quantized
-        err1 = torch.zeros_like(w1)
+        err1 = torch.zeros_like(w1)  # (N, B) each column's error divided by its pivot
+        q1 = torch.zeros_like(w1)  # (N, B) codes
         u1 = u[i1:i2, i1:i2]  # (B, B)
         for i in range(i2 - i1):
             col = i1 + i
@@ -167,14 +168,14 @@ def gptq(
                     span = torch.cat([span, w[:, i2 : col + group_size]], dim=1)
                 scales[g], zeros[g] = group_params(span, bits, sym)
             x = w1[:, i]  # (N,)
-            d = u1[i, i]
-            q = _quant(x, scales[g], zeros[g], maxq)  # (N,)
-            codes[:, col] = q.to(torch.int32)
-            deq = scales[g] * (q - zeros[g])
-            losses += (x - deq) ** 2 / d**2 / 2
-            e = (x - deq) / d  # (N,)
-            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            sc, zc = scales[g], zeros[g]  # (N,) each
+            q = _quant(x, sc, zc, maxq)  # (N,)
+            q1[:, i] = q
+            e = (x - sc * (q - zc)) / u1[i, i]  # (N,)
+            w1[:, i:].addr_(e, u1[i, i:], alpha=-1.0)
             err1[:, i] = e
+        codes[:, i1:i2] = q1.to(torch.int32)
+        losses += err1.square().sum(dim=1) / 2  # sum over columns of (w - deq)^2 / d^2 / 2
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
 
     inv = torch.argsort(perm)

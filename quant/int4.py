@@ -10,6 +10,10 @@ W[n, k] = scales[g_idx[k], n] * (code[k, n] - zero[g_idx[k], n]).
 At load time the codes are repacked once for `aten._weight_int4pack_mm_for_cpu` (CPU) or
 `aten._weight_int4pack_mm` (CUDA). Those kernels compute (code - 8) * s + z_f per group, so the
 zero-point goes in the float domain: z_f = s * (8 - zero). The packed layout is never persisted.
+The kernels take groups of consecutive input columns; a checkpoint written with act-order (`desc_act`: GPTQ
+with a permuted `g_idx`, as GPTQModel and AutoGPTQ write it) has its columns sorted by group at load and the
+activations gathered in that order per call (as exllama and vLLM do); a `g_idx` whose groups are not all
+`group_size` columns is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quant.errors import ArtifactError
 from quant.layers import WeightOnlyLinear, fused_bias
 
 BITS = 4
@@ -79,6 +84,21 @@ def dequantize_gptq(qweight, qzeros, scales, g_idx, v2: bool) -> torch.Tensor:
     return s[g].t() * (codes.float() - zeros[g].t().float())
 
 
+def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input-column order that makes `g_idx` consecutive groups (None when it already is): column perm[i]
+    goes to position i, and position i is in group i // group_size."""
+    g = g_idx.long()  # (K,)
+    consecutive = torch.arange(g.numel(), device=g.device) // group_size  # (K,)
+    if torch.equal(g, consecutive):
+        return None
+    perm = torch.argsort(g, stable=True)  # (K,)
+    if not torch.equal(g[perm], consecutive):
+        sizes = torch.bincount(g).tolist()
+        raise ArtifactError(f"g_idx assigns groups of {min(sizes)}..{max(sizes)} columns, not {group_size} each: "
+                            "this act-order layout is not supported")
+    return perm
+
+
 class GPTQLinear(WeightOnlyLinear):
     """A Linear whose weight is stored in the GPTQ format and multiplied with PyTorch's int4 kernels.
 
@@ -99,6 +119,7 @@ class GPTQLinear(WeightOnlyLinear):
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        self._perm: torch.Tensor | None = None  # act-order: the kernel's column order (see act_order_perm)
         self._sz: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
@@ -137,7 +158,7 @@ class GPTQLinear(WeightOnlyLinear):
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         fused.prepare()
         for m in mods:
-            m._packed, m._sz = None, {}  # the fused module holds the only kernel copy
+            m._packed, m._perm, m._sz = None, None, {}  # the fused module holds the only kernel copy
         return fused
 
     def warm(self, dtype: torch.dtype) -> None:
@@ -145,7 +166,8 @@ class GPTQLinear(WeightOnlyLinear):
             self._scales_and_zeros(dtype)
 
     def runtime_tensors(self) -> list[torch.Tensor]:
-        return ([self._packed] if self._packed is not None else []) + list(self._sz.values())
+        extra = [t for t in (self._packed, self._perm) if t is not None]
+        return extra + list(self._sz.values())
 
     def kernel(self, dtype: torch.dtype) -> str:
         if dtype in (torch.bfloat16, torch.float16):
@@ -160,6 +182,9 @@ class GPTQLinear(WeightOnlyLinear):
         if not self._use_kernel():
             return
         codes, _, _ = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)  # (N, K)
+        self._perm = act_order_perm(self.g_idx, self.group_size)
+        if self._perm is not None:
+            codes = codes[:, self._perm].contiguous()  # (N, K) columns sorted by group
         if self.qweight.is_cuda:
             # The CUDA op takes two codes per byte, even column in the high nibble.
             u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
@@ -185,6 +210,8 @@ class GPTQLinear(WeightOnlyLinear):
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         sz = self._scales_and_zeros(x2.dtype)
+        if self._perm is not None:
+            x2 = x2.index_select(1, self._perm)  # (M, K) in the repacked column order
         if x2.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size, sz)

@@ -159,6 +159,42 @@ def test_int4_kernel_matches_reference(dtype, rows, group):
     assert float((fast - ref).abs().max() / ref.abs().max()) < tol
 
 
+def _act_order_checkpoint(k: int = 256, n: int = 128, group: int = 64):
+    """A GPTQLinear as act-order (desc_act) writers store it: column perm[i] is in group i // group."""
+    w, _, h = _problem(n=n, k=k)
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(k, generator=g)
+    q = G.rtn(w[:, perm], 4, group)  # quantized in the permuted order
+    m = int4.GPTQLinear.from_quantized(q, None, v2=False)
+    inv = torch.argsort(perm)
+    t = int4.pack_gptq(q.codes[:, inv], q.scales, q.zeros, group, v2=False)  # codes back in checkpoint order
+    m.qweight = t["qweight"]
+    m.g_idx = (inv // group).to(torch.int32)  # column c sits at position inv[c] of the order
+    return m, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
+    m, w = _act_order_checkpoint()
+    ref_w = m.dequantized(torch.float32)
+    assert float((ref_w - w).abs().max()) < float(w.abs().max()) / 7  # the formula honours g_idx: close to w
+    m.prepare()
+    assert m._perm is not None and m._packed is not None
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fast = m(x).float()
+    ref = m.reference_forward(x)
+    assert float((fast - ref).abs().max() / ref.abs().max()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_act_order_g_idx_with_unequal_groups_is_refused():
+    from quant.errors import ArtifactError
+
+    m, _ = _act_order_checkpoint()
+    m.g_idx = torch.cat([torch.zeros(65, dtype=torch.int32), m.g_idx[65:]])
+    with pytest.raises(ArtifactError, match="not 64 each"):
+        m.prepare()
+
+
 def test_int4_kernel_branch_is_used_for_decode(monkeypatch):
     w, _, h = _problem(n=128, k=256)
     m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)
@@ -217,3 +253,19 @@ def test_group_size_choice(tokenizer, tmp_path):
     assert choose_group_size(model, None) == 32  # 96 is not a multiple of 128 or 64
     with pytest.raises(ConfigError, match="--group-size 64 does not divide .*96"):
         choose_group_size(model, 64)
+
+
+@pytest.mark.parametrize("k", [40, 128, 300])
+def test_streamed_hessian_is_the_full_product(k):
+    from quant.w4a16 import _Hessian
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, 17, k, generator=g) for _ in range(3)] + [torch.randn(5, k, generator=g)]
+    h = _Hessian(k)
+    for x in xs:
+        h.add(x)
+    x = torch.cat([t.reshape(-1, k) for t in xs])
+    got = h.value()
+    assert h.n == x.shape[0]
+    assert torch.allclose(got, 2 * x.t() @ x / x.shape[0], atol=1e-5)
+    assert torch.equal(got, got.t())
