@@ -41,12 +41,16 @@ def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
 
 def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True) -> LoadedArtifact:
     """Load the artifact at `path`. Float tensors are cast to `dtype` when given (quantized tensors and
-    their scales keep their own dtypes). Hashes are verified first unless `verify=False`."""
+    their scales keep their own dtypes). Hashes are verified first unless `verify=False`, which also admits a
+    checkpoint without our manifest (a GPTQ checkpoint another tool wrote; its config says what it holds)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     root = Path(path)
-    manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
+    if verify or not root.is_dir() or (root / artifact.MANIFEST).is_file():
+        manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
+    else:  # a GPTQ checkpoint another tool wrote: no manifest, no hashes to check
+        manifest = {"scheme": None, "foreign": True}
     raw_config = json.loads((root / "config.json").read_text())
     qc = raw_config.pop("quantization_config", None)
     state = shards.read_weights(root)

@@ -269,3 +269,28 @@ def test_streamed_hessian_is_the_full_product(k):
     assert h.n == x.shape[0]
     assert torch.allclose(got, 2 * x.t() @ x / x.shape[0], atol=1e-5)
     assert torch.equal(got, got.t())
+
+
+def test_a_gptq_checkpoint_without_our_manifest_is_served_as_written(tmp_path, tiny_model_dir, text_file):
+    """A GPTQ checkpoint another tool wrote has no quant_manifest.json: load_for_serving reads it from its
+    config (unverified: there are no hashes), and it computes what the same tensors compute as our artifact."""
+    import shutil
+
+    from conftest import run_cli
+    from quant import load
+    from quant.errors import ArtifactError
+    from server.engine import load_for_serving
+
+    art = tmp_path / "ours"
+    assert run_cli("build", "--scheme", "w4a16", "--model", tiny_model_dir, "--out", art, "--calib", text_file,
+                   "--calib-samples", "4", "--calib-seqlen", "32", "--no-progress") == 0
+    other = tmp_path / "theirs"
+    shutil.copytree(art, other)
+    (other / "quant_manifest.json").unlink()
+    model, tok, name, scheme = load_for_serving(str(other), torch.float32, "cpu", tmp_path / "cache")
+    assert scheme == "gptq" and name == str(other)
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load(art, dtype=torch.float32).model(ids).logits)
+    with pytest.raises(ArtifactError, match="not a quantserve artifact"):
+        load(other)  # verified loading still wants the manifest
