@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 import quant
 from quant import artifact, calibration, evaluate, loader, lora, memory, models, moe, schemes, stream
 from quant.config import DTYPES, BuildConfig
 from quant.errors import ConfigError, QualityGateError
+from quant.progress import track
 from quant.sequential import decoder_layers
 from quant.shards import ShardWriter, header_reserve
 
@@ -48,7 +48,7 @@ def _runtime_kernels(model: nn.Module) -> dict[str, str]:
     return {str(d).replace("torch.", ""): mod.kernel(d) for d in (torch.bfloat16, torch.float32)}
 
 
-def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log) -> calibration.TokenWindows | None:
+def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log, progress: bool) -> calibration.TokenWindows | None:
     if not cfg.needs_calibration:
         return None
     if cfg.calib.source != "self":
@@ -66,7 +66,8 @@ def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log) -> calibration
     log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed})")
     sm.load()
     try:
-        return calibration.self_generated(sm.model, sm.tokenizer, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed)
+        return calibration.self_generated(sm.model, sm.tokenizer, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed,
+                                          progress=progress)
     finally:
         if sm.streamed:
             sm.release()
@@ -95,7 +96,7 @@ def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, resolv
     sm.release("", exclude=outer)
 
     seconds = []
-    for li in tqdm(range(len(layers)), desc=f"{cfg.scheme}", unit="layer", disable=not progress):
+    for li in track(range(len(layers)), len(layers), f"quantizing ({cfg.scheme})", "layer", progress):
         t = time.perf_counter()
         part = f"{prefix}.{li}"
         sm.load(part)
@@ -171,7 +172,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
     timings["load_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    calib = _calibration(cfg, sm, log)
+    calib = _calibration(cfg, sm, log, progress)
     if calib is not None:
         timings["calibration_data_s"] = time.perf_counter() - t
 

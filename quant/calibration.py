@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import CalibrationError
+from quant.progress import track
 
 
 def min_rows(k: int) -> int:
@@ -116,7 +117,8 @@ def eval_windows(tok, path: str | Path, windows: int, seqlen: int, flag: str = "
 
 
 @torch.inference_mode()
-def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int = 16) -> TokenWindows:
+def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int = 16,
+                   progress: bool = False) -> TokenWindows:
     """Model-generated calibration text for users without a corpus.
 
     Each sequence starts from a seeded random vocabulary token and is sampled at temperature 1 with
@@ -130,7 +132,8 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
     rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for i in range(0, samples, batch):
+        starts = range(0, samples, batch)
+        for i in track(starts, len(starts), "generating calibration text", "batch", progress):
             start = torch.tensor(firsts[i : i + batch], dtype=torch.long, device=model.device)[:, None]  # (b, 1)
             out = model.generate(
                 start,

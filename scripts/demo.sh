@@ -17,7 +17,7 @@ HTTP_PORT="${DEMO_HTTP_PORT:-8000}"
 mkdir -p "$OUT"
 
 # --- 1. build -------------------------------------------------------------------------------------------
-build_args=(--scheme w4a16 --out "$ART" --force --no-progress)
+build_args=(--scheme w4a16 --out "$ART" --force)
 if [[ -f "$DATA/valid.txt" && -f "$DATA/test.txt" ]]; then
   build_args+=(--calib "$DATA/valid.txt" --eval-data "$DATA/test.txt" --eval-windows 16 --eval-seqlen 512)
 else
