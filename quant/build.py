@@ -96,7 +96,7 @@ def _quantize_streamed(cfg: BuildConfig, sm: stream.StreamedModel, calib, resolv
     sm.release("", exclude=outer)
 
     seconds = []
-    for li in track(range(len(layers)), len(layers), f"quantizing ({cfg.scheme})", "layer", progress):
+    for li in track(range(len(layers)), len(layers), f"quantizing ({cfg.scheme})", "layers", progress):
         t = time.perf_counter()
         part = f"{prefix}.{li}"
         sm.load(part)

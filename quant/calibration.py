@@ -133,7 +133,7 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         starts = range(0, samples, batch)
-        for i in track(starts, len(starts), "generating calibration text", "batch", progress):
+        for i in track(starts, len(starts), "generating calibration text", "batches", progress):
             start = torch.tensor(firsts[i : i + batch], dtype=torch.long, device=model.device)[:, None]  # (b, 1)
             out = model.generate(
                 start,

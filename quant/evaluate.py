@@ -43,7 +43,7 @@ def compare(base, candidates: dict, windows: TokenWindows, progress: bool = True
     nll_base = 0.0
     acc = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in candidates}
     n = 0
-    for w in track(range(ids_all.shape[0]), ids_all.shape[0], "evaluating", "window", progress):
+    for w in track(range(ids_all.shape[0]), ids_all.shape[0], "evaluating", "windows", progress):
         ids = ids_all[w : w + 1]  # (1, T)
         target = ids[0, 1:]  # (T-1,)
         lp_base = _logprobs(base, ids)  # (T-1, V)

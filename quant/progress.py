@@ -15,9 +15,9 @@ T = TypeVar("T")
 
 def track(items: Iterable[T], total: int, desc: str, unit: str, enabled: bool = True, stream: TextIO | None = None,
           every_s: float = 20.0, clock: Callable[[], float] = time.monotonic) -> Iterator[T]:
-    """Yield `items`, showing progress on `stream` (stderr by default): a tqdm bar on a terminal; otherwise a
-    line at the start, then one at most every `every_s` seconds and one at the end, each with the items done,
-    the time elapsed and the time left at the rate so far."""
+    """Yield `items` (`unit`: what they are, plural), showing progress on `stream` (stderr by default): a tqdm
+    bar on a terminal; otherwise a line at the start, then one at most every `every_s` seconds and one at the
+    end, each with the items done, the time elapsed and the time left at the rate so far."""
     if not enabled:
         yield from items
         return
@@ -26,7 +26,7 @@ def track(items: Iterable[T], total: int, desc: str, unit: str, enabled: bool = 
         yield from tqdm(items, total=total, desc=desc, unit=unit, file=out)
         return
     start = last = clock()
-    print(f"{desc}: 0/{total} {unit}s", file=out, flush=True)
+    print(f"{desc}: 0/{total} {unit}", file=out, flush=True)
     done = 0
     for item in items:
         yield item  # the caller's work on `item` runs before this generator resumes
@@ -34,6 +34,6 @@ def track(items: Iterable[T], total: int, desc: str, unit: str, enabled: bool = 
         now = clock()
         if now - last >= every_s or done == total:
             left = (now - start) / done * (total - done)
-            print(f"{desc}: {done}/{total} {unit}s, {now - start:.0f} s elapsed, ~{left:.0f} s left",
+            print(f"{desc}: {done}/{total} {unit}, {now - start:.0f} s elapsed, ~{left:.0f} s left",
                   file=out, flush=True)
             last = now

@@ -18,7 +18,7 @@ class _Clock:
 def test_plain_lines_at_most_every_interval_with_time_left():
     out, clock = io.StringIO(), _Clock()
     seen = []
-    for i in track(range(10), 10, "quantizing (w4a16)", "layer", stream=out, every_s=20.0, clock=clock):
+    for i in track(range(10), 10, "quantizing (w4a16)", "layers", stream=out, every_s=20.0, clock=clock):
         clock.t += 7.0  # each item takes 7 s: a line after items 3, 6, 9 (>= 20 s since the last) and at the end
         seen.append(i)
     assert seen == list(range(10))
@@ -36,8 +36,8 @@ class _Tty(io.StringIO):
 
 def test_a_terminal_gets_a_bar_and_disabled_prints_nothing():
     tty = _Tty()
-    assert list(track(range(4), 4, "evaluating", "window", stream=tty)) == [0, 1, 2, 3]
+    assert list(track(range(4), 4, "evaluating", "windows", stream=tty)) == [0, 1, 2, 3]
     assert "evaluating" in tty.getvalue() and "4/4" in tty.getvalue()
     quiet = io.StringIO()
-    assert list(track(range(4), 4, "evaluating", "window", enabled=False, stream=quiet)) == [0, 1, 2, 3]
+    assert list(track(range(4), 4, "evaluating", "windows", enabled=False, stream=quiet)) == [0, 1, 2, 3]
     assert quiet.getvalue() == ""
