@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from quant.progress import track
 
 from quant.calibration import TokenWindows
+from quant.progress import track
 
 
 @dataclass(frozen=True)

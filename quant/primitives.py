@@ -11,6 +11,8 @@ Conventions (all per output channel for weights, W of shape (N, K)):
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 QMAX = 127
@@ -97,8 +99,6 @@ def int_mm_is_faster(device: torch.device) -> bool:
         if key == "cuda":
             _INT_MM_FASTER[key] = True
         else:
-            import time
-
             g = torch.Generator().manual_seed(0)
             a = torch.randint(-127, 128, (256, 512), generator=g, dtype=torch.int8)
             b = torch.randint(-127, 128, (512, 512), generator=g, dtype=torch.int8)

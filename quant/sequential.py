@@ -259,3 +259,11 @@ def exact_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group:
             quantize_group(g.linears, x)
             del x
     return run_layer(layer, hidden, kw)
+
+
+def layer_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: QuantizeGroup, lp: LayerPlan,
+               groups) -> torch.Tensor:
+    """The staged pass where `lp` allows it, the exact pass otherwise; returns the layer's output."""
+    if lp.staged:
+        return staged_pass(layer, hidden, kw, quantize_group, lp)
+    return exact_pass(layer, hidden, kw, quantize_group, lp, groups)

@@ -22,8 +22,7 @@ from quant.errors import ConfigError
 from quant.int4 import PACK, GPTQLinear
 from quant.moe import quantizable_linears
 from quant.sequential import (
-    _cast_kwargs, block_linears, capture_layer_inputs, decoder_layers, exact_pass, layer_plan, set_module,
-    staged_pass,
+    _cast_kwargs, block_linears, capture_layer_inputs, decoder_layers, layer_pass, layer_plan, set_module,
 )
 from quant.smooth import layer_groups
 
@@ -51,10 +50,10 @@ class _Hessian:
     """Streaming H = 2 X^T X / n in fp32.
 
     On the CPU only the upper triangle is accumulated, in row blocks (block r: H[r, r:] += X[:, r]^T X[:, r:]),
-    and mirrored once at the end: ~40% less time than the full product (bench/RESULTS.md, session 9), where the
+    and mirrored once at the end: 0.69-0.83x the time of the full product (bench/hessian.py), where the
     Hessians cost as much as the layer pass itself. On CUDA one full product per batch is faster."""
 
-    BLOCK = 128  # rows of H per product on the CPU: 128..256 measured alike for K = 576..4096
+    BLOCK = 128  # rows of H per product on the CPU (128..256 timed alike, ad hoc, for K = 576..4096)
 
     def __init__(self, k: int):
         self.k, self.h, self.n = k, None, 0  # h is allocated on the device of the first batch
@@ -138,9 +137,6 @@ class LayerQuantizer:
                     lin.weight.data = q.dequantize().to(lin.weight.dtype)  # what the next groups see
                     del q
 
-            if lp.staged:
-                self.hidden = staged_pass(layer, self.hidden, kw, quantize_group, lp)
-            else:
-                self.hidden = exact_pass(layer, self.hidden, kw, quantize_group, lp, layer_groups(layer, lp))
+            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, layer_groups(layer, lp))
         for n in linears:
             set_module(layer, n, packed.pop(n))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from quant import calibration
 from quant import primitives as P
@@ -28,7 +27,7 @@ from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
 from quant.layers import W8A8Linear
 from quant.sequential import (
-    _cast_kwargs, capture_layer_inputs, decoder_layers, exact_pass, layer_plan, set_module, staged_pass,
+    _cast_kwargs, capture_layer_inputs, decoder_layers, layer_pass, layer_plan, set_module,
 )
 
 
@@ -104,22 +103,15 @@ def _choose_threshold(
     }
 
 
-def _simulate(lin: nn.Linear, mod: W8A8Linear) -> RemovableHandle:
-    """Make the float `lin` compute `mod.reference_forward` (what the int8 module computes) until the handle
-    is removed: its weight becomes the dequantized int8 weight, its input is divided by the explicit smoothing
-    scale and fake-quantized with the input scale."""
-    lin.weight.data = P.dequantize_weight(mod.weight, mod.weight_scale).to(lin.weight.dtype)
-    smooth_scale = mod.smooth_scale
-    scale = None if mod.dynamic else float(mod.input_scale)
+def _simulate(lin: nn.Linear, mod: W8A8Linear) -> None:
+    """Make the float `lin` compute `mod.reference_forward` (what the int8 module computes: dequantized weight,
+    input divided by the explicit smoothing scale and fake-quantized) until `_unsimulate`. An instance attribute
+    shadows the class's forward, so the Linear stays where the layer pass holds it and its hooks still run."""
+    lin.forward = mod.reference_forward
 
-    def hook(_m, args):
-        x = args[0]
-        x2 = x.reshape(-1, x.shape[-1]).float()  # (M, K)
-        if smooth_scale is not None:
-            x2 = x2 / smooth_scale
-        return (P.fake_quant_act(x2, scale).to(x.dtype).reshape(x.shape), *args[1:])
 
-    return lin.register_forward_pre_hook(hook)
+def _unsimulate(lin: nn.Linear) -> None:
+    lin.__dict__.pop("forward", None)
 
 
 class LayerQuantizer:
@@ -146,24 +138,20 @@ class LayerQuantizer:
         groups = smooth.layer_groups(layer, lp)
         by_first = {g.linears[0]: g for g in groups}
         built: dict[str, W8A8Linear] = {}
-        hooks: list[RemovableHandle] = []
 
         def quantize_group(names: tuple[str, ...], inputs) -> torch.Tensor | None:
             g = by_first[names[0]]
             k = layer.get_submodule(names[0]).in_features
             x = torch.cat([t.reshape(-1, k).float() for t in inputs]) if len(inputs) else torch.zeros(0, k)  # (R, K)
             s, fold = self._smooth(li, layer, g, x, built)
-            self._quantize(li, layer, g, x, s, fold, built, hooks)
+            self._quantize(li, layer, g, x, s, fold, built)
             return s if fold else None
 
         try:
-            if lp.staged:
-                self.hidden = staged_pass(layer, self.hidden, kw, quantize_group, lp)
-            else:
-                self.hidden = exact_pass(layer, self.hidden, kw, quantize_group, lp, groups)
+            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, groups)
         finally:
-            for h in hooks:
-                h.remove()
+            for name in built:
+                _unsimulate(layer.get_submodule(name))
         for name, mod in built.items():
             set_module(layer, name, mod)
 
@@ -205,7 +193,7 @@ class LayerQuantizer:
         return s, fold
 
     def _quantize(self, li: int, layer: nn.Module, g: smooth.SmoothGroup, x: torch.Tensor,
-                  s: torch.Tensor | None, fold: bool, built: dict, hooks: list) -> None:
+                  s: torch.Tensor | None, fold: bool, built: dict) -> None:
         """Thresholds and W8A8Linear modules for group `g` (weights already smoothed), which its Linears
         compute from now on."""
         cfg = self.cfg
@@ -229,7 +217,7 @@ class LayerQuantizer:
                 info["input_scale"] = input_scale
             mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s)
             built[name] = mod
-            hooks.append(_simulate(lin, mod))
+            _simulate(lin, mod)
             self.report["linears"][f"{self.prefix}.{li}.{name}"] = info
 
 
