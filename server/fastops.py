@@ -35,19 +35,49 @@ def load() -> bool:
     with _lock:
         if "ok" not in _state:
             try:
-                from torch.utils.cpp_extension import load as build
-
-                # Named by the source's hash: checkouts of different versions (a bench baseline's worktree) each
-                # keep their own build instead of rebuilding the one shared name in turn.
-                digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-                build(name=f"quantserve_decode_ops_{digest}", sources=[str(_SOURCE)], extra_cflags=["-O3"],
-                      is_python_module=False, verbose=False)
+                _build()
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, a read-only home: fall back to the references
                 _state["ok"] = False
                 _state["why"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
                 log.warning("fused CPU ops unavailable (%s); using the eager reference ops", _state["why"])
         return bool(_state["ok"])
+
+
+def build_directory() -> Path:
+    """Where the extension is built: torch's extensions root (``TORCH_EXTENSIONS_DIR`` when set), one dir per
+    source hash, Python and torch version. Named by the source's hash so checkouts of different versions (a
+    bench baseline's worktree) each keep their own build instead of rebuilding one shared name in turn."""
+    import os
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / f"quantserve_decode_ops_{digest}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+
+
+def _build() -> None:
+    """torch's builder serialises processes with a ``lock`` file that only the process holding it removes: one
+    killed while building (Ctrl-C on a first start, an OOM kill) leaves it behind, and every later start waited
+    on it forever. Here builds are serialised by an flock, which the kernel releases when its holder dies, and a
+    ``lock`` file found while holding the flock is such a leftover (any live builder of this dir holds the flock),
+    so it is removed before building."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load as build
+
+    where = build_directory()
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "quantserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink()
+        build(name=where.name.split("-")[0], sources=[str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(where),
+              is_python_module=False, verbose=False)
 
 
 def unavailable_reason() -> str | None:

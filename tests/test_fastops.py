@@ -122,3 +122,21 @@ def test_bad_inputs_are_refused_with_the_argument_named():
     for op in (FUSED.silu_mul, FUSED.gelu_tanh_mul):
         with pytest.raises(RuntimeError, match="even width"):
             op(torch.randn(2, 5))
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
+    """torch's builder waits forever on a ``lock`` file that a build killed midway leaves behind (a server
+    stopped during its first start hung every later one); load() removes such a leftover under its flock."""
+    import subprocess
+    import sys
+
+    stale = fastops.build_directory() / "lock"
+    stale.touch()
+    try:
+        p = subprocess.run([sys.executable, "-c", "from server import fastops; assert fastops.load(), "
+                            "fastops.unavailable_reason()"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert not stale.exists()
+        assert "left by a build that did not finish" in p.stderr
+    finally:
+        stale.unlink(missing_ok=True)
