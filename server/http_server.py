@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
+from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
@@ -48,7 +48,7 @@ class _OpenAIBody(BaseModel):
     user: str | None = None
 
 
-# Sampling controls (clients.types.Sampling, the one list) that the OpenAI body spells its own way, per endpoint:
+# Sampling controls (quantserve.client.types.Sampling, the one list) that the OpenAI body spells its own way, per endpoint:
 # max_new_tokens is max_tokens / max_completion_tokens, logprobs differs between the endpoints, stop is a string or
 # a list. Every other control rides in the body under its own name and type: OpenAI's temperature, top_p and
 # seed, and our extensions (top_k, repetition_penalty, ...).

@@ -1,5 +1,5 @@
 """End-to-end: the Python client and `quant-client` against a real server (tiny model, both transports, an API
-key) on loopback. Every command runs over gRPC and HTTP in-process (clients.cli.main), plus one real
+key) on loopback. Every command runs over gRPC and HTTP in-process (quantserve.client.cli.main), plus one real
 subprocess; results must agree between transports for the same seed; errors are one line and a distinct exit
 status."""
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from clients import AsyncClient, Client, ClientError, to_dict
-from clients.cli import main
+from quantserve.client import AsyncClient, Client, ClientError, to_dict
+from quantserve.client.cli import main
 from live_server import self_signed_cert, start
 
 from bench.reliability import metric_sum
@@ -206,7 +206,7 @@ def test_cli_trace_tables_json_and_plot_on_both_transports(server, capsys, tmp_p
 def test_cli_sweep_csv_json_and_heatmaps(server, capsys, tmp_path):
     from matplotlib.image import imread
 
-    from clients.sweep import COLUMNS
+    from quantserve.client.sweep import COLUMNS
 
     grid = ["--temperature", "0,1", "--top-k", "0,5", "--top-p", "1.0,0.5", "--seeds", "2",
             "--max-new-tokens", "4", "--concurrency", "2"]
@@ -270,11 +270,11 @@ def test_cli_errors_are_one_line_and_a_distinct_exit_status(server, capsys, tran
 
 def test_real_subprocess_quant_client(server, tmp_path):
     exe = shutil.which("quant-client")
-    cmd = [exe] if exe else [sys.executable, "-m", "clients.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "quantserve.client.cli"]
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
     port = server.http.rsplit(":", 1)[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # this checkout, whatever is installed
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "clients"), "OMP_NUM_THREADS": "1"}  # this checkout, whatever is installed
     r = subprocess.run(cmd + ["generate", "The river", "--http", "--target", f"127.0.0.1:{port}", "--api-key-file",
                               str(key_file), "--seed", "9", "--max-new-tokens", "5", "--temperature", "0.7"],
                        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)

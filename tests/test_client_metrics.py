@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from clients.errors import ClientError, from_grpc, from_http, param_from_message
-from clients.metrics import cell_metrics, distinct_n, ngrams, pooled_mean, repeats, repetition_rate
-from clients.types import (Candidate, EngineMemory, MemoryAccounting, Message, Request, Result, Sampling,
+from quantserve.client.errors import ClientError, from_grpc, from_http, param_from_message
+from quantserve.client.metrics import cell_metrics, distinct_n, ngrams, pooled_mean, repeats, repetition_rate
+from quantserve.client.types import (Candidate, EngineMemory, MemoryAccounting, Message, Request, Result, Sampling,
                            TokenLogprob, TraceStep, Usage, to_dict, trace_from_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_importing_the_client_loads_no_torch_server_or_transformers():
-    code = ("import sys, clients, clients.cli, clients.plot, clients.sweep, clients.render; "
+    code = ("import sys, quantserve.client, quantserve.client.cli, quantserve.client.plot, quantserve.client.sweep, quantserve.client.render; "
             "bad = [m for m in ('torch', 'server', 'transformers', 'matplotlib') if m in sys.modules]; "
             "assert not bad, bad; print('clean')")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -130,9 +130,9 @@ def test_http_status_maps_to_the_same_codes(status, body, code, param):
 
 
 def test_sampling_is_type_checked_and_unset_fields_are_not_sent():
-    from clients.client import make_sampling
-    from clients.transport_grpc import request_to_proto
-    from clients.transport_http import path_and_body
+    from quantserve.client.client import make_sampling
+    from quantserve.client.transport_grpc import request_to_proto
+    from quantserve.client.transport_http import path_and_body
 
     s = make_sampling(temperature=1, top_k=5, stop="END", max_new_tokens=None)
     assert s == Sampling(temperature=1.0, top_k=5, stop=("END",)) and s.given() == {
@@ -153,7 +153,7 @@ def test_sampling_is_type_checked_and_unset_fields_are_not_sent():
 
 
 def test_sse_events_join_into_one_result_and_errors_in_the_stream_raise():
-    from clients.transport_http import _Events
+    from quantserve.client.transport_http import _Events
 
     step = {"after_temperature": [{"token_id": 4, "token": "a", "prob": 0.5}], "after_top_k": [],
             "after_top_p": [], "kept_top_k": 9, "kept_top_p": 3, "mass_top_k": 0.9, "mass_top_p": 0.6, "entropy": 1.2}
@@ -187,9 +187,9 @@ def test_sweep_files_round_trip_and_plots_have_the_documented_size(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
-    from clients import plot
-    from clients.metrics import CellMetrics
-    from clients.sweep import COLUMNS, SweepRow, SweepSpec, read_rows, write_csv, write_json
+    from quantserve.client import plot
+    from quantserve.client.metrics import CellMetrics
+    from quantserve.client.sweep import COLUMNS, SweepRow, SweepSpec, read_rows, write_csv, write_json
 
     spec = SweepSpec("p", (0.0, 1.0), (0, 5), (1.0, 0.5), seeds=2)
     rows = [SweepRow(t, k, p, CellMetrics(2, 4.0, 0.5 + t / 4, math.nan if k else 0.25 * p, 0.1, -3.0, 1.0 * t,

@@ -43,7 +43,7 @@ def test_dockerfile_structure(path):
     assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), "the runtime runs as a numeric non-root user"
     last = {x["instruction"]: x["value"] for x in instrs[final:]}
     assert last["ENTRYPOINT"] == '["python", "-m", "server.envconfig"]'  # tests/test_entrypoint.py runs it
-    assert '"clients.health"' in last["HEALTHCHECK"]
+    assert '"quantserve.client.health"' in last["HEALTHCHECK"]
     assert "50051" in last["EXPOSE"] and "8000" in last["EXPOSE"]
     for x in instrs:  # every source copied from the repository exists in it
         if x["instruction"] == "COPY" and "--from" not in x["value"]:
@@ -73,7 +73,7 @@ def test_compose_drain_order_and_settings():
     env = {k: str(v) for k, v in server["environment"].items()}
     serve_argv(env)  # every QUANTSERVE_* variable is one the entrypoint knows, with a valid value
     assert _seconds(server["stop_grace_period"]) > float(env["QUANTSERVE_GRACE_SECONDS"])
-    assert server["healthcheck"]["test"][1:4] == ["python", "-m", "clients.health"]
+    assert server["healthcheck"]["test"][1:4] == ["python", "-m", "quantserve.client.health"]
     build_cmd = c["services"]["build"]["command"][0]
     assert "--out /artifacts/model" in build_cmd and env["QUANTSERVE_ARTIFACT"] == "/artifacts/model"
     # And the check is not vacuous: a misspelt variable is refused.

@@ -1,5 +1,5 @@
 """The container entrypoint (server.envconfig: environment -> `quant serve`) and the gRPC health probe
-(clients.health) the images' health checks call."""
+(quantserve.client.health) the images' health checks call."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(ti
                 port, http = int(m.group(1)), int(m.group(2))
                 break
         assert port, "the entrypoint did not start quant serve"
-        probe = [sys.executable, "-m", "clients.health", "--target", f"127.0.0.1:{port}"]
+        probe = [sys.executable, "-m", "quantserve.client.health", "--target", f"127.0.0.1:{port}"]
         r = subprocess.run(probe, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "SERVING" in r.stdout  # health is open without the key
         import httpx
@@ -105,6 +105,6 @@ def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(ti
 
 def test_health_probe_without_a_server_fails_fast():
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "clients.health", "--target", "127.0.0.1:9", "--timeout", "1"],
+    r = subprocess.run([sys.executable, "-m", "quantserve.client.health", "--target", "127.0.0.1:9", "--timeout", "1"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "127.0.0.1:9:" in r.stdout and time.monotonic() - t0 < 20

@@ -1,5 +1,5 @@
 """The committed gRPC stubs are exactly what scripts/gen_protos.sh generates from protos/, and the proto's
-sampling controls are the one list every layer derives from (clients.types.Sampling)."""
+sampling controls are the one list every layer derives from (quantserve.client.types.Sampling)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path):
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
     assert fresh, "nothing generated"
     for rel in fresh:
-        committed = ROOT / rel
+        committed = ROOT / "clients" / rel
         assert committed.is_file(), f"{rel} is generated but not committed"
         assert committed.read_text() == (tmp_path / rel).read_text(), (
             f"{rel} differs from protos/: run scripts/gen_protos.sh and commit the result")
@@ -32,13 +32,13 @@ def test_stubs_import_without_torch():
 
 
 # ------------------------------------------------------------------ the one list of sampling controls
-# clients.types.Sampling is the source; the proto and the engine's SamplingParams declare the same controls (a
+# quantserve.client.types.Sampling is the source; the proto and the engine's SamplingParams declare the same controls (a
 # layer each), and every transport's field list is derived from it.
 
 def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     from google.protobuf.descriptor import FieldDescriptor
 
-    from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
+    from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
     from quantserve.v1 import inference_pb2 as pb
     from server.sampling import SamplingParams
 
@@ -57,10 +57,10 @@ def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
 
 def test_every_transport_reads_and_writes_every_control():
     """One request with every control set goes through each transport's conversion unchanged."""
-    from clients import make_sampling
-    from clients.transport_grpc import request_to_proto
-    from clients.transport_http import path_and_body
-    from clients.types import SAMPLING_FIELDS, Request
+    from quantserve.client import make_sampling
+    from quantserve.client.transport_grpc import request_to_proto
+    from quantserve.client.transport_http import path_and_body
+    from quantserve.client.types import SAMPLING_FIELDS, Request
     from server.grpc_server import params_from_proto
     from server.http_server import ChatBody, CompletionBody, params_from_body
 
@@ -86,8 +86,8 @@ def test_every_transport_reads_and_writes_every_control():
 
 
 def test_the_client_cli_has_a_flag_per_control():
-    from clients.cli import build_parser
-    from clients.types import SAMPLING_FIELDS
+    from quantserve.client.cli import build_parser
+    from quantserve.client.types import SAMPLING_FIELDS
 
     gen = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
     assert set(SAMPLING_FIELDS) - gen == {"trace"}  # the trace command's own --trace-n

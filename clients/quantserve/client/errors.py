@@ -10,7 +10,7 @@ import re
 from types import MappingProxyType
 from typing import Any
 
-from clients.types import SAMPLING_FIELDS
+from quantserve.client.types import SAMPLING_FIELDS
 
 INVALID_ARGUMENT = "invalid_argument"  # a parameter is invalid; ``param`` names it when the server does
 UNAVAILABLE = "unavailable"  # the server is draining (or stopped mid-request)

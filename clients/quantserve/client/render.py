@@ -13,8 +13,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from clients.sweep import SweepRow
-from clients.types import ModelInfo, Result, TokenLogprob, TraceStep
+from quantserve.client.sweep import SweepRow
+from quantserve.client.types import ModelInfo, Result, TokenLogprob, TraceStep
 
 
 def human_bytes(n: float | None) -> str:

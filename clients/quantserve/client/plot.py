@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any, Sequence
 
-from clients.types import TraceStep, trace_from_dict
+from quantserve.client.types import TraceStep, trace_from_dict
 
 DPI = 100
 TRACE_SIZE_IN = (9.0, 4.5)

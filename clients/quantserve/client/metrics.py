@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
-from clients.types import Result
+from quantserve.client.types import Result
 
 Seq = Sequence[Hashable]
 

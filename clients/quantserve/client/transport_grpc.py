@@ -10,8 +10,8 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
-from clients.errors import INVALID_ARGUMENT, ClientError, from_grpc
-from clients.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Request,
+from quantserve.client.errors import INVALID_ARGUMENT, ClientError, from_grpc
+from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Request,
                            Result, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage, _Joined)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc

@@ -1,6 +1,6 @@
 """The gRPC health check, for container health checks and scripts (no torch, a fraction of a second).
 
-    python -m clients.health [--target 127.0.0.1:50051] [--service quantserve.v1.Inference] [--timeout 3]
+    python -m quantserve.client.health [--target 127.0.0.1:50051] [--service quantserve.v1.Inference] [--timeout 3]
                              [--tls] [--ca-file ca.pem]
 
 Exit 0 when the server answers SERVING; 1 when it answers anything else (NOT_SERVING while it drains) or
@@ -21,8 +21,8 @@ def check(target: str, service: str = SERVICE, timeout: float = 3.0, tls: bool =
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from clients.transport_grpc import channel as open_channel
-    from clients.types import Options
+    from quantserve.client.transport_grpc import channel as open_channel
+    from quantserve.client.types import Options
 
     with open_channel(Options(target, tls=tls or bool(ca_file), ca_file=ca_file)) as channel:
         try:
@@ -35,7 +35,7 @@ def check(target: str, service: str = SERVICE, timeout: float = 3.0, tls: bool =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.health", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m quantserve.client.health", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--service", default=SERVICE, help=f'default {SERVICE}; "" asks about the whole server')
     p.add_argument("--timeout", type=float, default=3.0)

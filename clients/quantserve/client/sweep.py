@@ -1,9 +1,9 @@
 """The sampling sweep: every (temperature, top_k, top_p) combination x seeds 0..S-1, concurrently.
 
 Each request asks for logprobs=0 (each generated token's logprob under the model's raw distribution) and
-trace=1 (the exact per-step entropy of the distribution the token was drawn from); :mod:`clients.metrics`
+trace=1 (the exact per-step entropy of the distribution the token was drawn from); :mod:`quantserve.client.metrics`
 turns a cell's results into one row. Rows are written as CSV or JSON (one row per cell, the same columns) and
-read back by :mod:`clients.plot`.
+read back by :mod:`quantserve.client.plot`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from clients.client import Client
-from clients.metrics import METRIC_NAMES, CellMetrics, cell_metrics
-from clients.types import Result
+from quantserve.client.client import Client
+from quantserve.client.metrics import METRIC_NAMES, CellMetrics, cell_metrics
+from quantserve.client.types import Result
 
 GRID_NAMES = ("temperature", "top_k", "top_p")
 COLUMNS = GRID_NAMES + METRIC_NAMES

@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping
 
 from rich.console import Console
 
-from clients.client import Client, default_target
-from clients.errors import EXIT_CODES, EXIT_LOCAL, ClientError
-from clients.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, to_dict
+from quantserve.client.client import Client, default_target
+from quantserve.client.errors import EXIT_CODES, EXIT_LOCAL, ClientError
+from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, to_dict
 
 EPILOG = "exit status: 0 ok, 1 local problem (file, missing package), 2 bad command line, " + ", ".join(
     f"{v} {k}" for k, v in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])) + "."
@@ -43,7 +43,7 @@ def _connection_flags() -> argparse.ArgumentParser:
     return p
 
 
-# The sampling flags are the fields of clients.types.Sampling; these have more to say than their name.
+# The sampling flags are the fields of quantserve.client.types.Sampling; these have more to say than their name.
 _SAMPLING_HELP = MappingProxyType({"stop": "a stop string (repeat for several)",
                                    "logprobs": "0..20: each token's logprob and this many alternatives"})
 
@@ -167,13 +167,13 @@ def cmd_generate(a, out: Console, err: Console) -> None:
         _write(json.dumps(to_dict(r), indent=1) + "\n")
         return
     _write(r.text + "\n")
-    from clients.render import summary
+    from quantserve.client.render import summary
 
     err.print(summary(r), markup=False, highlight=False, style="dim")
 
 
 def cmd_stream(a, out: Console, err: Console) -> None:
-    from clients.render import summary
+    from quantserve.client.render import summary
 
     with _client(a) as c:
         for chunk in c.stream(_prompt(a), **_sampling(a)):
@@ -184,7 +184,7 @@ def cmd_stream(a, out: Console, err: Console) -> None:
 
 
 def cmd_chat(a, out: Console, err: Console) -> None:
-    from clients.render import summary
+    from quantserve.client.render import summary
 
     history = [Message("system", a.system)] if a.system else []
     interactive = sys.stdin.isatty()
@@ -222,7 +222,7 @@ def cmd_info(a, out: Console, err: Console) -> None:
     if a.json:
         _write(json.dumps(to_dict(i), indent=1) + "\n")
         return
-    from clients.render import info_table
+    from quantserve.client.render import info_table
 
     out.print(info_table(i, "HTTP" if a.http else "gRPC"))
 
@@ -237,7 +237,7 @@ def cmd_tokenize(a, out: Console, err: Console) -> None:
 
 
 def cmd_trace(a, out: Console, err: Console) -> None:
-    from clients.render import summary, trace_table
+    from quantserve.client.render import summary, trace_table
 
     with _client(a) as c:
         # logprobs=0 gives the drawn token's text and logprob at every step
@@ -259,8 +259,8 @@ def cmd_trace(a, out: Console, err: Console) -> None:
 
 
 def cmd_sweep(a, out: Console, err: Console) -> None:
-    from clients import sweep as sw
-    from clients.render import sweep_table
+    from quantserve.client import sweep as sw
+    from quantserve.client.render import sweep_table
 
     try:
         spec = sw.SweepSpec(prompt=a.prompt, temperatures=sw.parse_list(a.temperature, float, "temperature"),
@@ -284,10 +284,10 @@ def cmd_sweep(a, out: Console, err: Console) -> None:
 
 def cmd_plot(a, out: Console, err: Console) -> None:
     try:
-        from clients import plot
+        from quantserve.client import plot
         import matplotlib  # noqa: F401 - only to give a clear message when it is missing
     except ImportError:
-        raise _Local("plot needs matplotlib: pip install 'quantserve[client]' (or pip install matplotlib)") from None
+        raise _Local("plot needs matplotlib: pip install 'quantserve-client[plot]' (or pip install matplotlib)") from None
     try:
         if a.trace:
             steps, tokens, doc = plot.load_trace(a.trace)
@@ -297,7 +297,7 @@ def cmd_plot(a, out: Console, err: Console) -> None:
             plot.plot_trace_step(steps[a.step], a.out, f"step {a.step}{drew} · sampling {doc.get('sampling', {})}")
             w, h = plot.trace_png_size()
         else:
-            from clients.sweep import read_rows
+            from quantserve.client.sweep import read_rows
 
             panels = plot.plot_sweep(read_rows(a.sweep), a.metric, a.out)
             w, h = plot.sweep_png_size(panels)

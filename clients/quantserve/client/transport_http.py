@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
-from clients.errors import DEADLINE_EXCEEDED, INTERNAL, ClientError, from_http, from_http_exception
-from clients.types import (Alternative, ModelInfo, Options, Request, Result, StreamChunk, TokenLogprob, Tokens, Usage,
+from quantserve.client.errors import DEADLINE_EXCEEDED, INTERNAL, ClientError, from_http, from_http_exception
+from quantserve.client.types import (Alternative, ModelInfo, Options, Request, Result, StreamChunk, TokenLogprob, Tokens, Usage,
                            _Joined, engine_from_dict, memory_from_dict, trace_from_dict)
 
 _REASON = MappingProxyType({"abort": "cancelled"})  # the HTTP API says "abort" for the engine's "cancelled"

@@ -1,15 +1,15 @@
 """The Python client: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio), over gRPC or HTTP.
 
-    from clients import Client
+    from quantserve.client import Client
     with Client("127.0.0.1:50051") as c:                      # Client("127.0.0.1:8000", http=True) for HTTP
         r = c.generate("The river", temperature=0.8, top_p=0.9, seed=1, max_new_tokens=32, trace=5)
         print(r.text, r.seed, r.memory.kv_bytes_reserved, r.trace[0].entropy)
         for chunk in c.stream("The river", max_new_tokens=32):
             print(chunk.text, end="")                          # chunk.result is set on the last chunk
 
-Sampling parameters are keyword arguments, the fields of :class:`clients.types.Sampling` (named as in the
+Sampling parameters are keyword arguments, the fields of :class:`quantserve.client.types.Sampling` (named as in the
 proto: temperature, top_k, top_p, seed, ...); one left out is not sent, so the server's default applies.
-Every failure is a :class:`clients.errors.ClientError`.
+Every failure is a :class:`quantserve.client.errors.ClientError`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from __future__ import annotations
 import numbers
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
-from clients.errors import INVALID_ARGUMENT, ClientError
-from clients.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Request, Result, Sampling,
+from quantserve.client.errors import INVALID_ARGUMENT, ClientError
+from quantserve.client.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Request, Result, Sampling,
                            StreamChunk, Tokens)
 
 GRPC_PORT, HTTP_PORT = 50051, 8000
 Prompt = Union[str, Sequence[int]]
 MessageLike = Union[Message, Mapping[str, str], Sequence[str]]
 
-# what make_sampling accepts for each type of field (clients.types.SAMPLING_TYPES), as its errors say it
+# what make_sampling accepts for each type of field (quantserve.client.types.SAMPLING_TYPES), as its errors say it
 _KINDS = {float: "a number", int: "an integer", bool: "a bool", tuple: "a string or a list of strings"}
 
 
@@ -104,11 +104,11 @@ class Client:
                  ca_file: str | None = None, api_key: str | None = None, timeout: float | None = 60.0):
         self.options = make_options(target, http, tls, ca_file, api_key, timeout)
         if http:
-            from clients.transport_http import HttpTransport
+            from quantserve.client.transport_http import HttpTransport
 
             self._t: Any = HttpTransport(self.options)
         else:
-            from clients.transport_grpc import GrpcTransport
+            from quantserve.client.transport_grpc import GrpcTransport
 
             self._t = GrpcTransport(self.options)
 
@@ -157,11 +157,11 @@ class AsyncClient:
                  ca_file: str | None = None, api_key: str | None = None, timeout: float | None = 60.0):
         self.options = make_options(target, http, tls, ca_file, api_key, timeout)
         if http:
-            from clients.transport_http import AsyncHttpTransport
+            from quantserve.client.transport_http import AsyncHttpTransport
 
             self._t: Any = AsyncHttpTransport(self.options)
         else:
-            from clients.transport_grpc import AsyncGrpcTransport
+            from quantserve.client.transport_grpc import AsyncGrpcTransport
 
             self._t = AsyncGrpcTransport(self.options)
 

@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of protos/quantserve (scripts/gen_protos.sh); no torch here."""
