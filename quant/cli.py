@@ -21,6 +21,7 @@ from quant.errors import ConfigError, QuantError
 # Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
 # only when one runs, so the pipeline never depends on it. `quant serve` is the server's (server/cli.py).
 DELEGATED = {"serve": ("server.cli", "serve an artifact (or a plain model) over gRPC and HTTP")}
+PLAN_OWNER = "server.capacity"  # `quant estimate --requests`: what an idle server would plan (its own code)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -93,6 +94,13 @@ def _build_parser() -> argparse.ArgumentParser:
     es.add_argument("--lora-rank", type=int, default=0, help="training: LoRA rank on every block Linear (0: full)")
     es.add_argument("--checkpointing", action="store_true", help="training: activation checkpointing")
     es.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 24GiB")
+    es.add_argument("--requests", default=None, metavar="PxN[xC],...",
+                    help="capacity plan instead: what an idle `quant serve` of --model would do with these request "
+                         "shapes (prompt x max-new x count, e.g. 512x256x8,2000x100), as its Plan call answers")
+    for name, what in (("memory-budget", "KV pool"), ("max-batch", "requests running at once"),
+                       ("max-queue", "requests waiting"), ("max-prefill-tokens", "prompt tokens per step")):
+        es.add_argument(f"--{name}", default=None, type=str if name == "memory-budget" else int,
+                        help=f"with --requests: the server's {what} (default: quant serve's)")
     es.add_argument("--json", action="store_true")
 
     i = sub.add_parser("inspect", help="show an artifact's manifest")
@@ -220,6 +228,9 @@ def _cmd_merge(args, console: Console, cache_dir: Path) -> int:
 
 def _cmd_estimate(args, console: Console, cache_dir: Path) -> int:
     from quant.estimate import estimate
+
+    if args.requests is not None:  # the server's plan, computed offline: its code, imported when it runs
+        return importlib.import_module(PLAN_OWNER).estimate_command(args, console, cache_dir)
 
     result = estimate(args, cache_dir)
     if args.json:

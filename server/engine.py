@@ -15,6 +15,7 @@ batched call (``server.sampling``), then per request: detokenize, check EOS / st
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -24,11 +25,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes, weight_report
-from server import models
+from server import capacity, models
 from server import outputs as out
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.kv_pool import BlockPool, KVLayout, resolve_budget
@@ -308,26 +310,9 @@ class Engine:
                 raise RequestError("prompt", f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
         return list(prompt)
 
-    def check(self, prompt_tokens: int, params: SamplingParams) -> None:
+    def check(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Admission checks that need no queue state: raise RequestError naming the parameter and numbers."""
-        n, m = prompt_tokens, params.max_new_tokens
-        if n == 0:
-            raise RequestError("prompt", "prompt is empty")
-        if n >= self.context_length:
-            raise RequestError("prompt", f"prompt has {n} tokens; the model's context is {self.context_length}")
-        if n + m > self.context_length:
-            raise RequestError(
-                "max_new_tokens",
-                f"prompt ({n} tokens) + max_new_tokens ({m}) = {n + m} exceeds the model's context "
-                f"of {self.context_length} tokens",
-            )
-        if not self.pool.can_ever_fit(n + m):
-            need = self.layout.blocks_for(n + m)
-            raise RequestError(
-                "max_new_tokens",
-                f"prompt ({n}) + max_new_tokens ({m}) needs {need} KV blocks = {need * self.layout.bytes_per_block} "
-                f"bytes; the whole KV pool is {self.pool.num_blocks} blocks = {self.pool.capacity_bytes} bytes",
-            )
+        capacity.check_shape(prompt_tokens, max_new_tokens, self.context_length, self.pool.num_blocks, self.layout)
 
     def submit(self, prompt, params: SamplingParams, sink, request_id: str | None = None) -> RequestHandle:
         """Queue a request; ``sink(event)`` is called from the engine thread for each event. Raises
@@ -337,7 +322,7 @@ class Engine:
         if not self._accepting:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         ids = self._prompt_ids(prompt)
-        self.check(len(ids), params)
+        self.check(len(ids), params.max_new_tokens)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
         rid = request_id or f"req-{next(self._ids)}"
         with self._lock:
@@ -415,6 +400,33 @@ class Engine:
             attention=self.attention, engine=self.totals(),
         )
 
+    def plan(self, shapes: list[capacity.Shape], check: Callable[[int, int], capacity.Refusal | None]
+             ) -> concurrent.futures.Future:
+        """A Future of the capacity plan (server/capacity.py) of ``shapes`` from a snapshot of the pool and the
+        queue, taken on the engine thread between steps (the activation estimate may measure a dequantization
+        there, and torch work stays on that thread); computed here when the engine thread is not running."""
+        capacity.validate(shapes)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("plan", (shapes, check, fut)))
+        else:
+            self._plan_now(shapes, check, fut)
+        return fut
+
+    def _plan_now(self, shapes, check, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            state = capacity.EngineState(
+                self.pool.num_blocks, self.pool.free_blocks, self.layout.block_size, self.layout.bytes_per_block,
+                len(self.scheduler.running), self.config.max_batch, self.config.max_prefill_tokens,
+                tuple(self.layout.blocks_for(s.reserve_tokens) for s in self.scheduler.waiting), self._queued,
+                self.config.max_queue,
+            )
+            fut.set_result(capacity.plan(shapes, state, check, self.activation_estimate))
+        except BaseException as e:  # noqa: BLE001 - the caller's to raise
+            fut.set_exception(e)
+
     def activation_estimate(self, chunk_tokens: int, past: int = 0) -> int:
         """Estimated activation peak of a step that prefills a chunk of this many tokens after ``past`` cached
         ones (quant.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
@@ -458,6 +470,8 @@ class Engine:
             self.scheduler.add(arg)
         elif cmd == "cancel":
             self._cancel(arg)
+        elif cmd == "plan":
+            self._plan_now(*arg)
 
     def _cancel(self, request_id: str, error: str | None = None) -> None:
         found = self.scheduler.remove(request_id)

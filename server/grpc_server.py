@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from quantserve.client.types import SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
+from server.capacity import Shape
 from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
 from server.sampling import SamplingParams
 from server.service import Service, classify
@@ -117,6 +119,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         ids, tokens = await self.svc.tokenize(request.text)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def Plan(self, request, context):
+        shapes = [Shape(r.prompt_tokens, r.max_new_tokens, r.count if r.HasField("count") else 1)
+                  for r in request.requests]
+        return json_format.ParseDict(await self.svc.plan(shapes), pb.PlanResponse())
 
     async def ModelInfo(self, request, context):
         i = self.svc.info()

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
+from server.capacity import Shape
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
@@ -76,6 +77,39 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+
+
+class ShapeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    prompt_tokens: int
+    max_new_tokens: int
+    count: int = 1
+
+
+class PlanBody(BaseModel):
+    """``requests``: a list of shapes; or one shape as ``prompt_tokens``, ``max_new_tokens``, ``concurrency``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    requests: list[ShapeBody] | None = None
+    prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
+    concurrency: int | None = None
+
+    def shapes(self) -> list[Shape]:
+        one = {"prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
+               "concurrency": self.concurrency}
+        if self.requests is not None:
+            given = [k for k, v in one.items() if v is not None]
+            if given:
+                raise RequestError(given[0], f"give requests or {given[0]}, not both")
+            return [Shape(r.prompt_tokens, r.max_new_tokens, r.count) for r in self.requests]
+        one["concurrency"] = 1 if self.concurrency is None else self.concurrency
+        for name, v in one.items():
+            if v is None:
+                raise RequestError(name, f"{name} is required (or give requests, a list of request shapes)")
+            if v < 1:
+                raise RequestError(name, f"{name} must be an integer >= 1, got {v}")
+        return [Shape(self.prompt_tokens, self.max_new_tokens, one["concurrency"])]
 
 
 class TokenizeBody(BaseModel):
@@ -250,6 +284,11 @@ def create_app(svc: Service) -> FastAPI:
     async def info():
         """What gRPC's ModelInfo says: model, scheme, dtype, device, attention, memory totals, limits."""
         return svc.info()
+
+    @app.post("/v1/plan")
+    async def plan(body: PlanBody):
+        """gRPC's Plan: what the engine would do now with requests of these shapes (server/capacity.py)."""
+        return await svc.plan(body.shapes())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):

@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
+from server import capacity
 from server import outputs as out
 from server.engine import Engine
 from server.metrics import Metrics
@@ -25,6 +26,7 @@ from server.sampling import SamplingParams, SamplingParamsError
 from server.settings import setting
 
 log = logging.getLogger("quantserve.service")
+PLAN_TIMEOUT_S = 120.0  # the engine answers a plan between two steps; longer only when it has stopped
 request_log = logging.getLogger("quantserve.requests")
 
 
@@ -133,11 +135,33 @@ class Service:
             raise EngineClosedError("the server is draining and takes no new requests")
 
     def check_params(self, params: SamplingParams) -> None:
-        if params.max_new_tokens > self.limits.max_new_tokens:
-            raise RequestError("max_new_tokens", f"max_new_tokens must be <= {self.limits.max_new_tokens} on this "
-                                                 f"server, got {params.max_new_tokens}")
+        capacity.check_limits(0, params.max_new_tokens, self.limits.max_new_tokens, self.max_prompt_tokens)
         if len(params.stop) > self.limits.max_stop:
             raise RequestError("stop", f"at most {self.limits.max_stop} stop sequences, got {len(params.stop)}")
+
+    def refusal(self, prompt_tokens: int, max_new_tokens: int) -> capacity.Refusal | None:
+        """What a request of this shape is refused with before it could queue, checked in the order a real
+        request meets the checks (draining, this server's limits, the engine's context and KV pool); None if
+        it would be taken."""
+        try:
+            self.check_accepting()
+            capacity.check_limits(prompt_tokens, max_new_tokens, self.limits.max_new_tokens, self.max_prompt_tokens)
+            self.engine.check(prompt_tokens, max_new_tokens)
+        except (RequestError, EngineClosedError) as e:
+            k = classify(e)
+            return capacity.Refusal(k.grpc_code, k.message, k.param)
+        return None
+
+    async def plan(self, shapes: list[capacity.Shape]) -> dict:
+        """The capacity plan of ``shapes`` from the live engine (server/capacity.py), as the wire gives it;
+        RequestError naming the field for an invalid plan request."""
+        fut = self.engine.plan(shapes, self.refusal)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(fut), PLAN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineClosedError("the engine did not answer the plan (it is shutting down)") from None
+        i = self.engine.info
+        return capacity.to_dict(result, i.weight_bytes, i.kv_bytes_per_token, i.attention)
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -166,9 +190,7 @@ class Service:
             ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)
-        if len(ids) > self.max_prompt_tokens:
-            raise RequestError("prompt", f"prompt has {len(ids)} tokens; this server takes at most "
-                                         f"{self.max_prompt_tokens}")
+        capacity.check_limits(len(ids), 0, self.limits.max_new_tokens, self.max_prompt_tokens)
         return ids
 
     async def run(self, prompt: str | list[int], params: SamplingParams, transport: str,

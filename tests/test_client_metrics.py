@@ -14,7 +14,7 @@ import pytest
 from quantserve.client.errors import ClientError, from_grpc, from_http, param_from_message
 from quantserve.client.metrics import cell_metrics, distinct_n, ngrams, pooled_mean, repeats, repetition_rate
 from quantserve.client.types import (Candidate, EngineMemory, MemoryAccounting, Message, Request, Result, Sampling,
-                           TokenLogprob, TraceStep, Usage, to_dict, trace_from_dict)
+                                     TokenLogprob, TraceStep, Usage, to_dict, trace_from_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from quantserve.client.client import Client, default_target
 from quantserve.client.errors import EXIT_CODES, EXIT_LOCAL, ClientError
-from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, to_dict
+from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, RequestShape, parse_shape, to_dict
 
 EPILOG = "exit status: 0 ok, 1 local problem (file, missing package), 2 bad command line, " + ", ".join(
     f"{v} {k}" for k, v in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])) + "."
@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "'/exit' or end of input ends", [conn, samp])
     c.add_argument("--system", help="a system message to start the conversation with")
     c = cmd("info", "what is served: model, scheme, dtype, attention, device, memory, limits", [conn])
+    c.add_argument("--json", action="store_true")
+    c = cmd("plan", "capacity preflight: for requests of these shapes, KV reserved per request, how many fit now "
+                    "and when idle, the prefill activation peak, and whether each sent now would be admitted, "
+                    "queued or refused (and why)", [conn])
+    c.add_argument("--prompt-tokens", type=int, help="one shape: prompt tokens ...")
+    c.add_argument("--max-new-tokens", type=int, help="... max new tokens ...")
+    c.add_argument("--concurrency", type=int, default=1, help="... and how many such requests (default 1)")
+    c.add_argument("--shape", action="append", metavar="PxN[xC]", help="a shape as prompt x max-new [x count], "
+                   "e.g. 512x256x8; repeat for several, planned in the order given")
     c.add_argument("--json", action="store_true")
     c = cmd("tokenize", "the server tokenizer's ids and tokens for TEXT", [conn])
     c.add_argument("text")
@@ -227,6 +236,32 @@ def cmd_info(a, out: Console, err: Console) -> None:
     out.print(info_table(i, "HTTP" if a.http else "gRPC"))
 
 
+def _shapes(a) -> list[RequestShape] | None:
+    if a.shape is None:
+        if a.prompt_tokens is None or a.max_new_tokens is None:
+            raise _Local("plan needs --prompt-tokens and --max-new-tokens, or --shape PxN[xC]")
+        return None
+    if a.prompt_tokens is not None or a.max_new_tokens is not None:
+        raise _Local("give --shape or --prompt-tokens/--max-new-tokens, not both")
+    try:
+        return [parse_shape(t) for t in a.shape]
+    except ValueError as e:
+        raise _Local(f"--shape: {e}") from None
+
+
+def cmd_plan(a, out: Console, err: Console) -> None:
+    shapes = _shapes(a)
+    with _client(a) as c:
+        p = (c.plan(prompt_tokens=a.prompt_tokens, max_new_tokens=a.max_new_tokens, concurrency=a.concurrency)
+             if shapes is None else c.plan(shapes))
+    if a.json:
+        _write(json.dumps(to_dict(p), indent=1) + "\n")
+        return
+    from quantserve.client.render import plan_table
+
+    out.print(plan_table(p, "HTTP" if a.http else "gRPC"))
+
+
 def cmd_tokenize(a, out: Console, err: Console) -> None:
     with _client(a) as c:
         t = c.tokenize(a.text)
@@ -287,7 +322,7 @@ def cmd_plot(a, out: Console, err: Console) -> None:
         from quantserve.client import plot
         import matplotlib  # noqa: F401 - only to give a clear message when it is missing
     except ImportError:
-        raise _Local("plot needs matplotlib: pip install 'quantserve-client[plot]' (or pip install matplotlib)") from None
+        raise _Local("plot needs matplotlib: pip install 'quantserve-client[plot]'") from None
     try:
         if a.trace:
             steps, tokens, doc = plot.load_trace(a.trace)
@@ -307,7 +342,8 @@ def cmd_plot(a, out: Console, err: Console) -> None:
 
 
 COMMANDS: Mapping[str, Callable[[argparse.Namespace, Console, Console], None]] = MappingProxyType({
-    "generate": cmd_generate, "stream": cmd_stream, "chat": cmd_chat, "info": cmd_info, "tokenize": cmd_tokenize,
+    "generate": cmd_generate, "stream": cmd_stream, "chat": cmd_chat, "info": cmd_info, "plan": cmd_plan,
+    "tokenize": cmd_tokenize,
     "trace": cmd_trace, "sweep": cmd_sweep, "plot": cmd_plot,
 })
 

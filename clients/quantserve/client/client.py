@@ -18,8 +18,8 @@ import numbers
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
 from quantserve.client.errors import INVALID_ARGUMENT, ClientError
-from quantserve.client.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Request, Result, Sampling,
-                           StreamChunk, Tokens)
+from quantserve.client.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Plan, Request,
+                                     RequestShape, Result, Sampling, StreamChunk, Tokens)
 
 GRPC_PORT, HTTP_PORT = 50051, 8000
 Prompt = Union[str, Sequence[int]]
@@ -96,6 +96,22 @@ def make_options(target: str | None, http: bool, tls: bool, ca_file: str | None,
                    api_key=api_key, timeout=timeout)
 
 
+ShapeLike = Union[RequestShape, Sequence[int]]
+
+
+def plan_shapes(shapes: Iterable[ShapeLike] | None, prompt_tokens: int | None, max_new_tokens: int | None,
+                concurrency: int) -> tuple[RequestShape, ...]:
+    """The shapes of a plan call; their values are the server's to check (its errors name the field)."""
+    if shapes is None:
+        if prompt_tokens is None or max_new_tokens is None:
+            raise ClientError(INVALID_ARGUMENT, "plan needs shapes, or prompt_tokens and max_new_tokens",
+                              "prompt_tokens" if prompt_tokens is None else "max_new_tokens")
+        return (RequestShape(prompt_tokens, max_new_tokens, concurrency),)
+    if prompt_tokens is not None or max_new_tokens is not None:
+        raise ClientError(INVALID_ARGUMENT, "give shapes, or prompt_tokens and max_new_tokens, not both", "shapes")
+    return tuple(s if isinstance(s, RequestShape) else RequestShape(*s) for s in shapes)
+
+
 class Client:
     """A blocking client over gRPC (default) or HTTP (``http=True``). Thread-safe: one client can serve many
     threads (the CLI's sweep does). Use it as a context manager, or call :meth:`close`."""
@@ -138,6 +154,14 @@ class Client:
 
     def info(self) -> ModelInfo:
         return self._t.info()
+
+    def plan(self, shapes: Iterable[ShapeLike] | None = None, *, prompt_tokens: int | None = None,
+             max_new_tokens: int | None = None, concurrency: int = 1) -> Plan:
+        """The server's capacity preflight: for each shape, KV reserved per request, how many fit now and when
+        idle, the prefill activation peak, and how many of ``count`` sent now would be admitted, queued or
+        refused (and why). Shapes are RequestShape or (prompt_tokens, max_new_tokens[, count]); or give one
+        as ``prompt_tokens``, ``max_new_tokens`` and ``concurrency``."""
+        return self._t.plan(plan_shapes(shapes, prompt_tokens, max_new_tokens, concurrency))
 
     def close(self) -> None:
         self._t.close()
@@ -189,6 +213,10 @@ class AsyncClient:
 
     async def info(self) -> ModelInfo:
         return await self._t.info()
+
+    async def plan(self, shapes: Iterable[ShapeLike] | None = None, *, prompt_tokens: int | None = None,
+                   max_new_tokens: int | None = None, concurrency: int = 1) -> Plan:
+        return await self._t.plan(plan_shapes(shapes, prompt_tokens, max_new_tokens, concurrency))
 
     async def close(self) -> None:
         await self._t.close()

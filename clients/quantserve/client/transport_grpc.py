@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import AsyncIterator, Iterator
 
 import grpc
+from google.protobuf import json_format
 
 from quantserve.client.errors import INVALID_ARGUMENT, ClientError, from_grpc
-from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Request,
-                           Result, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage, _Joined)
+from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Plan,
+                                     Request, RequestShape, Result, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage,
+                                     _Joined, plan_from_dict)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -103,6 +105,16 @@ def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
                      max_prompt_tokens=i.max_prompt_tokens, memory=_engine(i.memory))
 
 
+def plan_to_proto(shapes: tuple[RequestShape, ...]) -> pb.PlanRequest:
+    return pb.PlanRequest(requests=[pb.RequestShape(prompt_tokens=s.prompt_tokens, max_new_tokens=s.max_new_tokens,
+                                                    count=s.count) for s in shapes])
+
+
+def plan_from_proto(m: pb.PlanResponse) -> Plan:
+    return plan_from_dict(json_format.MessageToDict(m, preserving_proto_field_name=True,
+                                                    always_print_fields_with_no_presence=True))
+
+
 def _no_final() -> ClientError:
     return ClientError("internal", "the stream ended without a final message")
 
@@ -178,6 +190,12 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 
+    def plan(self, shapes: tuple[RequestShape, ...]) -> Plan:
+        try:
+            return plan_from_proto(self._stub.Plan(plan_to_proto(shapes), **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -227,6 +245,12 @@ class AsyncGrpcTransport:
     async def info(self) -> ModelInfo:
         try:
             return info_from_proto(await self._stub.ModelInfo(pb.ModelInfoRequest(), **self._kw))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    async def plan(self, shapes: tuple[RequestShape, ...]) -> Plan:
+        try:
+            return plan_from_proto(await self._stub.Plan(plan_to_proto(shapes), **self._kw))
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 

@@ -20,8 +20,9 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 
 from quantserve.client.errors import DEADLINE_EXCEEDED, INTERNAL, ClientError, from_http, from_http_exception
-from quantserve.client.types import (Alternative, ModelInfo, Options, Request, Result, StreamChunk, TokenLogprob, Tokens, Usage,
-                           _Joined, engine_from_dict, memory_from_dict, trace_from_dict)
+from quantserve.client.types import (Alternative, ModelInfo, Options, Plan, Request, RequestShape, Result, StreamChunk,
+                                     TokenLogprob, Tokens, Usage, _Joined, engine_from_dict, memory_from_dict,
+                                     plan_from_dict, trace_from_dict)
 
 _REASON = MappingProxyType({"abort": "cancelled"})  # the HTTP API says "abort" for the engine's "cancelled"
 # proto name -> OpenAI body field (the other fields keep their names)
@@ -102,6 +103,18 @@ def result_from_body(body: dict) -> Result:
 def _ids(choice: dict) -> tuple[int, ...] | None:
     ids = choice.get("token_ids")
     return None if ids is None else tuple(int(i) for i in ids)
+
+
+def plan_body(shapes: tuple[RequestShape, ...]) -> dict:
+    return {"requests": [{"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens, "count": s.count}
+                         for s in shapes]}
+
+
+def _plan(body: dict) -> Plan:
+    try:
+        return plan_from_dict(body)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ClientError(INTERNAL, f"malformed plan from the server: {e}") from None
 
 
 def info_from_body(body: dict) -> ModelInfo:
@@ -240,6 +253,9 @@ class HttpTransport:
     def info(self) -> ModelInfo:
         return info_from_body(self._get("/v1/info"))
 
+    def plan(self, shapes: tuple[RequestShape, ...]) -> Plan:
+        return _plan(self._post("/v1/plan", plan_body(shapes)))
+
     def close(self) -> None:
         self._http.close()
 
@@ -297,6 +313,9 @@ class AsyncHttpTransport:
 
     async def info(self) -> ModelInfo:
         return info_from_body(await self._get("/v1/info"))
+
+    async def plan(self, shapes: tuple[RequestShape, ...]) -> Plan:
+        return _plan(await self._post("/v1/plan", plan_body(shapes)))
 
     async def close(self) -> None:
         await self._http.aclose()

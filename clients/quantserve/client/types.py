@@ -274,6 +274,81 @@ def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
 
 
 @dataclass(frozen=True)
+class RequestShape:
+    """A kind of request for :meth:`Client.plan`: ``count`` of them, sent one after another."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why planned requests would be refused: the code and message a real request gets."""
+
+    code: str  # invalid_argument, resource_exhausted or unavailable (ClientError's codes)
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    shape: RequestShape
+    kv_blocks: int  # per request
+    kv_bytes_reserved: int  # per request: what MemoryAccounting.kv_bytes_reserved will report
+    activation_peak_bytes: int  # its prefill's estimated peak when it prefills alone
+    fit_now: int  # how many such requests could run at once now ...
+    fit_now_limited_by: str  # ... limited by kv_blocks or max_batch (refused: none, see refusal)
+    fit_empty: int  # ... and in an idle engine
+    fit_empty_limited_by: str
+    admitted: int  # what happens to the ``count`` requests sent now
+    queued: int
+    refused: int
+    refusal: Refusal | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The server's capacity preflight (``Plan`` / ``POST /v1/plan``), from the engine's own accounting."""
+
+    shapes: tuple[ShapePlan, ...]
+    engine: EngineMemory | None
+    kv_bytes_per_token: int
+    kv_capacity_blocks: int
+    kv_free_blocks: int
+    max_batch: int
+    max_queue: int
+    max_prefill_tokens: int
+    attention: str
+
+
+def parse_shape(text: str) -> RequestShape:
+    """``PROMPTxMAX_NEW[xCOUNT]`` (``512x256x8``) as a RequestShape; ValueError saying the form otherwise."""
+    parts = text.strip().lower().split("x")
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT] in whole numbers, e.g. 512x256x8; got {text!r}")
+    return RequestShape(*(int(p) for p in parts))
+
+
+def plan_from_dict(d: Mapping[str, Any]) -> Plan:
+    """A Plan from the HTTP body, or from the gRPC message as a dict (whose int64 fields are strings)."""
+
+    def ints(src: Mapping[str, Any], cls: type, skip: tuple[str, ...] = ()) -> dict:
+        return {f.name: int(src.get(f.name, 0)) for f in dataclasses.fields(cls)
+                if f.type in ("int", int) and f.name not in skip}
+
+    def shape_plan(p: Mapping[str, Any]) -> ShapePlan:
+        r = p.get("refusal")
+        refusal = Refusal(str(r["code"]).lower(), str(r["message"]), r.get("param") or None) if r else None
+        return ShapePlan(shape=RequestShape(**ints(p["shape"], RequestShape)), refusal=refusal,
+                         fit_now_limited_by=str(p["fit_now_limited_by"]),
+                         fit_empty_limited_by=str(p["fit_empty_limited_by"]), **ints(p, ShapePlan))
+
+    return Plan(shapes=tuple(shape_plan(p) for p in d["shapes"]), engine=engine_from_dict(d.get("engine")),
+                attention=str(d.get("attention", "")), **ints(d, Plan))
+
+
+@dataclass(frozen=True)
 class Options:
     """How to reach the server. ``target`` is "host:port" (or, with ``http``, also a full http(s):// URL);
     ``timeout`` is seconds per call (None: no deadline); ``ca_file`` a PEM bundle for TLS (None: the system's

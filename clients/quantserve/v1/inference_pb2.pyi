@@ -237,3 +237,79 @@ class ModelInfoResponse(_message.Message):
     max_new_tokens_limit: int
     max_prompt_tokens: int
     def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestShape(_message.Message):
+    __slots__ = ("prompt_tokens", "max_new_tokens", "count")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    max_new_tokens: int
+    count: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestShape]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestShape, _Mapping]]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("code", "message", "param")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    param: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
+
+class ShapePlan(_message.Message):
+    __slots__ = ("shape", "kv_blocks", "kv_bytes_reserved", "activation_peak_bytes", "fit_now", "fit_now_limited_by", "fit_empty", "fit_empty_limited_by", "admitted", "queued", "refused", "refusal")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIT_NOW_FIELD_NUMBER: _ClassVar[int]
+    FIT_NOW_LIMITED_BY_FIELD_NUMBER: _ClassVar[int]
+    FIT_EMPTY_FIELD_NUMBER: _ClassVar[int]
+    FIT_EMPTY_LIMITED_BY_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    shape: RequestShape
+    kv_blocks: int
+    kv_bytes_reserved: int
+    activation_peak_bytes: int
+    fit_now: int
+    fit_now_limited_by: str
+    fit_empty: int
+    fit_empty_limited_by: str
+    admitted: int
+    queued: int
+    refused: int
+    refusal: Refusal
+    def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention")
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    shapes: _containers.RepeatedCompositeFieldContainer[ShapePlan]
+    engine: EngineMemory
+    kv_bytes_per_token: int
+    kv_capacity_blocks: int
+    kv_free_blocks: int
+    max_batch: int
+    max_queue: int
+    max_prefill_tokens: int
+    attention: str
+    def __init__(self, shapes: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., attention: _Optional[str] = ...) -> None: ...

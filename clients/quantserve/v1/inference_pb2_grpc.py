@@ -62,6 +62,11 @@ class InferenceStub:
                 request_serializer=quantserve_dot_v1_dot_inference__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=quantserve_dot_v1_dot_inference__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/quantserve.v1.Inference/Plan',
+                request_serializer=quantserve_dot_v1_dot_inference__pb2.PlanRequest.SerializeToString,
+                response_deserializer=quantserve_dot_v1_dot_inference__pb2.PlanResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -104,6 +109,16 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plan(self, request, context):
+        """Capacity preflight: what the engine would do now with requests of these shapes (KV reserved per request,
+        how many fit now and when empty, the prefill activation peak, and whether each would be admitted, queued
+        or refused and why), from the accounting every response reports. An invalid plan is INVALID_ARGUMENT
+        naming the field (requests[1].count); a shape the server would refuse is an outcome, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=quantserve_dot_v1_dot_inference__pb2.ModelInfoRequest.FromString,
                     response_serializer=quantserve_dot_v1_dot_inference__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=quantserve_dot_v1_dot_inference__pb2.PlanRequest.FromString,
+                    response_serializer=quantserve_dot_v1_dot_inference__pb2.PlanResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +264,33 @@ class Inference:
             '/quantserve.v1.Inference/ModelInfo',
             quantserve_dot_v1_dot_inference__pb2.ModelInfoRequest.SerializeToString,
             quantserve_dot_v1_dot_inference__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quantserve.v1.Inference/Plan',
+            quantserve_dot_v1_dot_inference__pb2.PlanRequest.SerializeToString,
+            quantserve_dot_v1_dot_inference__pb2.PlanResponse.FromString,
             options,
             channel_credentials,
             insecure,
