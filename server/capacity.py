@@ -61,13 +61,22 @@ def validate(shapes: list[Shape]) -> list[Shape]:
     return shapes
 
 
+def check_max_new_tokens(max_new_tokens: int, limit: int) -> None:
+    """A server's limit on max_new_tokens (server.service.Limits): RequestError naming the parameter."""
+    if max_new_tokens > limit:
+        raise RequestError("max_new_tokens", f"max_new_tokens must be <= {limit} on this server, got {max_new_tokens}")
+
+
+def check_prompt_tokens(prompt_tokens: int, limit: int) -> None:
+    """A server's limit on prompt tokens (its --max-prompt-tokens, or the context): RequestError naming it."""
+    if prompt_tokens > limit:
+        raise RequestError("prompt", f"prompt has {prompt_tokens} tokens; this server takes at most {limit}")
+
+
 def check_limits(prompt_tokens: int, max_new_tokens: int, max_new_tokens_limit: int, max_prompt_tokens: int) -> None:
-    """A server's per-request limits (server.service.Limits): raise RequestError naming the parameter."""
-    if max_new_tokens > max_new_tokens_limit:
-        raise RequestError("max_new_tokens", f"max_new_tokens must be <= {max_new_tokens_limit} on this server, got "
-                                             f"{max_new_tokens}")
-    if prompt_tokens > max_prompt_tokens:
-        raise RequestError("prompt", f"prompt has {prompt_tokens} tokens; this server takes at most {max_prompt_tokens}")
+    """Both limits, in the order a request meets them (its parameters are checked before its prompt)."""
+    check_max_new_tokens(max_new_tokens, max_new_tokens_limit)
+    check_prompt_tokens(prompt_tokens, max_prompt_tokens)
 
 
 def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, num_blocks: int, layout) -> None:
@@ -256,7 +265,6 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None}).validate()
     limits = Limits(**{k: v for k, v in (("max_new_tokens", max_new_tokens_limit),
                                          ("max_prompt_tokens", max_prompt_tokens)) if v is not None}).validate()
-    validate(shapes)
     source = models.resolve(spec, cache_dir)
     mcfg = AutoConfig.from_pretrained(source.path)
     models_shape = ModelShape.from_config(mcfg)

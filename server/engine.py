@@ -404,8 +404,8 @@ class Engine:
              ) -> concurrent.futures.Future:
         """A Future of the capacity plan (server/capacity.py) of ``shapes`` from a snapshot of the pool and the
         queue, taken on the engine thread between steps (the activation estimate may measure a dequantization
-        there, and torch work stays on that thread); computed here when the engine thread is not running."""
-        capacity.validate(shapes)
+        there, and torch work stays on that thread); computed here when the engine thread is not running. An
+        invalid plan (capacity.validate) is the Future's RequestError."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("plan", (shapes, check, fut)))

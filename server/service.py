@@ -135,7 +135,7 @@ class Service:
             raise EngineClosedError("the server is draining and takes no new requests")
 
     def check_params(self, params: SamplingParams) -> None:
-        capacity.check_limits(0, params.max_new_tokens, self.limits.max_new_tokens, self.max_prompt_tokens)
+        capacity.check_max_new_tokens(params.max_new_tokens, self.limits.max_new_tokens)
         if len(params.stop) > self.limits.max_stop:
             raise RequestError("stop", f"at most {self.limits.max_stop} stop sequences, got {len(params.stop)}")
 
@@ -190,7 +190,7 @@ class Service:
             ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
         else:
             ids = list(prompt)
-        capacity.check_limits(len(ids), 0, self.limits.max_new_tokens, self.max_prompt_tokens)
+        capacity.check_prompt_tokens(len(ids), self.max_prompt_tokens)
         return ids
 
     async def run(self, prompt: str | list[int], params: SamplingParams, transport: str,

@@ -230,3 +230,20 @@ def test_quant_estimate_requests_refuses_a_bad_shape_in_one_line():
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "requests[0].max_new_tokens" in lines[0], r.stderr
+
+
+def test_the_client_and_cli_refuse_a_plan_without_one_clear_shape(server, capsys):
+    from quantserve.client.cli import main
+
+    with Client(server.grpc_target) as c:
+        for kw, param in (({}, "prompt_tokens"), ({"prompt_tokens": 5}, "max_new_tokens"),
+                          ({"shapes": [(5, 5)], "prompt_tokens": 5}, "shapes")):
+            with pytest.raises(ClientError) as e:
+                c.plan(**kw)
+            assert e.value.code == "invalid_argument" and e.value.param == param
+    for args, says in ((["plan"], "needs --prompt-tokens"),
+                       (["plan", "--shape", "5x5", "--max-new-tokens", "5"], "not both"),
+                       (["plan", "--shape", "5x"], "--shape: a request shape is PROMPTxMAX_NEW[xCOUNT]")):
+        assert main([*args, "--target", server.grpc_target]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err

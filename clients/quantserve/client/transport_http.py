@@ -114,7 +114,7 @@ def _plan(body: dict) -> Plan:
     try:
         return plan_from_dict(body)
     except (KeyError, TypeError, ValueError) as e:
-        raise ClientError(INTERNAL, f"malformed plan from the server: {e}") from None
+        raise ClientError(INTERNAL, f"unexpected /v1/plan response: {type(e).__name__}: {e}") from None
 
 
 def info_from_body(body: dict) -> ModelInfo:
