@@ -44,7 +44,7 @@ def main() -> None:
         lin = nn.Linear(k, n, bias=False)
         w8 = layers.Int8WeightLinear.from_float(lin, affine=False)
         w4 = int4.GPTQLinear.from_quantized(gptq.rtn(lin.weight.data, 4, 64), None, v2=False)
-        w4.prepare()
+        w4.prepare(torch.bfloat16)
         a8 = layers.W8A8Linear.from_float(lin, input_scale=0.05)
         wb = lin.weight.data.bfloat16()
         for m in ROWS:
@@ -56,7 +56,7 @@ def main() -> None:
                 "dense bf16": timeit(lambda: xb @ wb.t()),
                 "int8 kernel (bf16)": timeit(lambda: torch.ops.aten._weight_int8pack_mm(xb, w8.weight, w8.weight_scale.bfloat16())),
                 "int8 dequant+dense (bf16)": timeit(lambda: xb @ w8.dequantized(torch.bfloat16).t()),
-                "int4 kernel (bf16)": timeit(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w4._packed, 64, w4._scales_and_zeros(torch.bfloat16))),
+                "int4 kernel (bf16)": timeit(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w4.packed, 64, w4.scales_zeros)),
                 "int4 dequant+dense (bf16)": timeit(lambda: xb @ w4.dequantized(torch.bfloat16).t()),
                 "w8a8 _int_mm (incl. act quant)": timeit(lambda: a8(xb)),
             }

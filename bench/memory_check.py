@@ -40,7 +40,7 @@ def main() -> None:
         art = load(path)
         manifest = art.manifest
         group = manifest["parameters"].get("group_size") or 128
-        pred = M.weight_bytes(shape, manifest["scheme"], float_bytes=2, group_size=group)["total"]
+        pred = M.weight_bytes(shape, manifest["scheme"], float_bytes=2, group_size=group, served=True)["total"]
         measured = M.weight_report(art.model)["total"]
         rows["weights"].append({"scheme": scheme, "predicted": pred, "measured": measured, "ratio": pred / measured})
     pred = M.weight_bytes(shape, "float", float_bytes=4)["total"]

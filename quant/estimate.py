@@ -84,7 +84,7 @@ def estimate(args, cache_dir: Path) -> dict:
                 f"{', checkpointing' if args.checkpointing else ''}, {args.attn}")
         extra = {"trainable_params": t["trainable_params"]}
     else:
-        w = M.weight_bytes(shape, args.scheme, float_bytes=nbytes, group_size=args.group_size)
+        w = M.weight_bytes(shape, args.scheme, float_bytes=nbytes, group_size=args.group_size, served=True)
         classes = {
             "W": w["total"],
             "KV": args.batch * args.context * M.kv_bytes_per_token(shape, nbytes),

@@ -8,8 +8,10 @@ On disk (what transformers through gptqmodel, optimum and vLLM load), for W (N, 
 W[n, k] = scales[g_idx[k], n] * (code[k, n] - zero[g_idx[k], n]).
 
 At load time the codes are repacked once for `aten._weight_int4pack_mm_for_cpu` (CPU) or
-`aten._weight_int4pack_mm` (CUDA). Those kernels compute (code - 8) * s + z_f per group, so the
-zero-point goes in the float domain: z_f = s * (8 - zero). The packed layout is never persisted.
+`aten._weight_int4pack_mm` (CUDA), and the module then holds that layout instead of the GPTQ tensors. Those
+kernels compute (code - 8) * s + z_f per group, so the zero-point goes in the float domain:
+z_f = s * (8 - zero), stored with s in the activation dtype. The packed layout is never persisted (it depends
+on the device, and on a CPU on its vector width).
 The kernels take groups of consecutive input columns; a checkpoint written with act-order (`desc_act`: GPTQ
 with a permuted `g_idx`, as GPTQModel and AutoGPTQ write it) has its columns sorted by group at load and the
 activations gathered in that order per call (as exllama and vLLM do); a `g_idx` whose groups are not all
@@ -18,11 +20,13 @@ activations gathered in that order per call (as exllama and vLLM do); a `g_idx` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from quant.errors import ArtifactError
-from quant.layers import WeightOnlyLinear, fused_bias
+from quant.layers import WeightOnlyLinear, fused_bias, fused_offsets
 
 BITS = 4
 PACK = 32 // BITS  # codes per int32
@@ -100,13 +104,19 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
 
 
 class GPTQLinear(WeightOnlyLinear):
-    """A Linear whose weight is stored in the GPTQ format and multiplied with PyTorch's int4 kernels.
+    """A Linear stored in the GPTQ format, holding one runtime layout after `prepare(dtype)`:
 
-    The CPU kernel is only used for 16-bit activations (fp32 measured ~20x slower than dense)."""
+    - "int4pack" (16-bit activations, a kernel group size): the codes repacked for PyTorch's int4 kernel
+      (`packed`), one scale/zero table in the activation dtype (`scales_zeros`, (G, N, 2)) and, for an act-order
+      checkpoint, the kernel's column order (`perm`). The GPTQ tensors are dropped: the checkpoint pages they
+      were read from are not touched again (the engine returns them to the OS).
+    - "gptq" (fp32 activations, other group sizes): the checkpoint tensors as stored, dequantized per call
+      (the CPU int4 kernel in fp32 measured ~20x slower than dense).
+    """
 
     SPEC_TYPE = "gptq"
-    DATA_TENSORS = ("qweight",)
-    PARAM_TENSORS = ("qzeros", "scales", "g_idx")
+    DATA_TENSORS = ("qweight", "packed")
+    PARAM_TENSORS = ("qzeros", "scales", "g_idx", "scales_zeros", "perm")
     max_kernel_rows = INT4PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, v2: bool, device=None):
@@ -117,10 +127,12 @@ class GPTQLinear(WeightOnlyLinear):
         self.register_buffer("qzeros", torch.empty(groups, out_features // PACK, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32, device=device))
+        # The int4pack layout, set by prepare() in place of the four above.
+        self.register_buffer("packed", None)
+        self.register_buffer("scales_zeros", None)
+        self.register_buffer("perm", None)
+        self._whole: tuple[GPTQLinear, int, int] | None = None  # a fused part: (fused module, first row, end row)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None
-        self._perm: torch.Tensor | None = None  # act-order: the kernel's column order (see act_order_perm)
-        self._sz: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def from_quantized(cls, q, bias: torch.Tensor | None, v2: bool) -> "GPTQLinear":
@@ -139,79 +151,144 @@ class GPTQLinear(WeightOnlyLinear):
     def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "GPTQLinear":
         return cls(in_features, out_features, spec["bias"], spec["group_size"], spec["v2"], device=device)
 
+    @property
+    def layout(self) -> str:
+        if self._whole is not None:
+            return self._whole[0].layout
+        return "int4pack" if self.packed is not None else "gptq"
+
+    def _use_kernel(self) -> bool:
+        if self.qweight.is_cuda:  # _convert_weight_to_int4pack with 8 inner k-tiles
+            return self.group_size in KERNEL_GROUP_SIZES and self.in_features % 128 == 0 and self.out_features % 64 == 0
+        return self.group_size in KERNEL_GROUP_SIZES and self.out_features % 16 == 0
+
+    def prepare(self, dtype: torch.dtype | None = None) -> None:
+        """Hold the layout that serves activations in `dtype` (once, after loading; idempotent)."""
+        if (self.packed is not None or self._whole is not None or dtype not in (torch.bfloat16, torch.float16)
+                or not self._use_kernel()):
+            return
+        codes, zeros, s = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)  # (N, K), (G, N) x2
+        perm = act_order_perm(self.g_idx, self.group_size)
+        if perm is not None:
+            codes = codes[:, perm].contiguous()  # (N, K) columns sorted by group
+        self.packed = _pack_for_kernel(codes)
+        self.scales_zeros = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
+        self.perm = perm
+        self.qweight = self.qzeros = self.scales = self.g_idx = None
+
     @classmethod
     def fuse(cls, mods: list["GPTQLinear"]) -> "GPTQLinear | None":
-        """GPTQ tensors pack along the output axis in columns, so the fused module gets its own kernel repack
-        and the parts drop theirs (they fall back to their dequantizing path if called directly)."""
+        """One module over the parts' concatenated outputs, holding their layout once.
+
+        gptq layout: the GPTQ tensors concatenated by columns, the parts become views of their columns.
+        int4pack: the packs concatenated where the kernel's layout blocks along N at the parts' boundaries (checked
+        on a probe), else repacked from the parts' codes; the parts then hold nothing and compute their rows
+        through the fused module (the engine never calls them)."""
         first = mods[0]
-        if any(m.out_features % PACK for m in mods) or any(
-                m.group_size != first.group_size or m.v2 != first.v2 or not torch.equal(m.g_idx, first.g_idx)
-                for m in mods):
-            return None  # different group assignments (act-order with a permuted g_idx) cannot share a kernel call
+        if len({(m.layout, m.group_size, m.v2) for m in mods}) != 1 or any(m.out_features % PACK for m in mods):
+            return None
         bias = fused_bias(mods, torch.float32)
         fused = cls(first.in_features, sum(m.out_features for m in mods), bias is not None, first.group_size,
                     first.v2, device="meta")
+        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        spans = fused_offsets(mods)
+        if first.layout == "int4pack":
+            if (any(m.scales_zeros.dtype != first.scales_zeros.dtype for m in mods)
+                    or any(not _same(m.perm, first.perm) for m in mods)):
+                return None  # different column orders (act-order) cannot share one kernel call
+            if _packs_concatenate(tuple(m.out_features for m in mods), first.packed.device):
+                fused.packed = torch.cat([m.packed for m in mods])  # (N, ...) blocked along N: rows concatenate
+            else:
+                fused.packed = _pack_for_kernel(torch.cat([m._kernel_codes() for m in mods]))
+            fused.scales_zeros = torch.cat([m.scales_zeros for m in mods], dim=1)  # (G, N, 2)
+            fused.perm = first.perm
+            fused.qweight = fused.qzeros = fused.scales = fused.g_idx = None
+            for m, span in zip(mods, spans):
+                m.packed = m.scales_zeros = m.perm = None
+                m._whole = (fused, *span)
+            return fused
+        if any(not torch.equal(m.g_idx, first.g_idx) for m in mods):
+            return None  # different group assignments (act-order with a permuted g_idx)
         fused.qweight = torch.cat([m.qweight for m in mods], dim=1)  # (K/8, N) packs along K: columns concatenate
         fused.qzeros = torch.cat([m.qzeros for m in mods], dim=1)  # (G, N/8)
         fused.scales = torch.cat([m.scales for m in mods], dim=1)  # (G, N)
-        fused.g_idx = first.g_idx.clone()
-        fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        fused.prepare()
-        for m in mods:
-            m._packed, m._perm, m._sz = None, None, {}  # the fused module holds the only kernel copy
+        fused.g_idx = first.g_idx
+        for m, (a, b) in zip(mods, spans):
+            m.qweight, m.scales = fused.qweight[:, a:b], fused.scales[:, a:b]
+            m.qzeros = fused.qzeros[:, a // PACK: b // PACK]
         return fused
 
-    def warm(self, dtype: torch.dtype) -> None:
-        if self._packed is not None and dtype in (torch.bfloat16, torch.float16):
-            self._scales_and_zeros(dtype)
-
-    def runtime_tensors(self) -> list[torch.Tensor]:
-        extra = [t for t in (self._packed, self._perm) if t is not None]
-        return extra + list(self._sz.values())
-
     def kernel(self, dtype: torch.dtype) -> str:
-        if dtype in (torch.bfloat16, torch.float16):
+        if self.kernel_runs(1, dtype):
             return "aten._weight_int4pack_mm(_for_cpu) at every row count"
         return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
 
-    def _use_kernel(self) -> bool:
-        return self.group_size in KERNEL_GROUP_SIZES and self.in_features % 64 == 0 and self.out_features % 64 == 0
-
-    def prepare(self) -> None:
-        """Repack the codes for this device's int4 kernel (once, at load time)."""
-        if not self._use_kernel():
-            return
-        codes, _, _ = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)  # (N, K)
-        self._perm = act_order_perm(self.g_idx, self.group_size)
-        if self._perm is not None:
-            codes = codes[:, self._perm].contiguous()  # (N, K) columns sorted by group
-        if self.qweight.is_cuda:
-            # The CUDA op takes two codes per byte, even column in the high nibble.
-            u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-            self._packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
-        else:
-            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        self._sz = {}
-
-    def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        sz = self._sz.get(dtype)
-        if sz is None:
-            _, zeros, s = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)
-            sz = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
-            self._sz[dtype] = sz
-        return sz
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
-
     def kernel_runs(self, rows: int, dtype: torch.dtype) -> bool:
-        # No repacked weight: a group size without a kernel, or a part whose fused module holds the pack.
-        return self._packed is not None and super().kernel_runs(rows, dtype)
+        if self._whole is not None:
+            return self._whole[0].kernel_runs(rows, dtype)
+        return self.packed is not None and super().kernel_runs(rows, dtype)
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        sz = self._scales_and_zeros(x2.dtype)
-        if self._perm is not None:
-            x2 = x2.index_select(1, self._perm)  # (M, K) in the repacked column order
-        if x2.is_cuda:
-            return torch.ops.aten._weight_int4pack_mm(x2, self._packed, self.group_size, sz)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._packed, self.group_size, sz)
+        if self._whole is not None:  # a part of a fused module: its rows of the fused product
+            fused, a, b = self._whole
+            return fused._kernel_matmul(x2)[:, a:b]
+        sz = self.scales_zeros
+        if sz.dtype != x2.dtype:  # another 16-bit dtype than the one prepared for
+            sz = sz.to(x2.dtype)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)  # (M, K) in the repacked column order
+        return _int4_mm(x2, self.packed, self.group_size, sz)
+
+    def _kernel_codes(self) -> torch.Tensor:
+        """(N, K) int32 codes in the kernel's column order, read back through the kernel itself with scale 1 and
+        zero 8 (so no assumption about the packed layout is made): K x K x N work, for tests and rare repacks."""
+        k, sz = self.in_features, self.scales_zeros
+        unit = torch.empty_like(sz)
+        unit[..., 0], unit[..., 1] = 1, 8  # (code - 8) * 1 + 8 = code, exact in 16 bits
+        eye = torch.eye(k, dtype=sz.dtype, device=sz.device)
+        codes_t = torch.cat([_int4_mm(eye[a: a + 1024], self.packed, self.group_size, unit) for a in range(0, k, 1024)])
+        return codes_t.t().to(torch.int32).contiguous()  # (N, K)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W (N, K) as this module computes it: from the GPTQ tensors, or from the int4pack layout's codes and its
+        scale/zero table."""
+        if self._whole is not None:
+            fused, a, b = self._whole
+            return fused.dequantized(dtype)[a:b]
+        if self.packed is None:
+            return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
+        s = self.scales_zeros[..., 0].float().repeat_interleave(self.group_size, dim=0).t()  # (N, K)
+        z = self.scales_zeros[..., 1].float().repeat_interleave(self.group_size, dim=0).t()  # (N, K)
+        w = (self._kernel_codes().float() - 8) * s + z  # (N, K) in kernel column order
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)  # column perm[i] of the checkpoint is column i here
+        return w.to(dtype)
+
+
+def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    if x2.is_cuda:
+        return torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, sz)
+
+
+def _pack_for_kernel(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) int32 -> this device's int4 kernel layout."""
+    if codes.is_cuda:
+        # The CUDA op takes two codes per byte, even column in the high nibble.
+        u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+
+
+@functools.lru_cache(maxsize=64)
+def _packs_concatenate(sizes: tuple[int, ...], device: torch.device) -> bool:
+    """Whether packing parts of these row counts and concatenating equals packing their concatenation (the
+    kernel layouts block along N, by a block size that depends on the CPU's vector width): checked on a probe."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (sum(sizes), 128), generator=g, dtype=torch.int32).to(device)  # (N, 128)
+    parts = torch.split(codes, list(sizes))
+    return torch.equal(_pack_for_kernel(codes), torch.cat([_pack_for_kernel(p.contiguous()) for p in parts]))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

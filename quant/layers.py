@@ -36,11 +36,13 @@ class QuantizedLinear(nn.Module):
     process_weights_after_loading, as one class):
     - ``from_spec(spec, in_features, out_features, device)`` builds it empty from the JSON ``spec()`` that the
       artifact's config stores for it (``SPEC_TYPE`` names the class there);
-    - ``prepare()`` is the after-load hook, run once on the target device (kernel repacking, alignment);
-      ``warm(dtype)`` builds what a first call in ``dtype`` would (per-dtype tables) ahead of traffic;
-    - ``runtime_tensors()``: what it holds beyond its state dict (repacked weights, tables), for the
-      accounting; ``DATA_TENSORS`` / ``PARAM_TENSORS`` name its stored tensors by class (weight, parameters);
-    - ``fuse(mods)``: one module computing ``cat([m(x) for m in mods], -1)``, or None where it cannot.
+    - ``prepare(dtype)`` is the after-load hook, run once on the target device for activations in ``dtype``:
+      the module then holds one runtime layout (int4: the kernel's repacked codes and one scale/zero table in
+      ``dtype``, in place of the stored tensors; int8: the stored tensors, aligned), all of it registered, so
+      the accounting counts exactly what is held; ``DATA_TENSORS`` / ``PARAM_TENSORS`` name its tensors by
+      class (weight, parameters), stored or runtime;
+    - ``fuse(mods)``: one module computing ``cat([m(x) for m in mods], -1)`` that holds the parts' layout once
+      (the parts become views of it), or None where it cannot.
     """
 
     SPEC_TYPE: str
@@ -59,14 +61,8 @@ class QuantizedLinear(nn.Module):
     def kernel(self, dtype: torch.dtype) -> str:
         raise NotImplementedError
 
-    def prepare(self) -> None:
+    def prepare(self, dtype: torch.dtype | None = None) -> None:
         pass
-
-    def warm(self, dtype: torch.dtype) -> None:
-        pass
-
-    def runtime_tensors(self) -> list[torch.Tensor]:
-        return []
 
     @classmethod
     def fuse(cls, mods: list["QuantizedLinear"]) -> "QuantizedLinear | None":
@@ -178,7 +174,7 @@ class Int8WeightLinear(WeightOnlyLinear):
             m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
         return m
 
-    def prepare(self) -> None:
+    def prepare(self, dtype: torch.dtype | None = None) -> None:
         """After loading: the kernel's layout requirements (alignment)."""
         self.weight = _aligned(self.weight)
 
@@ -268,7 +264,7 @@ class W8A8Linear(QuantizedLinear):
             m.bias = nn.Parameter(linear.bias.data.detach().clone().float(), requires_grad=False)
         return m
 
-    def prepare(self) -> None:
+    def prepare(self, dtype: torch.dtype | None = None) -> None:
         """After loading: the kernel's layout requirements (alignment)."""
         self.weight = _aligned(self.weight)
 

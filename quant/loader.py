@@ -87,8 +87,10 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
             model.tie_weights()
         model.config.dtype = dtype
     model.to(device).eval()
+    act = model.get_input_embeddings().weight.dtype  # what the quantized modules will be called with
     for mod in model.modules():
         if isinstance(mod, QuantizedLinear):
-            mod.prepare()  # after-load hooks: int4 repacking, kernel alignment
+            mod.prepare(act)  # after-load hooks: the runtime layout for `act` (int4 repacking), kernel alignment
+    artifact.release_unheld_pages([*model.parameters(), *model.buffers()])  # what repacking and casting replaced
     tok = AutoTokenizer.from_pretrained(root)
     return LoadedArtifact(model, tok, manifest, root)

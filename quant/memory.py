@@ -170,10 +170,11 @@ def parse_bytes(text: str) -> int:
 
 
 def weight_bytes(shape: ModelShape, scheme: str, float_bytes: int = 2, group_size: int = 128,
-                 include_lm_head: bool = False) -> dict:
+                 include_lm_head: bool = False, served: bool = False) -> dict:
     """Predicted weight bytes by class for `scheme` ("float" for an unquantized model), exactly as the
     artifacts lay them out (each scheme's `linear_bytes`: int8 fp32 per-channel scales, GPTQ
-    qweight/qzeros/fp16 scales/g_idx, ...)."""
+    qweight/qzeros/fp16 scales/g_idx, ...), or with `served` as a loaded model holds them on the CPU in
+    `float_bytes` activations (`served_linear_bytes`: int4 repacked for the kernel)."""
     q = p = 0
     fl = shape.embedding_params() * float_bytes + 2 * shape.layers * shape.hidden * float_bytes
     if scheme == "float":
@@ -181,7 +182,7 @@ def weight_bytes(shape: ModelShape, scheme: str, float_bytes: int = 2, group_siz
         return {"quantized_weights": 0, "quant_params": 0, "float_weights": fl, "total": fl}
     sch = schemes.get(scheme)
     for _, n, k in shape.linears():
-        lq, lp = sch.linear_bytes(n, k, group_size)
+        lq, lp = sch.served_linear_bytes(n, k, group_size, float_bytes) if served else sch.linear_bytes(n, k, group_size)
         q += shape.layers * lq
         p += shape.layers * lp
     if include_lm_head and sch.supports_lm_head:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from quant import artifact
 from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes, weight_report
 from server import capacity, models
 from server import outputs as out
@@ -107,18 +108,6 @@ def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_di
     return model, tok, source.spec, "none"
 
 
-def _libc():
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
 def share_one_heap() -> None:
     """Make threads started from now on allocate from glibc's main heap instead of one arena each. malloc_trim
     returns the free top of the main heap only; a thread arena keeps its free top (up to twice the dynamic mmap
@@ -126,7 +115,7 @@ def share_one_heap() -> None:
     at either ~487 or ~528 MiB after identical rounds of load (tests/test_reliability.py). With one heap it stays
     at one figure, at the same speed (6.5 s per 64-stream round either way). Called before the engine thread
     starts; a no-op where glibc is not the allocator."""
-    libc = _libc()
+    libc = artifact.linux_libc()
     if libc is not None:
         try:
             libc.mallopt(-8, 1)  # M_ARENA_MAX
@@ -139,7 +128,7 @@ def release_freed_memory() -> None:
     repacking quantized tensors frees hundreds of MiB of temporaries that glibc keeps in its heap
     (bench/decode.py --only rss: a w4a16 server at 1837 MiB RSS before this call existed, 1053 MiB with it);
     malloc_trim returns it. A no-op where glibc is not the allocator."""
-    libc = _libc()
+    libc = artifact.linux_libc()
     if libc is not None:
         try:
             libc.malloc_trim(0)
@@ -173,6 +162,8 @@ class Engine:
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
         self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops)
+        # Pages of the weights file that fusing replaced (parts copied into one tensor) leave the resident set.
+        artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
         self.eos_ids = self._eos_ids(model, tokenizer)

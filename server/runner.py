@@ -102,5 +102,10 @@ class ModelRunner:
     def runtime_weight_bytes(self) -> int:
         return self.model.runtime_weight_bytes()
 
+    def held_tensors(self) -> list[Tensor]:
+        """Every weight tensor a step reads: the loaded model's and the fused projections'."""
+        mods = self.model.projections.modules()
+        return [*self.model.weights.tensors(), *(t for m in mods for t in [*m.parameters(), *m.buffers()])]
+
     def projection_transients(self, rows: int) -> dict[str, int]:
         return self.model.projections.transients(rows)

@@ -159,8 +159,14 @@ def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_
     pool = BlockPool(lay, lay.bytes_per_block * 8)
     runner = ModelRunner(model, pool.storage, 16, "sdpa")
     assert runner.fused_groups == 2 * len(runner.layers)  # both schemes fuse q/k/v and gate/up
-    if scheme == "w4a16":  # kernel packs and scale tables live beside the GPTQ tensors, and are counted
-        assert runner.runtime_weight_bytes() > 0
+    # The accounting counts each held weight byte once: the model's tensors (int8 parts are views of their fused
+    # projection) plus the fused int4 projections (whose parts then hold nothing).
+    derived = {id(b) for mod in model.modules() for n, b in mod.named_buffers(recurse=False)
+               if n in mod._non_persistent_buffers_set}  # rotary inv_freq: computed from the config, not weights
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in runner.held_tensors()
+                if id(t) not in derived}
+    assert weight_report(model)["total"] + runner.runtime_weight_bytes() == sum(storages.values())
+    assert (runner.runtime_weight_bytes() > 0) == (scheme == "w4a16")
     t = pool.try_reserve("a", 60)
     # The first step allocates nothing but activations (kernel tables were built with the runner).
     peak = measured_step_peak(runner, build_step([], [(ids[:24], 0, t, False)], 16, CPU), pool)

@@ -150,8 +150,8 @@ def test_int4_kernel_matches_reference(dtype, rows, group):
     w, _, h = _problem(n=128, k=256)
     q = G.gptq(w, h, 4, group, True)
     m = int4.GPTQLinear.from_quantized(q, torch.randn(128) * 0.1, v2=False)
-    m.prepare()
-    assert m._packed is not None
+    m.prepare(dtype)
+    assert m.layout == ("int4pack" if dtype == torch.bfloat16 else "gptq")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
     fast = m(x).float()
     ref = m.reference_forward(x)
@@ -178,8 +178,8 @@ def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
     m, w = _act_order_checkpoint()
     ref_w = m.dequantized(torch.float32)
     assert float((ref_w - w).abs().max()) < float(w.abs().max()) / 7  # the formula honours g_idx: close to w
-    m.prepare()
-    assert m._perm is not None and m._packed is not None
+    m.prepare(dtype)
+    assert (m.perm is not None) == (dtype == torch.bfloat16)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
     fast = m(x).float()
     ref = m.reference_forward(x)
@@ -192,20 +192,21 @@ def test_act_order_g_idx_with_unequal_groups_is_refused():
     m, _ = _act_order_checkpoint()
     m.g_idx = torch.cat([torch.zeros(65, dtype=torch.int32), m.g_idx[65:]])
     with pytest.raises(ArtifactError, match="not 64 each"):
-        m.prepare()
+        m.prepare(torch.bfloat16)
 
 
 def test_int4_kernel_branch_is_used_for_decode(monkeypatch):
     w, _, h = _problem(n=128, k=256)
     m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)
-    m.prepare()
+    m.prepare(torch.bfloat16)
     calls = []
     real = torch.ops.aten._weight_int4pack_mm_for_cpu
-    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda x, *a: calls.append(x.shape) or real(x, *a))
     m(torch.randn(1, 256, dtype=torch.bfloat16))
     m(torch.randn(600, 256, dtype=torch.bfloat16))
-    m(torch.randn(1, 256))  # fp32: the dense path
-    assert calls == [1, 1]
+    assert calls == [(1, 256), (600, 256)]
+    m(torch.randn(1, 256))  # fp32: the dense path, on the weight read back through the kernel (an identity)
+    assert calls[2:] == [(256, 256)]
 
 
 def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):

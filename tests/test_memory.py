@@ -28,12 +28,18 @@ def test_predicted_weight_bytes_equal_the_artifact(tmp_path, tiny_model_dir, tex
     out = tmp_path / "a"
     assert run_cli("build", "--scheme", scheme, "--model", tiny_model_dir, "--out", out, "--dtype", dtype,
                    "--calib", text_file, "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress") == 0
-    art = load(out)
+    from quant.artifact import mmap_safetensors
+
+    art = load(out, verify=True)
     shape = M.ModelShape.from_config(art.model.config)
-    predicted = M.weight_bytes(shape, scheme, float_bytes=M.dtype_bytes(getattr(torch, dtype)), group_size=64)
-    assert predicted == M.weight_report(art.model)
+    fb = M.dtype_bytes(getattr(torch, dtype))
+    predicted = M.weight_bytes(shape, scheme, float_bytes=fb, group_size=64)
+    stored = mmap_safetensors(out / "model.safetensors")
+    assert predicted["total"] == sum(t.numel() * t.element_size() for t in stored.values())
     manifest = json.loads((out / "quant_manifest.json").read_text())
     assert manifest["memory"]["weights"] == predicted
+    # Loaded for serving in its float dtype, the model holds its runtime layout (int4: repacked for the kernel).
+    assert M.weight_bytes(shape, scheme, float_bytes=fb, group_size=64, served=True) == M.weight_report(art.model)
 
 
 def test_float_prediction_and_params(tokenizer, tmp_path):

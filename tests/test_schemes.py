@@ -57,8 +57,8 @@ def test_runtime_modules_roundtrip_their_spec(name):
         assert isinstance(m, QuantizedLinear) and type(m) in schemes.get(name).runtime
         empty = schemes.module_from_spec(m.spec(), m.in_features, m.out_features, device="meta")
         empty.load_state_dict(m.state_dict(), assign=True, strict=True)
-        empty.prepare()
-        m.prepare()
+        empty.prepare(torch.bfloat16)
+        m.prepare(torch.bfloat16)
         x = torch.randn(3, IN, dtype=torch.bfloat16)
         assert torch.equal(empty(x), m(x))
 
@@ -76,12 +76,13 @@ def test_predicted_bytes_are_the_stored_bytes(name):
         assert scheme.linear_bytes(m.out_features, m.in_features, 64) == (data, params)
 
 
+@pytest.mark.parametrize("layout_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", schemes.names())
-def test_fused_module_is_the_concatenation(name):
+def test_fused_module_is_the_concatenation(name, layout_dtype):
     layer = _quantized_layer(name)
     parts = [layer.a, layer.b, layer.c]
     for m in parts:
-        m.prepare()
+        m.prepare(layout_dtype)  # int4: the kernel's layout (bf16) or the stored GPTQ tensors (fp32)
     x = torch.randn(5, IN, dtype=torch.bfloat16)
     expect = torch.cat([m(x) for m in parts], dim=-1)
     fused = fuse_linears(parts)
@@ -90,9 +91,14 @@ def test_fused_module_is_the_concatenation(name):
         return
     assert fused is not None and type(fused) is type(parts[0])
     assert torch.equal(fused(x), expect)
-    # The parts still compute their own rows (views of the fused tensors, or their dequantizing path).
+    # The parts still compute their own rows, holding nothing beside the fused module's tensors (views of them,
+    # or, int4 in the kernel's layout, nothing: they compute through the fused module).
+    fused_storage = {t.untyped_storage().data_ptr() for t in fused.buffers()}
     for m, (a, b) in zip(parts, [(0, 128), (128, 192), (192, 256)]):
         torch.testing.assert_close(m(x), expect[:, a:b], rtol=2e-2, atol=2e-2)
+        own = [n for n, t in m.named_buffers() if t is not None and t.dim() > 1
+               and t.untyped_storage().data_ptr() not in fused_storage]
+        assert not own, f"{name}: a part still holds {own}"
 
 
 def test_unknown_scheme_names_the_choices():

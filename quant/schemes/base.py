@@ -82,6 +82,11 @@ class Scheme:
         """(quantized weight bytes, parameter bytes) of one (n x k) Linear as stored."""
         raise NotImplementedError
 
+    def served_linear_bytes(self, n: int, k: int, group_size: int, float_bytes: int) -> tuple[int, int]:
+        """(weight bytes, parameter bytes) one (n x k) Linear holds when served with `float_bytes` activations:
+        its runtime layout (``QuantizedLinear.prepare``), which is the stored one unless the scheme repacks."""
+        return self.linear_bytes(n, k, group_size)
+
     def head_bytes(self, vocab: int, hidden: int) -> tuple[int, int]:
         return self.linear_bytes(vocab, hidden, 0)
 

@@ -80,6 +80,13 @@ class GPTQScheme(Scheme):
         g = k // group_size
         return n * k // 2, g * n // 2 + 2 * g * n + 4 * k  # qweight; qzeros, fp16 scales, g_idx
 
+    def served_linear_bytes(self, n, k, group_size, float_bytes):
+        from quant.int4 import KERNEL_GROUP_SIZES
+
+        if float_bytes != 2 or group_size not in KERNEL_GROUP_SIZES or n % 16:  # the CPU kernel's layout (prepare)
+            return self.linear_bytes(n, k, group_size)
+        return n * k // 2, (k // group_size) * n * 2 * float_bytes  # packed codes; (G, N, 2) scale/zero table
+
     def calib_activation_bytes(self, shape, tokens):
         # The layer's input, output and the stage in between, the attention output and down_proj's input.
         return 3 * tokens * shape.hidden * 4 + tokens * (shape.heads * shape.head_dim + shape.intermediate) * 4

@@ -65,30 +65,27 @@ class Projections:
         return [m for ms in self.by_role.values() for m in ms]
 
     def prepare_kernels(self, extra: list[nn.Module]) -> None:
-        """Build the kernels' per-dtype tables (int4 scale/zero) now rather than on a first request (its peak
-        would be the tables', not the activations')."""
+        """Every quantized module in its runtime layout for this dtype (quant's loader prepared them for the
+        model's float dtype already; this covers a model built otherwise, and is a no-op when done)."""
         for m in self.quantized_modules(extra):
-            m.warm(self.dtype)
+            m.prepare(self.dtype)
 
     def quantized_modules(self, extra: list[nn.Module]) -> list[QuantizedLinear]:
         mods = {id(m): m for m in [*extra, *self.modules()] if isinstance(m, QuantizedLinear)}
         return list(mods.values())
 
-    def runtime_weight_bytes(self, held: list[Tensor], extra: list[nn.Module]) -> int:
-        """Weight memory held beyond the tensors in ``held`` (the loaded model's own): fused projections that
-        could not be views of their parts (GPTQ) and what the kernels hold beside the stored tensors (int4:
-        repacked weights and scale/zero tables).
-        Counted by storage, so views of one tensor count once."""
+    def runtime_weight_bytes(self, held: list[Tensor]) -> int:
+        """Weight memory held beyond the tensors in ``held`` (the loaded model's own): fused projections whose
+        tensors are not those of their parts. Every scheme's fuse makes the parts views of the fused module, so
+        this is 0 unless a part kept its own storage. Counted by storage, so views of one tensor count once."""
         seen = {t.untyped_storage().data_ptr() for t in held}
-        tensors = [t for m in self.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
-        for m in self.quantized_modules(extra):
-            tensors += m.runtime_tensors()
         extra_bytes = 0
-        for t in tensors:
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                extra_bytes += st.nbytes()
+        for m in self.modules():
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    extra_bytes += st.nbytes()
         return extra_bytes
 
     def transients(self, rows: int) -> dict[str, int]:

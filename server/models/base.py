@@ -197,9 +197,9 @@ class CausalLM:
         return [layer.spec for layer in self.layers]
 
     def runtime_weight_bytes(self) -> int:
-        """Weight bytes held beyond the loaded checkpoint's tensors (fused GPTQ copies, kernel packs and tables,
+        """Weight bytes held beyond the loaded checkpoint's tensors (fused projections not backed by their parts;
         Gemma's 1 + w norm weights are not counted: they replace nothing and are a few KiB)."""
-        return self.projections.runtime_weight_bytes(self.weights.tensors(), self._all_modules())
+        return self.projections.runtime_weight_bytes(self.weights.tensors())
 
     # ---- forward
     @torch.inference_mode()

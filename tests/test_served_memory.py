@@ -1,0 +1,123 @@
+"""A served quantized model holds its artifact's bytes: one runtime layout per weight, fused groups holding their
+parts once, and the weights file's pages that loading replaced returned to the OS (checked in /proc, not only by
+counting tensors)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from quant import artifact
+from quant import gptq as G
+from quant.int4 import GPTQLinear
+from quant.memory import weight_report
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+def _mappings(path: Path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each of this process's mappings of `path` (/proc/self/smaps)."""
+    out, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            fields = line.split()
+            current = None
+            if len(fields) > 5 and fields[5] == str(path.resolve()):
+                current = [int(x, 16) for x in fields[0].split("-")]
+        elif line.startswith("Rss:") and current is not None:
+            out.append((*current, int(line.split()[1]) * 1024))
+    return out
+
+
+def _mapped_rss(path: Path) -> int:
+    return sum(rss for _, _, rss in _mappings(path))
+
+
+def _gptq_module(n=256, k=512, seed=0) -> GPTQLinear:
+    g = torch.Generator().manual_seed(seed)
+    return GPTQLinear.from_quantized(G.rtn(torch.randn(n, k, generator=g), 4, 64), None, v2=False)
+
+
+def test_int4pack_layout_replaces_the_gptq_tensors():
+    m = _gptq_module()
+    stored = m.dequantized(torch.float32)  # (N, K) from the GPTQ tensors
+    m.prepare(torch.bfloat16)
+    assert m.layout == "int4pack"
+    assert all(getattr(m, n) is None for n in ("qweight", "qzeros", "scales", "g_idx"))
+    held = {n for n, t in m.named_buffers() if t is not None}
+    assert held == {"packed", "scales_zeros"}
+    assert m.scales_zeros.dtype == torch.bfloat16 and m.scales_zeros.shape == (512 // 64, 256, 2)
+    report = weight_report(nn.Sequential(m))
+    assert report["quantized_weights"] == 256 * 512 // 2  # the codes once, at 4 bits
+    assert report["quant_params"] == m.scales_zeros.numel() * 2
+    # The weight read back from the kernel's layout is the stored one, up to the bf16 rounding of scale and zero.
+    torch.testing.assert_close(m.dequantized(torch.float32), stored, atol=0.02 * float(stored.abs().max()), rtol=0)
+
+
+def test_prepare_keeps_the_gptq_layout_for_fp32_and_is_idempotent():
+    m = _gptq_module()
+    m.prepare(torch.float32)
+    assert m.layout == "gptq" and m.packed is None and m.qweight is not None
+    m.prepare(torch.bfloat16)
+    packed = m.packed
+    m.prepare(torch.bfloat16)
+    assert m.packed is packed
+
+
+@linux
+def test_release_unheld_pages_drops_only_what_is_not_held(tmp_path):
+    from safetensors.torch import save_file
+
+    pages = 64
+    t = {n: torch.full((pages * 4096,), i + 1, dtype=torch.uint8) for i, n in enumerate(("a", "b", "c"))}
+    path = tmp_path / "w.safetensors"
+    save_file(t, str(path))
+    mapped = artifact.mmap_safetensors(path)
+    assert all(int(v.sum()) == v.numel() * (i + 1) for i, v in enumerate(mapped.values()))  # every page touched
+    assert _mapped_rss(path) >= 3 * pages * 4096
+    released = artifact.release_unheld_pages([mapped["b"]])
+    assert released >= 2 * (pages - 1) * 4096
+    assert _mapped_rss(path) <= (pages + 2) * 4096  # b, and the pages a and c share with b or the header
+    # A released page is read back from the file if it is touched again: nothing is lost.
+    assert int(mapped["a"].sum()) == pages * 4096 and int(mapped["c"].sum()) == 3 * pages * 4096
+
+
+@linux
+def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
+    """Load, fuse and serve a w4a16 artifact: weight_bytes within 5% of the file, every projection in the kernel's
+    layout only, and the weights file resident only where a held tensor lies."""
+    from conftest import make_tiny_llama, run_cli
+
+    from server.engine import Engine, EngineConfig
+    from server.sampling import SamplingParams
+
+    model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2)
+    out = tmp_path / "w4"
+    assert run_cli("build", "--model", model_dir, "--scheme", "rtn-w4", "--no-progress", "--out", out) == 0
+    engine = Engine.from_path(str(out), EngineConfig(memory_budget="8MiB", threads=1, dtype="bfloat16"),
+                              tmp_path / "cache")
+    try:
+        engine.complete("The history of the city", SamplingParams(temperature=0.0, max_new_tokens=4))
+        gptq = [m for m in engine.model.modules() if isinstance(m, GPTQLinear)]
+        assert gptq and all(m.layout == "int4pack" and m.qweight is None for m in gptq)
+        fused = [m for ms in engine.runner.model.projections.by_role.values() for m in ms if m not in gptq]
+        assert fused and all(m.layout == "int4pack" for m in fused)  # q/k/v and gate/up, their parts hold nothing
+        assert all(m.packed is None for m in gptq if m._whole is not None)
+        file_bytes = (out / "model.safetensors").stat().st_size
+        assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
+        held = engine.runner.held_tensors()
+        maps = _mappings(out / "model.safetensors")
+        assert maps, "the artifact is served from its memory map"
+        in_file = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
+                   if any(a <= t.data_ptr() < b for a, b, _ in maps)}
+        slack = 2 * 4096 * (len(in_file) + len(maps))  # each held tensor's partial first and last page
+        assert sum(in_file.values()) > 0  # the float tensors (embedding, norms) are served from the file
+        assert _mapped_rss(out / "model.safetensors") <= sum(in_file.values()) + slack
+    finally:
+        engine.close()
