@@ -30,11 +30,14 @@ from typing import Callable
 import torch
 
 from quant import artifact
-from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes, weight_report
+from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
 from server import capacity, models
 from server import outputs as out
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.kv_pool import BlockPool, KVLayout, resolve_budget
+from server.layers.embedding import check_mode as check_embeddings
+from server.layers.embedding import describe as describe_embeddings
+from server.layers.embedding import resolve as resolve_embeddings
 from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
@@ -58,6 +61,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     dtype: str = setting("dtype")
     device: str = setting("device")
+    embeddings: str = setting("embeddings")  # server/layers/embedding.py
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
 
@@ -70,6 +74,7 @@ class EngineConfig:
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
+        check_embeddings(self.embeddings, getattr(torch, self.dtype))
         return self
 
 
@@ -87,6 +92,7 @@ class ModelInfo:
     kv_capacity_bytes: int
     kv_block_size: int
     glue_ops: str  # "fused" (server/csrc kernels) or "eager" with the reason
+    embeddings: str  # "float", or "int8" with the head's kernel (server/layers/embedding.py)
 
 
 def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
@@ -161,20 +167,23 @@ class Engine:
         self.vocab_size = int(mcfg.vocab_size)
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
         self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
-        self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops)
-        # Pages of the weights file that fusing replaced (parts copied into one tensor) leave the resident set.
+        self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
+        self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
+                                  embeddings=self.embeddings)
+        # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set.
         artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
-        # Weights as held in memory: the model's tensors plus what the runner added (fused GPTQ copies, kernel packs).
-        self.weight_bytes = weight_report(model)["total"] + self.runner.runtime_weight_bytes()
+        # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
+        self.weight_bytes = self.runner.weight_bytes()
         self.info = ModelInfo(
             model=model_name, scheme=scheme, dtype=config.dtype, device=str(self.device), attention=self.attention,
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
             kv_block_size=config.block_size, glue_ops=self.runner.glue_ops,
+            embeddings=describe_embeddings(self.embeddings),
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
@@ -187,8 +196,9 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         log.info(
-            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
-            model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops,
+            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, embeddings %s, weights %.1f MiB, "
+            "KV pool %.1f MiB (%d tokens)",
+            model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops, self.embeddings,
             self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )

@@ -69,11 +69,11 @@ class ModelRunner:
     :class:`StepInputs` with K/V in a block pool's storage."""
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
-                 fused_ops: bool = True):
+                 fused_ops: bool = True, embeddings: str = "float"):
         dtype = model.get_input_embeddings().weight.dtype
         self.glue_ops = glue_ops_choice(dtype, kv_storage.dtype, kv_storage.device, fused_ops)
         self.ops = fastops.Ops(self.glue_ops == "fused")
-        self.model = models.build(model, self.ops)
+        self.model = models.build(model, self.ops, embeddings)
         cls = attention.choose(kv_storage.device) if backend is None else attention.BACKENDS.get(backend)
         if cls is None:
             raise UnsupportedModelError(
@@ -103,9 +103,10 @@ class ModelRunner:
         return self.model.runtime_weight_bytes()
 
     def held_tensors(self) -> list[Tensor]:
-        """Every weight tensor a step reads: the loaded model's and the fused projections'."""
-        mods = self.model.projections.modules()
-        return [*self.model.weights.tensors(), *(t for m in mods for t in [*m.parameters(), *m.buffers()])]
+        return self.model.held_tensors()
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
 
     def projection_transients(self, rows: int) -> dict[str, int]:
         return self.model.projections.transients(rows)

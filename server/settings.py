@@ -138,6 +138,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("dtype", str, "bfloat16", "activations, KV cache and unquantized weights", "engine",
       choices=("bfloat16", "float16", "float32")),
     S("device", str, "cpu", "cpu, cuda, cuda:1, ...", "engine"),
+    S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16 only); auto: "
+      "int8 for a quantized artifact served in bfloat16, else float", "engine", choices=("auto", "float", "int8")),
     S("threads", int, None, "CPU threads for the engine (default: torch's)", "engine"),
     S("grace", float, 30.0, "drain: seconds in-flight requests get after SIGTERM", "serve", field="grace_s",
       env="GRACE_SECONDS", check=seconds),

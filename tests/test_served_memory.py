@@ -121,3 +121,79 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
         assert _mapped_rss(out / "model.safetensors") <= sum(in_file.values()) + slack
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------- int8 embeddings
+
+
+def test_int8_rows_lookup_and_head_match_their_reference():
+    from server.layers.embedding import Int8Rows
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 64, generator=g).bfloat16()
+    rows = Int8Rows(w, torch.bfloat16)
+    ref = rows.dequantized()  # (V, H) fp32
+    assert float((ref - w.float()).abs().max()) <= float(w.float().abs().amax(1).max()) / 127  # half a step per row
+    ids = torch.tensor([3, 999, 3, 0])
+    torch.testing.assert_close(rows.lookup(ids).float(), ref[ids], atol=1e-2, rtol=1e-2)
+    for s in (1, 5, 64, 130):  # one kernel call, and 64-row pieces beyond it
+        h = torch.randn(s, 64, generator=g).bfloat16()
+        got = rows.head(h).float()  # (S, V)
+        want = h.float() @ ref.t()
+        assert got.shape == (s, 1000)
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
+def test_int8_embeddings_need_bfloat16_and_name_the_flag():
+    from server.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="--embeddings int8 needs --dtype bfloat16"):
+        EngineConfig(embeddings="int8", dtype="float32").validate()
+    with pytest.raises(ValueError, match="--embeddings must be one of auto, float, int8, got 'int4'"):
+        EngineConfig(embeddings="int4").validate()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
+    """The engine's logits with int8 embeddings equal a float model whose embedding (and head) hold the int8 rows'
+    values; the float matrix is not held (tied: one int8 tensor for both), and weight_bytes says so."""
+    import copy
+
+    from conftest import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    from server.engine import Engine, EngineConfig
+    from server.layers.embedding import quantize_rows
+    from server.runner import build_step
+
+    d = make_tiny_llama(tmp_path / "m", tokenizer, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    ref_model = copy.deepcopy(model)
+    for lin in {id(m): m for m in (ref_model.get_input_embeddings(), ref_model.get_output_embeddings())}.values():
+        q, s = quantize_rows(lin.weight.data)
+        lin.weight.data = (q.float() * s.bfloat16().float()[:, None]).bfloat16()
+    float_engine = Engine(copy.deepcopy(model), tokenizer, EngineConfig(memory_budget="4MiB", threads=1))
+    engine = Engine(model, tokenizer, EngineConfig(memory_budget="4MiB", threads=1, embeddings="int8"))
+    assert engine.info.embeddings.startswith("int8") and float_engine.info.embeddings == "float"
+    V, H = model.config.vocab_size, model.config.hidden_size
+    matrices = 1 if tie else 2
+    # bf16 matrices become int8 codes plus one bf16 scale per row
+    assert float_engine.weight_bytes - engine.weight_bytes == matrices * (V * H * 2 - (V * H + V * 2))
+    held = {t.untyped_storage().data_ptr() for t in engine.runner.held_tensors()}
+    assert model.get_input_embeddings().weight.untyped_storage().data_ptr() not in held
+    ids = list(range(300, 320))
+    t = engine.pool.try_reserve("a", 20)
+    got = engine.runner.forward(build_step([], [(ids, 0, t, True)], 16, torch.device("cpu")))[0]  # (V,)
+    with torch.inference_mode():
+        want = ref_model(torch.tensor([ids])).logits[0, -1].float()
+    assert int(got.argmax()) == int(want.argmax())
+    torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0)
+
+
+def test_auto_embeddings_are_int8_only_for_quantized_models_in_bfloat16():
+    from server.layers.embedding import resolve
+
+    assert resolve("auto", torch.bfloat16, quantized=True) == "int8"
+    assert resolve("auto", torch.bfloat16, quantized=False) == "float"  # served unquantized: as it is
+    assert resolve("auto", torch.float32, quantized=True) == "float"  # no fast int8 kernel for fp32
+    assert resolve("float", torch.bfloat16, quantized=True) == "float"

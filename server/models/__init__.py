@@ -61,11 +61,12 @@ def model_class(config) -> type:
     return _REGISTRY[kind]
 
 
-def build(model, ops):
-    """The engine's model over a loaded checkpoint's module tree (``base.Weights``)."""
+def build(model, ops, embeddings: str = "float"):
+    """The engine's model over a loaded checkpoint's module tree (``base.Weights``), its embedding and head held
+    as ``embeddings`` says (server.layers.embedding)."""
     from server.models.base import Weights
 
-    return model_class(model.config)(model.config, Weights(model), ops)
+    return model_class(model.config)(model.config, Weights(model), ops, embeddings)
 
 
 __all__ = ["UnsupportedModelError", "build", "model_class", "register", "supported"]

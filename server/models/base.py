@@ -28,6 +28,7 @@ from quant.errors import UnsupportedModelError
 from server.attention.base import AttentionSpec
 from server.batch import StepInputs
 from server.layers.linear import Projections
+from server.layers.embedding import embedding_and_head
 from server.layers.linear import bind as bind_module
 from server.layers.mlp import GatedMLP
 from server.layers.norm import RMSNorm
@@ -64,7 +65,11 @@ class Weights:
             return False
 
     def tensors(self) -> list[Tensor]:
-        return [*self.model.parameters(), *self.model.buffers()]
+        """Parameters and persistent buffers (not rotary tables a module computed from the config)."""
+        return [t for mod in self.model.modules()
+                for t in [*mod.parameters(recurse=False),
+                          *(b for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)]
+                if t is not None]
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class CausalLM:
         return logits
 
     # ---- construction
-    def __init__(self, config, weights: Weights, ops):
+    def __init__(self, config, weights: Weights, ops, embeddings: str = "float"):
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -153,8 +158,8 @@ class CausalLM:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         p = self.prefix
-        self.embed = weights.tensor(f"{p}embed_tokens.weight")  # (V, hidden)
-        self.dtype = self.embed.dtype
+        embed = weights.tensor(f"{p}embed_tokens.weight")  # (V, hidden)
+        self.dtype = embed.dtype
         self.projections = Projections(self.dtype)
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         rope_keys: dict[str | None, int] = {}
@@ -181,7 +186,12 @@ class CausalLM:
                 spec=self.attention_spec(config, i), rope=rope_keys[rk],
             ))
         self.norm = self._norm(f"{p}norm.weight", eps)
-        self.head = bind_module(weights.module("lm_head"))  # (S, hidden) -> (S, V); tied: the embedding
+        lm_head = weights.module("lm_head")
+        plain = type(lm_head) is nn.Linear and lm_head.bias is None  # a matrix that int8 rows can stand for
+        # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
+        self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
+            embed, bind_module(lm_head), lm_head.weight.detach() if plain else None, embeddings, self.dtype)
+        self.embeddings = embeddings
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
         self.projections.prepare_kernels(self._all_modules())
@@ -196,6 +206,19 @@ class CausalLM:
     def attention_specs(self) -> list[AttentionSpec]:
         return [layer.spec for layer in self.layers]
 
+    def held_tensors(self) -> list[Tensor]:
+        """Every weight tensor a step reads: the checkpoint's (less those replaced, a float embedding held as int8),
+        the int8 embedding's, the fused projections'."""
+        gone = {t.untyped_storage().data_ptr() for t in self.replaced}
+        mods = self.projections.modules()
+        return [*(t for t in self.weights.tensors() if t.untyped_storage().data_ptr() not in gone),
+                *self.embedding_tensors, *(t for m in mods for t in [*m.parameters(), *m.buffers()])]
+
+    def weight_bytes(self) -> int:
+        """Weight memory held, each storage once (the fused projections' parts are views, or hold nothing)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.held_tensors()}
+        return sum(storages.values())
+
     def runtime_weight_bytes(self) -> int:
         """Weight bytes held beyond the loaded checkpoint's tensors (fused projections not backed by their parts;
         Gemma's 1 + w norm weights are not counted: they replace nothing and are a few KiB)."""
@@ -205,7 +228,7 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, step: StepInputs, backend, meta) -> Tensor:
         """Logits (S, V) fp32 for the rows in ``step.sample_index``."""
-        x = F.embedding(step.input_ids, self.embed)  # (T, hidden)
+        x = self.lookup(step.input_ids)  # (T, hidden)
         if self._embed_scale is not None:
             x = x * self._embed_scale
         tables = [r.cos_sin(step.positions, self.dtype) for r in self.rotaries]  # (T, R) cos and sin each

@@ -49,7 +49,8 @@ def info_table(i: ModelInfo, transport: str) -> Table:
     t.add_column("field", style="bold")
     t.add_column("value")
     rows = [("model", i.model), ("scheme", i.scheme), ("dtype", na(i.dtype)), ("attention", na(i.attention)),
-            ("device", na(i.device)), ("glue ops", na(i.glue_ops)), ("context length", str(i.context_length)),
+            ("device", na(i.device)), ("glue ops", na(i.glue_ops)), ("embeddings", na(i.embeddings)),
+            ("context length", str(i.context_length)),
             ("vocab size", na(i.vocab_size)),
             ("KV bytes / token", na(i.kv_bytes_per_token))]
     if i.memory is not None:

@@ -124,7 +124,8 @@ def info_from_body(body: dict) -> ModelInfo:
                          context_length=int(body["context_length"]), dtype=body.get("dtype"),
                          device=body.get("device"), attention=body.get("attention"),
                          vocab_size=body.get("vocab_size"), kv_bytes_per_token=body.get("kv_bytes_per_token"),
-                         glue_ops=body.get("glue_ops"), max_new_tokens_limit=body.get("max_new_tokens_limit"),
+                         glue_ops=body.get("glue_ops"), embeddings=body.get("embeddings"),
+                         max_new_tokens_limit=body.get("max_new_tokens_limit"),
                          max_prompt_tokens=body.get("max_prompt_tokens"),
                          memory=engine_from_dict(body.get("memory")))
     except (KeyError, TypeError, ValueError) as e:

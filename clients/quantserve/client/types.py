@@ -205,6 +205,7 @@ class ModelInfo:
     vocab_size: int | None = None
     kv_bytes_per_token: int | None = None
     glue_ops: str | None = None
+    embeddings: str | None = None
     max_new_tokens_limit: int | None = None
     max_prompt_tokens: int | None = None
     memory: EngineMemory | None = None

@@ -1,0 +1,101 @@
+"""The token embedding and the LM head: in the model's float dtype, or as per-row int8 (``--embeddings int8``).
+
+A small model's head is its largest matrix: the default model's tied 49152 x 576 embedding is 56 MB in bf16,
+read whole at every decode step for the logits (2.4 ms of an 8 ms step on the development machine). In int8 it
+is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (bench/RESULTS.md).
+
+int8: every row of the (V, hidden) matrix is quantized symmetrically with its own scale (max |w| / 127), as
+``quant.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
+it looks up; the head runs ``aten._weight_int8pack_mm`` on the sampled rows (``server.models.base``: only they
+reach the head), 64 rows per call at most (beyond that the kernel loses to a dense matmul, and dequantizing the
+whole matrix would cost a transient of its float size). A tied embedding and head share the one int8 tensor; an
+untied head is quantized the same way on its own. The CPU kernel is fast only for bf16 activations (fp32 and
+fp16: 10 ms for this matrix), so int8 embeddings need ``--dtype bfloat16``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quant.layers import INT8PACK_MAX_ROWS
+from quant.primitives import quantize_weight_sym
+
+MODES = ("auto", "float", "int8")
+
+
+def resolve(mode: str, dtype: torch.dtype, quantized: bool) -> str:
+    """``auto``: int8 for a quantized artifact served in bf16 (measured on the default model's w4a16 artifact:
+    -0.10% perplexity change, mean KL 0.001, bench/RESULTS.md), float otherwise: a model served unquantized is
+    served as it is, and other dtypes have no fast int8 kernel."""
+    if mode != "auto":
+        return mode
+    return "int8" if quantized and dtype == torch.bfloat16 else "float"
+
+
+def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(V, H) float -> (V, H) int8 codes and (V,) fp32 scales, one per row."""
+    return quantize_weight_sym(w)
+
+
+def check_mode(mode: str, dtype: torch.dtype) -> None:
+    if mode not in MODES:
+        raise ValueError(f"--embeddings must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "int8" and dtype != torch.bfloat16:
+        raise ValueError(f"--embeddings int8 needs --dtype bfloat16 (the int8 kernel is ~14x slower with "
+                         f"{str(dtype).replace('torch.', '')} activations), or --embeddings float")
+
+
+def describe(mode: str) -> str:
+    """What ModelInfo reports."""
+    return "float" if mode == "float" else "int8 per row (lookup dequantizes its rows; head: aten._weight_int8pack_mm)"
+
+
+class Int8Rows:
+    """A (V, H) matrix held as per-row int8: gather rows (an embedding) or multiply by it (a head)."""
+
+    def __init__(self, w: Tensor, dtype: torch.dtype):
+        self.q, scale = quantize_rows(w)  # (V, H) int8, (V,) fp32
+        self.scale = scale.to(dtype)  # (V,) in the activation dtype: what the kernel takes
+        self.dtype = dtype
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        """(T,) token ids -> (T, H) in the activation dtype, dequantizing only those rows."""
+        return F.embedding(ids, self.q).to(self.dtype) * self.scale[ids][:, None]
+
+    def head(self, h: Tensor) -> Tensor:
+        """(S, H) -> (S, V) logits in the activation dtype."""
+        if h.shape[0] <= INT8PACK_MAX_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)
+        return torch.cat([self.head(part) for part in h.split(INT8PACK_MAX_ROWS)])
+
+    def dequantized(self) -> Tensor:
+        """(V, H) fp32: the values this matrix stands for (the reference the kernels are held to)."""
+        return self.q.float() * self.scale.float()[:, None]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.q, self.scale]
+
+
+def embedding_and_head(embed: Tensor, head: Callable[[Tensor], Tensor], head_weight: Tensor | None, mode: str,
+                       dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], list[Tensor],
+                                                    list[Tensor]]:
+    """(lookup, head, tensors held, tensors replaced) for a model whose embedding is `embed` (V, H) and whose head
+    is the callable `head` over `head_weight` (the embedding itself when tied, None when the head is not a plain
+    matrix). float: as given. int8: one Int8Rows for a tied pair, two otherwise."""
+    if mode == "float":
+        return (lambda ids: F.embedding(ids, embed)), head, [], []
+    check_mode(mode, dtype)
+    if mode != "int8":
+        raise ValueError(f"embeddings mode {mode!r} must be resolved to float or int8 first (layers.embedding.resolve)")
+    rows = Int8Rows(embed, dtype)
+    if head_weight is None:  # a head the scheme quantized itself keeps its own kernel
+        return rows.lookup, head, rows.tensors(), [embed]
+    tied = head_weight.data_ptr() == embed.data_ptr() and head_weight.shape == embed.shape
+    out = rows if tied else Int8Rows(head_weight, dtype)
+    held = rows.tensors() + ([] if tied else out.tensors())
+    replaced = [embed] + ([] if tied else [head_weight])
+    return rows.lookup, out.head, held, replaced
