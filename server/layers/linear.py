@@ -74,20 +74,6 @@ class Projections:
         mods = {id(m): m for m in [*extra, *self.modules()] if isinstance(m, QuantizedLinear)}
         return list(mods.values())
 
-    def runtime_weight_bytes(self, held: list[Tensor]) -> int:
-        """Weight memory held beyond the tensors in ``held`` (the loaded model's own): fused projections whose
-        tensors are not those of their parts. Every scheme's fuse makes the parts views of the fused module, so
-        this is 0 unless a part kept its own storage. Counted by storage, so views of one tensor count once."""
-        seen = {t.untyped_storage().data_ptr() for t in held}
-        extra_bytes = 0
-        for m in self.modules():
-            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-                st = t.untyped_storage()
-                if st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    extra_bytes += st.nbytes()
-        return extra_bytes
-
     def transients(self, rows: int) -> dict[str, int]:
         """Bytes each role holds beyond its output while it runs on ``rows`` rows: weight-only layers above
         their kernel's row limit (or without a kernel for this dtype) dequantize the weight first, peaking at D

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from quant.errors import UnsupportedModelError
 from server.attention.base import AttentionSpec
 from server.batch import StepInputs
-from server.layers.linear import Projections
 from server.layers.embedding import embedding_and_head
+from server.layers.linear import Projections
 from server.layers.linear import bind as bind_module
 from server.layers.mlp import GatedMLP
 from server.layers.norm import RMSNorm
@@ -70,6 +70,11 @@ class Weights:
                 for t in [*mod.parameters(recurse=False),
                           *(b for n, b in mod.named_buffers(recurse=False) if n not in mod._non_persistent_buffers_set)]
                 if t is not None]
+
+
+def _storages(tensors) -> dict[int, int]:
+    """Storage address -> bytes: views of one tensor count once."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,6 @@ class CausalLM:
         # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
             embed, bind_module(lm_head), lm_head.weight.detach() if plain else None, embeddings, self.dtype)
-        self.embeddings = embeddings
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
         self.projections.prepare_kernels(self._all_modules())
@@ -216,13 +220,16 @@ class CausalLM:
 
     def weight_bytes(self) -> int:
         """Weight memory held, each storage once (the fused projections' parts are views, or hold nothing)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.held_tensors()}
-        return sum(storages.values())
+        return sum(_storages(self.held_tensors()).values())
 
     def runtime_weight_bytes(self) -> int:
-        """Weight bytes held beyond the loaded checkpoint's tensors (fused projections not backed by their parts;
-        Gemma's 1 + w norm weights are not counted: they replace nothing and are a few KiB)."""
-        return self.projections.runtime_weight_bytes(self.weights.tensors())
+        """Weight bytes the projections hold beyond the loaded checkpoint's tensors (fused int4 projections, whose
+        parts then hold nothing; int8 and dense parts are views of theirs). Gemma's 1 + w norm weights are not
+        counted: they replace nothing and are a few KiB."""
+        own = _storages(self.weights.tensors())
+        mods = self.projections.modules()
+        mine = _storages(t for m in mods for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+        return sum(n for ptr, n in mine.items() if ptr not in own)
 
     # ---- forward
     @torch.inference_mode()
