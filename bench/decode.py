@@ -14,6 +14,9 @@ Tables (all rows of a table in this one run, same prompt, same machine):
    our engine vs ``model.generate_batch`` (transformers' continuous batching) on the bf16 base; ours also
    for w4a16.
 3. resident memory (RSS) of a process that loads each scheme into the engine and serves one request.
+4. (``--only http``) the same batch-1 request through ``quant serve`` over HTTP (/v1/completions), alternated
+   process by process with llama.cpp for ``--rounds`` rounds, medians compared; and 16 concurrent requests
+   through ``quant serve`` (with ``--baseline``: alternated with that commit's server).
 
 Every case runs in a fresh subprocess (``--case``), peers included.
 
@@ -153,6 +156,55 @@ def ours_concurrent(engine, prompts) -> dict:
             "ttft_max_s": ttft[-1], "tokens": total}
 
 
+def serve_case(case: str, spec: str, threads: int, repeats: int) -> dict:
+    """``quant serve`` in its own process, driven over HTTP (/v1/completions): ``serve-b1`` is batch-1 greedy
+    decode, ``serve-16`` 16 concurrent requests; same prompts and token counts as the engine-level cases, so the
+    difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
+    import httpx
+
+    from bench.reliability import ServerProcess
+
+    srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB")
+    try:
+        def body(prompt, n):
+            return {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
+
+        with httpx.Client(base_url=srv.http, timeout=300) as http:
+            def one(prompt, n):
+                r = http.post("/v1/completions", json=body(prompt, n))
+                r.raise_for_status()
+                return r.json()
+
+            one(PROMPT, 16)  # warm-up
+            if case == "serve-b1":
+                best = None
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    out = one(PROMPT, NEW)
+                    dt = time.perf_counter() - t
+                    assert out["usage"]["completion_tokens"] == NEW, out["usage"]
+                    best = dt if best is None or dt < best else best
+                return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": out["choices"][0]["text"][:80],
+                        "server_rss": srv.rss_bytes()}
+            prompts = prompts16()
+            done = [None] * len(prompts)
+            t0 = time.perf_counter()
+
+            def run(i):
+                done[i] = one(prompts[i], NEW)
+
+            ths = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            wall = time.perf_counter() - t0
+            total = sum(d["usage"]["completion_tokens"] for d in done)
+            return {"tok_s": total / wall, "wall_s": wall, "tokens": total}
+    finally:
+        srv.kill()
+
+
 def hf_concurrent(model, tok, prompts) -> dict:
     from transformers import GenerationConfig
 
@@ -197,6 +249,8 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
             eng.close()
     if case == "llama-b1":
         return llama_cpp_batch1(threads, repeats)
+    if case in ("serve-b1", "serve-16"):
+        return serve_case(case, spec, threads, repeats)
     tok = AutoTokenizer.from_pretrained(spec)
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     if case == "hf-b1":
@@ -231,7 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode.json"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="batch1,concurrent,rss")
+    ap.add_argument("--only", default="batch1,concurrent,rss",
+                    help="comma-separated tables: batch1, concurrent, rss, http (batch-1 through quant serve vs "
+                         "llama.cpp, alternated --rounds times, and 16 streams through quant serve)")
     ap.add_argument("--baseline", default=None, metavar="GIT_REF",
                     help="also run our engine's cases with the engine of this commit (a git worktree under "
                          "bench/out/), alternating with ours, and report ours / baseline")
@@ -267,7 +323,7 @@ def main(argv=None) -> int:
         return {**ranked[(len(ranked) - 1) // 2], f"rounds_{key}": [round(r[key], 2) for r in runs]}
 
     def record(table, name, case, spec):
-        vs = wt is not None and case.startswith("ours")
+        vs = wt is not None and case.startswith(("ours", "serve"))
         ours, base_runs = [], []
         for _ in range(args.rounds if vs else 1):  # the baseline first, then ours, round by round
             if vs:
@@ -289,6 +345,21 @@ def main(argv=None) -> int:
         record("batch1", "HF generate bf16", "hf-b1", base)
         ensure_llama_cpp()
         record("batch1", "llama.cpp Q4_1", "llama-b1", base)
+    if "http" in only:
+        # The issue's bar: batch-1 through `quant serve` against llama.cpp, alternated process by process.
+        ensure_llama_cpp()
+        pairs = {"llama.cpp Q4_1": [], "ours w4a16 via quant serve (HTTP)": []}
+        for _ in range(args.rounds):
+            pairs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats))
+            pairs["ours w4a16 via quant serve (HTTP)"].append(
+                child("serve-b1", specs["w4a16"], cache, args.threads, args.repeats))
+        for name, runs in pairs.items():
+            res.setdefault("http_batch1", {})[name] = median_run(runs)
+            print("http_batch1", name, res["http_batch1"][name], flush=True)
+        r = [x["tok_s"] for x in pairs["ours w4a16 via quant serve (HTTP)"]]
+        l = [x["tok_s"] for x in pairs["llama.cpp Q4_1"]]
+        res["http_batch1"]["ours / llama.cpp (medians)"] = round(sorted(r)[len(r) // 2] / sorted(l)[len(l) // 2], 3)
+        record("http_concurrent16", "ours w4a16 via quant serve (HTTP)", "serve-16", specs["w4a16"])
     if "concurrent" in only:
         for name in ("bf16 base", "w4a16"):
             record("concurrent16", f"ours {name}", "ours-16", specs[name])

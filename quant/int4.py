@@ -219,14 +219,22 @@ class GPTQLinear(WeightOnlyLinear):
         return fused
 
     def kernel(self, dtype: torch.dtype) -> str:
-        if self.kernel_runs(1, dtype):
-            return "aten._weight_int4pack_mm(_for_cpu) at every row count"
+        if self.has_kernel(dtype):
+            return "aten._weight_int4pack_mm(_for_cpu); per row count, the faster of it and dequantize + matmul"
         return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
 
-    def kernel_runs(self, rows: int, dtype: torch.dtype) -> bool:
+    def has_kernel(self, dtype: torch.dtype) -> bool:
         if self._whole is not None:
-            return self._whole[0].kernel_runs(rows, dtype)
-        return self.packed is not None and super().kernel_runs(rows, dtype)
+            return self._whole[0].has_kernel(dtype)
+        return self.packed is not None and super().has_kernel(dtype)
+
+    def paths(self, dtype: torch.dtype) -> dict:
+        """As every weight-only module's, less the dequantizing paths where the int4pack layout cannot be read
+        back cheaply on this CPU (an unknown layout: only the kernel's identity product would do, K x K x N)."""
+        out = super().paths(dtype)
+        if self.packed is not None and self.packed.device.type == "cpu" and _cpu_layout() is None:
+            out = {"kernel": out["kernel"]}
+        return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self._whole is not None:  # a part of a fused module: its rows of the fused product
@@ -257,12 +265,46 @@ class GPTQLinear(WeightOnlyLinear):
             return fused.dequantized(dtype)[a:b]
         if self.packed is None:
             return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
-        s = self.scales_zeros[..., 0].float().repeat_interleave(self.group_size, dim=0).t()  # (N, K)
-        z = self.scales_zeros[..., 1].float().repeat_interleave(self.group_size, dim=0).t()  # (N, K)
-        w = (self._kernel_codes().float() - 8) * s + z  # (N, K) in kernel column order
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        layout = _cpu_layout() if self.packed.device.type == "cpu" else None
+        codes = _kernel_codes_cpu(self.packed, n, k, layout) if layout else self._kernel_codes()  # (N, K)
+        s = self.scales_zeros[..., 0].float().t()[:, :, None]  # (N, G, 1)
+        z = self.scales_zeros[..., 1].float().t()[:, :, None]  # (N, G, 1)
+        w = codes.view(n, k // gs, gs).float().mul_(s).add_(z - 8 * s).view(n, k)  # (code - 8) * s + z, kernel order
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)  # column perm[i] of the checkpoint is column i here
         return w.to(dtype)
+
+
+def _kernel_codes_cpu(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool]) -> torch.Tensor:
+    """(N, K) uint8 codes from the CPU int4pack layout (see :func:`_cpu_layout`): blocks of B rows stored as
+    (K, B/2) bytes, byte j of a full block holding row j (low nibble) and row j + B/2 (high nibble) with
+    AVX-512/AVX2, rows 2j and 2j+1 otherwise and in a last, partial block."""
+    block, split = layout
+    flat = packed.reshape(-1)
+    full = n // block if split else 0
+    parts = []
+    if full:
+        p = flat[: full * k * block // 2].view(full, k, block // 2)  # (NB, K, B/2)
+        blocks = torch.cat([p & 15, p >> 4], dim=-1)  # (NB, K, B): [b, k, j] is row b*B + j
+        parts.append(blocks.transpose(1, 2).reshape(full * block, k))
+    for r0 in range(full * block, n, block):
+        rows = min(block, n - r0)
+        p = flat[r0 * k // 2: (r0 + rows) * k // 2].view(k, rows // 2)  # (K, rows/2)
+        parts.append(torch.stack([p & 15, p >> 4], dim=-1).reshape(k, rows).t())
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_layout() -> tuple[int, bool] | None:
+    """(block rows, split nibbles) of this CPU's int4pack layout (it follows the vector width PyTorch dispatches
+    to: 64-row blocks with AVX-512, 32 with AVX2, 32 interleaved without either), checked on a probe with a
+    partial last block; None when the probe does not read back (a layout this code does not know)."""
+    guess = {"AVX512": (64, True), "AVX2": (32, True)}.get(torch.backends.cpu.get_cpu_capability(), (32, False))
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (2 * guess[0] + 16, 64), generator=g, dtype=torch.int32)  # (N, K)
+    got = _kernel_codes_cpu(_pack_for_kernel(codes), codes.shape[0], codes.shape[1], guess)
+    return guess if torch.equal(got.to(torch.int32), codes) else None
 
 
 def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:

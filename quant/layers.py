@@ -42,7 +42,10 @@ class QuantizedLinear(nn.Module):
       the accounting counts exactly what is held; ``DATA_TENSORS`` / ``PARAM_TENSORS`` name its tensors by
       class (weight, parameters), stored or runtime;
     - ``fuse(mods)``: one module computing ``cat([m(x) for m in mods], -1)`` that holds the parts' layout once
-      (the parts become views of it), or None where it cannot.
+      (the parts become views of it), or None where it cannot;
+    - ``paths(dtype)``: the ways it can compute a contiguous (M, K) input of ``dtype`` (bias included), by name;
+      ``static_path(rows, dtype)`` names the one its built-in rule takes, and ``use_plan`` installs a per-row-count
+      choice measured on this CPU (``quant.kernel_choice``); ``plan_key`` names the computation for that cache.
     """
 
     SPEC_TYPE: str
@@ -67,6 +70,38 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def fuse(cls, mods: list["QuantizedLinear"]) -> "QuantizedLinear | None":
         return None
+
+    _plan = None  # (dtype, RowPlan, paths) once use_plan ran
+
+    def paths(self, dtype: torch.dtype) -> dict:
+        raise NotImplementedError
+
+    def static_path(self, rows: int, dtype: torch.dtype) -> str:
+        raise NotImplementedError
+
+    def plan_key(self, dtype: torch.dtype) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.spec().items()) if k not in ("type", "bias"))
+        return f"{self.SPEC_TYPE}[{opts}] {self.out_features}x{self.in_features} {str(dtype).removeprefix('torch.')}"
+
+    def use_plan(self, plan, dtype: torch.dtype) -> None:
+        """Compute inputs of ``dtype`` by ``plan`` (a ``quant.kernel_choice.RowPlan`` over ``paths(dtype)``)."""
+        self._plan = (dtype, plan, self.paths(dtype))
+
+    def path_for(self, rows: int, dtype: torch.dtype) -> str:
+        if self._plan is not None and self._plan[0] == dtype:
+            return self._plan[1].pick(rows)
+        return self.static_path(rows, dtype)
+
+    def call2d(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) contiguous -> (M, N), by the planned path for M rows (the built-in rule without a plan)."""
+        if self._plan is not None and self._plan[0] == x2.dtype:
+            return self._plan[2][self._plan[1].pick(x2.shape[0])](x2)
+        return self.paths(x2.dtype)[self.static_path(x2.shape[0], x2.dtype)](x2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.call2d(x.reshape(-1, self.in_features).contiguous())  # (M, N)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 def fused_offsets(mods) -> list[tuple[int, int]]:
@@ -112,27 +147,38 @@ class WeightOnlyLinear(QuantizedLinear):
     max_kernel_rows: int
     bias: nn.Parameter | None
 
+    def has_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether the low-bit kernel can take inputs of this dtype."""
+        return dtype in (torch.bfloat16, torch.float16)
+
     def kernel_runs(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether an input of this many rows and this dtype goes to the low-bit kernel (else: dequantize)."""
-        return dtype in (torch.bfloat16, torch.float16) and rows <= self.max_kernel_rows
+        return self.path_for(rows, dtype) == "kernel"
+
+    def static_path(self, rows: int, dtype: torch.dtype) -> str:
+        return "kernel" if self.has_kernel(dtype) and rows <= self.max_kernel_rows else "dequant"
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when kernel_runs)."""
+        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when has_kernel)."""
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if self.kernel_runs(x2.shape[0], x.dtype):
-            y = self._kernel_matmul(x2.contiguous())
-        else:
-            y = F.linear(x2, self.dequantized(x.dtype))  # (M, N)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def paths(self, dtype: torch.dtype) -> dict:
+        """kernel: the low-bit kernel in ``dtype``; dequant: W dequantized into ``dtype``, then a dense matmul;
+        dequant-fp32 (16-bit dtypes): W and x in fp32 (where the CPU's fp32 GEMM is much faster than its 16-bit
+        one), the result rounded to ``dtype``."""
+        b = None if self.bias is None else self.bias.to(dtype)
+        out = {}
+        if self.has_kernel(dtype):
+            kern = self._kernel_matmul
+            out["kernel"] = kern if b is None else (lambda x: kern(x) + b)
+        out["dequant"] = lambda x: F.linear(x, self.dequantized(dtype), b)
+        if dtype != torch.float32:
+            b32 = None if self.bias is None else self.bias.float()
+            out["dequant-fp32"] = lambda x: F.linear(x.float(), self.dequantized(torch.float32), b32).to(dtype)
+        return out
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.float()
@@ -149,7 +195,7 @@ class Int8WeightLinear(WeightOnlyLinear):
     """
 
     SPEC_TYPE = "int8_weight"
-    PARAM_TENSORS = ("weight_scale", "weight_zero_point")
+    PARAM_TENSORS = ("weight_scale", "weight_zero_point", "kernel_scale")
     max_kernel_rows = INT8PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, affine: bool, device=None):
@@ -161,6 +207,7 @@ class Int8WeightLinear(WeightOnlyLinear):
             self.register_buffer("weight_zero_point", _empty((out_features,), torch.int8, device))
         else:
             self.weight_zero_point = None
+        self.register_buffer("kernel_scale", None)  # weight_scale in the kernel's activation dtype (prepare)
         self.bias = nn.Parameter(_empty((out_features,), torch.float32, device), requires_grad=False) if bias else None
 
     @classmethod
@@ -175,8 +222,10 @@ class Int8WeightLinear(WeightOnlyLinear):
         return m
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
-        """After loading: the kernel's layout requirements (alignment)."""
+        """After loading: the kernel's layout requirements (alignment), and its scales in ``dtype``."""
         self.weight = _aligned(self.weight)
+        if self.has_kernel(dtype) and not self.weight_scale.is_meta:
+            self.kernel_scale = self.weight_scale.to(dtype)
 
     def spec(self) -> dict:
         return {"type": self.SPEC_TYPE, "affine": self.affine, "bias": self.bias is not None}
@@ -197,8 +246,10 @@ class Int8WeightLinear(WeightOnlyLinear):
         fused.weight_scale = torch.cat([m.weight_scale for m in mods])
         if mods[0].affine:
             fused.weight_zero_point = torch.cat([m.weight_zero_point for m in mods])
+        if all(m.kernel_scale is not None and m.kernel_scale.dtype == mods[0].kernel_scale.dtype for m in mods):
+            fused.kernel_scale = torch.cat([m.kernel_scale for m in mods])
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point"])
+        view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point", "kernel_scale"])
         return fused
 
     def kernel(self, dtype: torch.dtype) -> str:
@@ -211,7 +262,10 @@ class Int8WeightLinear(WeightOnlyLinear):
         return P.dequantize_weight(self.weight, self.weight_scale, self.weight_zero_point, dtype)
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.weight_scale.to(x2.dtype))  # (M, N)
+        s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call
+        if s is None or s.dtype != x2.dtype:
+            s = self.weight_scale.to(x2.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, s)  # (M, N)
         if self.affine:
             corr = x2.float().sum(-1, keepdim=True) * (self.weight_scale * self.weight_zero_point.float())
             y = (y.float() - corr).to(x2.dtype)
@@ -291,19 +345,45 @@ class W8A8Linear(QuantizedLinear):
             return P.quantize_act_dynamic(x2)  # (M, K) int8, (M, 1)
         return P.quantize_act_static(x2, self.input_scale), self.input_scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
+    def static_path(self, rows: int, dtype: torch.dtype) -> str:
+        """``torch._int_mm`` where it beats an fp32 product on this device (measured once), else fp32."""
+        return "int_mm" if P.int_mm_is_faster(self.weight.device) or self.weight.device.type != "cpu" else "fp32"
+
+    def paths(self, dtype: torch.dtype) -> dict:
+        """The same integer product three ways, rescaled in fp32 (the bias added there), then rounded to ``dtype``:
+        int_mm: ``torch._int_mm`` (fast with VNNI/AMX or on CUDA, ~25x slower than fp32 on AVX2-only CPUs);
+        fp32: the int8 values as fp32 (products exact, sums exact below 2^24); int8pack (bf16, CPU): the
+        quantized activations as bf16 (exact) through ``aten._weight_int8pack_mm`` with unit scales, whose sums
+        come back rounded to bf16 before the rescale."""
+        out = {"int_mm": lambda x: self._finish(*self._int_mm(x), dtype)}
+        if self.weight.device.type == "cpu":
+            out["fp32"] = lambda x: self._finish(*self._fp32_product(x), dtype)
+            if dtype == torch.bfloat16:
+                ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self.weight.device)
+                out["int8pack"] = lambda x: self._finish(*self._int8pack_product(x, ones), dtype)
+        return out
+
+    def _int_mm(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xq, xs = self._quantize_input(x2)
         m = xq.shape[0]
         if xq.is_cuda and m <= 16:
             # cuBLASLt's int8 GEMM needs more than 16 rows; pad and slice.
             xq = F.pad(xq, (0, 0, 0, 17 - m))
-        acc = torch._int_mm(xq, self.weight.t())[:m]  # (M, N) int32
+        return torch._int_mm(xq, self.weight.t())[:m], xs  # (M, N) int32
+
+    def _fp32_product(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = self._quantize_input(x2)
+        return xq.float() @ self.weight.float().t(), xs  # (M, N)
+
+    def _int8pack_product(self, x2: torch.Tensor, ones: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xq, xs = self._quantize_input(x2)
+        return torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.weight, ones), xs  # (M, N)
+
+    def _finish(self, acc: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         y = acc.float() * (xs * self.weight_scale)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y.to(dtype)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()

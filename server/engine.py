@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 
 from quant import artifact
+from quant.kernel_choice import MODES as KERNEL_MODES
+from quant.kernel_choice import Chooser
 from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
 from server import capacity, models
 from server import outputs as out
@@ -62,6 +64,7 @@ class EngineConfig:
     dtype: str = setting("dtype")
     device: str = setting("device")
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
+    kernels: str = setting("kernels")  # quant/kernel_choice.py
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
 
@@ -75,6 +78,8 @@ class EngineConfig:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
         check_embeddings(self.embeddings, getattr(torch, self.dtype))
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         return self
 
 
@@ -93,6 +98,7 @@ class ModelInfo:
     kv_block_size: int
     glue_ops: str  # "fused" (server/csrc kernels) or "eager" with the reason
     embeddings: str  # "float", or "int8" with the head's kernel (server/layers/embedding.py)
+    kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count and why (measured)
 
 
 def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
@@ -154,7 +160,8 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, model_name: str = "model", scheme: str = "none"):
+    def __init__(self, model, tokenizer, config: EngineConfig, model_name: str = "model", scheme: str = "none",
+                 cache_dir: Path | None = None):
         self.config = config.validate()
         self.model = model
         self.tokenizer = tokenizer
@@ -168,8 +175,9 @@ class Engine:
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
         self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
+        chooser = Chooser(config.kernels, cache_dir, config.threads)  # per-CPU kernel plans (quant.kernel_choice)
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
-                                  embeddings=self.embeddings)
+                                  embeddings=self.embeddings, chooser=chooser)
         # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set.
         artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
@@ -183,7 +191,7 @@ class Engine:
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
             kv_block_size=config.block_size, glue_ops=self.runner.glue_ops,
-            embeddings=describe_embeddings(self.embeddings),
+            embeddings=describe_embeddings(self.embeddings), kernels=tuple(chooser.table()),
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
@@ -219,7 +227,7 @@ class Engine:
                     torch.set_num_threads(config.threads)
                 model, tok, name, scheme = load_for_serving(spec, getattr(torch, config.dtype), config.device,
                                                             cache_dir)
-                box["engine"] = cls(model, tok, config, name, scheme)
+                box["engine"] = cls(model, tok, config, name, scheme, cache_dir)
                 release_freed_memory()
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box["error"] = e

@@ -131,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             model=i["model"], scheme=i["scheme"], dtype=i["dtype"], device=i["device"], attention=i["attention"],
             context_length=i["context_length"], vocab_size=i["vocab_size"],
             kv_bytes_per_token=i["kv_bytes_per_token"], memory=pb.EngineMemory(**i["memory"]),
-            glue_ops=i["glue_ops"], embeddings=i["embeddings"], max_new_tokens_limit=i["max_new_tokens_limit"],
+            glue_ops=i["glue_ops"], embeddings=i["embeddings"], kernels=i["kernels"], max_new_tokens_limit=i["max_new_tokens_limit"],
             max_prompt_tokens=i["max_prompt_tokens"],
         )
 

@@ -69,11 +69,11 @@ class ModelRunner:
     :class:`StepInputs` with K/V in a block pool's storage."""
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
-                 fused_ops: bool = True, embeddings: str = "float"):
+                 fused_ops: bool = True, embeddings: str = "float", chooser=None):
         dtype = model.get_input_embeddings().weight.dtype
         self.glue_ops = glue_ops_choice(dtype, kv_storage.dtype, kv_storage.device, fused_ops)
         self.ops = fastops.Ops(self.glue_ops == "fused")
-        self.model = models.build(model, self.ops, embeddings)
+        self.model = models.build(model, self.ops, embeddings, chooser)
         cls = attention.choose(kv_storage.device) if backend is None else attention.BACKENDS.get(backend)
         if cls is None:
             raise UnsupportedModelError(

@@ -140,6 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("device", str, "cpu", "cpu, cuda, cuda:1, ...", "engine"),
     S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16 only); auto: "
       "int8 for a quantized artifact served in bfloat16, else float", "engine", choices=("auto", "float", "int8")),
+    S("kernels", str, "measure", "how each projection's kernel is chosen per row count: measure (the fastest on "
+      "this CPU, timed once per CPU and shape, cached) or static (built-in rules)", "engine",
+      choices=("measure", "static")),
     S("threads", int, None, "CPU threads for the engine (default: torch's)", "engine"),
     S("grace", float, 30.0, "drain: seconds in-flight requests get after SIGTERM", "serve", field="grace_s",
       env="GRACE_SECONDS", check=seconds),

@@ -22,7 +22,7 @@ def test_every_variable_maps_to_its_flag():
            "QUANTSERVE_MAX_PREFILL_TOKENS": "128", "QUANTSERVE_MAX_NEW_TOKENS": "512",
            "QUANTSERVE_MAX_PROMPT_TOKENS": "1024", "QUANTSERVE_MAX_REQUEST_BYTES": "65536",
            "QUANTSERVE_DTYPE": "float16", "QUANTSERVE_DEVICE": "cuda", "QUANTSERVE_THREADS": "4",
-           "QUANTSERVE_EMBEDDINGS": "float",
+           "QUANTSERVE_EMBEDDINGS": "float", "QUANTSERVE_KERNELS": "static",
            "QUANTSERVE_GRACE_SECONDS": "25", "QUANTSERVE_TLS_CERT": "/tls/c.pem", "QUANTSERVE_TLS_KEY": "/tls/k.pem",
            "QUANTSERVE_API_KEY_FILE": "/secrets/key", "QUANTSERVE_LOG_LEVEL": "WARNING", "QUANTSERVE_CACHE": "/c",
            "PATH": "/usr/bin"}

@@ -45,5 +45,9 @@ class Int8Scheme(Scheme):
     def linear_bytes(self, n, k, group_size):
         return n * k, 4 * n + (n if self.affine else 0)  # int8 weight; fp32 scales (+ int8 zero-points)
 
+    def served_linear_bytes(self, n, k, group_size, float_bytes):
+        w, p = self.linear_bytes(n, k, group_size)
+        return w, p + (n * float_bytes if float_bytes < 4 else 0)  # + the scales in the kernel's 16-bit dtype
+
 
 SCHEMES = (Int8Scheme(affine=False), Int8Scheme(affine=True))

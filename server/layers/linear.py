@@ -15,50 +15,81 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quant.layers import QuantizedLinear, WeightOnlyLinear
+from quant.kernel_choice import Chooser, dense_paths
+from quant.layers import QuantizedLinear
 from server.fuse import fuse_linears
 
 ROLES = ("qkv", "o", "gate_up", "down")  # quant.memory.engine_prefill_bytes keys its transients by these
 
 
-def bind(mod: nn.Module) -> Callable[[Tensor], Tensor]:
+def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
     """A direct call of a projection on a (M, K) contiguous input, without Module.__call__ and the reshapes
-    a generic forward needs: the low-bit kernel when it takes this input, the module's own forward otherwise."""
+    a generic forward needs."""
     if type(mod) is nn.Linear:
         w, b = mod.weight, mod.bias
         return lambda x: F.linear(x, w, b)
-    if isinstance(mod, WeightOnlyLinear) and mod.bias is None:
-        kernel, runs = mod._kernel_matmul, mod.kernel_runs
-
-        def call(x: Tensor) -> Tensor:
-            return kernel(x) if runs(x.shape[0], x.dtype) else mod(x)
-
-        return call
+    if isinstance(mod, QuantizedLinear):
+        return mod.call2d
     return mod
+
+
+def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None) -> Callable[[Tensor], Tensor]:
+    """The call of one projection for inputs of ``dtype``: by the path the chooser planned per row count (one
+    path for every row count: that path itself), else the module's own rule."""
+    if chooser is None:
+        return _plain_call(mod)
+    if type(mod) is nn.Linear:
+        paths, key = dense_paths(mod.weight, mod.bias, dtype), dense_key(mod, dtype)
+    elif isinstance(mod, QuantizedLinear):
+        paths, key = mod.paths(dtype), mod.plan_key(dtype)
+    else:
+        return mod
+    device = next(mod.buffers(), None)
+    device = mod.weight.device if device is None else device.device
+    plan = chooser.plan(key, paths, mod.in_features, dtype, device)
+    if plan is None:
+        return _plain_call(mod)
+    if isinstance(mod, QuantizedLinear):
+        mod.use_plan(plan, dtype)
+    if plan.single is not None:
+        return paths[plan.single]
+    return lambda x: paths[plan.pick(x.shape[0])](x)
+
+
+def dense_key(mod: nn.Linear, dtype: torch.dtype) -> str:
+    w = mod.weight
+    return (f"dense[{str(w.dtype).removeprefix('torch.')}{',bias' if mod.bias is not None else ''}] "
+            f"{mod.out_features}x{mod.in_features} {str(dtype).removeprefix('torch.')}")
 
 
 class Projections:
     """Every projection a model binds, by role; what the engine asks of them for its accounting."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, chooser: Chooser | None = None):
         self.dtype = dtype
+        self.chooser = chooser
         self.by_role: dict[str, list[nn.Module]] = {r: [] for r in ROLES}
         self.fused_groups = 0
-        self._dequant_cache: dict[tuple, tuple[int, int]] = {}
+        self._calls: dict[int, Callable[[Tensor], Tensor]] = {}  # id(module) -> its bound call
+        self._peak_cache: dict[tuple, int] = {}
         self._transients: dict[int, dict[str, int]] = {}
+
+    def _bind(self, mod: nn.Module) -> Callable[[Tensor], Tensor]:
+        call = self._calls[id(mod)] = bind(mod, self.dtype, self.chooser)
+        return call
 
     def bind(self, role: str, mods: list[nn.Module]) -> Callable[[Tensor], Tensor]:
         """One callable computing ``cat([m(x) for m in mods], -1)`` (fused into one matmul where possible)."""
         if len(mods) == 1:
             self.by_role[role].append(mods[0])
-            return bind(mods[0])
+            return self._bind(mods[0])
         fused = fuse_linears(mods)
         if fused is not None:
             self.fused_groups += 1
             self.by_role[role].append(fused)
-            return bind(fused)
+            return self._bind(fused)
         self.by_role[role].extend(mods)
-        parts = [bind(m) for m in mods]
+        parts = [self._bind(m) for m in mods]
         return lambda h: torch.cat([p(h) for p in parts], dim=-1)
 
     def modules(self) -> list[nn.Module]:
@@ -75,29 +106,32 @@ class Projections:
         return list(mods.values())
 
     def transients(self, rows: int) -> dict[str, int]:
-        """Bytes each role holds beyond its output while it runs on ``rows`` rows: weight-only layers above
-        their kernel's row limit (or without a kernel for this dtype) dequantize the weight first, peaking at D
-        bytes before the matmul and holding the dequantized weight W during it, so the role adds
-        max(W, D - output). D and W are measured once per layer shape with quant.memory's MemoryTracker (each
-        scheme dequantizes with its own arithmetic; tracking it is exact)."""
+        """Bytes each role holds beyond its output while it runs on ``rows`` rows: a layer whose path at that row
+        count dequantizes its weight (or upcasts it, or its input, to fp32) holds those copies while it runs. Each
+        is measured once per computation and path with quant.memory's MemoryTracker, on the path itself at this
+        row count (every scheme and path allocates with its own arithmetic; tracking it is exact)."""
         if rows not in self._transients:
-            out = {}
-            b = torch.empty((), dtype=self.dtype).element_size()
-            for role, mods in self.by_role.items():
-                extra = [max(w, d - rows * m.out_features * b) for m in mods
-                         if isinstance(m, WeightOnlyLinear) and not m.kernel_runs(rows, self.dtype)
-                         for d, w in [self._dequant_peak(m)]]
-                out[role] = max(extra, default=0)
-            self._transients[rows] = out
+            self._transients[rows] = {role: max((self._extra_bytes(m, rows) for m in mods), default=0)
+                                      for role, mods in self.by_role.items()}
         return self._transients[rows]
 
-    def _dequant_peak(self, m: WeightOnlyLinear) -> tuple[int, int]:
-        """(peak bytes while dequantizing, bytes of the dequantized weight) for m's shape and class."""
-        key = (type(m).__name__, m.out_features, m.in_features)
-        if key not in self._dequant_cache:
+    def _extra_bytes(self, m: nn.Module, rows: int) -> int:
+        call = self._calls.get(id(m))
+        if call is None or not isinstance(m, (nn.Linear, QuantizedLinear)):
+            return 0
+        key = (type(m).__name__, m.out_features, m.in_features, self._path_name(m, rows), rows)
+        if key not in self._peak_cache:
             from quant.memory import MemoryTracker
 
+            dev = next(iter([*m.buffers(), *m.parameters()])).device
+            x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=dev)  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:
-                w = m.dequantized(self.dtype)
-            self._dequant_cache[key] = (mt.peak, w.numel() * w.element_size())
-        return self._dequant_cache[key]
+                y = call(x)  # (M, N)
+            self._peak_cache[key] = max(0, mt.peak - y.numel() * y.element_size())
+        return self._peak_cache[key]
+
+    def _path_name(self, m: nn.Module, rows: int) -> str:
+        if isinstance(m, QuantizedLinear):
+            return m.path_for(rows, self.dtype)
+        plan = None if self.chooser is None else self.chooser.chosen.get(dense_key(m, self.dtype))
+        return "dense" if plan is None else plan.pick(rows)

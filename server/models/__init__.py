@@ -61,12 +61,13 @@ def model_class(config) -> type:
     return _REGISTRY[kind]
 
 
-def build(model, ops, embeddings: str = "float"):
+def build(model, ops, embeddings: str = "float", chooser=None):
     """The engine's model over a loaded checkpoint's module tree (``base.Weights``), its embedding and head held
-    as ``embeddings`` says (server.layers.embedding)."""
+    as ``embeddings`` says (server.layers.embedding), each projection computed by the path ``chooser`` (a
+    ``quant.kernel_choice.Chooser``) plans for it, or by its module's own rule without one."""
     from server.models.base import Weights
 
-    return model_class(model.config)(model.config, Weights(model), ops, embeddings)
+    return model_class(model.config)(model.config, Weights(model), ops, embeddings, chooser)
 
 
 __all__ = ["UnsupportedModelError", "build", "model_class", "register", "supported"]

@@ -155,7 +155,7 @@ class CausalLM:
         return logits
 
     # ---- construction
-    def __init__(self, config, weights: Weights, ops, embeddings: str = "float"):
+    def __init__(self, config, weights: Weights, ops, embeddings: str = "float", chooser=None):
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -165,7 +165,8 @@ class CausalLM:
         p = self.prefix
         embed = weights.tensor(f"{p}embed_tokens.weight")  # (V, hidden)
         self.dtype = embed.dtype
-        self.projections = Projections(self.dtype)
+        self.projections = Projections(self.dtype, chooser)
+        self.projections.prepare_kernels(self._all_modules())  # before binding: the paths depend on the layout
         eps = float(getattr(config, "rms_norm_eps", 1e-6))
         rope_keys: dict[str | None, int] = {}
         self.rotaries: list[Rotary] = []
@@ -195,10 +196,9 @@ class CausalLM:
         plain = type(lm_head) is nn.Linear and lm_head.bias is None  # a matrix that int8 rows can stand for
         # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
-            embed, bind_module(lm_head), lm_head.weight.detach() if plain else None, embeddings, self.dtype)
+            embed, bind_module(lm_head, self.dtype), lm_head.weight.detach() if plain else None, embeddings, self.dtype)
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
-        self.projections.prepare_kernels(self._all_modules())
 
     def _norm(self, name: str, eps: float) -> RMSNorm:
         return RMSNorm(self.weights.tensor(name), eps, self.ops, self.dtype, self.norm_offset)

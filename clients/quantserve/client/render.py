@@ -61,6 +61,7 @@ def info_table(i: ModelInfo, transport: str) -> Table:
     else:
         rows.append(("memory totals", "n/a"))
     rows += [("max new tokens (limit)", na(i.max_new_tokens_limit)), ("max prompt tokens", na(i.max_prompt_tokens))]
+    rows += [("kernels" if n == 0 else "", k) for n, k in enumerate(i.kernels)]
     for k, v in rows:
         t.add_row(k, Text(v))
     return t

@@ -101,7 +101,7 @@ def _chunk(m: pb.GenerateStreamResponse, joined: _Joined) -> StreamChunk:
 def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
     return ModelInfo(model=i.model, scheme=i.scheme, context_length=i.context_length, dtype=i.dtype, device=i.device,
                      attention=i.attention, vocab_size=i.vocab_size, kv_bytes_per_token=i.kv_bytes_per_token,
-                     glue_ops=i.glue_ops, embeddings=i.embeddings, max_new_tokens_limit=i.max_new_tokens_limit,
+                     glue_ops=i.glue_ops, embeddings=i.embeddings, kernels=tuple(i.kernels), max_new_tokens_limit=i.max_new_tokens_limit,
                      max_prompt_tokens=i.max_prompt_tokens, memory=_engine(i.memory))
 
 

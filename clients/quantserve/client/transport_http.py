@@ -125,6 +125,7 @@ def info_from_body(body: dict) -> ModelInfo:
                          device=body.get("device"), attention=body.get("attention"),
                          vocab_size=body.get("vocab_size"), kv_bytes_per_token=body.get("kv_bytes_per_token"),
                          glue_ops=body.get("glue_ops"), embeddings=body.get("embeddings"),
+                         kernels=tuple(body.get("kernels") or ()),
                          max_new_tokens_limit=body.get("max_new_tokens_limit"),
                          max_prompt_tokens=body.get("max_prompt_tokens"),
                          memory=engine_from_dict(body.get("memory")))

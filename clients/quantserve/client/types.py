@@ -206,6 +206,7 @@ class ModelInfo:
     kv_bytes_per_token: int | None = None
     glue_ops: str | None = None
     embeddings: str | None = None
+    kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count, as measured
     max_new_tokens_limit: int | None = None
     max_prompt_tokens: int | None = None
     memory: EngineMemory | None = None

@@ -211,7 +211,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "scheme", "dtype", "device", "attention", "context_length", "vocab_size", "kv_bytes_per_token", "memory", "glue_ops", "max_new_tokens_limit", "max_prompt_tokens", "embeddings")
+    __slots__ = ("model", "scheme", "dtype", "device", "attention", "context_length", "vocab_size", "kv_bytes_per_token", "memory", "glue_ops", "max_new_tokens_limit", "max_prompt_tokens", "embeddings", "kernels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ModelInfoResponse(_message.Message):
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     scheme: str
     dtype: str
@@ -238,7 +239,8 @@ class ModelInfoResponse(_message.Message):
     max_new_tokens_limit: int
     max_prompt_tokens: int
     embeddings: str
-    def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ...) -> None: ...
+    kernels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestShape(_message.Message):
     __slots__ = ("prompt_tokens", "max_new_tokens", "count")

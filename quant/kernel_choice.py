@@ -1,0 +1,199 @@
+"""Which kernel computes a Linear, chosen on the CPU it runs on, per row count.
+
+A runtime Linear can be computed several ways, and which is fastest depends on the CPU far more than on the
+model: on an AVX2-only CPU a 512-row bf16 matmul is 8x slower than fp32 and ``torch._int_mm`` 25x slower, while
+with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESULTS.md). So each module offers
+its *paths* for an activation dtype (``QuantizedLinear.paths``; dense Linears get :func:`dense_paths`), each a
+callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :class:`Chooser` measures them:
+
+1. every path at each row bucket (:data:`ROW_BUCKETS`), on random inputs, median of a few calls, smallest bucket
+   first; a path more than :data:`DROP_FACTOR` times slower than the best at one bucket is not measured at larger
+   ones (a slow bf16 product on AVX2 would otherwise take seconds per shape);
+2. per bucket, the fastest path; a call of M rows uses the plan of the smallest bucket >= M (the last above it);
+3. the plan is kept per computation (the module's ``plan_key``: class, options, shape, dtype) in a JSON file per
+   CPU (model name, vector capability, threads, torch version) under the cache dir, so a CPU measures a shape
+   once; a file that cannot be read is measured again, never trusted half-way.
+
+``mode="static"`` skips measuring and uses each module's built-in rule (``static_path``), which is what every
+path falls back to without a plan. Every path computes the same function (the tests hold each to the module's
+reference); they differ in where they round.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("quantserve.kernels")
+
+ROW_BUCKETS = (1, 8, 32, 128, 512)
+DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket is not measured at larger buckets
+MODES = ("measure", "static")
+_CACHE_VERSION = 1
+
+Path_ = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The path for each row bucket, and what was measured (µs per call; None where a path was not run)."""
+
+    paths: tuple[str, ...]  # one per ROW_BUCKETS entry
+    us: dict[str, tuple[float | None, ...]]
+
+    def pick(self, rows: int) -> str:
+        return self.paths[min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)]
+
+    @property
+    def single(self) -> str | None:
+        """The path when every bucket uses the same one."""
+        return self.paths[0] if len(set(self.paths)) == 1 else None
+
+    def describe(self) -> str:
+        """'kernel <= 32 rows, dequant-fp32 above' with the measured times at the buckets where it changes."""
+        if self.single is not None:
+            return f"{self.single} at every row count"
+        parts, lo = [], 0
+        for i, p in enumerate(self.paths):
+            if i + 1 < len(self.paths) and self.paths[i + 1] == p:
+                continue
+            hi = ROW_BUCKETS[i]
+            parts.append(f"{p} <= {hi} rows" if i + 1 < len(self.paths) else f"{p} above {ROW_BUCKETS[lo - 1]}")
+            lo = i + 1
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"paths": list(self.paths), "us": {k: list(v) for k, v in self.us.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict, names: set[str]) -> "RowPlan | None":
+        """The stored plan, or None when it does not fit (other buckets, a path this module does not offer)."""
+        paths = tuple(d.get("paths", ()))
+        if len(paths) != len(ROW_BUCKETS) or not set(paths) <= names:
+            return None
+        return cls(paths, {k: tuple(v) for k, v in d.get("us", {}).items()})
+
+
+def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, Path_]:
+    """A float Linear's paths: in its own dtype, and (16-bit) upcast to fp32 per call, which wins for many rows
+    where the CPU has no fast 16-bit GEMM."""
+    paths: dict[str, Path_] = {"dense": lambda x: F.linear(x, weight, bias)}
+    if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
+        b32 = None if bias is None else bias.float()
+        paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
+    return paths
+
+
+def cpu_key(threads: int | None = None) -> str:
+    """What makes timings on this CPU comparable: its model name, the vector capability PyTorch dispatches to
+    (``ATEN_CPU_CAPABILITY`` can lower it), the thread count and the torch version."""
+    name = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def _time_us(fn: Path_, x: torch.Tensor, budget_s: float = 0.05) -> float:
+    """Median µs of a few calls after a warm-up; fewer calls when one is slow (a 512-row bf16 product on an
+    AVX2 CPU takes a tenth of a second)."""
+    fn(x)
+    samples = []
+    t_end = time.perf_counter() + budget_s
+    while len(samples) < 3 or (time.perf_counter() < t_end and len(samples) < 15):
+        t = time.perf_counter()
+        fn(x)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+@torch.inference_mode()
+def measure(paths: dict[str, Path_], in_features: int, dtype: torch.dtype, device="cpu") -> RowPlan:
+    """Time every path at every bucket (steps 1 and 2 of the module docstring)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    live = dict(paths)
+    us: dict[str, list[float | None]] = {name: [] for name in paths}
+    chosen = []
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, in_features, generator=g, device=device).to(dtype)  # (M, K)
+        here = {name: _time_us(fn, x) for name, fn in live.items()}
+        best = min(here, key=here.__getitem__)
+        chosen.append(best)
+        for name in us:
+            us[name].append(round(here[name], 1) if name in here else None)
+        live = {n: fn for n, fn in live.items() if here[n] <= DROP_FACTOR * here[best]}
+    return RowPlan(tuple(chosen), {k: tuple(v) for k, v in us.items()})
+
+
+class Chooser:
+    """Plans for the Linears of one engine: measured (and cached per CPU) or static."""
+
+    def __init__(self, mode: str = "static", cache_dir: Path | None = None, threads: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.key = cpu_key(threads)
+        self.file = None
+        if cache_dir is not None:
+            digest = hashlib.sha256(self.key.encode()).hexdigest()[:16]
+            self.file = Path(cache_dir) / "kernel-plans" / f"{digest}.json"
+        self._plans: dict[str, dict] | None = None
+        self.chosen: dict[str, RowPlan] = {}  # plan_key -> plan, for what the engine reports
+
+    def _load(self) -> dict[str, dict]:
+        if self._plans is None:
+            self._plans = {}
+            if self.file is not None and self.file.is_file():
+                try:
+                    d = json.loads(self.file.read_text())
+                    if d.get("version") == _CACHE_VERSION and d.get("cpu") == self.key:
+                        self._plans = dict(d["plans"])
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("kernel plans in %s unreadable (%s); measuring again", self.file, e)
+        return self._plans
+
+    def _save(self) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "cpu": self.key, "plans": self._plans}, indent=1))
+            tmp.replace(self.file)  # atomic: a concurrent reader sees the old file or the new one
+        except OSError as e:
+            log.warning("could not keep kernel plans in %s (%s)", self.file, e)
+
+    def plan(self, key: str, paths: dict[str, Path_], in_features: int, dtype: torch.dtype,
+             device: torch.device) -> RowPlan | None:
+        """The plan for one computation, or None (static mode, one path only, or not a CPU)."""
+        if self.mode == "static" or len(paths) < 2 or torch.device(device).type != "cpu":
+            return None
+        plans = self._load()
+        got = RowPlan.from_json(plans[key], set(paths)) if key in plans else None
+        if got is None:
+            t = time.perf_counter()
+            got = measure(paths, in_features, dtype, device)
+            log.info("kernel plan for %s: %s (measured in %.2f s)", key, got.describe(), time.perf_counter() - t)
+            plans[key] = got.to_json()
+            self._save()
+        self.chosen[key] = got
+        return got
+
+    def table(self) -> list[str]:
+        """One line per planned computation: what runs at which row counts."""
+        return [f"{k}: {p.describe()}" for k, p in sorted(self.chosen.items())]

@@ -1,0 +1,195 @@
+"""Kernel choice per CPU (quant/kernel_choice.py): every path of every runtime module equals its reference, the
+plan picks what it measured and is cached per CPU, the int4pack layout reads back on every vector width, and the
+engine reports what it chose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from quant import gptq as G
+from quant import int4
+from quant import kernel_choice as KC
+from quant.layers import Int8WeightLinear, W8A8Linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _linear(k=128, n=96, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias)
+
+
+def _modules():
+    lin = _linear()
+    gptq = int4.GPTQLinear.from_quantized(G.rtn(lin.weight.data, 4, 64), lin.bias.data, v2=False)
+    gptq.prepare(torch.bfloat16)
+    return {
+        "int8-sym": Int8WeightLinear.from_float(lin, affine=False),
+        "int8-affine": Int8WeightLinear.from_float(_linear(seed=1), affine=True),
+        "w8a8-static": W8A8Linear.from_float(lin, input_scale=0.03, smooth_scale=torch.rand(128) + 0.5),
+        "w8a8-dynamic": W8A8Linear.from_float(lin, input_scale=None),
+        "int4pack": gptq,
+    }
+
+
+@pytest.mark.parametrize("name", list(_modules()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_path_matches_the_reference(name, dtype):
+    m = _modules()[name]
+    m.prepare(dtype)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = m.reference_forward(x)
+    paths = m.paths(dtype)
+    assert len(paths) >= (2 if dtype == torch.bfloat16 else 1)
+    for path, fn in paths.items():
+        y = fn(x)
+        assert y.dtype == dtype and y.shape == (5, 96), path
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        assert float((y.float() - ref).abs().max() / ref.abs().max()) < tol, path
+
+
+def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
+    m = _modules()["int8-sym"]
+    m.prepare(torch.bfloat16)
+    plan = KC.RowPlan(("kernel", "kernel", "dequant-fp32", "dequant-fp32", "dequant-fp32"), {})
+    m.use_plan(plan, torch.bfloat16)
+    calls = []
+    real = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 8, 9, 600):
+        m(torch.randn(rows, 128, dtype=torch.bfloat16))
+    assert calls == [1, 8]  # 9 rows is in the 32-row bucket; 600 above the last one uses the last bucket's path
+    assert m.kernel_runs(8, torch.bfloat16) and not m.kernel_runs(9, torch.bfloat16)
+    assert plan.describe() == "kernel <= 8 rows, dequant-fp32 above 8"
+
+
+def test_plan_pick_and_describe():
+    p = KC.RowPlan(("a", "a", "a", "a", "a"), {})
+    assert p.single == "a" and p.describe() == "a at every row count"
+    p = KC.RowPlan(("a", "b", "b", "a", "a"), {})
+    assert [p.pick(r) for r in (1, 2, 8, 9, 32, 33, 512, 5000)] == ["a", "b", "b", "b", "b", "a", "a", "a"]
+    assert p.describe() == "a <= 1 rows, b <= 32 rows, a above 32"
+
+
+def test_measure_picks_the_faster_path_and_drops_a_much_slower_one():
+    def slow(x):
+        time.sleep(0.004)
+        return x
+
+    plan = KC.measure({"slow": slow, "fast": lambda x: x}, 16, torch.float32)
+    assert plan.paths == ("fast",) * len(KC.ROW_BUCKETS)
+    assert plan.us["slow"][0] > 3000 and plan.us["slow"][1:] == (None,) * (len(KC.ROW_BUCKETS) - 1)
+
+
+def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path, monkeypatch):
+    paths = {"a": lambda x: x, "b": lambda x: x + 0}
+    first = KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))
+    files = list((tmp_path / "kernel-plans").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == KC.cpu_key()
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured although the plan was cached")
+
+    monkeypatch.setattr(KC, "measure", no_measuring)
+    again = KC.Chooser("measure", tmp_path)
+    assert again.plan("k", paths, 16, torch.float32, torch.device("cpu")) == first
+    assert again.table() == [f"k: {first.describe()}"]
+    # A plan naming a path this module does not offer is not trusted; nor is a damaged file.
+    assert KC.Chooser("measure", tmp_path).plan("k", {"a": paths["a"]}, 16, torch.float32, "cpu") is None
+    files[0].write_text("{not json")
+    with pytest.raises(AssertionError, match="measured"):
+        KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))
+
+
+def test_static_mode_measures_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(KC, "measure", lambda *a, **k: pytest.fail("measured in static mode"))
+    c = KC.Chooser("static", tmp_path)
+    assert c.plan("k", {"a": lambda x: x, "b": lambda x: x}, 16, torch.float32, "cpu") is None
+    assert not (tmp_path / "kernel-plans").exists()
+    with pytest.raises(ValueError, match="kernels must be one of measure, static"):
+        KC.Chooser("fastest")
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default", None])
+def test_int4pack_layout_reads_back_on_every_vector_width(capability):
+    """The CPU int4pack layout depends on the vector width PyTorch dispatches to; each is checked in its own
+    process (ATEN_CPU_CAPABILITY is read once), on shapes with full and partial blocks, against the codes read
+    back through the kernel itself."""
+    code = (
+        "import torch\n"
+        "from quant import gptq as G, int4\n"
+        "assert int4._cpu_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
+        "for n in (16, 48, 80, 576, 960):\n"
+        "    w = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))\n"
+        "    m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)\n"
+        "    ref = m.dequantized(torch.float32)\n"
+        "    m.prepare(torch.bfloat16)\n"
+        "    fast = int4._kernel_codes_cpu(m.packed, n, 128, int4._cpu_layout()).to(torch.int32)\n"
+        "    assert torch.equal(fast, m._kernel_codes()), n\n"
+        "    err = (m.dequantized(torch.float32) - ref).abs().max() / ref.abs().max()\n"
+        "    assert err < 1e-2, (n, err)  # scales and zeros are held in bf16\n"
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    if capability:
+        assert p.stdout.strip() == capability.upper()
+
+
+def test_dense_paths_agree():
+    lin = _linear()
+    w, b = lin.weight.data.bfloat16(), lin.bias.data.bfloat16()
+    x = torch.randn(7, 128).bfloat16()
+    paths = KC.dense_paths(w, b, torch.bfloat16)
+    assert set(paths) == {"dense", "dense-fp32"}
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    for fn in paths.values():
+        assert float((fn(x).float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    assert set(KC.dense_paths(lin.weight.data, lin.bias.data, torch.float32)) == {"dense"}
+
+
+def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_model_dir, tmp_path, text_file):
+    from conftest import run_cli
+    from server.engine import Engine, EngineConfig
+
+    art = tmp_path / "int8"
+    assert run_cli("build", "--model", tiny_model_dir, "--scheme", "int8-sym", "--calib", text_file,
+                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", art) == 0
+    cfg = dict(memory_budget="2MiB", dtype="bfloat16", max_prefill_tokens=64)
+    eng = Engine.from_path(str(art), EngineConfig(kernels="measure", **cfg), tmp_path)
+    try:
+        kernels = eng.info.kernels
+        assert kernels and all(k.startswith("int8_weight[affine=False] ") for k in kernels), kernels
+        shapes = {k.split()[1] for k in kernels}
+        assert shapes == {"128x64", "64x64", "256x64", "64x128"}, shapes  # fused q/k/v and gate/up, o, down
+        assert len(list((tmp_path / "kernel-plans").glob("*.json"))) == 1
+        ref = eng.complete("The castle", greedy_params(8)).token_ids
+    finally:
+        eng.close()
+    eng = Engine.from_path(str(art), EngineConfig(kernels="static", **cfg), tmp_path)
+    try:
+        assert eng.info.kernels == ()
+        assert len(eng.complete("The castle", greedy_params(8)).token_ids) == len(ref)
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="--kernels must be one of measure, static, got 'fast'"):
+        EngineConfig(kernels="fast").validate()
+
+
+def greedy_params(n):
+    from server.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, seed=0)
