@@ -7,8 +7,10 @@ its *paths* for an activation dtype (``QuantizedLinear.paths``; dense Linears ge
 callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :class:`Chooser` measures them:
 
 1. every path at each row bucket (:data:`ROW_BUCKETS`), on random inputs, median of a few calls, smallest bucket
-   first; a path more than :data:`DROP_FACTOR` times slower than the best at one bucket is not measured at larger
-   ones (a slow bf16 product on AVX2 would otherwise take seconds per shape);
+   first; a path both more than :data:`DROP_FACTOR` times slower than the best at one bucket and slower than
+   :data:`DROP_US` is not measured at larger ones (a bf16 product of a big shape on an AVX2 CPU would otherwise take
+   seconds). Being slower at a few rows alone does not drop a path: dequantizing costs the same at any row count,
+   so those paths lose at 1 row and win at 512;
 2. per bucket, the fastest path; a call of M rows uses the plan of the smallest bucket >= M (the last above it);
 3. the plan is kept per computation (the module's ``plan_key``: class, options, shape, dtype) in a JSON file per
    CPU (model name, vector capability, threads, torch version) under the cache dir, so a CPU measures a shape
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 log = logging.getLogger("quantserve.kernels")
 
 ROW_BUCKETS = (1, 8, 32, 128, 512)
-DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket is not measured at larger buckets
+DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
+DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
 _CACHE_VERSION = 1
 
@@ -98,7 +101,8 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 
 def cpu_key(threads: int | None = None) -> str:
     """What makes timings on this CPU comparable: its model name, the vector capability PyTorch dispatches to
-    (``ATEN_CPU_CAPABILITY`` can lower it), the thread count and the torch version."""
+    (``ATEN_CPU_CAPABILITY`` can lower it, as ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` lower oneDNN's
+    and MKL's), the thread count and the torch version."""
     name = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -106,6 +110,9 @@ def cpu_key(threads: int | None = None) -> str:
     except OSError:
         pass
     cap = torch.backends.cpu.get_cpu_capability()
+    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):  # read per call: a process may be started with them
+        if os.environ.get(var):
+            cap += f" {var}={os.environ[var]}"
     return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
@@ -136,7 +143,7 @@ def measure(paths: dict[str, Path_], in_features: int, dtype: torch.dtype, devic
         chosen.append(best)
         for name in us:
             us[name].append(round(here[name], 1) if name in here else None)
-        live = {n: fn for n, fn in live.items() if here[n] <= DROP_FACTOR * here[best]}
+        live = {n: fn for n, fn in live.items() if here[n] <= max(DROP_FACTOR * here[best], DROP_US)}
     return RowPlan(tuple(chosen), {k: tuple(v) for k, v in us.items()})
 
 

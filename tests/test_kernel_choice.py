@@ -80,14 +80,23 @@ def test_plan_pick_and_describe():
     assert p.describe() == "a <= 1 rows, b <= 32 rows, a above 32"
 
 
-def test_measure_picks_the_faster_path_and_drops_a_much_slower_one():
+def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
     def slow(x):
-        time.sleep(0.004)
+        time.sleep(0.006)
         return x
 
-    plan = KC.measure({"slow": slow, "fast": lambda x: x}, 16, torch.float32)
-    assert plan.paths == ("fast",) * len(KC.ROW_BUCKETS)
-    assert plan.us["slow"][0] > 3000 and plan.us["slow"][1:] == (None,) * (len(KC.ROW_BUCKETS) - 1)
+    def fixed_cost(x):  # like dequantizing: slower at few rows, faster at many
+        time.sleep(0.0015 if x.shape[0] < 100 else 0.0002)
+        return x
+
+    def per_row(x):
+        time.sleep(0.0002 if x.shape[0] < 100 else 0.003)
+        return x
+
+    plan = KC.measure({"slow": slow, "fixed": fixed_cost, "per_row": per_row}, 16, torch.float32)
+    assert plan.paths == ("per_row", "per_row", "per_row", "fixed", "fixed")
+    assert plan.us["slow"][0] > 5000 and plan.us["slow"][1:] == (None,) * (len(KC.ROW_BUCKETS) - 1)
+    assert all(v is not None for v in plan.us["fixed"])
 
 
 def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path, monkeypatch):
