@@ -255,7 +255,9 @@ class Int8WeightLinear(WeightOnlyLinear):
     def kernel(self, dtype: torch.dtype) -> str:
         if dtype in (torch.bfloat16, torch.float16):
             corr = " - rowsum(x)*s*z" if self.affine else ""
-            return f"aten._weight_int8pack_mm{corr} (rows <= {INT8PACK_MAX_ROWS}); dequantize + matmul above"
+            return (f"aten._weight_int8pack_mm{corr} or dequantize + matmul (bf16 or fp32), per row count the "
+                    f"fastest on the serving CPU (quant serve --kernels; static rule: the kernel up to "
+                    f"{INT8PACK_MAX_ROWS} rows)")
         return "dequantize + matmul (the fp32 int8pack kernel is slower than dense on CPU)"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -336,7 +338,8 @@ class W8A8Linear(QuantizedLinear):
 
     def kernel(self, dtype: torch.dtype) -> str:
         act = "per-token dynamic" if self.dynamic else "per-tensor static"
-        return f"torch._int_mm (int8 x int8 -> int32), {act} activations, fp32 rescale"
+        return (f"int8 x int8 products by torch._int_mm, in fp32, or (bf16) through _weight_int8pack_mm, per row "
+                f"count the fastest on the serving CPU; {act} activations, fp32 rescale")
 
     def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.smooth_scale is not None:
