@@ -46,7 +46,7 @@ DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
 _CACHE_VERSION = 1
 
-Path_ = Callable[[torch.Tensor], torch.Tensor]
+PathFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,17 @@ class RowPlan:
         return self.paths[0] if len(set(self.paths)) == 1 else None
 
     def describe(self) -> str:
-        """'kernel <= 32 rows, dequant-fp32 above' with the measured times at the buckets where it changes."""
-        if self.single is not None:
-            return f"{self.single} at every row count"
-        parts, lo = [], 0
+        """'kernel <= 32 rows, dequant above 32': each run of buckets taking one path, by its last bucket."""
+        runs: list[list] = []  # [path, index of its last bucket]
         for i, p in enumerate(self.paths):
-            if i + 1 < len(self.paths) and self.paths[i + 1] == p:
-                continue
-            hi = ROW_BUCKETS[i]
-            parts.append(f"{p} <= {hi} rows" if i + 1 < len(self.paths) else f"{p} above {ROW_BUCKETS[lo - 1]}")
-            lo = i + 1
-        return ", ".join(parts)
+            if runs and runs[-1][0] == p:
+                runs[-1][1] = i
+            else:
+                runs.append([p, i])
+        if len(runs) == 1:
+            return f"{runs[0][0]} at every row count"
+        head = [f"{p} <= {ROW_BUCKETS[i]} rows" for p, i in runs[:-1]]
+        return ", ".join([*head, f"{runs[-1][0]} above {ROW_BUCKETS[runs[-2][1]]}"])
 
     def to_json(self) -> dict:
         return {"paths": list(self.paths), "us": {k: list(v) for k, v in self.us.items()}}
@@ -89,10 +89,20 @@ class RowPlan:
         return cls(paths, {k: tuple(v) for k, v in d.get("us", {}).items()})
 
 
-def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, Path_]:
+def computation_key(kind: str, out_features: int, in_features: int, dtype: torch.dtype) -> str:
+    """What a plan is kept under: the computation (its kind and options), its shape and the activation dtype."""
+    return f"{kind} {out_features}x{in_features} {str(dtype).removeprefix('torch.')}"
+
+
+def dense_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> str:
+    kind = f"dense[{str(weight.dtype).removeprefix('torch.')}{',bias' if bias is not None else ''}]"
+    return computation_key(kind, weight.shape[0], weight.shape[1], dtype)
+
+
+def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, PathFn]:
     """A float Linear's paths: in its own dtype, and (16-bit) upcast to fp32 per call, which wins for many rows
     where the CPU has no fast 16-bit GEMM."""
-    paths: dict[str, Path_] = {"dense": lambda x: F.linear(x, weight, bias)}
+    paths: dict[str, PathFn] = {"dense": lambda x: F.linear(x, weight, bias)}
     if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
         b32 = None if bias is None else bias.float()
         paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
@@ -116,7 +126,7 @@ def cpu_key(threads: int | None = None) -> str:
     return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
-def _time_us(fn: Path_, x: torch.Tensor, budget_s: float = 0.05) -> float:
+def _time_us(fn: PathFn, x: torch.Tensor, budget_s: float = 0.05) -> float:
     """Median µs of a few calls after a warm-up; fewer calls when one is slow (a 512-row bf16 product on an
     AVX2 CPU takes a tenth of a second)."""
     fn(x)
@@ -130,7 +140,7 @@ def _time_us(fn: Path_, x: torch.Tensor, budget_s: float = 0.05) -> float:
 
 
 @torch.inference_mode()
-def measure(paths: dict[str, Path_], in_features: int, dtype: torch.dtype, device="cpu") -> RowPlan:
+def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, device="cpu") -> RowPlan:
     """Time every path at every bucket (steps 1 and 2 of the module docstring)."""
     g = torch.Generator(device=device).manual_seed(0)
     live = dict(paths)
@@ -185,7 +195,7 @@ class Chooser:
         except OSError as e:
             log.warning("could not keep kernel plans in %s (%s)", self.file, e)
 
-    def plan(self, key: str, paths: dict[str, Path_], in_features: int, dtype: torch.dtype,
+    def plan(self, key: str, paths: dict[str, PathFn], in_features: int, dtype: torch.dtype,
              device: torch.device) -> RowPlan | None:
         """The plan for one computation, or None (static mode, one path only, or not a CPU)."""
         if self.mode == "static" or len(paths) < 2 or torch.device(device).type != "cpu":

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant import primitives as P
+from quant.kernel_choice import computation_key
 
 # Up to this many rows (tokens) the weight-only int8 kernel wins; at 512 rows a dequantized dense
 # matmul is faster on CPU (bench/kernels.py, bench/RESULTS.md: kernel ahead at 64 rows, behind at 512).
@@ -81,11 +82,12 @@ class QuantizedLinear(nn.Module):
 
     def plan_key(self, dtype: torch.dtype) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.spec().items()) if k not in ("type", "bias"))
-        return f"{self.SPEC_TYPE}[{opts}] {self.out_features}x{self.in_features} {str(dtype).removeprefix('torch.')}"
+        return computation_key(f"{self.SPEC_TYPE}[{opts}]", self.out_features, self.in_features, dtype)
 
-    def use_plan(self, plan, dtype: torch.dtype) -> None:
-        """Compute inputs of ``dtype`` by ``plan`` (a ``quant.kernel_choice.RowPlan`` over ``paths(dtype)``)."""
-        self._plan = (dtype, plan, self.paths(dtype))
+    def use_plan(self, plan, dtype: torch.dtype, paths: dict | None = None) -> None:
+        """Compute inputs of ``dtype`` by ``plan`` (a ``quant.kernel_choice.RowPlan`` over ``paths(dtype)``, which
+        the caller may pass when it has them already)."""
+        self._plan = (dtype, plan, self.paths(dtype) if paths is None else paths)
 
     def path_for(self, rows: int, dtype: torch.dtype) -> str:
         if self._plan is not None and self._plan[0] == dtype:
@@ -253,7 +255,7 @@ class Int8WeightLinear(WeightOnlyLinear):
         return fused
 
     def kernel(self, dtype: torch.dtype) -> str:
-        if dtype in (torch.bfloat16, torch.float16):
+        if self.has_kernel(dtype):
             corr = " - rowsum(x)*s*z" if self.affine else ""
             return (f"aten._weight_int8pack_mm{corr} or dequantize + matmul (bf16 or fp32), per row count the "
                     f"fastest on the serving CPU (quant serve --kernels; static rule: the kernel up to "
@@ -350,7 +352,7 @@ class W8A8Linear(QuantizedLinear):
 
     def static_path(self, rows: int, dtype: torch.dtype) -> str:
         """``torch._int_mm`` where it beats an fp32 product on this device (measured once), else fp32."""
-        return "int_mm" if P.int_mm_is_faster(self.weight.device) or self.weight.device.type != "cpu" else "fp32"
+        return "int_mm" if P.int_mm_is_faster(self.weight.device) else "fp32"
 
     def paths(self, dtype: torch.dtype) -> dict:
         """The same integer product three ways, rescaled in fp32 (the bias added there), then rounded to ``dtype``:

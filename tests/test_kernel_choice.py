@@ -112,8 +112,12 @@ def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path,
     again = KC.Chooser("measure", tmp_path)
     assert again.plan("k", paths, 16, torch.float32, torch.device("cpu")) == first
     assert again.table() == [f"k: {first.describe()}"]
-    # A plan naming a path this module does not offer is not trusted; nor is a damaged file.
-    assert KC.Chooser("measure", tmp_path).plan("k", {"a": paths["a"]}, 16, torch.float32, "cpu") is None
+    # A stored plan naming a path this module does not offer is not trusted; nor is a damaged file.
+    stored = json.loads(files[0].read_text())
+    stored["plans"]["k"]["paths"] = ["b"] * len(KC.ROW_BUCKETS)
+    files[0].write_text(json.dumps(stored))
+    with pytest.raises(AssertionError, match="measured"):
+        KC.Chooser("measure", tmp_path).plan("k", {"a": paths["a"], "c": paths["b"]}, 16, torch.float32, "cpu")
     files[0].write_text("{not json")
     with pytest.raises(AssertionError, match="measured"):
         KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))

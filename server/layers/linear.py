@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quant.kernel_choice import Chooser, dense_paths
+from quant.kernel_choice import Chooser, dense_key, dense_paths
 from quant.layers import QuantizedLinear
 from server.fuse import fuse_linears
 
@@ -39,27 +39,28 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None) -> 
     if chooser is None:
         return _plain_call(mod)
     if type(mod) is nn.Linear:
-        paths, key = dense_paths(mod.weight, mod.bias, dtype), dense_key(mod, dtype)
+        paths = dense_paths(mod.weight, mod.bias, dtype)
     elif isinstance(mod, QuantizedLinear):
-        paths, key = mod.paths(dtype), mod.plan_key(dtype)
+        paths = mod.paths(dtype)
     else:
         return mod
-    device = next(mod.buffers(), None)
-    device = mod.weight.device if device is None else device.device
-    plan = chooser.plan(key, paths, mod.in_features, dtype, device)
+    plan = chooser.plan(computation(mod, dtype), paths, mod.in_features, dtype, _device(mod))
     if plan is None:
         return _plain_call(mod)
     if isinstance(mod, QuantizedLinear):
-        mod.use_plan(plan, dtype)
+        mod.use_plan(plan, dtype, paths)
     if plan.single is not None:
         return paths[plan.single]
     return lambda x: paths[plan.pick(x.shape[0])](x)
 
 
-def dense_key(mod: nn.Linear, dtype: torch.dtype) -> str:
-    w = mod.weight
-    return (f"dense[{str(w.dtype).removeprefix('torch.')}{',bias' if mod.bias is not None else ''}] "
-            f"{mod.out_features}x{mod.in_features} {str(dtype).removeprefix('torch.')}")
+def computation(mod: nn.Module, dtype: torch.dtype) -> str:
+    """The key a projection's plan is kept under (quant.kernel_choice.computation_key)."""
+    return mod.plan_key(dtype) if isinstance(mod, QuantizedLinear) else dense_key(mod.weight, mod.bias, dtype)
+
+
+def _device(mod: nn.Module) -> torch.device:
+    return next(iter([*mod.buffers(), *mod.parameters()])).device
 
 
 class Projections:
@@ -119,12 +120,11 @@ class Projections:
         call = self._calls.get(id(m))
         if call is None or not isinstance(m, (nn.Linear, QuantizedLinear)):
             return 0
-        key = (type(m).__name__, m.out_features, m.in_features, self._path_name(m, rows), rows)
+        key = (computation(m, self.dtype), self._path_name(m, rows), rows)
         if key not in self._peak_cache:
             from quant.memory import MemoryTracker
 
-            dev = next(iter([*m.buffers(), *m.parameters()])).device
-            x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=dev)  # (M, K)
+            x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=_device(m))  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:
                 y = call(x)  # (M, N)
             self._peak_cache[key] = max(0, mt.peak - y.numel() * y.element_size())
@@ -133,5 +133,5 @@ class Projections:
     def _path_name(self, m: nn.Module, rows: int) -> str:
         if isinstance(m, QuantizedLinear):
             return m.path_for(rows, self.dtype)
-        plan = None if self.chooser is None else self.chooser.chosen.get(dense_key(m, self.dtype))
+        plan = None if self.chooser is None else self.chooser.chosen.get(computation(m, self.dtype))
         return "dense" if plan is None else plan.pick(rows)
