@@ -25,6 +25,10 @@ from torch import Tensor
 log = logging.getLogger("quantserve.fastops")
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_ops.cpp"
+# -march=native: the kernels' loops are vectorised for this CPU (AVX-512 where it has it); -fopenmp-simd: the
+# ``omp simd`` loops (reductions) vectorise without linking an OpenMP runtime; -ffp-contract=off: no a*b+c fused
+# into one rounding, so each product rounds where the eager op it replaces rounds (the tests compare to ulps).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
 
@@ -47,13 +51,16 @@ def load() -> bool:
 def build_directory() -> Path:
     """Where the extension is built: torch's extensions root (``TORCH_EXTENSIONS_DIR`` when set), one dir per
     source hash, Python and torch version. Named by the source's hash so checkouts of different versions (a
-    bench baseline's worktree) each keep their own build instead of rebuilding one shared name in turn."""
+    bench baseline's worktree) each keep their own build instead of rebuilding one shared name in turn; the hash
+    covers the CPU's instruction-set flags too, because the code is compiled for the CPU that builds it
+    (``-march=native``), and a build dir shared with another machine (a home on NFS, an image built elsewhere)
+    must not hand this CPU instructions it lacks."""
     import os
     import sys
 
     from torch.utils.cpp_extension import get_default_build_root
 
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / f"quantserve_decode_ops_{digest}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
 
@@ -76,8 +83,21 @@ def _build() -> None:
         if stale.exists():
             log.warning("removing %s, left by a build that did not finish", stale)
             stale.unlink()
-        build(name=where.name.split("-")[0], sources=[str(_SOURCE)], extra_cflags=["-O3"], build_directory=str(where),
+        build(name=where.name.split("-")[0], sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(where),
               is_python_module=False, verbose=False)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), the compiler's target for -march=native."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def unavailable_reason() -> str | None:
@@ -127,6 +147,27 @@ def ref_gelu_tanh_mul(gate_up: Tensor) -> Tensor:
     return F.gelu(g, approximate="tanh") * u
 
 
+def ref_decode_attention(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tensor, block_size: int, window: int,
+                         scale: float, softcap: float) -> Tensor:
+    """Decode rows' attention over one layer's paged cache, row by row in fp32: q (B, H, D), kv (2, slots, Hkv, D),
+    block_table (B, blocks), lens (B,): row b attends to its keys at positions [max(0, len - window), len)
+    (window <= 0: all), scores soft-capped when softcap > 0; the output rounded once to q's dtype."""
+    B, H, D = q.shape
+    Hkv = kv.shape[2]
+    out = q.new_empty(B, H, D)
+    for b in range(B):
+        L = int(lens[b])
+        pos = torch.arange(max(0, L - window) if window > 0 else 0, L)
+        slots = block_table[b, pos // block_size] * block_size + pos % block_size
+        k = kv[0, slots].float().repeat_interleave(H // Hkv, dim=1)  # (n, H, D)
+        v = kv[1, slots].float().repeat_interleave(H // Hkv, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale  # (H, n)
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    return out
+
+
 class Ops:
     """The glue ops, fused or reference; the layers and the sdpa backend call these and do not care which."""
 
@@ -140,6 +181,7 @@ class Ops:
             self.store_kv = ops.store_kv.default
             self.silu_mul = ops.silu_mul.default
             self.gelu_tanh_mul = ops.gelu_tanh_mul.default
+            self.decode_attention = ops.decode_attention.default
         else:
             self.rms_norm = ref_rms_norm
             self.add_rms_norm = ref_add_rms_norm
@@ -147,3 +189,4 @@ class Ops:
             self.store_kv = ref_store_kv
             self.silu_mul = ref_silu_mul
             self.gelu_tanh_mul = ref_gelu_tanh_mul
+            self.decode_attention = ref_decode_attention

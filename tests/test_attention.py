@@ -19,15 +19,19 @@ SPECS = {
 }
 
 
+OPS = ["eager", pytest.param("fused", marks=pytest.mark.skipif(not fastops.load(), reason="fused ops not built"))]
+
+
 def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: list[tuple[int, int]], seed: int,
-             contiguous: bool):
+             contiguous: bool, ops: str = "eager"):
     """decode: past lengths of decode rows (each adds one token); chunks: (past, C) of prefill chunks. Every
-    request's past K/V is written first, then one step runs; returns (backend output, reference output)."""
+    request's past K/V is written first, then one step runs; returns (backend output, reference output).
+    ops: the glue ops the backend gets (fused: decode rows go through the C++ decode_attention)."""
     g = torch.Generator().manual_seed(seed)
     bs, blocks = 4, 64
     cls = BACKENDS[backend_name]
     storage = torch.zeros(cls.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim))
-    backend = cls(storage, bs, [spec], fastops.Ops(False))
+    backend = cls(storage, bs, [spec], fastops.Ops(ops == "fused"))
     free = list(range(blocks)) if contiguous else torch.randperm(blocks, generator=g).tolist()
     reqs = []  # (past, new, table, k_all, v_all)
     for past, new in [(p, 1) for p in decode] + chunks:
@@ -63,17 +67,19 @@ def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("spec", list(SPECS))
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_backend_matches_reference_on_mixed_steps(backend, spec, contiguous):
+@pytest.mark.parametrize("ops", OPS)
+def test_backend_matches_reference_on_mixed_steps(backend, spec, contiguous, ops):
     got, want = run_case(backend, SPECS[spec], decode=[0, 5, 13], chunks=[(0, 9), (6, 11), (0, 3)], seed=1,
-                         contiguous=contiguous)
+                         contiguous=contiguous, ops=ops)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("spec", list(SPECS))
-def test_backend_matches_reference_for_a_lone_decode_row(backend, spec):
+@pytest.mark.parametrize("ops", OPS)
+def test_backend_matches_reference_for_a_lone_decode_row(backend, spec, ops):
     for past in (0, 3, 6, 7, 30):  # below, at and past the window
-        got, want = run_case(backend, SPECS[spec], decode=[past], chunks=[], seed=past, contiguous=True)
+        got, want = run_case(backend, SPECS[spec], decode=[past], chunks=[], seed=past, contiguous=True, ops=ops)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -100,6 +100,43 @@ def test_gated_activations_match_reference(dtype, T):
         assert_close_ulps(FUSED.gelu_tanh_mul(gu), REF.gelu_tanh_mul(gu))
 
 
+def paged_case(dtype, B=3, H=9, Hkv=3, D=64, bs=16, blocks=40, seed=0):
+    """Random q (B, H, D) strided like a slice of a fused qkv row, one layer's cache, and shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[:, : H * D].view(B, H, D)  # rows strided by the fused width
+    kv = torch.randn(2, blocks * bs, Hkv, D, generator=g).to(dtype)
+    lens = torch.tensor([1, 37, 150][:B])
+    order = torch.randperm(blocks, generator=g)
+    nb = -(-int(lens.max()) // bs)
+    tables = torch.stack([order[i * nb : (i + 1) * nb] for i in range(B)])  # (B, nb) disjoint, shuffled
+    return q, kv, tables, lens, bs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0), (64, 5.0)])
+def test_decode_attention_matches_reference(dtype, window, softcap):
+    q, kv, tables, lens, bs = paged_case(dtype)
+    got = FUSED.decode_attention(q, kv, tables, lens, bs, window, 0.125, softcap)
+    want = REF.decode_attention(q, kv, tables, lens, bs, window, 0.125, softcap)
+    # both run in fp32 and round once; exp differs in the last bit and sums run in another order
+    tol = dict(atol=2e-6, rtol=2e-5) if dtype == torch.float32 else dict(atol=torch.finfo(dtype).eps, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_decode_attention_reference_is_sdpa_over_the_gathered_keys():
+    """The reference itself against PyTorch's SDPA on each row's keys gathered in order (GQA, fp32)."""
+    q, kv, tables, lens, bs = paged_case(torch.float32)
+    got = REF.decode_attention(q, kv, tables, lens, bs, 0, 0.125, 0.0)
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        slots = tables[b, pos // bs] * bs + pos % bs
+        k, v = kv[0, slots].transpose(0, 1)[None], kv[1, slots].transpose(0, 1)[None]  # (1, Hkv, L, D)
+        want = torch.nn.functional.scaled_dot_product_attention(q[b][None, :, None], k, v, scale=0.125,
+                                                                enable_gqa=True)  # (1, H, 1, D)
+        torch.testing.assert_close(got[b], want[0, :, 0], atol=1e-5, rtol=1e-5)
+
+
 def test_bad_inputs_are_refused_with_the_argument_named():
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -122,6 +159,15 @@ def test_bad_inputs_are_refused_with_the_argument_named():
     for op in (FUSED.silu_mul, FUSED.gelu_tanh_mul):
         with pytest.raises(RuntimeError, match="even width"):
             op(torch.randn(2, 5))
+    q, kv, tables, lens, bs = paged_case(torch.float32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        FUSED.decode_attention(q, kv, tables + 1000, lens, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        FUSED.decode_attention(q, kv, tables, lens * 100, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of kv's"):
+        FUSED.decode_attention(q[:, :8], kv, tables, lens, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        FUSED.decode_attention(q, kv, tables.int(), lens, bs, 0, 0.1, 0.0)
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():

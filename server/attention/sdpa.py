@@ -4,7 +4,9 @@ any device.
 
 KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat run of slots per layer.
 
-- Decode rows: one query each, so the g query heads sharing a KV head stand in for the query axis,
+- Decode rows with the fused CPU ops: one ``decode_attention`` call per layer over the block tables
+  (server/csrc/decode_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step).
+- Decode rows otherwise: one query each, so the g query heads sharing a KV head stand in for the query axis,
   (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
   row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
 - Prefill chunks: one call each, causal over the request's past plus the chunk (bottom-right aligned).
@@ -56,6 +58,7 @@ class SdpaMeta:
     decode_range: dict = field(default_factory=dict)  # window -> slice: the lone contiguous decode row's keys
     decode_slots: Tensor | None = None  # (Bd, Lmax) every cached slot of each decode row, padded with 0
     decode_mask: dict = field(default_factory=dict)  # window -> (Bd, 1, 1, Lmax) bool
+    decode_tables: tuple[Tensor, Tensor] | None = None  # fused: (Bd, blocks) block tables, (Bd,) key counts
     chunks: list[_Chunk] = field(default_factory=list)
 
 
@@ -74,6 +77,7 @@ class SdpaBackend(AttentionBackend):
         self.specs = specs
         self.windows = list(dict.fromkeys(s.window for s in specs))  # distinct, in layer order
         self.ops = ops
+        self.block_size = block_size
 
     # ------------------------------------------------------------------------------------ per step
 
@@ -81,7 +85,11 @@ class SdpaBackend(AttentionBackend):
         bs, dev = step.block_size, step.input_ids.device
         meta = SdpaMeta(slots=step.slots, num_decode=step.num_decode)
         i64 = dict(dtype=torch.int64, device=dev)
-        if len(step.decode) == 1 and (r := _as_range(step.decode[0][1], 0, step.decode[0][0] + 1, bs)) is not None:
+        if step.decode and self.ops.fused:
+            width = max(len(table) for _, table in step.decode)
+            tables = torch.tensor([table + [0] * (width - len(table)) for _, table in step.decode], **i64)
+            meta.decode_tables = (tables, torch.tensor([p + 1 for p, _ in step.decode], **i64))  # (Bd, NB), (Bd,)
+        elif len(step.decode) == 1 and (r := _as_range(step.decode[0][1], 0, step.decode[0][0] + 1, bs)) is not None:
             p = step.decode[0][0]
             for w in self.windows:  # a window keeps the last w keys of the view
                 meta.decode_range[w] = r if w is None or w > p else slice(r.stop - w, r.stop)
@@ -119,7 +127,11 @@ class SdpaBackend(AttentionBackend):
         T, H, D = q.shape
         out = q.new_empty(T, H, D)  # (T, H, D)
         bd, w = meta.num_decode, spec.window
-        if meta.decode_range:
+        if meta.decode_tables is not None:
+            tables, lens = meta.decode_tables
+            out[:bd] = self.ops.decode_attention(q[:bd], kv, tables, lens, self.block_size, w or 0, spec.scale,
+                                                 spec.softcap or 0.0)
+        elif meta.decode_range:
             rng = meta.decode_range[w]
             qd = q[:1].reshape(1, spec.kv_heads, spec.group, D)  # (1, Hkv, g, D)
             kd = kc[rng].transpose(0, 1)[None]  # (1, Hkv, L, D)
