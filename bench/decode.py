@@ -156,7 +156,7 @@ def ours_concurrent(engine, prompts) -> dict:
             "ttft_max_s": ttft[-1], "tokens": total}
 
 
-def serve_case(case: str, spec: str, threads: int, repeats: int) -> dict:
+def serve_case(case: str, spec: str, threads: int, repeats: int, server_root: Path = ROOT) -> dict:
     """``quant serve`` in its own process, driven over HTTP (/v1/completions): ``serve-b1`` is batch-1 greedy
     decode, ``serve-16`` 16 concurrent requests; same prompts and token counts as the engine-level cases, so the
     difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
@@ -164,7 +164,7 @@ def serve_case(case: str, spec: str, threads: int, repeats: int) -> dict:
 
     from bench.reliability import ServerProcess
 
-    srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB")
+    srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", root=server_root)
     try:
         def body(prompt, n):
             return {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
@@ -228,7 +228,7 @@ def rss_of(engine) -> dict:
     return {"rss": info.rss, "uss": info.uss, "weight_bytes": engine.weight_bytes, "kv_pool": engine.pool.capacity_bytes}
 
 
-def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> dict:
+def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, server_root: Path = ROOT) -> dict:
     """One measurement in this (fresh) process. Each case gets its own process: OpenMP keeps a worker pool
     per thread, and a process whose main thread already ran torch work slows the engine thread's (see
     server/engine.py), so peers measured in one process would disturb each other."""
@@ -250,7 +250,7 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
     if case == "llama-b1":
         return llama_cpp_batch1(threads, repeats)
     if case in ("serve-b1", "serve-16"):
-        return serve_case(case, spec, threads, repeats)
+        return serve_case(case, spec, threads, repeats, server_root)
     tok = AutoTokenizer.from_pretrained(spec)
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     if case == "hf-b1":
@@ -261,9 +261,13 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int) -> d
 
 
 def child(case: str, spec: str, cache: Path, threads: int, repeats: int, root: Path = ROOT) -> dict:
-    """One case in a fresh process, run by the bench script of ``root`` (ours, or a baseline's worktree)."""
+    """One case in a fresh process, run by the bench script of ``root`` (ours, or a baseline's worktree). The
+    ``serve-*`` cases run this script, driving the server of ``root`` (a baseline's own script may predate them)."""
+    extra = []
+    if case.startswith("serve") and root != ROOT:
+        extra, root = ["--server-root", str(root)], ROOT
     p = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--case", case, spec, "--threads",
-                        str(threads), "--repeats", str(repeats)], capture_output=True, text=True, cwd=root,
+                        str(threads), "--repeats", str(repeats), *extra], capture_output=True, text=True, cwd=root,
                        env={**os.environ, "QUANTSERVE_CACHE": str(cache), "PYTHONPATH": str(root)})
     if p.returncode != 0:
         raise RuntimeError(f"case {case} {spec} failed:\n{p.stderr[-3000:]}")
@@ -295,12 +299,14 @@ def main(argv=None) -> int:
                     help="with --baseline: processes per engine and case, alternating; the median is kept (one "
                          "process's speed varies by ~10%% on a 2-core machine)")
     ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--server-root", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from quant.models import default_cache_dir, resolve
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
     if args.case:
-        print(json.dumps(run_case(args.case[0], args.case[1], cache, args.threads, args.repeats)))
+        print(json.dumps(run_case(args.case[0], args.case[1], cache, args.threads, args.repeats,
+                                  Path(args.server_root))))
         return 0
     base = resolve(None, cache).path
     arts = {s: str(ensure_artifact(Path(args.artifacts), s, cache)) for s in ("int8-sym", "w4a16")}

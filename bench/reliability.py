@@ -56,11 +56,13 @@ PROMPTS = ("The city of", "Once upon a time", "In the beginning", "The river flo
 class ServerProcess:
     """``quant serve`` on free loopback ports in its own process."""
 
-    def __init__(self, artifact: str | None, *args: str, env: dict | None = None, timeout: float = 300):
+    def __init__(self, artifact: str | None, *args: str, env: dict | None = None, timeout: float = 300,
+                 root: Path = ROOT):
+        """``root``: the checkout whose server runs (a bench baseline's worktree, or this one)."""
         cmd = [sys.executable, "-m", "quant.cli", "serve", *([artifact] if artifact else []),
                "--grpc-port", "0", "--http-port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=root,
+                                     env={**os.environ, **(env or {}), "PYTHONPATH": str(root)})
         self.log: deque[str] = deque(maxlen=500)  # the latest stderr lines, for error messages
         self._ready = threading.Event()
         # One thread drains stderr for the server's whole life: a full pipe would block its logging.

@@ -25,6 +25,7 @@ import functools
 import torch
 from torch import nn
 
+from quant import dequant
 from quant.errors import ArtifactError
 from quant.layers import WeightOnlyLinear, fused_bias, fused_offsets
 
@@ -267,7 +268,9 @@ class GPTQLinear(WeightOnlyLinear):
             return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
         n, k, gs = self.out_features, self.in_features, self.group_size
         layout = _cpu_layout() if self.packed.device.type == "cpu" else None
-        codes = _kernel_codes_cpu(self.packed, n, k, layout) if layout else self._kernel_codes()  # (N, K)
+        if layout:  # one pass from the kernel layout (C++ where built), the fp32 values the kernel computes
+            return dequant.int4pack(self.packed, n, k, layout, self.scales_zeros, gs, self.perm, dtype)
+        codes = self._kernel_codes()  # (N, K)
         s = self.scales_zeros[..., 0].float().t()[:, :, None]  # (N, G, 1)
         z = self.scales_zeros[..., 1].float().t()[:, :, None]  # (N, G, 1)
         w = codes.view(n, k // gs, gs).float().mul_(s).add_(z - 8 * s).view(n, k)  # (code - 8) * s + z, kernel order

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quant import dequant
 from quant import primitives as P
 from quant.kernel_choice import computation_key
 
@@ -263,7 +264,7 @@ class Int8WeightLinear(WeightOnlyLinear):
         return "dequantize + matmul (the fp32 int8pack kernel is slower than dense on CPU)"
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return P.dequantize_weight(self.weight, self.weight_scale, self.weight_zero_point, dtype)
+        return dequant.int8(self.weight, self.weight_scale, self.weight_zero_point, dtype)
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call

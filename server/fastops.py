@@ -6,102 +6,26 @@ CPU each costs a few microseconds of dispatch however small it is, which added u
 layer: the residual add with the next RMSNorm, rotary embedding in place (partial rotary included), the K/V
 cache write of the sdpa backend, and the gated activations (SiLU·up, GELU-tanh·up).
 
-The C++ source is compiled on first use with torch's extension builder (needs a C++ compiler; ~15 s, cached
-under torch's extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the
-references below, which are the eager ops it replaces; tests hold the two to each other.
+The C++ source is compiled on first use (``quant.native``: needs a C++ compiler; ~15 s, cached under torch's
+extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the references below,
+which are the eager ops it replaces; tests hold the two to each other. The decode-attention op's reference is
+the row-by-row fp32 softmax beside it (the sdpa backend's own SDPA path remains the unfused one).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-log = logging.getLogger("quantserve.fastops")
+from quant.native import Extension
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode_ops.cpp"
-# -march=native: the kernels' loops are vectorised for this CPU (AVX-512 where it has it); -fopenmp-simd: the
-# ``omp simd`` loops (reductions) vectorise without linking an OpenMP runtime; -ffp-contract=off: no a*b+c fused
-# into one rounding, so each product rounds where the eager op it replaces rounds (the tests compare to ulps).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"]
-_lock = threading.Lock()
-_state: dict[str, str | bool] = {}
-
-
-def load() -> bool:
-    """Compile (once per machine) and register ``torch.ops.quantserve``; False, with the reason logged and
-    kept in :func:`unavailable_reason`, when that is not possible here."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                _build()
-                _state["ok"] = True
-            except Exception as e:  # no compiler, no ninja, a read-only home: fall back to the references
-                _state["ok"] = False
-                _state["why"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.warning("fused CPU ops unavailable (%s); using the eager reference ops", _state["why"])
-        return bool(_state["ok"])
-
-
-def build_directory() -> Path:
-    """Where the extension is built: torch's extensions root (``TORCH_EXTENSIONS_DIR`` when set), one dir per
-    source hash, Python and torch version. Named by the source's hash so checkouts of different versions (a
-    bench baseline's worktree) each keep their own build instead of rebuilding one shared name in turn; the hash
-    covers the CPU's instruction-set flags too, because the code is compiled for the CPU that builds it
-    (``-march=native``), and a build dir shared with another machine (a home on NFS, an image built elsewhere)
-    must not hand this CPU instructions it lacks."""
-    import os
-    import sys
-
-    from torch.utils.cpp_extension import get_default_build_root
-
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / f"quantserve_decode_ops_{digest}-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
-
-
-def _build() -> None:
-    """torch's builder serialises processes with a ``lock`` file that only the process holding it removes: one
-    killed while building (Ctrl-C on a first start, an OOM kill) leaves it behind, and every later start waited
-    on it forever. Here builds are serialised by an flock, which the kernel releases when its holder dies, and a
-    ``lock`` file found while holding the flock is such a leftover (any live builder of this dir holds the flock),
-    so it is removed before building."""
-    import fcntl
-
-    from torch.utils.cpp_extension import load as build
-
-    where = build_directory()
-    where.mkdir(parents=True, exist_ok=True)
-    with open(where / "quantserve.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
-        stale = where / "lock"
-        if stale.exists():
-            log.warning("removing %s, left by a build that did not finish", stale)
-            stale.unlink()
-        build(name=where.name.split("-")[0], sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(where),
-              is_python_module=False, verbose=False)
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), the compiler's target for -march=native."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def unavailable_reason() -> str | None:
-    return None if _state.get("ok", True) else str(_state.get("why"))
+_EXT = Extension(Path(__file__).with_name("csrc") / "decode_ops.cpp", "quantserve_decode_ops")
+load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
+unavailable_reason = _EXT.unavailable_reason
+build_directory = _EXT.build_directory
 
 
 # ---------------------------------------------------------------------------------------- references

@@ -111,17 +111,25 @@ def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps
     torch.testing.assert_close(l3[2], hf_logits(model, c)[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_runner_single_row_contiguous_view_path(hf_model):
+@pytest.mark.parametrize("fused", [False, True])
+def test_runner_single_row_decode_paths(hf_model, fused):
+    """A lone decode row: eager ops attend to a view of the cache (no gather); the fused ops read the block
+    table in C++. Both give transformers' logits."""
+    if fused and not fastops.load():
+        pytest.skip(f"fused ops not built: {fastops.unavailable_reason()}")
     lay = KVLayout.from_config(hf_model.config, torch.float32, block_size=4)
     pool = BlockPool(lay, lay.bytes_per_block * 16)
-    runner = ModelRunner(hf_model, pool.storage, 4, "sdpa")
+    runner = ModelRunner(hf_model, pool.storage, 4, "sdpa", fused_ops=fused)
     t = pool.try_reserve("a", 30)
     assert t == list(range(t[0], t[0] + len(t)))  # a fresh pool hands out consecutive blocks
     ids = list(range(40, 53))
     runner.forward(build_step([], [(ids, 0, t, True)], 4, CPU))
     step = build_step([(99, 13, t)], [], 4, CPU)
     meta = runner.backend.prepare(step)
-    assert meta.decode_range and meta.decode_slots is None  # a view of the cache, no gather
+    if fused:
+        assert meta.decode_tables is not None and not meta.decode_range and meta.decode_slots is None
+    else:
+        assert meta.decode_range and meta.decode_slots is None  # a view of the cache, no gather
     torch.testing.assert_close(runner.forward(step)[0], hf_logits(hf_model, ids + [99])[-1], atol=1e-4, rtol=1e-4)
 
 
