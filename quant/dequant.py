@@ -51,7 +51,13 @@ def int4pack(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], sca
 def int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype) -> torch.Tensor:
     from quant.int4 import _kernel_codes_cpu
 
-    codes = _kernel_codes_cpu(packed, n, k, layout)  # (N, K) uint8
+    return int4_codes_reference(_kernel_codes_cpu(packed, n, k, layout), scales_zeros, group_size, perm, dtype)
+
+
+def int4_codes_reference(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """W (N, K) from (N, K) codes in the kernel's column order and the (G, N, 2) scale/zero table."""
+    n, k = codes.shape
     s = scales_zeros[..., 0].float().t()[:, :, None]  # (N, G, 1)
     z = scales_zeros[..., 1].float().t()[:, :, None]  # (N, G, 1)
     w = codes.view(n, k // group_size, group_size).float().mul_(s).add_(z - 8 * s).view(n, k)  # kernel order

@@ -270,13 +270,7 @@ class GPTQLinear(WeightOnlyLinear):
         layout = _cpu_layout() if self.packed.device.type == "cpu" else None
         if layout:  # one pass from the kernel layout (C++ where built), the fp32 values the kernel computes
             return dequant.int4pack(self.packed, n, k, layout, self.scales_zeros, gs, self.perm, dtype)
-        codes = self._kernel_codes()  # (N, K)
-        s = self.scales_zeros[..., 0].float().t()[:, :, None]  # (N, G, 1)
-        z = self.scales_zeros[..., 1].float().t()[:, :, None]  # (N, G, 1)
-        w = codes.view(n, k // gs, gs).float().mul_(s).add_(z - 8 * s).view(n, k)  # (code - 8) * s + z, kernel order
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(1, self.perm, w)  # column perm[i] of the checkpoint is column i here
-        return w.to(dtype)
+        return dequant.int4_codes_reference(self._kernel_codes(), self.scales_zeros, gs, self.perm, dtype)
 
 
 def _kernel_codes_cpu(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool]) -> torch.Tensor:
