@@ -21,6 +21,10 @@ import torch
 
 log = logging.getLogger("quantserve.native")
 
+# Headers shared by the sources (elements.h: the dtype conversions of the vectorised loops); on every build's
+# include path and in every build dir's hash.
+INCLUDE = Path(__file__).with_name("csrc")
+
 # -march=native: the loops are vectorised for the CPU that builds them (AVX-512 where it has it); -fopenmp-simd:
 # the ``omp simd`` loops (reductions) vectorise without linking an OpenMP runtime; -ffp-contract=off: no a*b+c
 # fused into one rounding, so each product rounds where the eager op it replaces rounds (the tests compare ulps).
@@ -66,14 +70,16 @@ class Extension:
         return None if self._ok in (None, True) else self._why
 
     def build_directory(self) -> Path:
-        """Torch's extensions root (``TORCH_EXTENSIONS_DIR`` when set), one dir per source hash, Python and torch.
+        """Torch's extensions root (``TORCH_EXTENSIONS_DIR`` when set), one dir per source (and header) hash, Python and torch.
         Named by the source's hash so checkouts of different versions (a bench baseline's worktree) each keep their
         own build instead of rebuilding one shared name in turn; the hash covers the CPU's flags too, because the
         code is compiled for the CPU that builds it, and a build dir shared with another machine (a home on NFS,
         an image built elsewhere) must not hand this CPU instructions it lacks."""
         from torch.utils.cpp_extension import get_default_build_root
 
-        digest = hashlib.sha256(self.source.read_bytes() + " ".join(CFLAGS + (cpu_flags(),)).encode()).hexdigest()
+        headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
+        digest = hashlib.sha256(self.source.read_bytes() + headers + " ".join(CFLAGS + (cpu_flags(),)).encode())
+        digest = digest.hexdigest()
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         return Path(root) / (f"{self.name}_{digest[:12]}-py{sys.version_info[0]}{sys.version_info[1]}"
                              f"-torch{torch.__version__}")
@@ -97,4 +103,5 @@ class Extension:
                 log.warning("removing %s, left by a build that did not finish", stale)
                 stale.unlink()
             build(name=where.name.split("-")[0], sources=[str(self.source)], extra_cflags=list(CFLAGS),
-                  build_directory=str(where), is_python_module=False, verbose=False)
+                  extra_include_paths=[str(INCLUDE)], build_directory=str(where), is_python_module=False,
+                  verbose=False)

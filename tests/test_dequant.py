@@ -60,8 +60,12 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         torch.ops.quantserve_quant.dequant_int8(q, torch.ones(3), q.new_empty(0), torch.empty(4, 8))
     with pytest.raises(RuntimeError, match="out must be"):
         torch.ops.quantserve_quant.dequant_int8(q, torch.ones(4), q.new_empty(0), torch.empty(4, 7))
-    packed = torch.zeros(16 * 64 // 2, dtype=torch.uint8)
-    sz = torch.zeros(1, 16, 2)
+    with pytest.raises(RuntimeError, match="zero must be"):
+        torch.ops.quantserve_quant.dequant_int8(q, torch.ones(4), torch.zeros(3, dtype=torch.int8), torch.empty(4, 8))
+    packed, sz = torch.zeros(16 * 64 // 2, dtype=torch.uint8), torch.zeros(1, 16, 2)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.quantserve_quant.dequant_int4pack(packed[1:], 16, 64, 32, False, sz, 64,
+                                                    torch.zeros(0, dtype=torch.long), torch.empty(16, 64))
     with pytest.raises(RuntimeError, match="perm\\[0\\] is outside K"):
         torch.ops.quantserve_quant.dequant_int4pack(packed, 16, 64, 32, False, sz, 64, torch.full((64,), 99),
                                                     torch.empty(16, 64))

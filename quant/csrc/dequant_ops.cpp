@@ -11,39 +11,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include "elements.h"
+
+#include <vector>
 
 namespace {
 
 constexpr int64_t kGrain = 1 << 16;  // elements per task: below this a call stays on one thread
 
-// float -> the output dtype, as torch's .to(dtype) rounds (bf16 to nearest even, NaN kept; branch-free so
-// that the row loops vectorise; c10's conversion branches on NaN).
-template <typename T>
-inline T put(float v) { return static_cast<T>(v); }
-template <>
-inline c10::BFloat16 put(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return c10::BFloat16((u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
-}
-template <typename T>
-struct Out {
-  using raw = T;
-  static T put(float v) { return ::put<T>(v); }
-};
-template <>
-struct Out<c10::BFloat16> {  // written as raw bits: the compiler does not vectorise stores of the struct
-  using raw = uint16_t;
-  static uint16_t put(float v) { return ::put<c10::BFloat16>(v).x; }
-};
-
 // One row of int8 codes: o = (q - z) * s.
 template <typename T>
 __attribute__((noinline)) void int8_row(const int8_t* __restrict q, float z, float s,
-                                        typename Out<T>::raw* __restrict o, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) o[j] = Out<T>::put((static_cast<float>(q[j]) - z) * s);
+                                        typename qs::Raw<T>::type* __restrict o, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) o[j] = qs::Raw<T>::put((static_cast<float>(q[j]) - z) * s);
 }
 
 void check_out(const at::Tensor& out, int64_t n, int64_t k) {
@@ -69,7 +49,7 @@ void dequant_int8(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
   const float* sp = scale.data_ptr<float>();
   const int8_t* zp = affine ? zero.data_ptr<int8_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequant_int8", [&] {
-    auto* op = reinterpret_cast<typename Out<scalar_t>::raw*>(out.data_ptr<scalar_t>());
+    auto* op = qs::raw(out.data_ptr<scalar_t>());
     at::parallel_for(0, n, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, k)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
         int8_row<scalar_t>(qp + r * k, zp ? static_cast<float>(zp[r]) : 0.f, sp[r], op + r * k, k);
@@ -87,7 +67,7 @@ namespace {
 template <typename T>
 __attribute__((noinline)) void int4_row(const uint8_t* __restrict block, int64_t rows, int64_t j, bool split,
                                         int64_t k, int64_t gs, const float* __restrict s, const float* __restrict z,
-                                        const int64_t* __restrict perm, typename Out<T>::raw* __restrict o,
+                                        const int64_t* __restrict perm, typename qs::Raw<T>::type* __restrict o,
                                         float* __restrict tmp) {
   const int64_t stride = rows / 2;
   const int64_t byte = split ? (j < stride ? j : j - stride) : j / 2;
@@ -100,9 +80,9 @@ __attribute__((noinline)) void int4_row(const uint8_t* __restrict block, int64_t
     }
   }
   if (perm == nullptr) {
-    for (int64_t c = 0; c < k; ++c) o[c] = Out<T>::put(tmp[c]);
+    for (int64_t c = 0; c < k; ++c) o[c] = qs::Raw<T>::put(tmp[c]);
   } else {
-    for (int64_t c = 0; c < k; ++c) o[perm[c]] = Out<T>::put(tmp[c]);
+    for (int64_t c = 0; c < k; ++c) o[perm[c]] = qs::Raw<T>::put(tmp[c]);
   }
 }
 
@@ -135,11 +115,11 @@ void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t bl
   const uint8_t* bp = packed.data_ptr<uint8_t>();
   const int64_t full = split ? n / block : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequant_int4pack", [&] {
-    auto* op = reinterpret_cast<typename Out<scalar_t>::raw*>(out.data_ptr<scalar_t>());
+    auto* op = qs::raw(out.data_ptr<scalar_t>());
     at::parallel_for(0, n, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, k)), [&](int64_t b, int64_t e) {
       std::vector<float> tmp(k);
       for (int64_t r = b; r < e; ++r) {
-        const int64_t r0 = r < full * block ? r / block * block : full * block + (r - full * block) / block * block;
+        const int64_t r0 = r / block * block;  // the first row of r's block (full blocks come first)
         const int64_t rows = std::min(block, n - r0);
         const bool sp = split && r < full * block;
         int4_row<scalar_t>(bp + r0 * k / 2, rows, r - r0, sp, k, group_size, tp + r * 2 * G, tp + r * 2 * G + G, pp,
