@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import nn
 
-from quant import dequant
+from quant import dequant, triton_ops
 from quant.errors import ArtifactError
 from quant.layers import WeightOnlyLinear, fused_bias, fused_offsets
 
@@ -48,14 +48,14 @@ def pack_rows(codes: torch.Tensor) -> torch.Tensor:
     if r % PACK:
         raise ValueError(f"cannot pack {r} rows into int32 words of {PACK} codes")
     v = codes.to(torch.int64).reshape(r // PACK, PACK, c)
-    shifts = (torch.arange(PACK, dtype=torch.int64) * BITS)[None, :, None]
+    shifts = (torch.arange(PACK, dtype=torch.int64, device=codes.device) * BITS)[None, :, None]
     return _to_int32((v << shifts).sum(dim=1))
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_rows: (R/8, C) int32 -> (R, C) int32 codes."""
     v = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = (torch.arange(PACK, dtype=torch.int64) * BITS)[None, :, None]
+    shifts = (torch.arange(PACK, dtype=torch.int64, device=packed.device) * BITS)[None, :, None]
     codes = (v[:, None, :] >> shifts) & 0xF  # (R/8, 8, C)
     return codes.reshape(-1, packed.shape[1]).to(torch.int32)
 
@@ -156,26 +156,44 @@ class GPTQLinear(WeightOnlyLinear):
     def layout(self) -> str:
         if self._whole is not None:
             return self._whole[0].layout
-        return "int4pack" if self.packed is not None else "gptq"
+        if self.packed is not None:
+            return "int4pack"
+        return "w4triton" if self.scales_zeros is not None else "gptq"
 
-    def _use_kernel(self) -> bool:
-        if self.qweight.is_cuda:  # _convert_weight_to_int4pack with 8 inner k-tiles
-            return self.group_size in KERNEL_GROUP_SIZES and self.in_features % 128 == 0 and self.out_features % 64 == 0
-        return self.group_size in KERNEL_GROUP_SIZES and self.out_features % 16 == 0
+    def runtime_layout(self, dtype: torch.dtype | None) -> str:
+        """The layout ``prepare(dtype)`` gives this module on its device: "int4pack" (PyTorch's int4 kernels: on
+        CUDA bf16 only, with K a multiple of 32), "w4triton" (CUDA: the Triton kernel over the GPTQ codes, any
+        16-bit dtype, preferred there) or "gptq" (as stored, dequantized per call)."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return "gptq"
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        if self.qweight.is_cuda:
+            if triton_ops.available() is None and triton_ops.w4_block_k(gs) is not None:
+                return "w4triton"
+            ok = dtype == torch.bfloat16 and gs in KERNEL_GROUP_SIZES and k % 32 == 0 and n % 8 == 0
+            return "int4pack" if ok else "gptq"
+        return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 else "gptq"
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
         """Hold the layout that serves activations in `dtype` (once, after loading; idempotent)."""
-        if (self.packed is not None or self._whole is not None or dtype not in (torch.bfloat16, torch.float16)
-                or not self._use_kernel()):
+        if self.scales_zeros is None and self._whole is None:
+            self._prepare_as(self.runtime_layout(dtype), dtype)
+
+    def _prepare_as(self, layout: str, dtype: torch.dtype) -> None:
+        if layout == "gptq":
             return
         codes, zeros, s = unpack_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2)  # (N, K), (G, N) x2
         perm = act_order_perm(self.g_idx, self.group_size)
         if perm is not None:
             codes = codes[:, perm].contiguous()  # (N, K) columns sorted by group
-        self.packed = _pack_for_kernel(codes)
+        if layout == "int4pack":
+            self.packed = _pack_for_kernel(codes)
+            self.qweight = None
+        elif perm is not None:  # w4triton: the GPTQ words, repacked only when the column order changed
+            self.qweight = pack_rows(codes.t().contiguous())  # (K/8, N)
         self.scales_zeros = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
         self.perm = perm
-        self.qweight = self.qzeros = self.scales = self.g_idx = None
+        self.qzeros = self.scales = self.g_idx = None
 
     @classmethod
     def fuse(cls, mods: list["GPTQLinear"]) -> "GPTQLinear | None":
@@ -193,19 +211,23 @@ class GPTQLinear(WeightOnlyLinear):
                     first.v2, device="meta")
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         spans = fused_offsets(mods)
-        if first.layout == "int4pack":
+        if first.layout in ("int4pack", "w4triton"):
             if (any(m.scales_zeros.dtype != first.scales_zeros.dtype for m in mods)
                     or any(not _same(m.perm, first.perm) for m in mods)):
                 return None  # different column orders (act-order) cannot share one kernel call
-            if _packs_concatenate(tuple(m.out_features for m in mods), first.packed.device):
+            if first.layout == "w4triton":
+                fused.qweight = torch.cat([m.qweight for m in mods], dim=1)  # (K/8, N): columns concatenate
+            elif _packs_concatenate(tuple(m.out_features for m in mods), first.packed.device):
                 fused.packed = torch.cat([m.packed for m in mods])  # (N, ...) blocked along N: rows concatenate
+                fused.qweight = None
             else:
                 fused.packed = _pack_for_kernel(torch.cat([m._kernel_codes() for m in mods]))
+                fused.qweight = None
             fused.scales_zeros = torch.cat([m.scales_zeros for m in mods], dim=1)  # (G, N, 2)
             fused.perm = first.perm
-            fused.qweight = fused.qzeros = fused.scales = fused.g_idx = None
+            fused.qzeros = fused.scales = fused.g_idx = None
             for m, span in zip(mods, spans):
-                m.packed = m.scales_zeros = m.perm = None
+                m.packed = m.scales_zeros = m.perm = m.qweight = None
                 m._whole = (fused, *span)
             return fused
         if any(not torch.equal(m.g_idx, first.g_idx) for m in mods):
@@ -220,6 +242,9 @@ class GPTQLinear(WeightOnlyLinear):
         return fused
 
     def kernel(self, dtype: torch.dtype) -> str:
+        if self.layout == "w4triton":
+            return (f"Triton W4A16 GEMM over the GPTQ codes (quant.triton_ops.w4_matmul) up to "
+                    f"{triton_ops.CUDA_KERNEL_MAX_ROWS} rows, one-pass Triton dequantize + cuBLAS above")
         if self.has_kernel(dtype):
             return "aten._weight_int4pack_mm(_for_cpu); per row count, the faster of it and dequantize + matmul"
         return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
@@ -227,7 +252,11 @@ class GPTQLinear(WeightOnlyLinear):
     def has_kernel(self, dtype: torch.dtype) -> bool:
         if self._whole is not None:
             return self._whole[0].has_kernel(dtype)
-        return self.packed is not None and super().has_kernel(dtype)
+        if self.scales_zeros is None:
+            return False
+        if self.packed is not None and self.packed.is_cuda:
+            return dtype == torch.bfloat16  # the CUDA int4pack kernel is bf16-only
+        return super().has_kernel(dtype)
 
     def paths(self, dtype: torch.dtype) -> dict:
         """As every weight-only module's, less the dequantizing paths where the int4pack layout cannot be read
@@ -246,7 +275,14 @@ class GPTQLinear(WeightOnlyLinear):
             sz = sz.to(x2.dtype)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # (M, K) in the repacked column order
+        if self.packed is None:  # w4triton
+            return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size)
         return _int4_mm(x2, self.packed, self.group_size, sz)
+
+    def static_path(self, rows: int, dtype: torch.dtype) -> str:
+        if self.layout == "w4triton":  # CUDA: the fused kernel for decode-sized inputs, cuBLAS above
+            return "kernel" if self.has_kernel(dtype) and rows <= triton_ops.CUDA_KERNEL_MAX_ROWS else "dequant"
+        return super().static_path(rows, dtype)
 
     def _kernel_codes(self) -> torch.Tensor:
         """(N, K) int32 codes in the kernel's column order, read back through the kernel itself with scale 1 and
@@ -264,8 +300,14 @@ class GPTQLinear(WeightOnlyLinear):
         if self._whole is not None:
             fused, a, b = self._whole
             return fused.dequantized(dtype)[a:b]
-        if self.packed is None:
+        if self.scales_zeros is None:
             return dequantize_gptq(self.qweight, self.qzeros, self.scales, self.g_idx, self.v2).to(dtype)
+        if self.packed is None:  # w4triton: the codes as stored, in the kernel's column order
+            if self.qweight.is_cuda:
+                w = triton_ops.w4_dequant(self.qweight, self.scales_zeros, self.group_size, dtype).t()  # (N, K)
+                return w if self.perm is None else torch.empty_like(w).index_copy_(1, self.perm, w)
+            return dequant.int4_codes_reference(unpack_rows(self.qweight).t(), self.scales_zeros, self.group_size,
+                                                self.perm, dtype)
         n, k, gs = self.out_features, self.in_features, self.group_size
         layout = _cpu_layout() if self.packed.device.type == "cpu" else None
         if layout:  # one pass from the kernel layout (C++ where built), the fp32 values the kernel computes
@@ -313,9 +355,10 @@ def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.
 def _pack_for_kernel(codes: torch.Tensor) -> torch.Tensor:
     """codes (N, K) int32 -> this device's int4 kernel layout."""
     if codes.is_cuda:
-        # The CUDA op takes two codes per byte, even column in the high nibble.
+        # The CUDA op takes two codes per byte, even column in the high nibble, and K in tiles of 16 x (2, 4 or 8).
         u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+        k = codes.shape[1]
+        return torch.ops.aten._convert_weight_to_int4pack(u8, 8 if k % 128 == 0 else (4 if k % 64 == 0 else 2))
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant import dequant
+from quant import dequant, triton_ops
 from quant import primitives as P
 from quant.kernel_choice import computation_key
 
@@ -255,7 +255,19 @@ class Int8WeightLinear(WeightOnlyLinear):
         view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point", "kernel_scale"])
         return fused
 
+    def has_kernel(self, dtype: torch.dtype) -> bool:
+        if self.weight.is_cuda:  # the CUDA int8pack kernel walks K serially: the Triton GEMM instead
+            return dtype in (torch.bfloat16, torch.float16) and triton_ops.available() is None
+        return super().has_kernel(dtype)
+
+    def static_path(self, rows: int, dtype: torch.dtype) -> str:
+        if self.weight.is_cuda:  # the Triton kernel at every row count (bench/gpu.py: ahead of dequantizing)
+            return "kernel" if self.has_kernel(dtype) else "dequant"
+        return super().static_path(rows, dtype)
+
     def kernel(self, dtype: torch.dtype) -> str:
+        if self.has_kernel(dtype) and self.weight.is_cuda:
+            return "Triton int8 weight-only GEMM (quant.triton_ops.int8_matmul), every row count"
         if self.has_kernel(dtype):
             corr = " - rowsum(x)*s*z" if self.affine else ""
             return (f"aten._weight_int8pack_mm{corr} or dequantize + matmul (bf16 or fp32), per row count the "
@@ -267,6 +279,8 @@ class Int8WeightLinear(WeightOnlyLinear):
         return dequant.int8(self.weight, self.weight_scale, self.weight_zero_point, dtype)
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.is_cuda:
+            return triton_ops.int8_matmul(x2, self.weight, self.weight_scale, self.weight_zero_point)
         s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call
         if s is None or s.dtype != x2.dtype:
             s = self.weight_scale.to(x2.dtype)

@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+
+def stage(values: list, dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    """A host list as a tensor on ``device``: on CUDA through a pinned staging buffer and a non-blocking copy, so
+    building a step's inputs never waits for the GPU (a copy from pageable memory synchronises). The caching host
+    allocator keeps the buffer alive until the copy has run."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @dataclass

@@ -67,6 +67,7 @@ class EngineConfig:
     kernels: str = setting("kernels")  # quant/kernel_choice.py
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
+    cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
@@ -178,6 +179,12 @@ class Engine:
         chooser = Chooser(config.kernels, cache_dir, config.threads)  # per-CPU kernel plans (quant.kernel_choice)
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser)
+        self.cuda_graphs = "off"
+        if self.device.type == "cuda" and config.cuda_graphs:
+            # The graphs' padding rows read and write one block of their own.
+            pad = self.pool.try_reserve("__cuda_graph_padding__", 1)
+            self.cuda_graphs = self.runner.enable_cuda_graphs(
+                config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
         # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set.
         artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
@@ -204,9 +211,10 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         log.info(
-            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, embeddings %s, weights %.1f MiB, "
+            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, cuda graphs %s, embeddings %s, weights %.1f MiB, "
             "KV pool %.1f MiB (%d tokens)",
-            model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops, self.embeddings,
+            model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops, self.cuda_graphs,
+            self.embeddings,
             self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )

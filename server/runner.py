@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from quant.errors import UnsupportedModelError
 from server import attention, fastops, models
-from server.batch import StepInputs
+from server.batch import StepInputs, stage
 
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
@@ -43,11 +43,11 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         chunks.append((t0, len(tokens), start, table))
         if want:
             sample.append(len(ids) - 1)
-    i64 = dict(dtype=torch.int64, device=device)
+    t = len(ids)
+    flat = stage(ids + pos + slots + sample, torch.int64, device)  # one copy for the step's four index vectors
     return StepInputs(
-        input_ids=torch.tensor(ids, **i64), positions=torch.tensor(pos, **i64), slots=torch.tensor(slots, **i64),
-        sample_index=torch.tensor(sample, **i64), decode=[(p, table) for _, p, table in decode], chunks=chunks,
-        block_size=block_size,
+        input_ids=flat[:t], positions=flat[t: 2 * t], slots=flat[2 * t: 3 * t], sample_index=flat[3 * t:],
+        decode=[(p, table) for _, p, table in decode], chunks=chunks, block_size=block_size,
     )
 
 
@@ -85,9 +85,32 @@ class ModelRunner:
         self.backend = cls(kv_storage, block_size, specs, self.ops)
         self.attention = cls.name
 
+        self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
+        self.graphs_off = "not a CUDA device"
+
+    def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
+        """Capture the decode step's CUDA graphs (CUDA with a backend that supports them); returns what was done,
+        for the log and ModelInfo."""
+        if self.backend.kv.device.type != "cuda":
+            return self.graphs_off
+        if not hasattr(self.backend, "graph_meta"):
+            self.graphs_off = f"the {self.attention} backend does not support CUDA graphs"
+            return self.graphs_off
+        from server.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.backend, self.backend.block_size, max_batch, max_blocks, pad_block,
+                              self.backend.kv.device)
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+        return f"decode batch buckets {','.join(map(str, graphs.buckets))}"
+
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> Tensor:
-        """Logits (S, V) fp32 for the tokens in ``step.sample_index``."""
+        """Logits (S, V) fp32 for the tokens in ``step.sample_index``: a captured graph's replay for decode-only
+        steps that fit one, else the eager forward (the reference)."""
+        if self.graphs is not None and (b := self.graphs.bucket(step)) is not None:
+            return self.graphs.run(step, b)
         return self.model.forward(step, self.backend, self.backend.prepare(step))
 
     # The engine's accounting reads these.

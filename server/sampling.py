@@ -44,6 +44,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from server.batch import stage
+
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_LOGPROBS = 20
@@ -178,23 +180,21 @@ class SamplingBatch:
                 raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
         if any(int(t) < 0 for t in steps):
             raise ValueError("steps must be >= 0")
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
         history = None
         if any(p.repetition_penalty != 1.0 for p in params):
             if histories is None:
                 raise ValueError("histories are required when a row has a repetition penalty")
             width = max(1, max(len(h) for h in histories))
-            rows = [list(h) + [-1] * (width - len(h)) for h in histories]  # -1 pads: ignored by the penalty
-            history = torch.tensor(rows, **i64)  # (B, L)
+            flat_h = [t for h in histories for t in (*h, *[-1] * (width - len(h)))]  # -1 pads: ignored by the penalty
+            history = stage(flat_h, torch.int64, device).view(n, width)  # (B, L)
         sampled = [p for p in params if p.temperature != 0.0]
+        # Two staged copies per step (fp32 and int64 columns), never a synchronising one.
+        f = stage([p.temperature for p in params] + [p.top_p for p in params]
+                  + [p.repetition_penalty for p in params], torch.float32, device).view(3, n)
+        i = stage([p.top_k for p in params] + [int(s) for s in seeds] + [int(t) for t in steps], torch.int64,
+                  device).view(3, n)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], **f32),
-            top_k=torch.tensor([p.top_k for p in params], **i64),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            repetition_penalty=torch.tensor([p.repetition_penalty for p in params], **f32),
-            seeds=torch.tensor([int(s) for s in seeds], **i64),
-            steps=torch.tensor([int(t) for t in steps], **i64),
+            temperature=f[0], top_k=i[0], top_p=f[1], repetition_penalty=f[2], seeds=i[1], steps=i[2],
             history=history,
             logprobs_n=max([p.logprobs or 0 for p in params], default=0),
             trace_n=max([p.trace or 0 for p in params], default=0),

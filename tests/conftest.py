@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels (server.attention.triton_paged, quant.triton_ops) run on CPU tensors under
+# Triton's interpreter; it is read when triton decorates a kernel, so it is set before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 
 

@@ -28,8 +28,8 @@ def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: 
     request's past K/V is written first, then one step runs; returns (backend output, reference output).
     ops: the glue ops the backend gets (fused: decode rows go through the C++ decode_attention)."""
     g = torch.Generator().manual_seed(seed)
-    bs, blocks = 4, 64
     cls = BACKENDS[backend_name]
+    bs, blocks = (16, 64) if backend_name == "triton" else (4, 64)  # triton reads whole pages of >= 16
     storage = torch.zeros(cls.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim))
     backend = cls(storage, bs, [spec], fastops.Ops(ops == "fused"))
     free = list(range(blocks)) if contiguous else torch.randperm(blocks, generator=g).tolist()
@@ -100,3 +100,89 @@ def test_backend_refuses_specs_it_cannot_run():
     assert NoWindows.unsupported([SPECS["plain"]]) is None
     assert "'window'" in NoWindows.unsupported([SPECS["plain"], SPECS["window"]])
     assert "divide" in BACKENDS["sdpa"].unsupported([AttentionSpec(6, 4, 16, 0.25)])
+
+
+# ---------------------------------------------------------------------------- the triton backend's own paths
+# (under TRITON_INTERPRET=1 without a GPU: tests/conftest.py)
+
+def _triton_case(spec, decode, chunks, seed, dtype=torch.float32, min_split_keys=None):
+    from server.attention.triton_paged import TritonBackend
+
+    saved = TritonBackend.MIN_SPLIT_KEYS
+    if min_split_keys is not None:
+        TritonBackend.MIN_SPLIT_KEYS = min_split_keys
+    try:
+        got, want = run_case("triton", spec, decode=decode, chunks=chunks, seed=seed, contiguous=False)
+    finally:
+        TritonBackend.MIN_SPLIT_KEYS = saved
+    return got, want
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_triton_split_k_decode_matches_reference(spec):
+    """Decode-only steps over long contexts split each sequence's keys and merge the partials; a split that
+    the window leaves empty must weigh nothing."""
+    from server.attention.triton_paged import TritonBackend
+
+    got, want = _triton_case(SPECS[spec], decode=[200, 37, 0], chunks=[], seed=3, min_split_keys=16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert TritonBackend.MIN_SPLIT_KEYS == 256  # restored
+
+
+def test_triton_prepare_splits_only_decode_steps():
+    from server.attention.triton_paged import TritonBackend
+
+    spec = SPECS["plain"]
+    storage = torch.zeros(TritonBackend.kv_shape(1, 64, 16, spec.kv_heads, spec.head_dim))
+    backend = TritonBackend(storage, 16, [spec], fastops.Ops(False))
+    table = list(range(40))
+    dec = StepInputs(torch.zeros(1, dtype=torch.int64), torch.tensor([600]), torch.tensor([600]),
+                     torch.tensor([0]), [(600, table)], [], 16)
+    assert backend.prepare(dec).splits == 2  # 601 keys: two parts of >= 256
+    mixed = StepInputs(torch.zeros(2, dtype=torch.int64), torch.tensor([600, 0]), torch.tensor([600, 0]),
+                       torch.tensor([0]), [(600, table)], [(1, 1, 0, [50])], 16)
+    m = backend.prepare(mixed)
+    assert (m.splits, m.seqs, m.max_q) == (1, 2, 1)
+    assert m.meta.tolist() == [[0, 1], [1, 1], [601, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_long_prefill_with_past_and_wide_groups(dtype):
+    """A chunk longer than one block of rows after a past of many pages, 8 query heads per KV head, a head
+    dim that is not a power of two (masked lanes), in fp16 as a GPU runs it."""
+    spec = AttentionSpec(16, 2, 24, 24 ** -0.5)
+    got, want = _triton_case(spec, decode=[70], chunks=[(45, 40), (0, 17)], seed=5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if dtype is torch.float16:  # the same case, cache and activations in fp16, against the fp32 reference
+        from server.attention.triton_paged import TritonBackend, paged_attention
+
+        g = torch.Generator().manual_seed(7)
+        bs, past, c = 16, 45, 40
+        table = torch.randperm(16, generator=g)[:6].tolist()
+        storage = torch.randn(TritonBackend.kv_shape(1, 16, bs, 2, 24), generator=g).half()
+        backend = TritonBackend(storage, bs, [spec], fastops.Ops(False))
+        q = torch.randn(c, 16, 24, generator=g).half()
+        step = StepInputs(torch.zeros(c, dtype=torch.int64), torch.arange(past, past + c), torch.zeros(c),
+                          torch.tensor([0]), [], [(0, c, past, table)], bs)
+        got = paged_attention(q, backend.kv[0, 0], backend.kv[0, 1], backend.prepare(step), spec, bs)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(past + c)])
+        want = R.attention(q.float(), backend.kv[0, 0, slots].float(), backend.kv[0, 1, slots].float(),
+                           torch.arange(past, past + c), torch.arange(past + c), spec)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_triton_refuses_block_sizes_it_cannot_page():
+    from quant.errors import UnsupportedModelError
+    from server.attention.triton_paged import TritonBackend
+
+    spec = SPECS["plain"]
+    with pytest.raises(UnsupportedModelError, match="block size 8 must be a power of two >= 16"):
+        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 8, 2, 16)), 8, [spec], fastops.Ops(False))
+
+
+def test_choose_prefers_triton_on_cuda_only():
+    from server.attention import choose
+
+    assert choose(torch.device("cpu")).name == "sdpa"
+    assert choose(torch.device("cuda")).name == "triton"  # (where triton imports; it does under the dev extra)

@@ -11,14 +11,19 @@ from __future__ import annotations
 import torch
 
 from server.attention.base import AttentionBackend, AttentionSpec
+from server.attention import triton_paged
 from server.attention.sdpa import SdpaBackend
+from server.attention.triton_paged import TritonBackend
 
-BACKENDS: dict[str, type[AttentionBackend]] = {SdpaBackend.name: SdpaBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {SdpaBackend.name: SdpaBackend, TritonBackend.name: TritonBackend}
 
 
 def choose(device: torch.device) -> type[AttentionBackend]:
-    """The backend for a device. Only ``sdpa`` exists yet; it runs on every device."""
-    return BACKENDS["sdpa"]
+    """The backend for a device: the paged Triton kernel on CUDA where Triton imports, else ``sdpa`` (every
+    device; on a CPU its decode rows go through the fused C++ kernel)."""
+    if torch.device(device).type == "cuda" and triton_paged.available() is None:
+        return TritonBackend
+    return SdpaBackend
 
 
 __all__ = ["AttentionBackend", "AttentionSpec", "BACKENDS", "choose"]

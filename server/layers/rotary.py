@@ -57,9 +57,12 @@ class Rotary:
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions (T,) -> cos, sin (T, R) in ``dtype``: transformers' arithmetic (fp32 angles, then cast)."""
-        inv = self.inv_freq.to(positions.device)[None, :]  # (1, R/2)
+        if self.inv_freq.device != positions.device:  # moved once: a per-step host-to-device copy would synchronise
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.long_inv = None if self.long_inv is None else self.long_inv.to(positions.device)
+        inv = self.inv_freq[None, :]  # (1, R/2)
         if self.long_inv is not None:
-            inv = torch.where((positions >= self.long_from)[:, None], self.long_inv.to(inv.device)[None, :], inv)
+            inv = torch.where((positions >= self.long_from)[:, None], self.long_inv[None, :], inv)
         freqs = positions[:, None].float() * inv  # (T, R/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, R)
         return (emb.cos() * self.scaling).to(dtype).contiguous(), (emb.sin() * self.scaling).to(dtype).contiguous()

@@ -1,0 +1,476 @@
+"""The GPU check and benchmarks (run by scripts/gpu_check.sh on a machine with a CUDA device).
+
+    python bench/gpu.py [--out DIR] [--quick]
+
+1. Kernels vs their plain PyTorch references on the GPU, at the default model's shapes and an 8B model's
+   (Llama-3-8B: hidden 4096, MLP 14336, 32/8 heads of 128): the Triton W4A16 and int8 GEMMs, the Triton paged
+   attention (decode with split-K, prefill with past). Any mismatch past tolerance fails the run.
+2. Kernel timings (CUDA events, median of repeats), the peers in the same run: W4A16 Triton vs tinygemm
+   (``_weight_int4pack_mm``) vs bf16 cuBLAS; int8 Triton vs ``_weight_int8pack_mm`` vs bf16; paged decode
+   attention (Triton) vs the sdpa backend's gather path.
+3. The engine on the GPU over random-weight models of the default model's shape and an 8B shape, w4a16 (random
+   codes: the speed does not depend on the values): batch-1 greedy decode tok/s and its share of the bandwidth
+   limit (weight bytes / peak bandwidth), TTFT of a 512-token prompt, 64 streams x 512 tokens aggregate tok/s
+   with the triton backend vs the sdpa backend, host syncs per decode step (torch.cuda.set_sync_debug_mode),
+   and the accounting (weights, KV pool, activation estimate) against the CUDA allocator.
+
+Writes DIR/gpu.json and DIR/gpu.md (the RESULTS.md section). Exit status 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12}  # HBM bytes/s by the vendor's figure (H100 SXM5, H200)
+SHAPES = {
+    "135M": dict(hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152),
+    "8B": dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=128256),
+}
+
+
+def cuda_time(fn, reps: int = 20, warm: int = 3, inner: int = 10) -> float:
+    """Median seconds of one fn() on the GPU: ``inner`` calls captured in a CUDA graph and replayed between CUDA
+    events, so host launch latency is not counted (the decode step replays graphs the same way); eager calls
+    when the capture fails."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - e.g. an op that synchronises: time it eagerly
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(inner):
+                fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / inner)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------- 1 + 2: kernels
+
+def linear_shapes(name: str) -> list[tuple[str, int, int]]:
+    s = SHAPES[name]
+    qkv = (s["heads"] + 2 * s["kv"]) * (s["hidden"] // s["heads"])
+    return [("qkv", qkv, s["hidden"]), ("gate_up", 2 * s["inter"], s["hidden"]), ("down", s["hidden"], s["inter"])]
+
+
+def random_w4(n: int, k: int, gs: int, dtype, dev):
+    from quant.int4 import pack_rows
+
+    codes = torch.randint(0, 16, (n, k), device=dev)
+    s = torch.rand(k // gs, n, device=dev) * 0.02 + 0.001
+    zero = torch.randint(0, 16, (k // gs, n), device=dev).float()
+    sz = torch.stack([s, s * (8 - zero)], dim=-1).to(dtype).contiguous()
+    return pack_rows(codes.t().contiguous()), sz, codes
+
+
+def kernel_checks(results: dict, failures: list, quick: bool) -> None:
+    from quant import triton_ops as T
+    from quant.int4 import _pack_for_kernel
+
+    dev = "cuda"
+    rows = []
+    for shape in ("135M", "8B"):
+        for name, n, k in linear_shapes(shape):
+            gs = 64 if shape == "135M" else 128
+            for dtype in (torch.bfloat16, torch.float16):
+                qw, sz, codes = random_w4(n, k, gs, dtype, dev)
+                w_ref = None
+                for m in (1, 16, 256) if quick else (1, 4, 16, 64, 256, 1024):
+                    x = torch.randn(m, k, device=dev).to(dtype)
+                    got = T.w4_matmul(x, qw, sz, gs)
+                    want = T.w4_reference(x, qw, sz, gs)
+                    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    row = {"op": "w4", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:],
+                           "rel_err": err}
+                    if err > 2e-2:
+                        failures.append(f"w4 {shape} {name} m={m} {dtype}: relative error {err:.3g}")
+                    if dtype == torch.bfloat16:
+                        row["triton_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sz, gs)) * 1e6
+                        if k % 32 == 0:
+                            packed = _pack_for_kernel(codes.to(torch.int32))
+                            row["tinygemm_us"] = cuda_time(
+                                lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6
+                            tg = torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)
+                            row["tinygemm_rel_err"] = ((tg.float() - want.float()).abs().max()
+                                                       / want.float().abs().max()).item()
+                        if w_ref is None:
+                            w_ref = torch.randn(n, k, device=dev, dtype=dtype)
+                        row["bf16_us"] = cuda_time(lambda: x @ w_ref.t()) * 1e6
+                        row["dequant_cublas_us"] = cuda_time(lambda: x @ T.w4_dequant(qw, sz, gs, dtype)) * 1e6
+                    rows.append(row)
+            # int8 weight-only
+            w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
+            sc = torch.rand(n, device=dev) * 0.01
+            zp = torch.randint(-10, 10, (n,), device=dev, dtype=torch.int8)
+            for m in (1, 16, 256) if quick else (1, 16, 64, 256, 1024):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                for zero in (None, zp):
+                    got = T.int8_matmul(x, w8, sc, zero)
+                    want = T.int8_reference(x, w8, sc, zero)
+                    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    if err > 2e-2:
+                        failures.append(f"int8 {shape} {name} m={m} affine={zero is not None}: rel error {err:.3g}")
+                row = {"op": "int8", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "rel_err": err,
+                       "triton_us": cuda_time(lambda: T.int8_matmul(x, w8, sc, None)) * 1e6,
+                       "int8pack_us": cuda_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w8, sc.to(x.dtype))) * 1e6}
+                wb = w8.to(torch.bfloat16)
+                row["bf16_us"] = cuda_time(lambda: x @ wb.t()) * 1e6
+                from quant.primitives import dequantize_weight
+
+                row["dequant_cublas_us"] = cuda_time(lambda: x @ dequantize_weight(w8, sc, None, x.dtype).t()) * 1e6
+                rows.append(row)
+    results["linear"] = rows
+
+
+def attention_checks(results: dict, failures: list, quick: bool) -> None:
+    from server import fastops
+    from server.attention import reference as R
+    from server.attention.base import AttentionSpec
+    from server.attention.sdpa import SdpaBackend
+    from server.attention.triton_paged import TritonBackend
+    from server.batch import StepInputs
+
+    dev = torch.device("cuda")
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for shape, seqs, ctx in (("135M", 1, 512), ("8B", 1, 4096), ("8B", 64, 512), ("8B", 16, 2048)):
+        s = SHAPES[shape]
+        d = s["hidden"] // s["heads"]
+        spec = AttentionSpec(s["heads"], s["kv"], d, d ** -0.5)
+        bs = 16
+        nblocks = seqs * (ctx // bs + 1) + 1
+        storage = torch.randn(TritonBackend.kv_shape(1, nblocks, bs, s["kv"], d), device=dev, generator=g,
+                              dtype=torch.bfloat16)
+        perm = torch.randperm(nblocks, device="cpu").tolist()  # scattered pages, as a busy pool leaves them
+        tables = [perm[i * (ctx // bs + 1): (i + 1) * (ctx // bs + 1)] for i in range(seqs)]
+        q = torch.randn(seqs, s["heads"], d, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(seqs, s["kv"], d, device=dev, dtype=torch.bfloat16, generator=g)
+        step = StepInputs(torch.zeros(seqs, dtype=torch.int64, device=dev), torch.full((seqs,), ctx, device=dev),
+                          torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables], device=dev),
+                          torch.zeros(seqs, dtype=torch.int64, device=dev), [(ctx, t) for t in tables], [], bs)
+        ops = fastops.Ops(False)
+        tb = TritonBackend(storage, bs, [spec], ops)
+        sb = SdpaBackend(storage.clone(), bs, [spec], ops)
+        got = tb.forward(q, k, k, 0, tb.prepare(step))
+        ref = sb.forward(q, k, k, 0, sb.prepare(step))
+        kvv = tb.kv[0]
+        worst = 0.0
+        for i in range(min(seqs, 4)):
+            slots = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(ctx + 1)], device=dev)
+            want = R.attention(q[i:i + 1].float(), kvv[0, slots].float(), kvv[1, slots].float(),
+                               torch.tensor([ctx], device=dev), torch.arange(ctx + 1, device=dev), spec)
+            worst = max(worst, (got[i:i + 1].float() - want).abs().max().item())
+        if worst > 2e-2:
+            failures.append(f"paged decode {shape} {seqs}x{ctx}: max error {worst:.3g}")
+        row = {"op": "decode_attention", "shape": shape, "seqs": seqs, "ctx": ctx, "max_err": worst,
+               "sdpa_vs_triton_max_diff": (got.float() - ref.float()).abs().max().item(),
+               "splits": tb.prepare(step).splits,
+               "triton_us": cuda_time(lambda: tb.forward(q, k, k, 0, tb.prepare(step))) * 1e6,
+               "sdpa_gather_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step))) * 1e6}
+        rows.append(row)
+    # prefill with past: a 512-token chunk after 1024 cached tokens
+    s = SHAPES["8B"]
+    d = 128
+    spec = AttentionSpec(s["heads"], s["kv"], d, d ** -0.5)
+    past, c, bs = 1024, 512, 16
+    nb = (past + c) // bs
+    storage = torch.randn(TritonBackend.kv_shape(1, nb + 4, bs, s["kv"], d), device=dev, generator=g,
+                          dtype=torch.bfloat16)
+    table = torch.randperm(nb + 4)[:nb].tolist()
+    q = torch.randn(c, s["heads"], d, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(c, s["kv"], d, device=dev, dtype=torch.bfloat16, generator=g)
+    slots_new = torch.tensor([table[p // bs] * bs + p % bs for p in range(past, past + c)], device=dev)
+    step = StepInputs(torch.zeros(c, dtype=torch.int64, device=dev), torch.arange(past, past + c, device=dev),
+                      slots_new, torch.tensor([c - 1], device=dev), [], [(0, c, past, table)], bs)
+    tb = TritonBackend(storage, bs, [spec], fastops.Ops(False))
+    sb = SdpaBackend(storage.clone(), bs, [spec], fastops.Ops(False))
+    got = tb.forward(q, k, k, 0, tb.prepare(step))
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(past + c)], device=dev)
+    want = R.attention(q.float(), tb.kv[0, 0, slots].float(), tb.kv[0, 1, slots].float(),
+                       torch.arange(past, past + c, device=dev), torch.arange(past + c, device=dev), spec)
+    err = (got.float() - want).abs().max().item()
+    if err > 2e-2:
+        failures.append(f"paged prefill 8B {c} after {past}: max error {err:.3g}")
+    rows.append({"op": "prefill_attention", "shape": "8B", "chunk": c, "past": past, "max_err": err,
+                 "triton_us": cuda_time(lambda: tb.forward(q, k, k, 0, tb.prepare(step))) * 1e6,
+                 "sdpa_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step))) * 1e6})
+    results["attention"] = rows
+
+
+# ----------------------------------------------------------------------------------------------- 3: the engine
+
+def word_tokenizer(vocab: int):
+    """A tokenizer over ids alone (random-weight models have no text): token i is the word 't<i>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t1", unk_token="t0")
+
+
+def random_w4a16_model(shape: str, dev: str, gs: int = 128):
+    """A Llama of the shape with every decoder Linear a GPTQLinear of random codes, prepared for bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quant.int4 import GPTQLinear, pack_rows
+
+    s = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv"], vocab_size=s["vocab"],
+                      max_position_embeddings=8192, tie_word_embeddings=shape == "135M", eos_token_id=1,
+                      torch_dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)  # nothing allocated: the decoder Linears are replaced before any exists
+    gs = gs if shape == "8B" else 64
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                n, k = lin.out_features, lin.in_features
+                m = GPTQLinear(k, n, False, gs, v2=False, device=dev)
+                m.qweight = pack_rows(torch.randint(0, 16, (k, n), device=dev))
+                m.qzeros = pack_rows(torch.full((n, k // gs), 7, device=dev)).t().contiguous()
+                m.scales = (torch.rand(k // gs, n, device=dev) * 0.004).half()
+                m.g_idx = (torch.arange(k, device=dev) // gs).to(torch.int32)
+                m.prepare(torch.bfloat16)
+                setattr(parent, name, m)
+    with torch.no_grad():  # the float rest (embeddings, norms, head), in bf16 on the device
+        for mod in model.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                if p.is_meta:
+                    t = torch.empty(p.shape, dtype=torch.bfloat16, device=dev)
+                    t.fill_(1.0) if name == "weight" and p.dim() == 1 else t.normal_(0, 0.02)
+                    setattr(mod, name, torch.nn.Parameter(t, requires_grad=False))
+        for mod in model.modules():  # rotary tables and other buffers computed from the config
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if b is not None and b.is_meta:
+                    mod.register_buffer(name, torch.zeros(b.shape, dtype=b.dtype, device=dev), persistent=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def make_engine(model, tok, budget: str):
+    from server.engine import Engine, EngineConfig
+
+    return Engine(model, tok, EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=64,
+                                           max_prefill_tokens=4096)).start()
+
+
+def use_backend(eng, mode: str, saved: dict) -> None:
+    """Swap the engine's attention path between runs (same pool, same weights: a model's modules are fused once,
+    so a second engine over them cannot be built): "triton+graphs" (what the engine chose), "triton" (eager
+    steps), "sdpa" (the gather path, eager)."""
+    from server import attention
+
+    r = eng.runner
+    saved.setdefault("start", (r.backend, r.graphs, r.attention))
+    backend, graphs, name = saved["start"]
+    if mode == "sdpa":
+        cls = attention.BACKENDS["sdpa"]
+        r.backend, r.graphs, r.attention = cls(eng.pool.storage, eng.layout.block_size, r.model.attention_specs,
+                                               r.ops), None, "sdpa"
+    else:
+        r.backend, r.graphs, r.attention = backend, graphs if mode == "triton+graphs" else None, name
+
+
+def run_requests(eng, prompts: list[list[int]], new: int) -> tuple[float, list]:
+    from server.sampling import SamplingParams
+
+    import concurrent.futures as cf
+
+    p = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda pr: eng.complete(pr, p), prompts))
+    return time.perf_counter() - t0, outs
+
+
+def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None:
+    dev = "cuda"
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = random_w4a16_model(shape, dev)
+    tok = word_tokenizer(SHAPES[shape]["vocab"])
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPES[shape]["vocab"]
+    prompt = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
+    row: dict = {"shape": shape}
+    loaded = torch.cuda.memory_allocated()
+    eng = make_engine(model, tok, "16GiB")
+    try:
+        row["attention"] = eng.attention
+        row["cuda_graphs"] = eng.cuda_graphs
+        row["weight_bytes"] = eng.weight_bytes
+        row["allocated_after_load"] = loaded - before
+        row["kv_pool_bytes"] = eng.pool.capacity_bytes
+        row["kv_pool_alloc"] = eng.pool.storage.untyped_storage().nbytes()
+        name = torch.cuda.get_device_name()
+        bw = next((v for k, v in PEAK_BW.items() if k in name), None)
+        # batch 1: 128 new tokens after a 16-token prompt, 3 runs, median
+        runs = []
+        for _ in range(3):
+            dt, outs = run_requests(eng, [prompt(16)], 128)
+            runs.append(128 / dt)
+        row["b1_tok_s"] = statistics.median(runs)
+        # bytes a decode step reads: every weight but an untied input embedding (one row of it is looked up)
+        emb = model.model.embed_tokens.weight
+        row["read_bytes"] = eng.weight_bytes - (0 if model.lm_head.weight is emb else emb.nbytes)
+        if bw:
+            row["b1_bandwidth_share"] = row["b1_tok_s"] * row["read_bytes"] / bw
+        # TTFT of a 512-token prompt (1 new token), median of 3
+        ttft = [run_requests(eng, [prompt(512)], 1)[0] for _ in range(3)]
+        row["ttft_512_ms"] = statistics.median(ttft) * 1e3
+        # host syncs per decode step, counted by torch's sync debug mode over one batch-1 request
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run_requests(eng, [prompt(16)], 33)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        row["syncs_per_step"] = len(syncs) / 33
+        row["sync_sites"] = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})[:12]
+        # activation estimate vs the allocator's peak over a 512-token prefill
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run_requests(eng, [prompt(512)], 1)
+        row["prefill512_peak_over_base"] = torch.cuda.max_memory_allocated() - base
+        row["prefill512_estimate"] = eng.activation_estimate(512, 0)
+        results.setdefault("engine", []).append(row)
+        # 64 streams x 512 new tokens, the triton backend vs the sdpa backend's gather path, same run
+        streams, new = (64, 128) if quick else (64, 512)
+        saved: dict = {}
+        for mode in ("triton+graphs", "triton", "sdpa"):
+            use_backend(eng, mode, saved)
+            run_requests(eng, [prompt(16) for _ in range(4)], 8)  # warm
+            dt, outs = run_requests(eng, [prompt(64) for _ in range(streams)], new)
+            row[f"streams{streams}x{new}_{mode}_tok_s"] = streams * new / dt
+            if mode == "triton":  # batch 1 without graphs, for the graphs' share
+                row["b1_eager_tok_s"] = 128 / run_requests(eng, [prompt(16)], 128)[0]
+        use_backend(eng, "triton+graphs", saved)
+    finally:
+        eng.close()
+    del model
+    torch.cuda.empty_cache()
+
+
+def markdown(results: dict, failures: list) -> str:
+    env = results["env"]
+    out = [f"## GPU check {env['date']} on {env['device']} (bench/gpu.py via scripts/gpu_check.sh)", "",
+           f"torch {env['torch']}, triton {env['triton']}. Correctness: "
+           + ("all kernels within tolerance of their references." if not failures else
+              "FAILED: " + "; ".join(failures)),
+           "Kernel timings: the median per call of 10 calls captured in one CUDA graph and replayed (no host launch "
+           "latency, as the decode step's graphs will replay them), 20 replays.", ""]
+    if results.get("linear"):
+        out += ["| op | shape | layer | N x K | M | triton us | tinygemm / int8pack us | dequant + cuBLAS us "
+                "| bf16 cuBLAS us | rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["linear"]:
+            if "triton_us" not in r:
+                continue
+            peer = r.get("tinygemm_us", r.get("int8pack_us"))
+            out.append(f"| {r['op']} | {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['m']} | "
+                       f"{r['triton_us']:.1f} | {'-' if peer is None else f'{peer:.1f}'} | {r['dequant_cublas_us']:.1f} | "
+                       f"{r['bf16_us']:.1f} | "
+                       f"{r['rel_err']:.1e} |")
+        out.append("")
+    if results.get("attention"):
+        out += ["| attention | shape | batch | triton us | sdpa us | max err |", "|---|---|---|---|---|---|"]
+        for r in results["attention"]:
+            b = f"{r['seqs']} x {r['ctx']} (splits {r['splits']})" if "seqs" in r else f"{r['chunk']} after {r['past']}"
+            peer = r.get("sdpa_gather_us", r.get("sdpa_us"))
+            out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
+        out.append("")
+    for r in results.get("engine", []):
+        out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
+                   f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f})"
+                   + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"
+                      " read per token)" if "b1_bandwidth_share" in r else "")
+                   + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f}; "
+                   + ", ".join(f"{k} {v:.0f}" for k, v in r.items() if k.startswith("streams"))
+                   + f"; weights {r['weight_bytes'] / 2**20:.1f} MiB counted vs {r['allocated_after_load'] / 2**20:.1f}"
+                   f" MiB allocated; KV pool {r['kv_pool_bytes'] / 2**20:.0f} MiB vs {r['kv_pool_alloc'] / 2**20:.0f}"
+                   f" MiB; 512-token prefill activations estimated {r['prefill512_estimate'] / 2**20:.1f} MiB vs"
+                   f" allocator peak {r['prefill512_peak_over_base'] / 2**20:.1f} MiB")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
+    ap.add_argument("--quick", action="store_true", help="fewer row counts and shorter streams")
+    ap.add_argument("--only", choices=["kernels", "engine"], default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device here", file=sys.stderr)
+        return 2
+    import triton
+
+    results = {"env": {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "triton": triton.__version__}}
+    failures: list[str] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out / "gpu.json").write_text(json.dumps({"results": results, "failures": failures}, indent=1))
+        (out / "gpu.md").write_text(markdown(results, failures))
+
+    steps = []
+    if args.only in (None, "kernels"):
+        steps += [("linear", lambda: kernel_checks(results, failures, args.quick)),
+                  ("attention", lambda: attention_checks(results, failures, args.quick))]
+    if args.only in (None, "engine"):
+        steps += [(f"engine {s}", lambda s=s: engine_bench(results, failures, s, args.quick)) for s in ("135M", "8B")]
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # a step that breaks is a failure to report, and the others still run
+            import traceback
+
+            traceback.print_exc()
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+        print(f"[gpu] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        save()
+    print(markdown(results, failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

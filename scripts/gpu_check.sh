@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA device: the CUDA-marked tests, then bench/gpu.py (each CUDA kernel against its
+# reference at the default model's shapes and an 8B model's, the kernel and engine benchmarks), appending the
+# run's dated section (with the device name) to bench/RESULTS.md.
+#   scripts/gpu_check.sh [--quick]
+# Needs torch with CUDA and triton (both in the GPU images); nothing here needs torch 2.13-only APIs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+OUT_DIR="${GPU_CHECK_OUT:-bench/out/gpu}"
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device here')"
+status=0
+"$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py || status=1
+"$PY" bench/gpu.py --out "$OUT_DIR" "$@" || status=1
+cat "$OUT_DIR/gpu.md" >> bench/RESULTS.md
+exit $status

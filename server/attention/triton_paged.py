@@ -1,0 +1,277 @@
+"""The ``triton`` backend: paged attention in one Triton kernel that reads K/V through the block tables in
+place (no gather of a request's cache, no mask tensors), for decode rows and prefill chunks alike. The CUDA
+backend; on a CPU it runs under ``TRITON_INTERPRET=1`` (how the tests hold it to ``server.attention.reference``).
+
+KV layout: the sdpa backend's, (layers, 2, blocks, block_size, kv_heads, head_dim), so the pool is the same.
+
+The kernel (vLLM's unified Triton attention has the same shape): a step is S sequences, each with q_len query
+tokens at the end of its ctx_len keys (a decode row: q_len 1; a prefill chunk: its length, after its past).
+One program takes one sequence, one KV head and BLOCK_M query rows, where a row is (token, query head of the
+group): the g query heads sharing a KV head share every K/V load (GQA without repetition) and fill the rows a
+lone decode token would leave empty. It walks the sequence's pages [lo, hi), one page of block_size keys per
+iteration: causal (key position <= the row's position), a sliding window (> position - window) and
+soft-capping are applied to the fp32 scores, then an online softmax (fp32) accumulates P·V.
+
+Decode steps over long contexts with few sequences also split the key range (``splits`` programs per sequence
+and head; each writes its partial max, sum and output, and a second kernel merges them), so that a batch-1 step
+still occupies more than H_kv of the GPU's multiprocessors.
+
+Per step, ``prepare`` packs the sequences' starts, lengths and block tables into one int32 buffer and sends it
+in one non-blocking copy (pinned staging on CUDA): nothing per layer touches the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quant.errors import UnsupportedModelError
+from server.attention.base import AttentionBackend, AttentionSpec
+from server.batch import StepInputs
+
+try:  # the backend is only offered where Triton imports (it is not a CPU dependency)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+def available() -> str | None:
+    """None when the kernels can run here, else why not."""
+    return None if triton is not None else "triton is not installed"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh through exp (libdevice's tanh does not run in the interpreter): 1 - 2 / (e^2x + 1)
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _paged_attention(
+        Q, K, V, O, M_part, L_part, O_part,  # Q, O (T, H, D); K, V (slots, Hkv, D); *_part: split-K partials
+        meta, tables,  # meta (3, S): q_start, q_len, ctx_len; tables (S, width) int32
+        S, width,
+        stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh,
+        scale, softcap, window,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        mblk = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+        q0 = tl.load(meta + seq)
+        ql = tl.load(meta + S + seq)
+        L = tl.load(meta + 2 * S + seq)
+
+        r = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) rows: token r // G, query head kvh * G + r % G
+        tok = r // G
+        head = kvh * G + r % G
+        row_ok = tok < ql
+        qpos = L - ql + tok  # (BM,) each row's position
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BM, BD)
+
+        # keys this block of rows can see: up to its last row's position, from its first row's window
+        first = L - ql + mblk * BLOCK_M // G
+        last = L - ql + tl.minimum(ql - 1, ((mblk + 1) * BLOCK_M - 1) // G)
+        hi = tl.minimum(last + 1, L)
+        lo = 0
+        if WINDOW:
+            lo = tl.maximum(first - window + 1, 0)
+        lo = lo // BLOCK_N * BLOCK_N
+        if SPLITS > 1:  # this program's share of the pages
+            pages = tl.cdiv(hi - lo, BLOCK_N)
+            per = tl.cdiv(pages, SPLITS)
+            lo_s = lo + split * per * BLOCK_N
+            hi = tl.minimum(hi, lo_s + per * BLOCK_N)
+            lo = lo_s
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            blk = tl.load(tables + seq * width + start // BLOCK_N)
+            n = start + tl.arange(0, BLOCK_N)  # (BN,) key positions
+            slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) their slots: one page
+            k_ok = n < hi
+            k = tl.load(K + slot[None, :] * stride_kn + kvh * stride_kh + d[:, None],
+                        mask=d_ok[:, None] & k_ok[None, :], other=0.0)  # (BD, BN)
+            s = tl.dot(q, k) * scale  # (BM, BN) fp32
+            if SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            vis = (n[None, :] <= qpos[:, None]) & k_ok[None, :]
+            if WINDOW:
+                vis = vis & (n[None, :] > qpos[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp(s - m_safe[:, None])  # (BM, BN)
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(V + slot[:, None] * stride_kn + kvh * stride_kh + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, BD)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if SPLITS > 1:  # partials (S, H, SPLITS[, D]) for the merge; rows are single tokens (decode)
+            part = (seq * G * tl.num_programs(1) + head) * SPLITS + split
+            tl.store(M_part + part, m_i, mask=row_ok)
+            tl.store(L_part + part, l_i, mask=row_ok)
+            tl.store(O_part + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _merge_splits(O, M_part, L_part, O_part, meta, stride_ot, stride_oh,
+                      H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        q0 = tl.load(meta + seq)
+        sp = tl.arange(0, SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        base = (seq * H + head) * SPLITS
+        m = tl.load(M_part + base + sp)  # (SPLITS,)
+        l = tl.load(L_part + base + sp)
+        o = tl.load(O_part + (base + sp)[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp(m - mx)  # (SPLITS,) an empty split has m = -inf: weight 0
+        total = tl.sum(l * w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(O + q0 * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
+
+
+@dataclass
+class TritonMeta:
+    slots: Tensor  # (T,) where each token's K/V goes
+    meta: Tensor  # (3, S) int32: q_start, q_len, ctx_len per sequence
+    tables: Tensor  # (S, width) int32 block tables, padded with 0
+    seqs: int
+    max_q: int  # the longest q_len (host-known: sets the grid)
+    max_ctx: int
+    splits: int  # split-K factor (decode-only steps)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    features = frozenset({"window", "softcap"})
+    # A decode-only step splits each sequence's keys into up to this many parts when it has fewer sequences x KV
+    # heads than this many programs' worth of work, and at least MIN_SPLIT_KEYS keys per part.
+    TARGET_PROGRAMS = 256
+    MIN_SPLIT_KEYS = 256
+
+    @staticmethod
+    def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (layers, 2, blocks, block_size, kv_heads, head_dim)
+
+    @classmethod
+    def unsupported(cls, specs: list[AttentionSpec]) -> str | None:
+        return available() or super().unsupported(specs)
+
+    @staticmethod
+    def unsupported_block_size(block_size: int) -> str | None:
+        if block_size < 16 or block_size & (block_size - 1):
+            return f"the triton backend reads one page per step of its loop: block size {block_size} must be a " \
+                   "power of two >= 16"
+        return None
+
+    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops):
+        layers, two, blocks, bs, kvh, d = kv_storage.shape
+        assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
+        why = self.unsupported_block_size(block_size)
+        if why:
+            raise UnsupportedModelError(why)
+        self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
+        self.specs = specs
+        self.ops = ops
+        self.block_size = block_size
+        self.device = kv_storage.device
+        self._pinned = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------------------------ per step
+
+    def prepare(self, step: StepInputs) -> TritonMeta:
+        starts, qlens, ctx, tables = [], [], [], []
+        for i, (p, table) in enumerate(step.decode):
+            starts.append(i), qlens.append(1), ctx.append(p + 1), tables.append(table)
+        for t0, c, start, table in step.chunks:
+            starts.append(t0), qlens.append(c), ctx.append(start + c), tables.append(table)
+        s = len(starts)
+        width = max(1, max(len(t) for t in tables))
+        flat = starts + qlens + ctx
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        host = torch.tensor(flat, dtype=torch.int32, pin_memory=self._pinned)  # one staging buffer, one copy
+        dev = host.to(self.device, non_blocking=True)
+        max_q, max_ctx = max(qlens), max(ctx)
+        splits = 1
+        if not step.chunks:  # decode only: split long contexts when the step has few programs
+            kvh = self.specs[0].kv_heads
+            splits = max(1, min(self.TARGET_PROGRAMS // max(1, s * kvh), max_ctx // self.MIN_SPLIT_KEYS))
+            splits = 1 << (splits.bit_length() - 1)  # a power of two (tl.arange in the merge)
+        return TritonMeta(slots=step.slots, meta=dev[: 3 * s].view(3, s), tables=dev[3 * s:].view(s, width),
+                          seqs=s, max_q=max_q, max_ctx=max_ctx, splits=splits)
+
+    def graph_meta(self, seqs: int, width: int, slots: Tensor) -> TritonMeta:
+        """Static metadata for a CUDA graph of decode steps of ``seqs`` rows (server.cuda_graphs): the tensors are
+        filled in place before each replay; the split-K factor is fixed for the bucket (the kernel skips the
+        splits a short context leaves empty)."""
+        kvh = self.specs[0].kv_heads
+        splits = max(1, min(16, self.TARGET_PROGRAMS // max(1, seqs * kvh)))
+        splits = 1 << (splits.bit_length() - 1)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return TritonMeta(slots=slots, meta=torch.zeros(3, seqs, **i32), tables=torch.zeros(seqs, width, **i32),
+                          seqs=seqs, max_q=1, max_ctx=width * self.block_size, splits=splits)
+
+    # ------------------------------------------------------------------------------------ per layer
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta: TritonMeta) -> Tensor:
+        spec = self.specs[layer]
+        kv = self.kv[layer]  # (2, slots, Hkv, D)
+        self.ops.store_kv(k, v, kv, meta.slots)
+        return paged_attention(q, kv[0], kv[1], meta, spec, self.block_size)
+
+
+def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
+                    block_size: int) -> Tensor:
+    """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D)."""
+    T, H, D = q.shape
+    g = spec.group
+    out = q.new_empty(T, H, D)
+    rows = meta.max_q * g
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    splits = meta.splits
+    mblocks = triton.cdiv(rows, block_m)
+    block_d = _pow2(D)
+    if splits > 1:
+        m_part = torch.empty(meta.seqs * H * splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        o_part = torch.empty(meta.seqs * H * splits, D, dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = o_part = out  # unused
+    grid = (meta.seqs, spec.kv_heads, mblocks * splits)
+    _paged_attention[grid](
+        q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
+        spec.scale, spec.softcap or 0.0, spec.window or 0,
+        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_size, SPLITS=splits,
+        SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
+    )
+    if splits > 1:
+        _merge_splits[(meta.seqs, H)](out, m_part, l_part, o_part, meta.meta, out.stride(0), out.stride(1),
+                                      H=H, D=D, BLOCK_D=block_d, SPLITS=splits)
+    return out

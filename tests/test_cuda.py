@@ -1,0 +1,172 @@
+"""The CUDA path (skipped without a CUDA device; scripts/gpu_check.sh runs these on a lent GPU): each scheme's
+runtime module on CUDA against its plain reference, in the layout it takes there, and the engine's step on CUDA
+with the triton backend against the sdpa backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+def _gptq(n, k, gs, act_order, device):
+    from quant.int4 import GPTQLinear, pack_rows
+
+    g = torch.Generator().manual_seed(n + k)
+    m = GPTQLinear(k, n, True, gs, v2=False)
+    m.qweight = pack_rows(torch.randint(0, 16, (k, n), generator=g))
+    m.qzeros = pack_rows(torch.randint(0, 15, (n, k // gs), generator=g)).t().contiguous()
+    m.scales = (torch.rand(k // gs, n, generator=g) * 0.01).half()
+    order = torch.randperm(k, generator=g) if act_order else torch.arange(k)
+    m.g_idx = (order // gs).to(torch.int32)
+    m.bias = torch.nn.Parameter(torch.randn(n, generator=g), requires_grad=False)
+    return m.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("n,k,gs", [(576, 576, 64), (1536, 576, 64), (576, 1536, 128)])  # the default model's
+def test_gptq_linear_on_cuda_matches_reference(dtype, act_order, n, k, gs):
+    m = _gptq(n, k, gs, act_order, "cuda")
+    x = torch.randn(100, k, device="cuda").to(dtype)
+    want = m.reference_forward(x)
+    m.prepare(dtype)
+    assert m.layout == "w4triton" and m.qzeros is None
+    assert (m.path_for(64, dtype), m.path_for(65, dtype)) == ("kernel", "dequant")
+    for rows in (1, 37, 100):  # the kernel, and dequantize + cuBLAS
+        got = m(x[:rows])
+        assert got.dtype == dtype and got.device.type == "cuda"
+        torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)
+
+
+def test_gptq_int4pack_on_cuda_takes_k_not_a_multiple_of_128():
+    m = _gptq(576, 576, 64, False, "cuda")  # K = 576: 2 inner k-tiles
+    x = torch.randn(5, 576, device="cuda", dtype=torch.bfloat16)
+    want = m.reference_forward(x)
+    w = m.dequantized(torch.float32)
+    m._prepare_as("int4pack", torch.bfloat16)
+    assert m.layout == "int4pack" and m.has_kernel(torch.bfloat16) and not m.has_kernel(torch.float16)
+    torch.testing.assert_close(m(x).float(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(m.dequantized(torch.float32), w, atol=1e-2, rtol=1e-2)  # bf16 scale/zero table
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_int8_weight_linear_on_cuda_uses_triton(affine):
+    from quant.layers import Int8WeightLinear
+
+    lin = torch.nn.Linear(576, 1536, bias=True)
+    m = Int8WeightLinear.from_float(lin, affine).to("cuda")
+    m.prepare(torch.bfloat16)
+    assert "Triton" in m.kernel(torch.bfloat16)
+    x = torch.randn(70, 576, device="cuda", dtype=torch.bfloat16)
+    want = m.reference_forward(x)
+    for rows in (1, 64, 70):
+        got = m(x[:rows])
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
+def test_w8a8_linear_on_cuda_int_mm(rows):
+    from quant.layers import W8A8Linear
+
+    lin = torch.nn.Linear(576, 1536, bias=True)
+    m = W8A8Linear.from_float(lin, input_scale=None).to("cuda")
+    m.prepare(torch.bfloat16)
+    x = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(m(x).float(), m.reference_forward(x).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_engine_step_on_cuda_triton_matches_sdpa():
+    """A tiny random Llama in bf16 on CUDA: one mixed step (prefill chunk with past + decode rows) gives the same
+    logits through both backends."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from server.kv_pool import BlockPool, KVLayout
+    from server.runner import ModelRunner, build_step
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    logits = {}
+    for backend in ("triton", "sdpa"):
+        pool = BlockPool(KVLayout.from_config(cfg, torch.bfloat16), 64 * 2**20, "cuda")
+        runner = ModelRunner(model, pool.storage, 16, backend=backend)
+        a = pool.try_reserve("a", 300)
+        b = pool.try_reserve("b", 40)
+        ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+        runner.forward(build_step([], [(ids[:200], 0, a, False), (ids[:30], 0, b, False)], 16, torch.device("cuda")))
+        step = build_step([(ids[30], 30, b)], [(ids[200:260], 200, a, True)], 16, torch.device("cuda"))
+        logits[backend] = runner.forward(step)
+    torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=5e-2, rtol=5e-2)
+
+
+def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton"):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gpu import word_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from server.engine import Engine, EngineConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    eng = Engine(model, word_tokenizer(512), EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda",
+                                                          max_batch=8, cuda_graphs=cuda_graphs))
+    assert eng.attention == backend_check
+    return eng.start()
+
+
+def test_cuda_graph_decode_matches_eager_decode():
+    """A lone greedy request gives the same tokens with the decode graphs (bucket 1) as with eager steps."""
+    from server.sampling import SamplingParams
+
+    prompt = torch.randint(2, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    p = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    got = {}
+    for graphs in (True, False):
+        eng = _tiny_engine(graphs)
+        try:
+            assert (eng.cuda_graphs != "off") == graphs
+            got[graphs] = eng.complete(prompt, p).token_ids
+        finally:
+            eng.close()
+    assert len(got[True]) == 40 and got[True] == got[False]
+
+
+def test_cuda_graph_padded_bucket_matches_eager_step():
+    """Five decode rows run in the bucket of 8 (three padding rows on the pad block): their logits equal the eager
+    step's, and the padding wrote nothing into the requests' blocks."""
+    from server.runner import build_step
+
+    eng = _tiny_engine(True)
+    try:
+        runner, pool = eng.runner, eng.pool
+        g = torch.Generator().manual_seed(4)
+        rows = []
+        for i, n in enumerate((5, 17, 31, 40, 3)):
+            table = pool.try_reserve(f"r{i}", n + 1)
+            ids = torch.randint(2, 512, (n,), generator=g).tolist()
+            runner.forward(build_step([], [(ids, 0, table, False)], 16, torch.device("cuda")))
+            rows.append((int(torch.randint(2, 512, (1,), generator=g)), n, table))
+        step = build_step(rows, [], 16, torch.device("cuda"))
+        assert runner.graphs.bucket(step) == 8
+        before = pool.storage.clone()
+        graphed = runner.forward(step).clone()
+        L, two, nb, bs, kvh, d = before.shape
+        changed = (before.view(L, 2, nb * bs, kvh, d) != pool.storage.view(L, 2, nb * bs, kvh, d))
+        changed = set(changed.any(dim=4).any(dim=3).any(dim=1).any(dim=0).nonzero().flatten().tolist())
+        pad = runner.graphs.pad_block
+        assert changed and changed <= set(step.slots.tolist()) | set(range(pad * bs, (pad + 1) * bs))
+        pool.storage.copy_(before)
+        eager = runner.model.forward(step, runner.backend, runner.backend.prepare(step))
+        torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=2e-2)
+        assert graphed.shape == (5, 512)
+    finally:
+        eng.close()

@@ -1,0 +1,119 @@
+"""The Triton weight-only GEMMs (quant/triton_ops.py) against their plain PyTorch references, on CPU tensors under
+Triton's interpreter (tests/conftest.py sets it where no GPU is): fp16 and fp32 (the interpreter has no bf16
+tl.dot), decode-shaped inputs (split K, fp32 atomics) and prefill-shaped ones, partial tiles in M and N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant import triton_ops as T
+from quant.int4 import pack_rows
+
+pytestmark = pytest.mark.skipif(T.available() is not None, reason="triton is not installed")
+
+
+def _w4(n, k, gs, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)  # (N, K)
+    s = torch.rand(k // gs, n, generator=g) * 0.02 + 0.005  # (G, N)
+    zero = torch.randint(0, 16, (k // gs, n), generator=g).float()
+    sz = torch.stack([s, s * (8 - zero)], dim=-1)  # (G, N, 2): W = (code - 8) * s + z_f = s * (code - zero)
+    return pack_rows(codes.t().contiguous()), sz, codes, s, zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k,gs", [(1, 96, 256, 32), (5, 80, 512, 128), (40, 200, 192, 64), (70, 144, 128, 128),
+                                      (2, 64, 576, 64), (1, 64, 512, 256), (90, 64, 320, 32), (3, 64, 96, 16)])
+def test_w4_matmul_matches_reference(dtype, m, n, k, gs):
+    qw, sz, codes, s, zero = _w4(n, k, gs, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = T.w4_matmul(x, qw, sz.to(dtype), gs)
+    want = T.w4_reference(x, qw, sz.to(dtype), gs)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # the reference itself is the GPTQ formula W[n, k] = s * (code - zero)
+    w = (s.repeat_interleave(gs, 0) * (codes.t().float() - zero.repeat_interleave(gs, 0))).t()  # (N, K)
+    torch.testing.assert_close(T.w4_reference(x.float(), qw, sz, gs), x.float() @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_w4_splits_k_for_decode_shapes_and_not_for_prefill():
+    assert T._config(1, 4096, 4096, 64)[2] > 1
+    assert T._config(512, 4096, 4096, 64)[2] == 1
+
+
+def test_w4_refuses_groups_without_a_k_tile():
+    qw, sz, *_ = _w4(16, 48, 24, seed=0)
+    assert T.w4_block_k(24) is None and T.w4_block_k(4) is None and T.w4_block_k(256, rows=100) == 64
+    with pytest.raises(ValueError, match="group size 24 has no K tile"):
+        T.w4_matmul(torch.randn(1, 48), qw, sz, 24)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (3, 100, 200), (65, 130, 96)])
+def test_int8_matmul_matches_reference(affine, dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    zero = torch.randint(-20, 20, (n,), generator=g, dtype=torch.int8) if affine else None
+    x = torch.randn(m, k, generator=g).to(dtype)
+    got = T.int8_matmul(x, w, scale, zero)
+    want = T.int8_reference(x, w, scale, zero)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_linear_in_the_triton_layout_computes_its_weights(act_order):
+    """The layout CUDA takes (GPTQ words + one scale/zero table), prepared on CPU tensors: its kernel path, its
+    dequantized weights and a fused q/k/v over it all agree with the module's reference."""
+    from quant.int4 import GPTQLinear
+
+    k, gs = 256, 64
+    mods = []
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(10)) if act_order else torch.arange(k)
+    for i, n in enumerate((128, 64, 64)):
+        qw, sz, codes, s, zero = _w4(n, k, gs, seed=20 + i)
+        m = GPTQLinear(k, n, False, gs, v2=True)
+        m.qweight = qw
+        m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
+        m.scales = s.half()
+        m.g_idx = (order // gs).to(torch.int32)  # act-order: a permuted g_idx, shared by the fused parts
+        mods.append(m)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).half()
+    want = [m.reference_forward(x) for m in mods]
+    weights = [m.dequantized(torch.float32) for m in mods]  # from the GPTQ tensors
+    for m in mods:
+        m._prepare_as("w4triton", torch.float16)
+        assert m.layout == "w4triton" and m.qzeros is None and m.scales is None and (m.perm is not None) == act_order
+    for m, w, wt in zip(mods, want, weights):
+        torch.testing.assert_close(m.paths(torch.float16)["kernel"](x).float(), w, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(m.dequantized(torch.float32), wt, atol=1e-3, rtol=1e-3)  # fp16 table
+    fused = GPTQLinear.fuse(mods)
+    assert fused is not None and fused.layout == "w4triton" and all(m.qweight is None for m in mods)
+    y = fused.paths(torch.float16)["kernel"](x)
+    torch.testing.assert_close(y.float(), torch.cat(want, dim=1), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mods[1].dequantized(torch.float32), weights[1], atol=1e-3, rtol=1e-3)
+
+
+def test_w4_dequant_matches_the_codes():
+    qw, sz, codes, s, zero = _w4(96, 192, 64, seed=3)
+    wt = T.w4_dequant(qw, sz.half(), 64, torch.float16)  # (K, N)
+    want = (s.repeat_interleave(64, 0) * (codes.t().float() - zero.repeat_interleave(64, 0)))  # (K, N)
+    assert wt.shape == (192, 96) and wt.dtype == torch.float16
+    torch.testing.assert_close(wt.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("n,k,gs", [(96, 256, 32), (200, 576, 64), (64, 1024, 512), (130, 4096, 128)])
+def test_w4_gemv_matches_reference(n, k, gs):
+    """One row takes the GEMV kernel (split K where the columns alone are few programs)."""
+    qw, sz, *_ = _w4(n, k, gs, seed=n)
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+        got = T.w4_matmul(x, qw, sz.to(dtype), gs)
+        want = T.w4_reference(x, qw, sz.to(dtype), gs)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.float16 else 1e-4,
+                                   rtol=2e-2 if dtype == torch.float16 else 1e-4)
