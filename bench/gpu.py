@@ -389,6 +389,69 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
     torch.cuda.empty_cache()
 
 
+def default_model_check(results: dict, failures: list, gguf: Path, data: Path, work: Path) -> None:
+    """The default model on the GPU: `quant build` of its w4a16 artifact with calibration and GPTQ on CUDA (timed,
+    its quality report read back), then the artifact served by the engine on CUDA (triton backend, graphs):
+    greedy tokens, batch-1 decode speed, and the CUDA engine's greedy choices checked against the CPU engine's
+    logits on the same tokens (teacher-forced: the CPU's argmax at each generated position)."""
+    import subprocess
+
+    from server.engine import Engine, EngineConfig
+    from server.sampling import SamplingParams
+
+    art = work / "art-w4a16"
+    cmd = [sys.executable, "-m", "quant.cli", "build", "--model", str(gguf), "--scheme", "w4a16", "--out", str(art),
+           "--force", "--device", "cuda", "--calib", str(data / "valid.txt"), "--eval-data", str(data / "test.txt"),
+           "--eval-windows", "16", "--eval-seqlen", "512"]
+    env = {**__import__("os").environ, "QUANTSERVE_CACHE": str(work / "cache")}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    row: dict = {"build_s": time.perf_counter() - t0, "build_rc": r.returncode}
+    print(r.stdout[-3000:], r.stderr[-3000:], flush=True)
+    results["default_model"] = row
+    if r.returncode != 0:
+        failures.append(f"default model w4a16 build on CUDA: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+        return
+    manifest = json.loads((art / "quant_manifest.json").read_text())
+    q = manifest.get("quality") or {}
+    row["quality"] = {k: v for k, v in q.items() if not isinstance(v, (dict, list))} or q
+    row["timings"] = manifest.get("timings")
+    row["build_memory"] = {k: v for k, v in manifest.get("memory", {}).items() if "peak" in k or "build" in k}
+    p = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    gpu = Engine.from_path(str(art), EngineConfig(device="cuda", dtype="bfloat16", memory_budget="2GiB"), work / "cache")
+    try:
+        prompt = gpu.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+        out = gpu.complete(prompt, p)
+        row["text"] = out.text[:200]
+        row["attention"], row["cuda_graphs"] = gpu.attention, gpu.cuda_graphs
+        dts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gpu.complete(prompt, SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True))
+            dts.append(time.perf_counter() - t0)
+        row["b1_tok_s"] = 128 / statistics.median(dts)
+        row["weight_bytes"] = gpu.weight_bytes
+    finally:
+        gpu.close()
+    cpu = Engine.from_path(str(art), EngineConfig(device="cpu", dtype="float32", memory_budget="256MiB"),
+                           work / "cache")
+    try:
+        from server.batch import StepInputs
+
+        ids = list(prompt) + list(out.token_ids)
+        table = cpu.pool.try_reserve("check", len(ids))
+        t = len(ids)
+        step = StepInputs(torch.tensor(ids), torch.arange(t), torch.tensor([table[i // 16] * 16 + i % 16 for i in range(t)]),
+                          torch.arange(len(prompt) - 1, t - 1), [], [(0, t, 0, table)], 16)
+        logits = cpu.runner.model.forward(step, cpu.runner.backend, cpu.runner.backend.prepare(step))  # (64, V)
+        agree = (logits.argmax(-1) == torch.tensor(out.token_ids)).float().mean().item()
+        row["cpu_fp32_agreement"] = agree
+        if agree < 0.9:
+            failures.append(f"default model: CUDA greedy tokens agree with the CPU fp32 argmax at {agree:.0%} only")
+    finally:
+        cpu.close()
+
+
 def markdown(results: dict, failures: list) -> str:
     env = results["env"]
     out = [f"## GPU check {env['date']} on {env['device']} (bench/gpu.py via scripts/gpu_check.sh)", "",
@@ -416,6 +479,17 @@ def markdown(results: dict, failures: list) -> str:
             peer = r.get("sdpa_gather_us", r.get("sdpa_us"))
             out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
+    if results.get("default_model_skipped"):
+        out.append(f"- default model skipped: {results['default_model_skipped']}")
+    if results.get("default_model"):
+        r = results["default_model"]
+        out.append(f"- default model (SmolLM2-135M-Instruct): `quant build --scheme w4a16 --device cuda` (WikiText-2 "
+                   f"calibration, 16x512 eval) took {r['build_s']:.1f} s wall, exit {r['build_rc']}; timings "
+                   f"{json.dumps(r.get('timings'))[:300]}; memory {json.dumps(r.get('build_memory'))}; quality "
+                   f"{json.dumps(r.get('quality'))[:400]}; served on CUDA ({r.get('attention')}, graphs "
+                   f"{r.get('cuda_graphs')}): batch-1 {r.get('b1_tok_s', 0):.1f} tok/s, greedy tokens agree with the "
+                   f"CPU fp32 engine's argmax at {100 * r.get('cpu_fp32_agreement', 0):.0f}% of 64 positions; "
+                   f"text: {r.get('text', '')[:120]!r}")
     for r in results.get("engine", []):
         out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
                    f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f})"
@@ -434,7 +508,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
     ap.add_argument("--quick", action="store_true", help="fewer row counts and shorter streams")
-    ap.add_argument("--only", choices=["kernels", "engine"], default=None)
+    ap.add_argument("--only", choices=["kernels", "engine", "default"], default=None)
+    ap.add_argument("--default-model", type=Path, default=None, help="the default model's GGUF: build + serve it")
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here", file=sys.stderr)
@@ -455,6 +531,16 @@ def main(argv=None) -> int:
     if args.only in (None, "kernels"):
         steps += [("linear", lambda: kernel_checks(results, failures, args.quick)),
                   ("attention", lambda: attention_checks(results, failures, args.quick))]
+    if args.default_model is None:  # the embedded default model, where its package is installed
+        try:
+            from quant.models import default_gguf_path
+
+            args.default_model = default_gguf_path()
+        except Exception as e:  # noqa: BLE001 - said in the report, not a failure of the GPU path
+            results["default_model_skipped"] = f"{e} (pass --default-model GGUF)"
+    if args.only in (None, "default") and args.default_model is not None:
+        steps.append(("default model", lambda: default_model_check(results, failures, args.default_model, args.data,
+                                                                   out / "work")))
     if args.only in (None, "engine"):
         steps += [(f"engine {s}", lambda s=s: engine_bench(results, failures, s, args.quick)) for s in ("135M", "8B")]
     for name, fn in steps:

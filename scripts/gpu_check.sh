@@ -2,7 +2,7 @@
 # On a machine with a CUDA device: the CUDA-marked tests, then bench/gpu.py (each CUDA kernel against its
 # reference at the default model's shapes and an 8B model's, the kernel and engine benchmarks), appending the
 # run's dated section (with the device name) to bench/RESULTS.md.
-#   scripts/gpu_check.sh [--quick]
+#   scripts/gpu_check.sh [--quick] [--default-model GGUF] [--data WIKITEXT_DIR]   (bench/gpu.py --help)
 # Needs torch with CUDA and triton (both in the GPU images); nothing here needs torch 2.13-only APIs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

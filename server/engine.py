@@ -182,9 +182,12 @@ class Engine:
         self.cuda_graphs = "off"
         if self.device.type == "cuda" and config.cuda_graphs:
             # The graphs' padding rows read and write one block of their own.
-            pad = self.pool.try_reserve("__cuda_graph_padding__", 1)
-            self.cuda_graphs = self.runner.enable_cuda_graphs(
-                config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
+            if self.pool.num_blocks < 2:
+                self.cuda_graphs = "off (the KV pool has no block to spare for padding rows)"
+            else:
+                pad = self.pool.try_reserve("__cuda_graph_padding__", 1)
+                self.cuda_graphs = self.runner.enable_cuda_graphs(
+                    config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
         # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set.
         artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
