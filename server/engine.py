@@ -36,7 +36,7 @@ from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
 from server import capacity, models
 from server import outputs as out
 from server.detokenize import IncrementalDetokenizer, StopMatcher
-from server.kv_pool import BlockPool, KVLayout, resolve_budget
+from server.kv_pool import BlockPool, KVBudgetError, KVLayout, budget_fraction, free_memory, resolve_budget
 from server.layers.embedding import check_mode as check_embeddings
 from server.layers.embedding import describe as describe_embeddings
 from server.layers.embedding import resolve as resolve_embeddings
@@ -174,11 +174,18 @@ class Engine:
         self.context_length = int(mcfg.max_position_embeddings)
         self.vocab_size = int(mcfg.vocab_size)
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
-        self.pool = BlockPool(self.layout, resolve_budget(config.memory_budget, self.device), self.device)
+        fraction = budget_fraction(config.memory_budget)
+        # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
+        # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
+        self.pool = BlockPool(self.layout, self.layout.bytes_per_block if fraction else
+                              resolve_budget(config.memory_budget, self.device), self.device)
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
         chooser = Chooser(config.kernels, cache_dir, config.threads)  # per-CPU kernel plans (quant.kernel_choice)
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser)
+        if fraction:
+            self.pool = BlockPool(self.layout, self._fraction_budget(fraction), self.device)
+            self.runner.use_kv_storage(self.pool.storage)
         self.cuda_graphs = "off"
         if self.device.type == "cuda" and config.cuda_graphs:
             # The graphs' padding rows read and write one block of their own.
@@ -446,6 +453,25 @@ class Engine:
             fut.set_result(capacity.plan(shapes, state, check, self.activation_estimate))
         except BaseException as e:  # noqa: BLE001 - the caller's to raise
             fut.set_exception(e)
+
+    def _fraction_budget(self, fraction: float) -> int:
+        """The pool's bytes for a fractional --memory-budget: that fraction of the memory free now, refused in one
+        line when it would not leave the workspace of the largest step (a prefill of max_prefill_tokens, or the
+        decode of max_batch rows)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        free = free_memory(self.device)
+        workspace = max(self.activation_estimate(self.config.max_prefill_tokens),
+                        self.activation_estimate(self.config.max_batch))
+        budget = int(free * fraction)
+        if free - budget < workspace:
+            most = max(0.0, (free - workspace) / free)
+            raise KVBudgetError(
+                f"--memory-budget {self.config.memory_budget} of {free / 2**20:.0f} MiB free leaves "
+                f"{(free - budget) / 2**20:.0f} MiB for the activations of one step, which need "
+                f"{workspace / 2**20:.0f} MiB (--max-prefill-tokens {self.config.max_prefill_tokens}); use at most "
+                f"{most:.2f} or fewer prefill tokens")
+        return budget
 
     def activation_estimate(self, chunk_tokens: int, past: int = 0) -> int:
         """Estimated activation peak of a step that prefills a chunk of this many tokens after ``past`` cached

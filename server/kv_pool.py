@@ -48,25 +48,35 @@ class KVLayout:
         return math.ceil(tokens / self.block_size)
 
 
+def budget_fraction(spec: str | int | float) -> float | None:
+    """The fraction a budget spec asks for ("0.3"), or None for a byte count."""
+    text = str(spec).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 < value < 1.0 and "." in text else None
+
+
+def free_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes free on the device right now (CUDA: the driver's count; CPU: available RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def resolve_budget(spec: str | int | float, device: torch.device | str = "cpu") -> int:
     """Bytes for the pool: an integer byte count ("2147483648", "2GiB") or a fraction of the memory
     free right now ("0.3"). Invalid specs are errors, not silently clamped."""
     from quant.memory import parse_bytes
 
     text = str(spec).strip()
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is not None and 0.0 < value < 1.0 and "." in text:
-        device = torch.device(device)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        return int(free * value)
+    value = budget_fraction(text)
+    if value is not None:
+        return int(free_memory(device) * value)
     try:
         nbytes = parse_bytes(text)
     except ValueError as e:

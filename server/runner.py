@@ -84,9 +84,17 @@ class ModelRunner:
             raise UnsupportedModelError(why)
         self.backend = cls(kv_storage, block_size, specs, self.ops)
         self.attention = cls.name
+        self.block_size = block_size
 
         self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
         self.graphs_off = "not a CUDA device"
+
+    def use_kv_storage(self, kv_storage: Tensor) -> None:
+        """Attend over another pool's storage (the engine sizes its pool after building the runner); before any
+        graph is captured, since graphs hold the storage they were captured with."""
+        if self.graphs is not None:
+            raise RuntimeError("use_kv_storage after the CUDA graphs were captured")
+        self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops)
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
         """Capture the decode step's CUDA graphs (CUDA with a backend that supports them); returns what was done,

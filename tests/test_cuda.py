@@ -103,7 +103,7 @@ def test_engine_step_on_cuda_triton_matches_sdpa():
     torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=5e-2, rtol=5e-2)
 
 
-def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton"):
+def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB"):
     import sys
     from pathlib import Path
 
@@ -117,7 +117,7 @@ def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton"):
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    eng = Engine(model, word_tokenizer(512), EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda",
+    eng = Engine(model, word_tokenizer(512), EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda",
                                                           max_batch=8, cuda_graphs=cuda_graphs))
     assert eng.attention == backend_check
     return eng.start()
@@ -168,5 +168,21 @@ def test_cuda_graph_padded_bucket_matches_eager_step():
         eager = runner.model.forward(step, runner.backend, runner.backend.prepare(step))
         torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=2e-2)
         assert graphed.shape == (5, 512)
+    finally:
+        eng.close()
+
+
+def test_fractional_budget_on_cuda_is_taken_after_the_runner_and_serves():
+    """--memory-budget 0.3 on CUDA: the pool is 30% of what was free once the runner existed, the graphs are
+    captured over that pool, and a request runs."""
+    from server.sampling import SamplingParams
+
+    eng = _tiny_engine(True, budget="0.3")
+    try:
+        free, total = torch.cuda.mem_get_info()
+        assert 0.2 * total < eng.pool.capacity_bytes < 0.35 * total
+        assert eng.cuda_graphs != "off"
+        out = eng.complete([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        assert len(out.token_ids) == 8
     finally:
         eng.close()

@@ -591,3 +591,27 @@ def test_duplicate_request_id_is_rejected(engine):
 def test_invalid_engine_config_is_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value}).validate()
+
+
+def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, monkeypatch):
+    """A fraction of free memory is taken after the runner exists, from what is free then, and the backend attends
+    over that pool; a fraction that would leave less than one step's activation workspace is refused in one line
+    that names the numbers, before the engine serves."""
+    from server import engine as engine_mod
+    from server.kv_pool import KVBudgetError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 64 * 2**20)  # what "free" reads, after the runner
+    eng = Engine(model, tok, EngineConfig(memory_budget="0.25", dtype="float32"))
+    assert eng.pool.capacity_bytes == (16 * 2**20 // eng.layout.bytes_per_block) * eng.layout.bytes_per_block
+    assert eng.runner.backend.kv.untyped_storage().data_ptr() == eng.pool.storage.untyped_storage().data_ptr()
+    eng.start()
+    try:
+        assert len(eng.complete("The old bridge", greedy(5)).token_ids) == 5
+    finally:
+        eng.close()
+    workspace = eng.activation_estimate(eng.config.max_prefill_tokens)
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: workspace * 2)
+    with pytest.raises(KVBudgetError, match=r"--memory-budget 0\.9 of .* MiB free leaves .* for the activations of one "
+                                            r"step, which need .*; use at most 0\.50"):
+        Engine(model, tok, EngineConfig(memory_budget="0.9", dtype="float32"))
