@@ -4,8 +4,9 @@ any device.
 
 KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat run of slots per layer.
 
-- Decode rows with the fused CPU ops: one ``decode_attention`` call per layer over the block tables
-  (server/csrc/decode_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step).
+- A lone decode row with the fused CPU ops: one ``decode_attention`` call per layer over the block table
+  (server/csrc/decode_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step);
+  more rows take the gather path below, which the engine measured faster from 4 rows up.
 - Decode rows otherwise: one query each, so the g query heads sharing a KV head stand in for the query axis,
   (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
   row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
@@ -65,6 +66,10 @@ class SdpaMeta:
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     features = frozenset({"window", "softcap"})
+    # The C++ decode kernel takes decode steps of at most this many rows. Through the engine (bench/RESULTS.md,
+    # session 14) it is 7% faster than the gather + SDPA path at batch 1, but slower from 4 rows up: 16 streams
+    # ran at 428 tok/s with it and 551 without.
+    FUSED_DECODE_MAX_ROWS = 1
 
     @staticmethod
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -85,7 +90,7 @@ class SdpaBackend(AttentionBackend):
         bs, dev = step.block_size, step.input_ids.device
         meta = SdpaMeta(slots=step.slots, num_decode=step.num_decode)
         i64 = dict(dtype=torch.int64, device=dev)
-        if step.decode and self.ops.fused:
+        if step.decode and self.ops.fused and len(step.decode) <= self.FUSED_DECODE_MAX_ROWS:
             width = max(len(table) for _, table in step.decode)
             tables = torch.tensor([table + [0] * (width - len(table)) for _, table in step.decode], **i64)
             meta.decode_tables = (tables, torch.tensor([p + 1 for p, _ in step.decode], **i64))  # (Bd, NB), (Bd,)
