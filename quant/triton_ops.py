@@ -16,19 +16,19 @@ alone would leave most of the GPU idle: the decode shapes (M <= 16).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - machines without triton use the dequantize paths
-    triton = None
-
-
 def available() -> str | None:
-    """None when the kernels can run here, else why not."""
-    return None if triton is not None else "triton is not installed"
+    """None when the kernels can run here, else why not (looked up without importing triton: the kernels module
+    is imported on the first launch)."""
+    return None if importlib.util.find_spec("triton") is not None else "triton is not installed"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # The split-K rule aims for this many programs on a decode-shaped product (an H100 has 132 multiprocessors).
@@ -62,129 +62,13 @@ def _config(m: int, n: int, k: int, bk: int) -> tuple[int, int, int, int, int]:
     return bm, bn, split, (4 if m <= 64 else 8), 3
 
 
-if triton is not None:
+def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:
+    from quant import triton_kernels
 
-    @triton.jit
-    def _w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
-                   GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        shifts = tl.arange(0, 8) * 4
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
-                        other=0.0)  # (BM, BK)
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # each word once: (BK/8, BN), unpacked in registers
-            words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=(rw < K // 8)[:, None] & n_ok[None, :],
-                            other=0)
-            codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BK/8, 8, BN): k = 8 * word + j
-            if GS >= BLOCK_K:  # the tile lies in one group: one scale/zero row
-                g = k0 // GS
-                s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
-                z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-                w = (tl.reshape(codes, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32) * s[None, :] + z[None, :]
-            else:  # BLOCK_K / GS groups: (groups, GS, BN) against (groups, 1, BN)
-                rg = k0 // GS + tl.arange(0, BLOCK_K // GS)
-                at = (rg[:, None] * N + rn[None, :]) * 2
-                g_ok = (rg < K // GS)[:, None] & n_ok[None, :]
-                s = tl.load(SZ + at, mask=g_ok, other=0.0).to(tl.float32)  # (BK/GS, BN)
-                z = tl.load(SZ + at + 1, mask=g_ok, other=0.0).to(tl.float32)
-                c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
-                w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
-            acc += tl.dot(x, w.to(x.dtype))
-        if SPLIT_K == 1:
-            tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-        else:
-            tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr):
-        # One input row: FMAs and reductions in registers, no tl.dot (whose operand staging through shared memory
-        # a 1-row product cannot repay). BLOCK_K lies within one group.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        j = tl.arange(0, 8)
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            w_ok = rw < K // 8
-            words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
-            codes = ((words[:, None, :] >> (j * 4)[None, :, None]) & 0xF).to(tl.float32) - 8.0  # (BK/8, 8, BN)
-            x = tl.load(X + rw[:, None] * 8 + j[None, :], mask=w_ok[:, None], other=0.0).to(tl.float32)  # (BK/8, 8)
-            t = tl.sum(tl.sum(codes * x[:, :, None], 1), 0)  # (BN,) sum_k x_k (code_k - 8)
-            g = k0 // GS
-            s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)
-            z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-            acc += s * t + z * tl.sum(tl.sum(x, 1), 0)
-        if SPLIT_K == 1:
-            tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
-        else:
-            tl.atomic_add(Y + rn, acc, mask=n_ok)
-
-    @triton.jit
-    def _int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                     AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        xsum = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(W + rn[None, :] * stride_wn + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
-            acc += tl.dot(x, w.to(x.dtype))  # int8 values are exact in 16 bits
-            if AFFINE:
-                xsum += tl.sum(x.to(tl.float32), 1)
-        s = tl.load(S + rn, mask=n_ok, other=0.0)  # (BN,) fp32
-        y = acc * s[None, :]
-        if AFFINE:
-            zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
-            y -= xsum[:, None] * (s * zp)[None, :]
-        if SPLIT_K == 1:
-            tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-        else:
-            tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
-
-
-    @triton.jit
-    def _w4_dequant_kernel(QW, SZ, WT, N, K, GS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rk < K)[:, None] & (rn < N)[None, :]
-        rw = tl.program_id(0) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=(rw < K // 8)[:, None] & (rn < N)[None, :],
-                        other=0)  # (BK/8, BN): each word once
-        codes = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        at = ((rk // GS)[:, None] * N + rn[None, :]) * 2
-        s = tl.load(SZ + at, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(SZ + at + 1, mask=ok, other=0.0).to(tl.float32)
-        w = (codes - 8).to(tl.float32) * s + z
-        tl.store(WT + rk[:, None] * N + rn[None, :], w.to(WT.dtype.element_ty), mask=ok)
-
-
-def _launch(kernel, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:
+    kernel = getattr(triton_kernels, kernel)
     m = x.shape[0]
     bm, bn, split, warps, stages = _config(m, n, k, bk)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    grid = (_cdiv(m, bm), _cdiv(n, bn), split)
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x.new_empty(m, n)
     kernel[grid](x, *args, y, m, n, k, x.stride(0), *consts.pop("strides", ()), y.stride(0),
                  **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
@@ -195,9 +79,11 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
     """W^T (K, N) in ``dtype`` from the GPTQ words and the scale/zero table, in one pass (the prefill path's
     weight for cuBLAS; K-major so that the stores follow the words' layout)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
+    from quant.triton_kernels import w4_dequant_kernel
+
     wt = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    grid = (triton.cdiv(k, 64), triton.cdiv(n, 128))
-    _w4_dequant_kernel[grid](qweight, scales_zeros, wt, n, k, GS=group_size, BLOCK_K=64, BLOCK_N=128)
+    grid = (_cdiv(k, 64), _cdiv(n, 128))
+    w4_dequant_kernel[grid](qweight, scales_zeros, wt, n, k, GS=group_size, BLOCK_K=64, BLOCK_N=128)
     return wt
 
 
@@ -210,20 +96,22 @@ def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int)
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
         return _w4_gemv(x, qweight, scales_zeros, group_size, n, k)
-    return _launch(_w4_kernel, x, n, k, bk, qweight, scales_zeros, GS=group_size)
+    return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
 GEMV_TARGET_PROGRAMS = 528  # four per multiprocessor of an H100: enough weight bytes in flight for its bandwidth
 
 
 def _w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int, n: int, k: int) -> Tensor:
+    from quant.triton_kernels import w4_gemv_kernel
+
     bn, bk = 128, min(group_size, 256)
-    tiles, steps = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    tiles, steps = _cdiv(n, bn), _cdiv(k, bk)
     split = 1
     while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:  # >= 2 K tiles per program
         split *= 2
     y = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else x.new_empty(1, n)
-    _w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, n, k, GS=group_size, BLOCK_N=bn, BLOCK_K=bk,
+    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, n, k, GS=group_size, BLOCK_N=bn, BLOCK_K=bk,
                                     SPLIT_K=split, num_warps=4)
     return y.to(x.dtype) if split > 1 else y
 
@@ -241,7 +129,7 @@ def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -
     """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype."""
     n, k = weight.shape
     affine = zero is not None
-    return _launch(_int8_kernel, x, n, k, 64, weight, scale, zero if affine else scale, strides=(weight.stride(0),),
+    return _launch("int8_kernel", x, n, k, 64, weight, scale, zero if affine else scale, strides=(weight.stride(0),),
                    AFFINE=affine)
 
 

@@ -117,3 +117,16 @@ def test_w4_gemv_matches_reference(n, k, gs):
         want = T.w4_reference(x, qw, sz.to(dtype), gs)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.float16 else 1e-4,
                                    rtol=2e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_the_server_does_not_import_triton_until_a_kernel_runs():
+    """Importing triton costs ~50 MiB of RSS: a CPU server, which never launches a Triton kernel, must not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, server.engine, server.serve, quant.cli, quant.loader; "
+            "assert 'triton' not in sys.modules, 'triton imported'; print('clean')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "clean", r.stderr[-2000:]

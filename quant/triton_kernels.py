@@ -1,0 +1,123 @@
+"""The Triton kernels of quant.triton_ops (imported on first use: importing triton costs ~50 MiB of RSS, which a
+CPU server that never runs them should not pay). The wrappers, launch rules and references are in
+quant/triton_ops.py."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
+               GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
+                    other=0.0)  # (BM, BK)
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # each word once: (BK/8, BN), unpacked in registers
+        words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=(rw < K // 8)[:, None] & n_ok[None, :],
+                        other=0)
+        codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BK/8, 8, BN): k = 8 * word + j
+        if GS >= BLOCK_K:  # the tile lies in one group: one scale/zero row
+            g = k0 // GS
+            s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
+            z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+            w = (tl.reshape(codes, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32) * s[None, :] + z[None, :]
+        else:  # BLOCK_K / GS groups: (groups, GS, BN) against (groups, 1, BN)
+            rg = k0 // GS + tl.arange(0, BLOCK_K // GS)
+            at = (rg[:, None] * N + rn[None, :]) * 2
+            g_ok = (rg < K // GS)[:, None] & n_ok[None, :]
+            s = tl.load(SZ + at, mask=g_ok, other=0.0).to(tl.float32)  # (BK/GS, BN)
+            z = tl.load(SZ + at + 1, mask=g_ok, other=0.0).to(tl.float32)
+            c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
+            w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x, w.to(x.dtype))
+    if SPLIT_K == 1:
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+@triton.jit
+def w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+    # One input row: FMAs and reductions in registers, no tl.dot (whose operand staging through shared memory
+    # a 1-row product cannot repay). BLOCK_K lies within one group.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    j = tl.arange(0, 8)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_ok = rw < K // 8
+        words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
+        codes = ((words[:, None, :] >> (j * 4)[None, :, None]) & 0xF).to(tl.float32) - 8.0  # (BK/8, 8, BN)
+        x = tl.load(X + rw[:, None] * 8 + j[None, :], mask=w_ok[:, None], other=0.0).to(tl.float32)  # (BK/8, 8)
+        t = tl.sum(tl.sum(codes * x[:, :, None], 1), 0)  # (BN,) sum_k x_k (code_k - 8)
+        g = k0 // GS
+        s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+        acc += s * t + z * tl.sum(tl.sum(x, 1), 0)
+    if SPLIT_K == 1:
+        tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
+    else:
+        tl.atomic_add(Y + rn, acc, mask=n_ok)
+
+@triton.jit
+def int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    xsum = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[None, :] * stride_wn + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        acc += tl.dot(x, w.to(x.dtype))  # int8 values are exact in 16 bits
+        if AFFINE:
+            xsum += tl.sum(x.to(tl.float32), 1)
+    s = tl.load(S + rn, mask=n_ok, other=0.0)  # (BN,) fp32
+    y = acc * s[None, :]
+    if AFFINE:
+        zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
+        y -= xsum[:, None] * (s * zp)[None, :]
+    if SPLIT_K == 1:
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def w4_dequant_kernel(QW, SZ, WT, N, K, GS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rk < K)[:, None] & (rn < N)[None, :]
+    rw = tl.program_id(0) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=(rw < K // 8)[:, None] & (rn < N)[None, :],
+                    other=0)  # (BK/8, BN): each word once
+    codes = tl.reshape((words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+    at = ((rk // GS)[:, None] * N + rn[None, :]) * 2
+    s = tl.load(SZ + at, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(SZ + at + 1, mask=ok, other=0.0).to(tl.float32)
+    w = (codes - 8).to(tl.float32) * s + z
+    tl.store(WT + rk[:, None] * N + rn[None, :], w.to(WT.dtype.element_ty), mask=ok)
