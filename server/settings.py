@@ -127,7 +127,8 @@ SETTINGS: tuple[Setting, ...] = (
       env_default="0.0.0.0"),  # a container's port is reached from outside it
     S("grpc_port", int, 50051, "gRPC port (-1: no gRPC; 0: any free port)", "serve", check=port, off=-1),
     S("http_port", int, 8000, "HTTP port (-1: no HTTP; 0: any free port)", "serve", check=port, off=-1),
-    S("memory_budget", str, "1GiB", "KV pool: bytes (2GiB) or a fraction of free memory (0.3)", "engine"),
+    S("memory_budget", str, "1GiB", "KV pool: bytes (2GiB) or a fraction (0.3) of the memory free once the model is "
+      "loaded, which must leave one step's activations", "engine"),
     S("max_queue", int, 256, "accepted requests waiting for KV blocks or a batch slot; beyond it: overloaded",
       "engine"),
     S("max_batch", int, 64, "requests running at once", "engine"),
