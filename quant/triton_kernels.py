@@ -7,16 +7,29 @@ import triton.language as tl
 
 
 @triton.jit
+def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile: row and column indices and their in-range masks."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N
+
+
+@triton.jit
+def write(Y, acc, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K: tl.constexpr):
+    """The tile into Y: stored in Y's dtype, or added in fp32 when K is split across programs."""
+    at = Y + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(at, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(at, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
-               GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SPLIT_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+              GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT_K: tl.constexpr):
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok = tile(M, N, BLOCK_M, BLOCK_N)
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
@@ -41,15 +54,11 @@ def w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
             c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
             w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, w.to(x.dtype))
-    if SPLIT_K == 1:
-        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    write(Y, acc, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K)
 
 @triton.jit
 def w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr):
     # One input row: FMAs and reductions in registers, no tl.dot (whose operand staging through shared memory
     # a 1-row product cannot repay). BLOCK_K lies within one group.
     pid_n = tl.program_id(0)
@@ -76,15 +85,10 @@ def w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 @triton.jit
 def int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K: tl.constexpr):
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rm, rn, m_ok, n_ok = tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     xsum = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
@@ -100,11 +104,7 @@ def int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     if AFFINE:
         zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
         y -= xsum[:, None] * (s * zp)[None, :]
-    if SPLIT_K == 1:
-        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.atomic_add(Y + rm[:, None] * stride_ym + rn[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+    write(Y, y, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K)
 
 
 @triton.jit

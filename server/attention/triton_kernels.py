@@ -93,7 +93,7 @@ def paged_attention(
 
 @triton.jit
 def merge_splits(O, M_part, L_part, O_part, meta, stride_ot, stride_oh,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                 H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q0 = tl.load(meta + seq)
