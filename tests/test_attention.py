@@ -186,3 +186,12 @@ def test_choose_prefers_triton_on_cuda_only():
 
     assert choose(torch.device("cpu")).name == "sdpa"
     assert choose(torch.device("cuda")).name == "triton"  # (where triton imports; it does under the dev extra)
+
+
+def test_triton_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    from quant.errors import UnsupportedModelError
+    from server.attention.triton_paged import TritonBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UnsupportedModelError, match="runs on CUDA tensors .* not on cpu"):
+        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 16, 2, 16)), 16, [SPECS["plain"]], fastops.Ops(False))

@@ -23,6 +23,7 @@ in one non-blocking copy (pinned staging on CUDA): nothing per layer touches the
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,9 @@ class TritonBackend(AttentionBackend):
         why = self.unsupported_block_size(block_size)
         if why:
             raise UnsupportedModelError(why)
+        if kv_storage.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UnsupportedModelError(f"the triton backend runs on CUDA tensors (or on any device under Triton's "
+                                        f"interpreter, TRITON_INTERPRET=1), not on {kv_storage.device}")
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
         self.specs = specs
         self.ops = ops
