@@ -93,9 +93,15 @@ def random_w4(n: int, k: int, gs: int, dtype, dev):
     return pack_rows(codes.t().contiguous()), sz, codes
 
 
+def rel_err(got, want) -> float:
+    """Max absolute error relative to the reference's largest magnitude."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 def kernel_checks(results: dict, failures: list, quick: bool) -> None:
     from quant import triton_ops as T
     from quant.int4 import _pack_for_kernel
+    from quant.primitives import dequantize_weight
 
     dev = "cuda"
     rows = []
@@ -104,27 +110,25 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
             gs = 64 if shape == "135M" else 128
             for dtype in (torch.bfloat16, torch.float16):
                 qw, sz, codes = random_w4(n, k, gs, dtype, dev)
-                w_ref = None
+                if dtype == torch.bfloat16:  # the peers' weights, made once per shape
+                    w_ref = torch.randn(n, k, device=dev, dtype=dtype)
+                    packed = _pack_for_kernel(codes.to(torch.int32)) if k % 32 == 0 else None
                 for m in (1, 16, 256) if quick else (1, 4, 16, 64, 256, 1024):
                     x = torch.randn(m, k, device=dev).to(dtype)
                     got = T.w4_matmul(x, qw, sz, gs)
                     want = T.w4_reference(x, qw, sz, gs)
-                    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    err = rel_err(got, want)
                     row = {"op": "w4", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:],
                            "rel_err": err}
                     if err > 2e-2:
                         failures.append(f"w4 {shape} {name} m={m} {dtype}: relative error {err:.3g}")
                     if dtype == torch.bfloat16:
                         row["triton_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sz, gs)) * 1e6
-                        if k % 32 == 0:
-                            packed = _pack_for_kernel(codes.to(torch.int32))
+                        if packed is not None:
                             row["tinygemm_us"] = cuda_time(
                                 lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6
-                            tg = torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)
-                            row["tinygemm_rel_err"] = ((tg.float() - want.float()).abs().max()
-                                                       / want.float().abs().max()).item()
-                        if w_ref is None:
-                            w_ref = torch.randn(n, k, device=dev, dtype=dtype)
+                            row["tinygemm_rel_err"] = rel_err(torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz),
+                                                              want)
                         row["bf16_us"] = cuda_time(lambda: x @ w_ref.t()) * 1e6
                         row["dequant_cublas_us"] = cuda_time(lambda: x @ T.w4_dequant(qw, sz, gs, dtype)) * 1e6
                     rows.append(row)
@@ -132,21 +136,19 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
             w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
             sc = torch.rand(n, device=dev) * 0.01
             zp = torch.randint(-10, 10, (n,), device=dev, dtype=torch.int8)
+            wb = w8.to(torch.bfloat16)
             for m in (1, 16, 256) if quick else (1, 16, 64, 256, 1024):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                errs = []
                 for zero in (None, zp):
-                    got = T.int8_matmul(x, w8, sc, zero)
-                    want = T.int8_reference(x, w8, sc, zero)
-                    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                    if err > 2e-2:
-                        failures.append(f"int8 {shape} {name} m={m} affine={zero is not None}: rel error {err:.3g}")
-                row = {"op": "int8", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "rel_err": err,
+                    errs.append(rel_err(T.int8_matmul(x, w8, sc, zero), T.int8_reference(x, w8, sc, zero)))
+                    if errs[-1] > 2e-2:
+                        failures.append(f"int8 {shape} {name} m={m} affine={zero is not None}: rel error "
+                                        f"{errs[-1]:.3g}")
+                row = {"op": "int8", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "rel_err": max(errs),
                        "triton_us": cuda_time(lambda: T.int8_matmul(x, w8, sc, None)) * 1e6,
                        "int8pack_us": cuda_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w8, sc.to(x.dtype))) * 1e6}
-                wb = w8.to(torch.bfloat16)
                 row["bf16_us"] = cuda_time(lambda: x @ wb.t()) * 1e6
-                from quant.primitives import dequantize_weight
-
                 row["dequant_cublas_us"] = cuda_time(lambda: x @ dequantize_weight(w8, sc, None, x.dtype).t()) * 1e6
                 rows.append(row)
     results["linear"] = rows

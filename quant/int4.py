@@ -118,7 +118,11 @@ class GPTQLinear(WeightOnlyLinear):
     SPEC_TYPE = "gptq"
     DATA_TENSORS = ("qweight", "packed")
     PARAM_TENSORS = ("qzeros", "scales", "g_idx", "scales_zeros", "perm")
-    max_kernel_rows = INT4PACK_MAX_ROWS
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """CUDA (w4triton): the fused kernel for decode-sized inputs, a one-pass dequantize + cuBLAS above."""
+        return triton_ops.CUDA_KERNEL_MAX_ROWS if self.layout == "w4triton" else INT4PACK_MAX_ROWS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, v2: bool, device=None):
         super().__init__()
@@ -278,11 +282,6 @@ class GPTQLinear(WeightOnlyLinear):
         if self.packed is None:  # w4triton
             return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size)
         return _int4_mm(x2, self.packed, self.group_size, sz)
-
-    def static_path(self, rows: int, dtype: torch.dtype) -> str:
-        if self.layout == "w4triton":  # CUDA: the fused kernel for decode-sized inputs, cuBLAS above
-            return "kernel" if self.has_kernel(dtype) and rows <= triton_ops.CUDA_KERNEL_MAX_ROWS else "dequant"
-        return super().static_path(rows, dtype)
 
     def _kernel_codes(self) -> torch.Tensor:
         """(N, K) int32 codes in the kernel's column order, read back through the kernel itself with scale 1 and

@@ -199,7 +199,12 @@ class Int8WeightLinear(WeightOnlyLinear):
 
     SPEC_TYPE = "int8_weight"
     PARAM_TENSORS = ("weight_scale", "weight_zero_point", "kernel_scale")
-    max_kernel_rows = INT8PACK_MAX_ROWS
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """CUDA: the Triton kernel at every row count (bench/gpu.py: ahead of dequantizing); CPU: the int8pack
+        kernel up to INT8PACK_MAX_ROWS."""
+        return INT8PACK_MAX_ROWS if self.weight.device.type != "cuda" else 1 << 30
 
     def __init__(self, in_features: int, out_features: int, bias: bool, affine: bool, device=None):
         super().__init__()
@@ -259,11 +264,6 @@ class Int8WeightLinear(WeightOnlyLinear):
         if self.weight.is_cuda:  # the CUDA int8pack kernel walks K serially: the Triton GEMM instead
             return dtype in (torch.bfloat16, torch.float16) and triton_ops.available() is None
         return super().has_kernel(dtype)
-
-    def static_path(self, rows: int, dtype: torch.dtype) -> str:
-        if self.weight.is_cuda:  # the Triton kernel at every row count (bench/gpu.py: ahead of dequantizing)
-            return "kernel" if self.has_kernel(dtype) else "dequant"
-        return super().static_path(rows, dtype)
 
     def kernel(self, dtype: torch.dtype) -> str:
         if self.has_kernel(dtype) and self.weight.is_cuda:

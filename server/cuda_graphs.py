@@ -7,8 +7,8 @@ launch. The rows past n are padding: they read and write one KV block reserved f
 logits are dropped. Steps with prefill chunks, or more rows than the largest bucket, run eagerly; the eager path
 is the reference the graphs are held to (tests/test_cuda.py).
 
-The attention backend must support graphs (``TritonBackend.graph_meta``: static metadata tensors and a split-K
-factor fixed per bucket); the sdpa backend does not (its metadata shapes follow the batch), so with it every step
+The attention backend must support graphs (``TritonBackend.graph_meta`` / ``update_graph_meta``: static metadata
+tensors filled in place, a split-K factor fixed per bucket); the sdpa backend does not (its metadata shapes follow the batch), so with it every step
 runs eagerly.
 """
 
@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import Tensor
 
-from server.batch import StepInputs, stage
+from server.batch import StepInputs
 
 log = logging.getLogger("quantserve.engine")
 
@@ -48,11 +48,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, the largest first (the others reuse its memory pool)."""
         for b in reversed(self.buckets):
-            meta = self.backend.graph_meta(b, self.width, self.slots[:b])
-            # Every row attends to the pad block's first key until a replay fills in the real metadata.
-            meta.meta.copy_(torch.stack([self.rows[:b], torch.ones_like(self.rows[:b]),
-                                         torch.ones_like(self.rows[:b])]).to(torch.int32))
-            meta.tables.fill_(self.pad_block)
+            meta = self.backend.graph_meta(b, self.width, self.slots[:b], self.pad_block)
             step = StepInputs(self.ids[:b], self.pos[:b], self.slots[:b], self.rows[:b], [], [], self.block_size)
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
@@ -89,14 +85,6 @@ class DecodeGraphs:
             self.ids[n:b].zero_()
             self.pos[n:b].zero_()
             self.slots[n:b].fill_(self.pad_block * self.block_size)
-        w = max(len(t) for _, t in step.decode)
-        flat = [*range(b), *[1] * b, *[p + 1 for p, _ in step.decode], *[1] * (b - n)]
-        for _, t in step.decode:
-            flat.extend(t)
-            flat.extend([self.pad_block] * (w - len(t)))
-        flat.extend([self.pad_block] * (w * (b - n)))
-        staged = stage(flat, torch.int32, self.device)  # one copy: the metadata and the used table columns
-        meta.meta.copy_(staged[: 3 * b].view(3, b))
-        meta.tables[:, :w].copy_(staged[3 * b:].view(b, w))
+        self.backend.update_graph_meta(meta, step, self.pad_block)  # one staged copy
         g.replay()
         return out[:n]

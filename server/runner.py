@@ -85,9 +85,7 @@ class ModelRunner:
         self.backend = cls(kv_storage, block_size, specs, self.ops)
         self.attention = cls.name
         self.block_size = block_size
-
         self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
-        self.graphs_off = "not a CUDA device"
 
     def use_kv_storage(self, kv_storage: Tensor) -> None:
         """Attend over another pool's storage (the engine sizes its pool after building the runner); before any
@@ -97,16 +95,13 @@ class ModelRunner:
         self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops)
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
-        """Capture the decode step's CUDA graphs (CUDA with a backend that supports them); returns what was done,
-        for the log and ModelInfo."""
-        if self.backend.kv.device.type != "cuda":
-            return self.graphs_off
+        """Capture the decode step's CUDA graphs (the engine calls this on CUDA); returns what was done, for the
+        log."""
         if not hasattr(self.backend, "graph_meta"):
-            self.graphs_off = f"the {self.attention} backend does not support CUDA graphs"
-            return self.graphs_off
+            return f"off (the {self.attention} backend does not support CUDA graphs)"
         from server.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.backend, self.backend.block_size, max_batch, max_blocks, pad_block,
+        graphs = DecodeGraphs(self.model, self.backend, self.block_size, max_batch, max_blocks, pad_block,
                               self.backend.kv.device)
         with torch.inference_mode():
             graphs.capture()

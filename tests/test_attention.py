@@ -195,3 +195,29 @@ def test_triton_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(UnsupportedModelError, match="runs on CUDA tensors .* not on cpu"):
         TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 16, 2, 16)), 16, [SPECS["plain"]], fastops.Ops(False))
+
+
+def test_triton_graph_metadata_matches_a_step_of_its_own():
+    """The static metadata the decode graphs replay with (graph_meta, then update_graph_meta for a step of 3 rows
+    in a bucket of 8, spare rows on the pad block) gives the rows the same attention as the step's own prepare."""
+    from server.attention.triton_paged import TritonBackend, paged_attention
+
+    spec = SPECS["plain"]
+    g = torch.Generator().manual_seed(9)
+    bs, pad = 16, 63
+    storage = torch.randn(TritonBackend.kv_shape(1, 64, bs, spec.kv_heads, spec.head_dim), generator=g)
+    backend = TritonBackend(storage, bs, [spec], fastops.Ops(False))
+    tables = [[5, 9, 2], [7], [11, 12, 13, 14, 20]]
+    lens = [40, 3, 70]
+    step = StepInputs(torch.zeros(3, dtype=torch.int64), torch.tensor(lens), torch.zeros(3, dtype=torch.int64),
+                      torch.arange(3), [(p, t) for p, t in zip(lens, tables)], [], bs)
+    q = torch.randn(3, spec.heads, spec.head_dim, generator=g)
+    want = paged_attention(q, backend.kv[0, 0], backend.kv[0, 1], backend.prepare(step), spec, bs)
+    meta = backend.graph_meta(8, 6, torch.zeros(8, dtype=torch.int64), pad)
+    assert meta.meta.tolist() == [list(range(8)), [1] * 8, [1] * 8] and meta.tables.eq(pad).all()
+    backend.update_graph_meta(meta, step, pad)
+    assert meta.meta[2].tolist() == [41, 4, 71, 1, 1, 1, 1, 1]
+    assert meta.tables[2].tolist() == [11, 12, 13, 14, 20, pad] and meta.tables[3:, 0].eq(pad).all()
+    qb = torch.cat([q, torch.zeros(5, spec.heads, spec.head_dim)])  # the bucket's padding rows
+    got = paged_attention(qb, backend.kv[0, 0], backend.kv[0, 1], meta, spec, bs)[:3]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -104,13 +104,9 @@ def test_engine_step_on_cuda_triton_matches_sdpa():
 
 
 def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB"):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from gpu import word_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from bench.gpu import word_tokenizer
     from server.engine import Engine, EngineConfig
 
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from quant.errors import UnsupportedModelError
 from server.attention.base import AttentionBackend, AttentionSpec
-from server.batch import StepInputs
+from server.batch import StepInputs, stage
 
 def available() -> str | None:
     """None when the kernels can run here, else why not (looked up without importing triton: the kernels are
@@ -52,6 +52,16 @@ class TritonMeta:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _flat(rows: list[tuple[int, int, int, list[int]]], width: int, fill: int) -> list[int]:
+    """(q_start, q_len, ctx_len, block table) per sequence -> TritonMeta's int32 layout, as one list for one copy:
+    the three (S,) columns, then the tables padded to ``width`` with block ``fill``."""
+    flat = [r[0] for r in rows] + [r[1] for r in rows] + [r[2] for r in rows]
+    for *_, table in rows:
+        flat.extend(table)
+        flat.extend([fill] * (width - len(table)))
+    return flat
 
 
 class TritonBackend(AttentionBackend):
@@ -91,43 +101,48 @@ class TritonBackend(AttentionBackend):
         self.ops = ops
         self.block_size = block_size
         self.device = kv_storage.device
-        self._pinned = self.device.type == "cuda"
 
     # ------------------------------------------------------------------------------------ per step
 
-    def prepare(self, step: StepInputs) -> TritonMeta:
-        starts, qlens, ctx, tables = [], [], [], []
-        for i, (p, table) in enumerate(step.decode):
-            starts.append(i), qlens.append(1), ctx.append(p + 1), tables.append(table)
-        for t0, c, start, table in step.chunks:
-            starts.append(t0), qlens.append(c), ctx.append(start + c), tables.append(table)
-        s = len(starts)
-        width = max(1, max(len(t) for t in tables))
-        flat = starts + qlens + ctx
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
-        host = torch.tensor(flat, dtype=torch.int32, pin_memory=self._pinned)  # one staging buffer, one copy
-        dev = host.to(self.device, non_blocking=True)
-        max_q, max_ctx = max(qlens), max(ctx)
-        splits = 1
-        if not step.chunks:  # decode only: split long contexts when the step has few programs
-            kvh = self.specs[0].kv_heads
-            splits = max(1, min(self.TARGET_PROGRAMS // max(1, s * kvh), max_ctx // self.MIN_SPLIT_KEYS))
-            splits = 1 << (splits.bit_length() - 1)  # a power of two (tl.arange in the merge)
-        return TritonMeta(slots=step.slots, meta=dev[: 3 * s].view(3, s), tables=dev[3 * s:].view(s, width),
-                          seqs=s, max_q=max_q, max_ctx=max_ctx, splits=splits)
+    def _splits(self, seqs: int, most: int) -> int:
+        """The split-K factor: enough programs for TARGET_PROGRAMS with ``seqs`` sequences, at most ``most``, a
+        power of two (tl.arange in the merge)."""
+        splits = max(1, min(self.TARGET_PROGRAMS // max(1, seqs * self.specs[0].kv_heads), most))
+        return 1 << (splits.bit_length() - 1)
 
-    def graph_meta(self, seqs: int, width: int, slots: Tensor) -> TritonMeta:
-        """Static metadata for a CUDA graph of decode steps of ``seqs`` rows (server.cuda_graphs): the tensors are
-        filled in place before each replay; the split-K factor is fixed for the bucket (the kernel skips the
-        splits a short context leaves empty)."""
-        kvh = self.specs[0].kv_heads
-        splits = max(1, min(16, self.TARGET_PROGRAMS // max(1, seqs * kvh)))
-        splits = 1 << (splits.bit_length() - 1)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        return TritonMeta(slots=slots, meta=torch.zeros(3, seqs, **i32), tables=torch.zeros(seqs, width, **i32),
-                          seqs=seqs, max_q=1, max_ctx=width * self.block_size, splits=splits)
+    def _staged(self, rows, width: int, fill: int) -> tuple[Tensor, Tensor]:
+        """The rows' metadata (3, S) and tables (S, width) on the device, from one staged copy."""
+        s = len(rows)
+        dev = stage(_flat(rows, width, fill), torch.int32, self.device)
+        return dev[: 3 * s].view(3, s), dev[3 * s:].view(s, width)
+
+    def prepare(self, step: StepInputs) -> TritonMeta:
+        rows = [(i, 1, p + 1, table) for i, (p, table) in enumerate(step.decode)]
+        rows += [(t0, c, start + c, table) for t0, c, start, table in step.chunks]
+        meta, tables = self._staged(rows, max(1, max(len(r[3]) for r in rows)), 0)
+        max_ctx = max(r[2] for r in rows)
+        # decode only: split long contexts when the step has few programs
+        splits = 1 if step.chunks else self._splits(len(rows), max_ctx // self.MIN_SPLIT_KEYS)
+        return TritonMeta(slots=step.slots, meta=meta, tables=tables, seqs=len(rows), max_q=max(r[1] for r in rows),
+                          max_ctx=max_ctx, splits=splits)
+
+    def graph_meta(self, seqs: int, width: int, slots: Tensor, pad_block: int) -> TritonMeta:
+        """Static metadata for a CUDA graph of decode steps of ``seqs`` rows (server.cuda_graphs), every row
+        attending to the first key of ``pad_block`` until ``update_graph_meta`` fills it in before a replay. The
+        split-K factor is fixed for the bucket (the kernel skips the splits a short context leaves empty)."""
+        meta, tables = self._staged([(i, 1, 1, [pad_block]) for i in range(seqs)], width, pad_block)
+        return TritonMeta(slots=slots, meta=meta, tables=tables, seqs=seqs, max_q=1, max_ctx=width * self.block_size,
+                          splits=self._splits(seqs, 16))
+
+    def update_graph_meta(self, meta: TritonMeta, step: StepInputs, pad_block: int) -> None:
+        """Write a decode step's rows into a graph's static metadata, the bucket's spare rows on ``pad_block``;
+        only the table columns this step uses are copied."""
+        rows = [(i, 1, p + 1, table) for i, (p, table) in enumerate(step.decode)]
+        rows += [(i, 1, 1, [pad_block]) for i in range(len(rows), meta.seqs)]
+        w = max(len(r[3]) for r in rows)
+        m, t = self._staged(rows, w, pad_block)
+        meta.meta.copy_(m)
+        meta.tables[:, :w].copy_(t)
 
     # ------------------------------------------------------------------------------------ per layer
 
