@@ -6,7 +6,7 @@ KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat
 
 - A lone decode row with the fused CPU ops: one ``decode_attention`` call per layer over the block table
   (server/csrc/decode_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step);
-  more rows take the gather path below, which the engine measured faster from 4 rows up.
+  more rows take the gather path below, which the engine measured faster from 4 rows up (bench/decode_rows.py).
 - Decode rows otherwise: one query each, so the g query heads sharing a KV head stand in for the query axis,
   (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
   row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
@@ -66,9 +66,9 @@ class SdpaMeta:
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     features = frozenset({"window", "softcap"})
-    # The C++ decode kernel takes decode steps of at most this many rows. Through the engine (bench/RESULTS.md,
-    # session 14) it is 7% faster than the gather + SDPA path at batch 1, but slower from 4 rows up: 16 streams
-    # ran at 428 tok/s with it and 551 without.
+    # The C++ decode kernel takes decode steps of at most this many rows. Through the engine
+    # (bench/decode_rows.py, bench/RESULTS.md session 14) it is level with the SDPA path at one row and slower
+    # from 4 rows up: 16 streams ran at 411.5 tok/s with it and 559.3 without.
     FUSED_DECODE_MAX_ROWS = 1
 
     @staticmethod
