@@ -156,6 +156,14 @@ class GPTQLinear(WeightOnlyLinear):
     def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "GPTQLinear":
         return cls(in_features, out_features, spec["bias"], spec["group_size"], spec["v2"], device=device)
 
+    @classmethod
+    def features(cls, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(in, out) from ``qweight``, (in / 8, out) int32 words."""
+        qw = tensors.get("qweight")
+        if qw is None or qw.dim() != 2:
+            raise ValueError(f"a GPTQ module stores a 2-D qweight, found {sorted(tensors)}")
+        return int(qw.shape[0]) * PACK, int(qw.shape[1])
+
     @property
     def layout(self) -> str:
         if self._whole is not None:

@@ -37,7 +37,8 @@ class QuantizedLinear(nn.Module):
     """The interface of a scheme's runtime module (vLLM's create_weights / apply /
     process_weights_after_loading, as one class):
     - ``from_spec(spec, in_features, out_features, device)`` builds it empty from the JSON ``spec()`` that the
-      artifact's config stores for it (``SPEC_TYPE`` names the class there);
+      artifact's config stores for it (``SPEC_TYPE`` names the class there); ``features(tensors)`` reads
+      (in_features, out_features) back from its stored tensors, for a loader that has no model class to ask;
     - ``prepare(dtype)`` is the after-load hook, run once on the target device for activations in ``dtype``:
       the module then holds one runtime layout (int4: the kernel's repacked codes and one scale/zero table in
       ``dtype``, in place of the stored tensors; int8: the stored tensors, aligned), all of it registered, so
@@ -62,6 +63,14 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "QuantizedLinear":
         raise NotImplementedError
+
+    @classmethod
+    def features(cls, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(in_features, out_features) of the stored tensors (by leaf name): an (out, in) ``weight``."""
+        w = tensors.get("weight")
+        if w is None or w.dim() != 2:
+            raise ValueError(f"a {cls.SPEC_TYPE} module stores a 2-D weight, found {sorted(tensors)}")
+        return int(w.shape[1]), int(w.shape[0])
 
     def kernel(self, dtype: torch.dtype) -> str:
         raise NotImplementedError

@@ -1,8 +1,10 @@
 """Load an artifact: an empty model, quantized modules swapped in, tensors memory-mapped.
 
-Two-phase, as in gpt-fast: all quantization work happened offline; here the model skeleton is built
-on the meta device, the Linears named in `config.json`'s `quantization_config.modules` are replaced
-by empty runtime modules, and `load_state_dict(assign=True)` points every tensor at the mmapped file.
+Two-phase, as in gpt-fast: all quantization work happened offline; here a model skeleton is built without
+weights, the Linears named in `config.json`'s `quantization_config.modules` become empty runtime modules, and
+every tensor is assigned from the mmapped file. ``load`` builds transformers' model class (its forward
+evaluates); ``load_for_engine`` builds a module tree by checkpoint name (``quant.module_tree``), which is all the
+engine's own model definitions read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant import artifact, moe, schemes, shards
+from quant import artifact, model_config, module_tree, moe, schemes, shards
 from quant.errors import ArtifactError
 from quant.layers import QuantizedLinear
 from quant.sequential import set_module
@@ -39,21 +41,42 @@ def cast_float_params(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def _read(root: Path, verify: bool) -> tuple[dict, dict, dict | None, dict]:
+    """(manifest, config.json less its quantization block, that block, name -> tensor memory-mapped). Hashes are
+    verified first unless ``verify`` is False, which also admits a checkpoint without our manifest (a GPTQ
+    checkpoint another tool wrote, or a plain model dir: its config says what it holds)."""
+    if verify or not root.is_dir() or (root / artifact.MANIFEST).is_file():
+        manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
+    else:
+        manifest = {"scheme": None, "foreign": True}
+    raw_config = json.loads((root / "config.json").read_text())
+    qc = raw_config.pop("quantization_config", None)
+    return manifest, raw_config, qc, shards.read_weights(root)
+
+
+def _finish(model: nn.Module, dtype: torch.dtype | None, device: str) -> None:
+    """Cast the float parameters, move, run every quantized module's after-load hook for the activation dtype
+    (int4 repacking, kernel alignment), and let go of the file pages that replaced tensors occupied."""
+    if dtype is not None:
+        cast_float_params(model, dtype)
+    model.to(device).eval()
+    # what the quantized modules will be called with
+    act = dtype if dtype is not None else model.get_input_embeddings().weight.dtype
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            mod.prepare(act)
+    artifact.release_unheld_pages([*model.parameters(), *model.buffers()])  # what repacking and casting replaced
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True) -> LoadedArtifact:
-    """Load the artifact at `path`. Float tensors are cast to `dtype` when given (quantized tensors and
-    their scales keep their own dtypes). Hashes are verified first unless `verify=False`, which also admits a
-    checkpoint without our manifest (a GPTQ checkpoint another tool wrote; its config says what it holds)."""
+    """Load the artifact at `path` into transformers' model class (for its forward: evaluation, export checks).
+    Float tensors are cast to `dtype` when given (quantized tensors and their scales keep their own dtypes).
+    Hashes are verified first unless `verify=False` (see ``_read``)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     root = Path(path)
-    if verify or not root.is_dir() or (root / artifact.MANIFEST).is_file():
-        manifest = artifact.verify(root) if verify else artifact.read_manifest(root)
-    else:  # a GPTQ checkpoint another tool wrote: no manifest, no hashes to check
-        manifest = {"scheme": None, "foreign": True}
-    raw_config = json.loads((root / "config.json").read_text())
-    qc = raw_config.pop("quantization_config", None)
-    state = shards.read_weights(root)
+    manifest, raw_config, qc, state = _read(root, verify)
     modules = schemes.module_specs(qc, state, root)
     config = AutoConfig.for_model(**raw_config)
     with init_empty_weights(include_buffers=False):
@@ -83,14 +106,33 @@ def load(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
         model.tie_weights()
     if dtype is not None:
         cast_float_params(model, dtype)
+        model.config.dtype = dtype
         if tied:
             model.tie_weights()
-        model.config.dtype = dtype
-    model.to(device).eval()
-    act = model.get_input_embeddings().weight.dtype  # what the quantized modules will be called with
-    for mod in model.modules():
-        if isinstance(mod, QuantizedLinear):
-            mod.prepare(act)  # after-load hooks: the runtime layout for `act` (int4 repacking), kernel alignment
-    artifact.release_unheld_pages([*model.parameters(), *model.buffers()])  # what repacking and casting replaced
+    _finish(model, None, device)
     tok = AutoTokenizer.from_pretrained(root)
+    return LoadedArtifact(model, tok, manifest, root)
+
+
+def load_for_engine(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu", verify: bool = True,
+                    cache_dir: str | Path | None = None, check_config=None) -> LoadedArtifact:
+    """Load an artifact, a GPTQ checkpoint (``verify=False``) or a plain safetensors model dir (``verify=False``:
+    served unquantized) as the engine reads it: a module tree by checkpoint name (``quant.module_tree``), the
+    config normalised by transformers out of process (``quant.model_config``, cached under ``cache_dir``), the
+    tokenizer transformers' AutoTokenizer picks. transformers' modeling classes are never imported, so the
+    serving process does not carry them (bench/served_memory.py). ``check_config(config)`` runs before any
+    weight is read (the engine refuses an architecture it does not serve there)."""
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    if verify:
+        artifact.verify(root)  # a damaged artifact is named as such before its config is read
+    config = model_config.read(root, cache_dir)
+    if check_config is not None:
+        check_config(config)
+    manifest, _, qc, state = _read(root, False)
+    specs = schemes.module_specs(qc, state, root) if qc is not None else {}
+    model = module_tree.build(state, specs, config, model_config.generation_eos(root))
+    _finish(model, dtype, device)
+    tok = AutoTokenizer.from_pretrained(root, config=config)  # given the config, it imports no config class
     return LoadedArtifact(model, tok, manifest, root)

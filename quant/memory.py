@@ -383,6 +383,13 @@ class MemoryTracker:
         tracker = self
 
         class _Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # Otherwise the mode's handler is wrapped to keep torch.compile out of it, and that wrapper's
+                # first call imports torch dynamo: ~120 MiB resident in a server that never compiles (it
+                # measures its projections' transients with this tracker).
+                return False
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 tracker._observe(out)

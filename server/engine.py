@@ -104,20 +104,31 @@ class ModelInfo:
 
 def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
     """(model, tokenizer, name, scheme): a quantserve / GPTQ artifact dir, or a plain model dir, GGUF or hub id
-    (served unquantized); None is the embedded default model."""
-    from quant import loader, models
+    (served unquantized); None is the embedded default model. Local safetensors checkpoints load as a module tree
+    without transformers' modeling classes (quant.loader.load_for_engine); a hub id or a .bin-only dir goes
+    through transformers."""
+    from quant import loader, shards
+    from quant import models as sources
 
+    check = models.model_class  # an architecture the engine does not serve is refused before any weight
     p = Path(spec).expanduser() if spec else None
     if p is not None and p.is_dir() and (p / "quant_manifest.json").is_file():
-        la = loader.load(p, dtype=dtype, device=device)
+        la = loader.load_for_engine(p, dtype=dtype, device=device, cache_dir=cache_dir, check_config=check)
         return la.model, la.tokenizer, str(p), str(la.manifest["scheme"])
     if p is not None and p.is_dir() and (p / "config.json").is_file() and "quantization_config" in (
         p / "config.json"
     ).read_text():
-        la = loader.load(p, dtype=dtype, device=device, verify=False)  # e.g. a GPTQ checkpoint made elsewhere
+        # e.g. a GPTQ checkpoint made elsewhere
+        la = loader.load_for_engine(p, dtype=dtype, device=device, verify=False, cache_dir=cache_dir,
+                                    check_config=check)
         return la.model, la.tokenizer, str(p), "gptq"
-    source = models.resolve(spec, cache_dir)
-    model, tok = models.load_model(source, dtype=dtype, device=device)
+    source = sources.resolve(spec, cache_dir)
+    local = Path(source.path)
+    if local.is_dir() and ((local / shards.WEIGHTS).is_file() or (local / shards.INDEX).is_file()):
+        la = loader.load_for_engine(local, dtype=dtype, device=device, verify=False, cache_dir=cache_dir,
+                                    check_config=check)
+        return la.model, la.tokenizer, source.spec, "none"
+    model, tok = sources.load_model(source, dtype=dtype, device=device)
     return model, tok, source.spec, "none"
 
 
@@ -268,8 +279,9 @@ class Engine:
     @staticmethod
     def _eos_ids(model, tokenizer) -> frozenset[int]:
         ids = set()
-        gen = getattr(model, "generation_config", None)
-        for src in (getattr(gen, "eos_token_id", None), model.config.eos_token_id, tokenizer.eos_token_id):
+        gen = getattr(model, "generation_config", None)  # a transformers model's; a module tree carries the ids
+        for src in (getattr(gen, "eos_token_id", None), getattr(model, "generation_eos", None),
+                    model.config.eos_token_id, tokenizer.eos_token_id):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):

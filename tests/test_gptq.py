@@ -290,10 +290,25 @@ def test_a_gptq_checkpoint_without_our_manifest_is_served_as_written(tmp_path, t
     other = tmp_path / "theirs"
     shutil.copytree(art, other)
     (other / "quant_manifest.json").unlink()
+    from server.kv_pool import BlockPool, KVLayout
+    from server.runner import ModelRunner, build_step
+
     model, tok, name, scheme = load_for_serving(str(other), torch.float32, "cpu", tmp_path / "cache")
     assert scheme == "gptq" and name == str(other)
-    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def engine_logits(m):  # (12, V) through the engine's model definition
+        lay = KVLayout.from_config(m.config, torch.float32, block_size=16)
+        pool = BlockPool(lay, lay.bytes_per_block * 4)
+        step = build_step([], [(ids, 0, pool.try_reserve("a", len(ids)), True)], 16, torch.device("cpu"))
+        step.sample_index = torch.arange(len(ids))
+        return ModelRunner(m, pool.storage, 16, "sdpa").forward(step)
+
+    ours = load(art, dtype=torch.float32).model  # transformers' model class over our verified artifact
+    got = engine_logits(model)
+    assert torch.equal(got, engine_logits(ours))  # the same tensors, read by name from the module tree
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, load(art, dtype=torch.float32).model(ids).logits)
+        ref = ours(torch.tensor([ids])).logits[0]  # (12, V) transformers' forward
+    assert (got - ref).abs().max().item() <= 1e-4 and ref.abs().max() > 1.0
     with pytest.raises(ArtifactError, match="not a quantserve artifact"):
         load(other)  # verified loading still wants the manifest
