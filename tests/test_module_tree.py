@@ -137,3 +137,28 @@ def test_the_serving_process_imports_no_modeling_stack(artifact, tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "heavy: []" in p.stdout, p.stdout
+
+
+def test_small_float_tensors_are_copied_out_of_the_weights_map(arch_dirs, cache_dir):
+    """Served in the file's dtype, the projections stay views of the memory map, but norm weights are copies:
+    touching a mapped norm would fault its page-cache folio in, with the released neighbours around it."""
+    from test_served_memory import _mappings
+
+    path = arch_dirs("llama")
+    tree, *_ = load_for_serving(str(path), torch.float32, "cpu", cache_dir)
+    spans = [(a, b) for a, b, _ in _mappings(path / "model.safetensors")]
+    assert spans
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(a <= t.data_ptr() < b for a, b in spans)
+
+    layer = tree.get_submodule("model.layers.0")
+    assert mapped(layer.self_attn.q_proj.weight) and mapped(layer.mlp.down_proj.weight)
+    assert not mapped(layer.input_layernorm.weight) and not mapped(tree.get_submodule("model.norm").weight)
+    assert torch.equal(layer.input_layernorm.weight, load_file_tensor(path, "model.layers.0.input_layernorm.weight"))
+
+
+def load_file_tensor(path: Path, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")[name]
