@@ -36,16 +36,16 @@ def int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype:
 
 def int4pack(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
              group_size: int, perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """W (N, K) in ``dtype`` from the CPU int4pack layout (``layout``: block rows, split nibbles; see
+    """W (N, K) in ``dtype`` (the C++ path: a transposed view of a contiguous (K, N)) from the CPU int4pack layout (``layout``: block rows, split nibbles; see
     ``quant.int4._cpu_layout``) and its (G, N, 2) scale/zero table: (code - 8) * s + z per group, computed as
     code * s + (z - 8 s) in fp32, column ``perm[c]`` of W being code column c."""
     if not _fast(packed):
         return int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype)
-    out = torch.empty((n, k), dtype=dtype)
+    out_t = torch.empty((k, n), dtype=dtype)  # W^T: the packed layout runs along N, so this is the contiguous way
     torch.ops.quantserve_quant.dequant_int4pack(packed.contiguous(), n, k, layout[0], layout[1], scales_zeros,
                                                 group_size, packed.new_empty(0, dtype=torch.int64)
-                                                if perm is None else perm, out)
-    return out
+                                                if perm is None else perm, out_t)
+    return out_t.t()  # (N, K) view; a dense matmul takes it at the same speed as a contiguous W (bench in RESULTS)
 
 
 def int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype) -> torch.Tensor:

@@ -65,10 +65,10 @@ def test_bad_inputs_are_refused_with_the_argument_named():
     packed, sz = torch.zeros(16 * 64 // 2, dtype=torch.uint8), torch.zeros(1, 16, 2)
     with pytest.raises(RuntimeError, match="packed must be"):
         torch.ops.quantserve_quant.dequant_int4pack(packed[1:], 16, 64, 32, False, sz, 64,
-                                                    torch.zeros(0, dtype=torch.long), torch.empty(16, 64))
+                                                    torch.zeros(0, dtype=torch.long), torch.empty(64, 16))
     with pytest.raises(RuntimeError, match="perm\\[0\\] is outside K"):
         torch.ops.quantserve_quant.dequant_int4pack(packed, 16, 64, 32, False, sz, 64, torch.full((64,), 99),
-                                                    torch.empty(16, 64))
+                                                    torch.empty(64, 16))
     with pytest.raises(RuntimeError, match="multiple of group_size"):
         torch.ops.quantserve_quant.dequant_int4pack(packed, 16, 64, 32, False, sz, 48, torch.zeros(0, dtype=torch.long),
-                                                    torch.empty(16, 64))
+                                                    torch.empty(64, 16))

@@ -13,7 +13,7 @@
 
 #include "elements.h"
 
-#include <vector>
+#include <algorithm>
 
 namespace {
 
@@ -59,40 +59,43 @@ void dequant_int8(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
 
 namespace {
 
-// One output row of an int4pack block: the K codes of row `j` of a block of `rows` rows stored as (K, rows/2)
-// bytes, with nibble layout `split` (row j in the low nibble of byte j and row j + rows/2 in the high nibble of
-// byte j) or interleaved (rows 2i and 2i + 1 in the low and high nibble of byte i). w = (code - 8) * s + z as
-// code * s + (z - 8 s), per group of `gs` columns (s, z: this row's (G,) scales and zeros, as floats), the
-// result at column perm[c] (perm null: c).
+// One block of the int4pack layout (`rows` rows of W stored as (K, rows/2) bytes, column c's codes in bytes
+// [c * rows/2, (c + 1) * rows/2)) dequantized into W^T's columns r0 .. r0 + rows. Nibble layout `split` (byte i:
+// row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s + (z - 8 s)
+// per row and group (s, off: (G, N) scales and offsets). The block is read once, in order, and each column's
+// values are written contiguously along N (an earlier row-major version gathered one byte every rows/2).
 template <typename T>
-__attribute__((noinline)) void int4_row(const uint8_t* __restrict block, int64_t rows, int64_t j, bool split,
-                                        int64_t k, int64_t gs, const float* __restrict s, const float* __restrict z,
-                                        const int64_t* __restrict perm, typename qs::Raw<T>::type* __restrict o,
-                                        float* __restrict tmp) {
-  const int64_t stride = rows / 2;
-  const int64_t byte = split ? (j < stride ? j : j - stride) : j / 2;
-  const int shift = split ? (j < stride ? 0 : 4) : (j % 2) * 4;
-  for (int64_t g = 0; g < k / gs; ++g) {
-    const float sc = s[g], off = z[g] - 8.0f * sc;
-    for (int64_t c = g * gs; c < (g + 1) * gs; ++c) {
-      const float code = static_cast<float>((block[c * stride + byte] >> shift) & 15);
-      tmp[c] = code * sc + off;
+__attribute__((noinline)) void int4_block(const uint8_t* __restrict src, int64_t r0, int64_t rows, bool split,
+                                          int64_t n, int64_t k, int64_t gs, const float* __restrict s,
+                                          const float* __restrict off, const int64_t* __restrict perm,
+                                          typename qs::Raw<T>::type* __restrict o) {
+  const int64_t half = rows / 2;
+  for (int64_t c = 0; c < k; ++c, src += half) {
+    const int64_t g = c / gs;
+    const float* __restrict sb = s + g * n + r0;
+    const float* __restrict ob = off + g * n + r0;
+    auto* __restrict w = o + (perm ? perm[c] : c) * n + r0;
+    if (split) {  // two single-stream loops: the compiler vectorises these, not one loop with both stores
+      for (int64_t i = 0; i < half; ++i) w[i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[i] + ob[i]);
+      for (int64_t i = 0; i < half; ++i)
+        w[half + i] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[half + i] + ob[half + i]);
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        w[2 * i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[2 * i] + ob[2 * i]);
+        w[2 * i + 1] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[2 * i + 1] + ob[2 * i + 1]);
+      }
     }
-  }
-  if (perm == nullptr) {
-    for (int64_t c = 0; c < k; ++c) o[c] = qs::Raw<T>::put(tmp[c]);
-  } else {
-    for (int64_t c = 0; c < k; ++c) o[perm[c]] = qs::Raw<T>::put(tmp[c]);
   }
 }
 
 }  // namespace
 
-// out (N, K) from the CPU int4pack layout: packed holds blocks of `block` rows (the last one may be partial and is
-// then interleaved, as is every block when split is false), each (K, rows/2) bytes; sz (G, N, 2): scale and zero
-// per group of group_size columns, any float dtype; perm (K,) int64 or empty: code column c is W's column perm[c].
+// out_t (K, N) = W^T from the CPU int4pack layout: packed holds blocks of `block` rows (the last one may be
+// partial and is then interleaved, as is every block when split is false), each (K, rows/2) bytes; sz (G, N, 2):
+// scale and zero per group of group_size columns, any float dtype; perm (K,) int64 or empty: code column c is
+// W's column perm[c], so it lands in out_t's row perm[c].
 void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t block, bool split,
-                      const at::Tensor& sz, int64_t group_size, const at::Tensor& perm, at::Tensor out) {
+                      const at::Tensor& sz, int64_t group_size, const at::Tensor& perm, at::Tensor out_t) {
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
                   packed.numel() == n * k / 2,
               "packed must be a contiguous CPU uint8 tensor of N * K / 2 bytes");
@@ -105,25 +108,26 @@ void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t bl
   TORCH_CHECK(!permuted || (perm.dim() == 1 && perm.size(0) == k && perm.is_contiguous() &&
                             perm.scalar_type() == at::kLong),
               "perm must be a contiguous (K,) int64 tensor, or empty");
-  check_out(out, n, k);
+  check_out(out_t, k, n);
   const int64_t* pp = permuted ? perm.data_ptr<int64_t>() : nullptr;
   if (permuted) {
     for (int64_t c = 0; c < k; ++c) TORCH_CHECK(pp[c] >= 0 && pp[c] < k, "perm[", c, "] is outside K");
   }
-  const at::Tensor tables = sz.to(at::kFloat).permute({1, 2, 0}).contiguous();  // (N, 2, G): scales, then zeros
-  const float* tp = tables.data_ptr<float>();
+  // (G, N) scales and offsets z - 8 s, in fp32 as the reference computes them
+  const at::Tensor sf = sz.to(at::kFloat);
+  const at::Tensor scales = sf.select(2, 0).contiguous();
+  const at::Tensor offsets = (sf.select(2, 1) - scales * 8.0f).contiguous();
+  const float* sp = scales.data_ptr<float>();
+  const float* op_ = offsets.data_ptr<float>();
   const uint8_t* bp = packed.data_ptr<uint8_t>();
   const int64_t full = split ? n / block : 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequant_int4pack", [&] {
-    auto* op = qs::raw(out.data_ptr<scalar_t>());
-    at::parallel_for(0, n, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, k)), [&](int64_t b, int64_t e) {
-      std::vector<float> tmp(k);
-      for (int64_t r = b; r < e; ++r) {
-        const int64_t r0 = r / block * block;  // the first row of r's block (full blocks come first)
-        const int64_t rows = std::min(block, n - r0);
-        const bool sp = split && r < full * block;
-        int4_row<scalar_t>(bp + r0 * k / 2, rows, r - r0, sp, k, group_size, tp + r * 2 * G, tp + r * 2 * G + G, pp,
-                           op + r * k, tmp.data());
+  const int64_t blocks = (n + block - 1) / block;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_t.scalar_type(), "dequant_int4pack", [&] {
+    auto* o = qs::raw(out_t.data_ptr<scalar_t>());
+    at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, block * k)), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t r0 = i * block, rows = std::min(block, n - r0);
+        int4_block<scalar_t>(bp + r0 * k / 2, r0, rows, split && i < full, n, k, group_size, sp, op_, pp, o);
       }
     });
   });
