@@ -44,7 +44,7 @@ ROW_BUCKETS = (1, 8, 32, 128, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 2  # bumped when a path gets faster or slower (2: the int4 dequantizer writes W^T, 5x faster)
+_CACHE_VERSION = 3  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster)
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 

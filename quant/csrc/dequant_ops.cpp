@@ -64,12 +64,14 @@ namespace {
 // row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s + (z - 8 s)
 // per row and group (s, off: (G, N) scales and offsets). The block is read once, in order, and each column's
 // values are written contiguously along N (an earlier row-major version gathered one byte every rows/2).
-template <typename T>
+// HALF > 0: rows / 2 known at compile time (the full blocks of the AVX-512 and AVX2 layouts, 32 and 16), so
+// the short per-column loops vectorise without a scalar remainder; 0: any block (the partial last one).
+template <typename T, int64_t HALF>
 __attribute__((noinline)) void int4_block(const uint8_t* __restrict src, int64_t r0, int64_t rows, bool split,
                                           int64_t n, int64_t k, int64_t gs, const float* __restrict s,
                                           const float* __restrict off, const int64_t* __restrict perm,
                                           typename qs::Raw<T>::type* __restrict o) {
-  const int64_t half = rows / 2;
+  const int64_t half = HALF > 0 ? HALF : rows / 2;
   for (int64_t c = 0; c < k; ++c, src += half) {
     const int64_t g = c / gs;
     const float* __restrict sb = s + g * n + r0;
@@ -127,7 +129,15 @@ void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t bl
     at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, block * k)), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t r0 = i * block, rows = std::min(block, n - r0);
-        int4_block<scalar_t>(bp + r0 * k / 2, r0, rows, split && i < full, n, k, group_size, sp, op_, pp, o);
+        const bool split_block = split && i < full;
+        const uint8_t* src = bp + r0 * k / 2;
+        if (split_block && rows == 64) {
+          int4_block<scalar_t, 32>(src, r0, rows, true, n, k, group_size, sp, op_, pp, o);
+        } else if (split_block && rows == 32) {
+          int4_block<scalar_t, 16>(src, r0, rows, true, n, k, group_size, sp, op_, pp, o);
+        } else {
+          int4_block<scalar_t, 0>(src, r0, rows, split_block, n, k, group_size, sp, op_, pp, o);
+        }
       }
     });
   });
