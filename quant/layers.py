@@ -207,7 +207,7 @@ class Int8WeightLinear(WeightOnlyLinear):
     """
 
     SPEC_TYPE = "int8_weight"
-    PARAM_TENSORS = ("weight_scale", "weight_zero_point", "kernel_scale")
+    PARAM_TENSORS = ("weight_scale", "weight_zero_point", "kernel_scale", "kernel_offset")
 
     @property
     def max_kernel_rows(self) -> int:
@@ -225,6 +225,7 @@ class Int8WeightLinear(WeightOnlyLinear):
         else:
             self.weight_zero_point = None
         self.register_buffer("kernel_scale", None)  # weight_scale in the kernel's activation dtype (prepare)
+        self.register_buffer("kernel_offset", None)  # affine: s * z in fp32 (prepare), the row-sum correction's
         self.bias = nn.Parameter(_empty((out_features,), torch.float32, device), requires_grad=False) if bias else None
 
     @classmethod
@@ -243,6 +244,8 @@ class Int8WeightLinear(WeightOnlyLinear):
         self.weight = _aligned(self.weight)
         if self.has_kernel(dtype) and not self.weight_scale.is_meta:
             self.kernel_scale = self.weight_scale.to(dtype)
+            if self.affine:  # computed once, not per call: at batch 1 each small op costs as much as its math
+                self.kernel_offset = self.weight_scale * self.weight_zero_point.float()  # (N,)
 
     def spec(self) -> dict:
         return {"type": self.SPEC_TYPE, "affine": self.affine, "bias": self.bias is not None}
@@ -265,8 +268,10 @@ class Int8WeightLinear(WeightOnlyLinear):
             fused.weight_zero_point = torch.cat([m.weight_zero_point for m in mods])
         if all(m.kernel_scale is not None and m.kernel_scale.dtype == mods[0].kernel_scale.dtype for m in mods):
             fused.kernel_scale = torch.cat([m.kernel_scale for m in mods])
+        if all(m.kernel_offset is not None for m in mods):
+            fused.kernel_offset = torch.cat([m.kernel_offset for m in mods])
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point", "kernel_scale"])
+        view_rows(mods, fused, ["weight", "weight_scale", "weight_zero_point", "kernel_scale", "kernel_offset"])
         return fused
 
     def has_kernel(self, dtype: torch.dtype) -> bool:
@@ -295,8 +300,11 @@ class Int8WeightLinear(WeightOnlyLinear):
             s = self.weight_scale.to(x2.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, s)  # (M, N)
         if self.affine:
-            corr = x2.float().sum(-1, keepdim=True) * (self.weight_scale * self.weight_zero_point.float())
-            y = (y.float() - corr).to(x2.dtype)
+            sz = self.kernel_offset
+            if sz is None:
+                sz = self.weight_scale * self.weight_zero_point.float()  # (N,)
+            rows = x2.sum(-1, keepdim=True, dtype=torch.float32)  # (M, 1)
+            y = torch.addcmul(y.float(), rows, sz, value=-1.0).to(x2.dtype)  # y - rowsum(x) * s * z
         return y
 
 
