@@ -36,9 +36,10 @@ def int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype:
 
 def int4pack(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
              group_size: int, perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """W (N, K) in ``dtype`` (the C++ path: a transposed view of a contiguous (K, N)) from the CPU int4pack layout (``layout``: block rows, split nibbles; see
+    """W (N, K) in ``dtype`` from the CPU int4pack layout (``layout``: block rows, split nibbles; see
     ``quant.int4._cpu_layout``) and its (G, N, 2) scale/zero table: (code - 8) * s + z per group, computed as
-    code * s + (z - 8 s) in fp32, column ``perm[c]`` of W being code column c."""
+    code * s + (z - 8 s) in fp32, column ``perm[c]`` of W being code column c. The C++ path returns a
+    transposed view of a contiguous (K, N)."""
     if not _fast(packed):
         return int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype)
     out_t = torch.empty((k, n), dtype=dtype)  # W^T: the packed layout runs along N, so this is the contiguous way

@@ -139,12 +139,10 @@ def load_for_engine(path: str | Path, dtype: torch.dtype | None = None, device: 
     from transformers import AutoTokenizer
 
     root = Path(path)
-    if verify:
-        artifact.verify(root)  # a damaged artifact is named as such before its config is read
+    manifest, _, qc, state = _read(root, verify)  # hashes checked; the weights mapped, not read
     config = model_config.read(root, cache_dir)
     if check_config is not None:
         check_config(config)
-    manifest, _, qc, state = _read(root, False)
     specs = schemes.module_specs(qc, state, root) if qc is not None else {}
     model = module_tree.build(state, specs, config, model_config.generation_eos(root))
     _finish(model, dtype, device)

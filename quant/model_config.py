@@ -92,7 +92,7 @@ def read(model_dir: str | Path, cache_dir: str | Path | None = None, in_process:
     values["_name_or_path"] = str(model_dir)  # as from_pretrained sets it (the cache is keyed by content, not path)
     config = PreTrainedConfig(**values)
     for key, value in values.items():  # the base class keeps a few fields (use_cache) for its subclasses to set
-        if key not in config.__dict__:
+        if key not in vars(config):
             setattr(config, key, value)
     return config
 

@@ -55,12 +55,13 @@ def _place(root: nn.Module, name: str, mod: nn.Module) -> None:
 
 
 def _linear(w: Tensor, b: Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` over given tensors, built without its constructor: that would initialise the weight,
-    which on the meta device runs a torch reference op that imports torch dynamo (~120 MiB resident)."""
+    """An ``nn.Linear`` over given tensors (a Parameter is taken as it is: a tied head shares the embedding's),
+    built without its constructor: that would initialise the weight, which on the meta device runs a torch
+    reference op that imports torch dynamo (~120 MiB resident)."""
     mod = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(mod)
     mod.in_features, mod.out_features = int(w.shape[1]), int(w.shape[0])
-    mod.weight = nn.Parameter(w, requires_grad=False)
+    mod.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
     mod.bias = None if b is None else nn.Parameter(b, requires_grad=False)
     return mod
 
@@ -114,7 +115,6 @@ def _tie_head(root: CheckpointModel, config) -> None:
     if not getattr(config, "tie_word_embeddings", False) or root._embedding is None:
         return
     head = _linear(root.get_input_embeddings().weight, None)  # (V, hidden), the embedding's own parameter
-    head.weight = root.get_input_embeddings().weight
     if HEAD in root._modules:
         del root._modules[HEAD]
     root.add_module(HEAD, head)

@@ -162,3 +162,17 @@ def load_file_tensor(path: Path, name: str) -> torch.Tensor:
     from safetensors.torch import load_file
 
     return load_file(path / "model.safetensors")[name]
+
+
+def test_a_checkpoint_that_is_not_a_module_tree_is_refused_in_one_line(tmp_path):
+    """Tensors with no module path, or a name that is both a module's tensors and another module's parent, are
+    refused naming them; a dir without a readable config.json is refused naming the file."""
+    w = torch.zeros(4, 4)
+    with pytest.raises(ArtifactError, match="top-level tensors") as e:
+        module_tree.build({"weight": w}, {}, None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ArtifactError, match="'model.a' twice"):
+        module_tree.build({"model.a.b.weight": w, "model.a.weight": w}, {}, None)
+    with pytest.raises(ModelSourceError, match="config.json") as e:
+        model_config.read(tmp_path, tmp_path / "cache")
+    assert "\n" not in str(e.value)

@@ -126,7 +126,8 @@ void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t bl
   const int64_t blocks = (n + block - 1) / block;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_t.scalar_type(), "dequant_int4pack", [&] {
     auto* o = qs::raw(out_t.data_ptr<scalar_t>());
-    at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, block * k)), [&](int64_t b, int64_t e) {
+    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, block * k));
+    at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t r0 = i * block, rows = std::min(block, n - r0);
         const bool split_block = split && i < full;
