@@ -43,9 +43,9 @@ def int4pack(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], sca
     if not _fast(packed):
         return int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype)
     out_t = torch.empty((k, n), dtype=dtype)  # W^T: the packed layout runs along N, so this is the contiguous way
-    torch.ops.quantserve_quant.dequant_int4pack(packed.contiguous(), n, k, layout[0], layout[1], scales_zeros,
-                                                group_size, packed.new_empty(0, dtype=torch.int64)
-                                                if perm is None else perm, out_t)
+    torch.ops.quantserve_quant.dequant_int4pack(packed.contiguous(), n, k, layout[0], layout[1],
+                                                scales_zeros.contiguous(), group_size,
+                                                packed.new_empty(0, dtype=torch.int64) if perm is None else perm, out_t)
     return out_t.t()  # (N, K) view; a dense matmul takes it at the same speed as a contiguous W (bench in RESULTS)
 
 

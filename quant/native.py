@@ -25,10 +25,26 @@ log = logging.getLogger("quantserve.native")
 # include path and in every build dir's hash.
 INCLUDE = Path(__file__).with_name("csrc")
 
-# -march=native: the loops are vectorised for the CPU that builds them (AVX-512 where it has it); -fopenmp-simd:
-# the ``omp simd`` loops (reductions) vectorise without linking an OpenMP runtime; -ffp-contract=off: no a*b+c
-# fused into one rounding, so each product rounds where the eager op it replaces rounds (the tests compare ulps).
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off")
+# -march=native: the loops are vectorised for the CPU that builds them (AVX-512 where it has it); -fopenmp: ATen's
+# ``at::parallel_for`` is header code that runs its range serially unless the including source is compiled with
+# OpenMP (without it every kernel here ran on one thread whatever ``torch.set_num_threads`` said), and the ``omp
+# simd`` loops (reductions) vectorise; the runtime linked is libgomp.so.1, the soname torch has already loaded, so
+# one OpenMP runtime and one thread pool serve both; -ffp-contract=off: no a*b+c fused into one rounding, so each
+# product rounds where the eager op it replaces rounds (the tests compare ulps).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+
+
+def isa_cap() -> tuple[str, ...]:
+    """Flags that hold -march=native to the vector ISA ATen dispatches to in this process: a CPU with AVX-512
+    running with ``ATEN_CPU_CAPABILITY=avx2`` (how a user caps it, and how the benches imitate an AVX2-only CPU)
+    gets kernels without AVX-512 too, so ours and ATen's are measured on the same instructions."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX2" and "avx512f" in cpu_flags().split():
+        return ("-mno-avx512f",)  # every AVX-512 subset depends on it
+    if cap in ("DEFAULT", "NO AVX") and "avx" in cpu_flags().split():
+        return ("-mno-avx",)
+    return ()
 
 
 def cpu_flags() -> str:
@@ -78,7 +94,8 @@ class Extension:
         from torch.utils.cpp_extension import get_default_build_root
 
         headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
-        digest = hashlib.sha256(self.source.read_bytes() + headers + " ".join(CFLAGS + (cpu_flags(),)).encode())
+        flags = " ".join(CFLAGS + isa_cap() + LDFLAGS + (cpu_flags(),))
+        digest = hashlib.sha256(self.source.read_bytes() + headers + flags.encode())
         digest = digest.hexdigest()
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         return Path(root) / (f"{self.name}_{digest[:12]}-py{sys.version_info[0]}{sys.version_info[1]}"
@@ -102,6 +119,6 @@ class Extension:
             if stale.exists():
                 log.warning("removing %s, left by a build that did not finish", stale)
                 stale.unlink()
-            build(name=where.name.split("-")[0], sources=[str(self.source)], extra_cflags=list(CFLAGS),
-                  extra_include_paths=[str(INCLUDE)], build_directory=str(where), is_python_module=False,
-                  verbose=False)
+            build(name=where.name.split("-")[0], sources=[str(self.source)], extra_cflags=list(CFLAGS + isa_cap()),
+                  extra_ldflags=list(LDFLAGS), extra_include_paths=[str(INCLUDE)], build_directory=str(where),
+                  is_python_module=False, verbose=False)

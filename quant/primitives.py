@@ -114,10 +114,34 @@ def int_mm_is_faster(device: torch.device) -> bool:
     return _INT_MM_FASTER[key]
 
 
+_INT_MM_EXACT: dict[str, bool] = {}
+
+
+def int_mm_is_exact(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` sums int8 products exactly on `device`, checked once per device type on the worst
+    case of our quantizers (every value at +-QMAX). oneDNN's int8 GEMM on a CPU without VNNI (AVX2) adds pairs of
+    u8 x s8 products in saturating 16-bit lanes (vpmaddubsw): its sums come back wrong, so there it is not used."""
+    key = torch.device(device).type
+    if key not in _INT_MM_EXACT:
+        a = torch.full((32, 64), QMAX, dtype=torch.int8, device=device)
+        b = torch.full((64, 32), QMAX, dtype=torch.int8, device=device)
+        b[:, 1::2] = -QMAX
+        want = torch.full((32, 32), 64 * QMAX * QMAX, dtype=torch.int32, device=device)
+        want[:, 1::2] = -want[:, 1::2]
+        _INT_MM_EXACT[key] = bool(torch.equal(torch._int_mm(a, b), want))
+    return _INT_MM_EXACT[key]
+
+
+def int_mm_is_usable(device: torch.device) -> bool:
+    """``torch._int_mm`` is both exact and faster than an fp32 product on `device`."""
+    return int_mm_is_exact(device) and int_mm_is_faster(device)
+
+
 def int8_product(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """xq (M, K) int8 @ wq (N, K)^T int8 -> (M, N) fp32: exact integer products, summed exactly by
-    ``torch._int_mm`` or in fp32 (exact up to 2**24 per partial sum) when that is this device's faster path."""
+    ``torch._int_mm`` where it is exact and this device's faster path, else in fp32 (exact up to 2**24 per partial
+    sum)."""
     m, k = xq.shape
-    if int_mm_is_faster(xq.device) and m > 16 and k % 8 == 0 and wq.shape[0] % 8 == 0:
+    if int_mm_is_usable(xq.device) and m > 16 and k % 8 == 0 and wq.shape[0] % 8 == 0:
         return torch._int_mm(xq, wq.t()).float()
     return xq.float() @ wq.float().t()

@@ -14,6 +14,7 @@
 #include "elements.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -59,33 +60,59 @@ void dequant_int8(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
 
 namespace {
 
-// One block of the int4pack layout (`rows` rows of W stored as (K, rows/2) bytes, column c's codes in bytes
-// [c * rows/2, (c + 1) * rows/2)) dequantized into W^T's columns r0 .. r0 + rows. Nibble layout `split` (byte i:
-// row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s + (z - 8 s)
-// per row and group (s, off: (G, N) scales and offsets). The block is read once, in order, and each column's
-// values are written contiguously along N (an earlier row-major version gathered one byte every rows/2).
+// Column c of one block of the int4pack layout (`rows` rows of W stored as (K, rows/2) bytes, column c's codes in
+// bytes [c * rows/2, (c + 1) * rows/2) of the block) into W^T's row c, entries r0 .. r0 + rows. Nibble layout
+// `split` (byte i: row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s +
+// (z - 8 s) per row (s, off: that column group's (N,) scales and offsets).
 // HALF > 0: rows / 2 known at compile time (the full blocks of the AVX-512 and AVX2 layouts, 32 and 16), so
-// the short per-column loops vectorise without a scalar remainder; 0: any block (the partial last one).
+// the short loops vectorise without a scalar remainder; 0: any block (the partial last one).
 template <typename T, int64_t HALF>
-__attribute__((noinline)) void int4_block(const uint8_t* __restrict src, int64_t r0, int64_t rows, bool split,
-                                          int64_t n, int64_t k, int64_t gs, const float* __restrict s,
-                                          const float* __restrict off, const int64_t* __restrict perm,
-                                          typename qs::Raw<T>::type* __restrict o) {
+inline void int4_column(const uint8_t* __restrict src, int64_t rows, bool split, const float* __restrict sb,
+                        const float* __restrict ob, typename qs::Raw<T>::type* __restrict w) {
   const int64_t half = HALF > 0 ? HALF : rows / 2;
-  for (int64_t c = 0; c < k; ++c, src += half) {
+  if (split) {  // two single-stream loops: the compiler vectorises these, not one loop with both stores
+    for (int64_t i = 0; i < half; ++i) w[i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[i] + ob[i]);
+    for (int64_t i = 0; i < half; ++i)
+      w[half + i] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[half + i] + ob[half + i]);
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      w[2 * i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[2 * i] + ob[2 * i]);
+      w[2 * i + 1] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[2 * i + 1] + ob[2 * i + 1]);
+    }
+  }
+}
+
+// W^T's rows c0 .. c1 (columns of W), each written whole and in order along N, block after block: one
+// sequential store stream per thread (a block-outer order wrote 128 bytes into each of K rows in turn, K streams
+// the prefetchers do not follow). The reads are the blocks' column c, 16 or 32 bytes each, at a stride of the
+// block's size. A group's scales and offsets z - 8 s (fp32, as the reference computes them) are expanded from sz
+// (G, N, 2) into the thread's own rows when its columns enter the group, and reused by the group's columns.
+template <typename T, typename S, int64_t HALF>
+__attribute__((noinline)) void int4_rows(const uint8_t* __restrict packed, int64_t c0, int64_t c1, int64_t block,
+                                         int64_t full, int64_t n, int64_t k, int64_t gs, const S* __restrict sz,
+                                         const int64_t* __restrict perm, typename qs::Raw<T>::type* __restrict o) {
+  const int64_t half = block / 2;
+  std::vector<float> table(2 * n);
+  float* __restrict sg = table.data();
+  float* __restrict og = sg + n;
+  int64_t loaded = -1;
+  for (int64_t c = c0; c < c1; ++c) {
     const int64_t g = c / gs;
-    const float* __restrict sb = s + g * n + r0;
-    const float* __restrict ob = off + g * n + r0;
-    auto* __restrict w = o + (perm ? perm[c] : c) * n + r0;
-    if (split) {  // two single-stream loops: the compiler vectorises these, not one loop with both stores
-      for (int64_t i = 0; i < half; ++i) w[i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[i] + ob[i]);
-      for (int64_t i = 0; i < half; ++i)
-        w[half + i] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[half + i] + ob[half + i]);
-    } else {
-      for (int64_t i = 0; i < half; ++i) {
-        w[2 * i] = qs::Raw<T>::put(static_cast<float>(src[i] & 15) * sb[2 * i] + ob[2 * i]);
-        w[2 * i + 1] = qs::Raw<T>::put(static_cast<float>(src[i] >> 4) * sb[2 * i + 1] + ob[2 * i + 1]);
+    if (g != loaded) {
+      const S* row = sz + g * n * 2;
+      for (int64_t r = 0; r < n; ++r) {
+        sg[r] = qs::to_f(row[2 * r]);
+        og[r] = qs::to_f(row[2 * r + 1]) - sg[r] * 8.0f;
       }
+      loaded = g;
+    }
+    auto* __restrict w = o + (perm ? perm[c] : c) * n;
+    int64_t r0 = 0;
+    for (int64_t b = 0; b < full; ++b, r0 += block)
+      int4_column<T, HALF>(packed + r0 * k / 2 + c * half, block, true, sg + r0, og + r0, w + r0);
+    for (; r0 < n; r0 += block) {  // the interleaved blocks: all of them without split, else the partial last
+      const int64_t rows = std::min(block, n - r0);
+      int4_column<T, 0>(packed + r0 * k / 2 + c * (rows / 2), rows, false, sg + r0, og + r0, w + r0);
     }
   }
 }
@@ -115,31 +142,24 @@ void dequant_int4pack(const at::Tensor& packed, int64_t n, int64_t k, int64_t bl
   if (permuted) {
     for (int64_t c = 0; c < k; ++c) TORCH_CHECK(pp[c] >= 0 && pp[c] < k, "perm[", c, "] is outside K");
   }
-  // (G, N) scales and offsets z - 8 s, in fp32 as the reference computes them
-  const at::Tensor sf = sz.to(at::kFloat);
-  const at::Tensor scales = sf.select(2, 0).contiguous();
-  const at::Tensor offsets = (sf.select(2, 1) - scales * 8.0f).contiguous();
-  const float* sp = scales.data_ptr<float>();
-  const float* op_ = offsets.data_ptr<float>();
+  TORCH_CHECK(sz.is_contiguous(), "scales_zeros must be contiguous");
   const uint8_t* bp = packed.data_ptr<uint8_t>();
   const int64_t full = split ? n / block : 0;
-  const int64_t blocks = (n + block - 1) / block;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_t.scalar_type(), "dequant_int4pack", [&] {
-    auto* o = qs::raw(out_t.data_ptr<scalar_t>());
-    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, block * k));
-    at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t r0 = i * block, rows = std::min(block, n - r0);
-        const bool split_block = split && i < full;
-        const uint8_t* src = bp + r0 * k / 2;
-        if (split_block && rows == 64) {
-          int4_block<scalar_t, 32>(src, r0, rows, true, n, k, group_size, sp, op_, pp, o);
-        } else if (split_block && rows == 32) {
-          int4_block<scalar_t, 16>(src, r0, rows, true, n, k, group_size, sp, op_, pp, o);
+    using T = scalar_t;
+    auto* o = qs::raw(out_t.data_ptr<T>());
+    const int64_t grain = std::max<int64_t>(1, kGrain / n);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "dequant_int4pack_table", [&] {
+      const scalar_t* zp = sz.data_ptr<scalar_t>();
+      at::parallel_for(0, k, grain, [&](int64_t c0, int64_t c1) {
+        if (full > 0 && block == 64) {
+          int4_rows<T, scalar_t, 32>(bp, c0, c1, block, full, n, k, group_size, zp, pp, o);
+        } else if (full > 0 && block == 32) {
+          int4_rows<T, scalar_t, 16>(bp, c0, c1, block, full, n, k, group_size, zp, pp, o);
         } else {
-          int4_block<scalar_t, 0>(src, r0, rows, split_block, n, k, group_size, sp, op_, pp, o);
+          int4_rows<T, scalar_t, 0>(bp, c0, c1, block, full, n, k, group_size, zp, pp, o);
         }
-      }
+      });
     });
   });
 }

@@ -1,0 +1,267 @@
+// Whole int8 Linears for a few rows (batch-1 and small-batch decode) in one call each (quant/layers.py; loaded by
+// quant/int8_rows.py, where each has its PyTorch counterpart, and tests hold the two together).
+//
+// Why: at a few rows a quantized Linear reads N x K int8 weight bytes once, half the bytes of a bf16 one, but its
+// eager form is a chain of small ATen ops (W8A8: smooth, abs, amax, divide, clamp, divide, round, clamp, convert,
+// product, two products and a sum for the rescale, convert; ~12 calls of a few µs each), and on a CPU without
+// VNNI ``torch._int_mm`` runs a 1-row product 60x slower than a bf16 one. A model of 30 layers makes ~200 such
+// calls per token: the calls, not the bytes, set the speed. Here the quantization of x, the product and the
+// rescale are one op, the product one pass over W, parallel over its rows.
+//
+// w8a8_rows computes what the `_int_mm` path computes, bit for bit: the activations quantized in fp32 as
+// quant.primitives does (division, round half to even, clamp), exact int32 sums, and the fp32 rescale in the same
+// order. int8_weight_rows computes x @ (s (q - z))^T as (x . q) s - rowsum(x) s z in fp32, rounded once; its sums
+// are in another order than ATen's int8pack kernel (which rounds to the activation dtype before the correction),
+// so it is held to the module's fp32 reference, as that kernel is.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "elements.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // multiply-adds per task: below this a call stays on one thread
+
+int64_t grain_rows(int64_t per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, per_row)); }
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
+                const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (M, K) tensor");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
+                  w.size(1) == x.size(1),
+              "weight must be a contiguous CPU (N, K) int8 tensor with x's K");
+  const int64_t n = w.size(0);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "weight_scale must be a contiguous (N,) fp32 tensor");
+  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous() &&
+                                    bias.scalar_type() == at::kFloat),
+              "bias must be a contiguous (N,) fp32 tensor, or empty");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == n && out.scalar_type() == x.scalar_type(),
+              "out must be a contiguous (M, N) tensor of x's dtype");
+}
+
+const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == at::kFloat, what,
+              " must be a contiguous (", n, ",) fp32 tensor, or empty");
+  return t.data_ptr<float>();
+}
+
+// One row of x as fp32, divided by the smoothing divisor where there is one.
+template <typename T>
+void row_f32(const typename qs::Raw<T>::type* __restrict x, const float* __restrict smooth, float* __restrict o,
+             int64_t k) {
+  for (int64_t j = 0; j < k; ++j) o[j] = qs::Raw<T>::get(x[j]);
+  if (smooth)
+    for (int64_t j = 0; j < k; ++j) o[j] = o[j] / smooth[j];
+}
+
+// Four weight rows against one x row at once: four independent sums and x read once per four rows. x comes widened
+// to int16, and each weight row is widened in registers, so that a 16-bit multiply-add with 32-bit sums does the
+// work (vpmaddwd; vpdpwssd with AVX-512 VNNI): written with intrinsics because the compiler's vectoriser instead
+// multiplies in 32 bits. Integer sums are exact, so the order does not matter.
+#if defined(__AVX512BW__)
+inline __m512i madd(__m512i acc, __m512i x, const int8_t* w) {
+  const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, x, w16);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w16));
+#endif
+}
+constexpr int64_t kLanes = 32;  // int16 values per vector
+#elif defined(__AVX2__)
+inline __m256i madd(__m256i acc, __m256i x, const int8_t* w) {
+  const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w16));
+}
+constexpr int64_t kLanes = 16;
+#endif
+
+void dot4_i8(const int16_t* __restrict a, const int8_t* __restrict w, int64_t k, int32_t* __restrict out) {
+  const int8_t* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  int64_t j = 0;
+#if defined(__AVX512BW__)
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  for (; j + kLanes <= k; j += kLanes) {
+    const __m512i x = _mm512_loadu_si512(a + j);
+    s0 = madd(s0, x, ws[0] + j), s1 = madd(s1, x, ws[1] + j), s2 = madd(s2, x, ws[2] + j), s3 = madd(s3, x, ws[3] + j);
+  }
+  out[0] = _mm512_reduce_add_epi32(s0), out[1] = _mm512_reduce_add_epi32(s1);
+  out[2] = _mm512_reduce_add_epi32(s2), out[3] = _mm512_reduce_add_epi32(s3);
+#elif defined(__AVX2__)
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+  for (; j + kLanes <= k; j += kLanes) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
+    s0 = madd(s0, x, ws[0] + j), s1 = madd(s1, x, ws[1] + j), s2 = madd(s2, x, ws[2] + j), s3 = madd(s3, x, ws[3] + j);
+  }
+  const auto hsum = [](__m256i v) {
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i q = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
+  };
+  out[0] = hsum(s0), out[1] = hsum(s1), out[2] = hsum(s2), out[3] = hsum(s3);
+#else
+  out[0] = out[1] = out[2] = out[3] = 0;
+#endif
+  for (; j < k; ++j)
+    for (int i = 0; i < 4; ++i) out[i] += a[j] * static_cast<int32_t>(ws[i][j]);
+}
+
+int32_t dot_i8(const int16_t* __restrict a, const int8_t* __restrict b, int64_t k) {
+  int32_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < k; ++j) acc += a[j] * static_cast<int16_t>(b[j]);
+  return acc;
+}
+
+void dot4_f32_i8(const float* __restrict a, const int8_t* __restrict w, int64_t k, float* __restrict out) {
+  const int8_t* __restrict w0 = w;
+  const int8_t* __restrict w1 = w + k;
+  const int8_t* __restrict w2 = w + 2 * k;
+  const int8_t* __restrict w3 = w + 3 * k;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t j = 0; j < k; ++j) {
+    const float x = a[j];
+    s0 = std::fma(x, static_cast<float>(w0[j]), s0);  // fused: this sum is held to a tolerance, not bits
+    s1 = std::fma(x, static_cast<float>(w1[j]), s1);
+    s2 = std::fma(x, static_cast<float>(w2[j]), s2);
+    s3 = std::fma(x, static_cast<float>(w3[j]), s3);
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+float dot_f32_i8(const float* __restrict a, const int8_t* __restrict b, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < k; ++j) acc = std::fma(a[j], static_cast<float>(b[j]), acc);
+  return acc;
+}
+
+float sum_f32(const float* __restrict a, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < k; ++j) acc += a[j];
+  return acc;
+}
+
+}  // namespace
+
+// out (M, N) = the W8A8 Linear of x (M, K): x (divided by smooth (K,) where given) quantized per row (dynamic:
+// input_scale empty; s = max(amax|x| / qmax, min_scale)) or by the 0-dim input_scale, times the int8 weight (N, K),
+// rescaled by s_x * weight_scale (N,) in fp32, plus bias (N,) fp32 where given, rounded to x's dtype.
+void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& input_scale,
+               const at::Tensor& smooth, const at::Tensor& bias, double qmax, double min_scale, at::Tensor out) {
+  check_rows(x, w, w_scale, bias, out);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const bool dynamic = input_scale.numel() == 0;
+  TORCH_CHECK(dynamic || (input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat),
+              "input_scale must be a 0-dim fp32 tensor, or empty (dynamic)");
+  const float* sm = optional_f32(smooth, k, "smooth_scale");
+  const float* bp = optional_f32(bias, n, "bias");
+  const float qm = static_cast<float>(qmax), floor_s = static_cast<float>(min_scale);
+  std::vector<int16_t> xq(m * k);  // the int8 values, widened (see dot4_i8)
+  std::vector<float> xs(m);
+  std::vector<float> xf(k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "w8a8_rows", [&] {
+    const auto* xp = qs::raw(x.data_ptr<scalar_t>());
+    for (int64_t r = 0; r < m; ++r) {  // quant.primitives.quantize_act_dynamic / _static, in the same fp32 steps
+      row_f32<scalar_t>(xp + r * k, sm, xf.data(), k);
+      float s;
+      if (dynamic) {
+        float amax = 0.f;
+        for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(xf[j]));
+        s = std::max(amax / qm, floor_s);
+      } else {
+        s = input_scale.item<float>();
+      }
+      xs[r] = s;
+      int16_t* q = xq.data() + r * k;
+      for (int64_t j = 0; j < k; ++j) q[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xf[j] / s), -qm, qm));
+    }
+    const float* ws = w_scale.data_ptr<float>();
+    const int8_t* wp = w.data_ptr<int8_t>();
+    auto* op = qs::raw(out.data_ptr<scalar_t>());
+    const auto finish = [&](int64_t r, int64_t c, int32_t acc) {  // _finish: acc * (s_x * s_w) + bias, rounded
+      float y = static_cast<float>(acc) * (xs[r] * ws[c]);
+      if (bp) y = y + bp[c];
+      op[r * n + c] = qs::Raw<scalar_t>::put(y);
+    };
+    at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+      int32_t acc[4];
+      for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
+        for (int64_t r = 0; r < m; ++r) {
+          if (c + 4 <= n) {
+            dot4_i8(xq.data() + r * k, wp + c * k, k, acc);
+            for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
+          } else {
+            for (int64_t i = c; i < n; ++i) finish(r, i, dot_i8(xq.data() + r * k, wp + i * k, k));
+          }
+        }
+      }
+    });
+  });
+}
+
+// out (M, N) = x (M, K) @ (s (q - z))^T + bias: (x . q) * s - rowsum(x) * offset (offset (N,) = s * z, fp32, or
+// empty when symmetric), in fp32, rounded once to x's dtype.
+void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                      const at::Tensor& bias, at::Tensor out) {
+  check_rows(x, q, scale, bias, out);
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  const float* off = optional_f32(offset, n, "offset");
+  const float* bp = optional_f32(bias, n, "bias");
+  std::vector<float> xf(m * k);
+  std::vector<float> rows(m, 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_weight_rows", [&] {
+    const auto* xp = qs::raw(x.data_ptr<scalar_t>());
+    for (int64_t r = 0; r < m; ++r) {
+      row_f32<scalar_t>(xp + r * k, nullptr, xf.data() + r * k, k);
+      if (off) rows[r] = sum_f32(xf.data() + r * k, k);
+    }
+    const float* sp = scale.data_ptr<float>();
+    const int8_t* qp = q.data_ptr<int8_t>();
+    auto* op = qs::raw(out.data_ptr<scalar_t>());
+    const auto finish = [&](int64_t r, int64_t c, float dot) {
+      float y = dot * sp[c];
+      if (off) y = y - rows[r] * off[c];
+      if (bp) y = y + bp[c];
+      op[r * n + c] = qs::Raw<scalar_t>::put(y);
+    };
+    at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+      float acc[4];
+      for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
+        for (int64_t r = 0; r < m; ++r) {
+          if (c + 4 <= n) {
+            dot4_f32_i8(xf.data() + r * k, qp + c * k, k, acc);
+            for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
+          } else {
+            for (int64_t i = c; i < n; ++i) finish(r, i, dot_f32_i8(xf.data() + r * k, qp + i * k, k));
+          }
+        }
+      }
+    });
+  });
+}
+
+TORCH_LIBRARY(quantserve_int8, m) {
+  m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
+        "float qmax, float min_scale, Tensor(a!) out) -> ()");
+  m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias, "
+        "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(quantserve_int8, CPU, m) {
+  m.impl("w8a8_rows", &w8a8_rows);
+  m.impl("int8_weight_rows", &int8_weight_rows);
+}

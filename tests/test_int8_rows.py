@@ -1,0 +1,134 @@
+"""The one-call int8 Linears (quant/int8_rows.py, quant/csrc/int8_ops.cpp) against exact and fp32 references, the
+check that keeps an inexact ``torch._int_mm`` out of the W8A8 paths, and the ISA cap of the C++ builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from quant import int8_rows
+from quant import native
+from quant import primitives as P
+from quant.layers import Int8WeightLinear, W8A8Linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not int8_rows.available(torch.empty(0, dtype=torch.int8)),
+                                reason="the C++ int8 ops cannot be built here")
+
+
+def _linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias)
+
+
+def _exact_w8a8(m: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The module's own quantization and rescale around an integer product summed in int64 (exact)."""
+    xq, xs = m._quantize_input(x)
+    acc = (xq.long() @ m.weight.long().t()).to(torch.int32)  # (M, N), |sum| < 2^31 here
+    return m._finish(acc, xs, x.dtype)
+
+
+# K = 200 and N = 98: neither a multiple of the vector width nor of the four rows taken at once (the tails).
+@pytest.mark.parametrize("dynamic", [True, False])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_w8a8_rows_equals_the_exact_integer_product_bit_for_bit(dynamic, smooth, bias, dtype, rows):
+    lin = _linear(200, 98, bias)
+    s = torch.rand(200, generator=torch.Generator().manual_seed(1)) + 0.5 if smooth else None
+    m = W8A8Linear.from_float(lin, None if dynamic else 0.01, s)  # static: some inputs saturate
+    m.prepare()
+    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = m.paths(dtype)["rows"](x)
+    assert y.dtype == dtype and torch.equal(y, _exact_w8a8(m, x))
+
+
+def test_w8a8_rows_is_exact_where_16_bit_pair_sums_would_saturate():
+    """Every activation and weight at +-127: the case oneDNN's AVX2 int8 GEMM gets wrong."""
+    m = W8A8Linear.from_float(_linear(256, 8, False), 1.0)
+    m.weight = torch.full((8, 256), 127, dtype=torch.int8)
+    m.weight[1::2] = -127
+    x = torch.full((2, 256), 500.0)  # quantized to 127 (saturated)
+    y = m.paths(torch.float32)["rows"](x)
+    want = 256 * 127 * 127 * m.weight_scale * torch.tensor([1.0, -1.0] * 4)
+    assert torch.equal(y, want.expand(2, 8).float())
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_weight_rows_matches_the_fp32_reference(affine, bias, dtype, rows):
+    m = Int8WeightLinear.from_float(_linear(200, 98, bias, seed=3), affine)
+    m.prepare(dtype)
+    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ref = m.reference_forward(x)
+    y = m.paths(dtype)["rows"](x)
+    # fp32 sums in another order than the reference's, rounded once: fp32 accuracy, or half a bf16 ulp
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    assert y.dtype == dtype and float((y.float() - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_int8_weight_rows_of_a_fused_module_are_its_parts_products():
+    parts = [Int8WeightLinear.from_float(_linear(64, n, False, seed=n), True) for n in (32, 16)]
+    fused = Int8WeightLinear.fuse(parts)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = fused.paths(torch.bfloat16)["rows"](x)
+    want = torch.cat([p.paths(torch.bfloat16)["rows"](x) for p in parts], dim=1)
+    assert torch.equal(y, want)
+
+
+def test_bad_operands_get_one_line_errors():
+    q = torch.zeros(8, 64, dtype=torch.int8)
+    s = torch.ones(8)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous CPU \\(N, K\\) int8 tensor with x's K"):
+        int8_rows.int8_weight(torch.zeros(1, 32), q, s, None, None)
+    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor"):
+        int8_rows.w8a8(torch.zeros(1, 64), q, s.double(), None, None, None)
+    with pytest.raises(RuntimeError, match="smooth_scale must be a contiguous \\(64,\\) fp32 tensor"):
+        int8_rows.w8a8(torch.zeros(1, 64), q, s, None, torch.ones(63), None)
+    with pytest.raises(RuntimeError, match="input_scale must be a 0-dim fp32 tensor"):
+        int8_rows.w8a8(torch.zeros(1, 64), q, s, torch.ones(2), None, None)
+
+
+def test_an_inexact_int_mm_is_not_offered(monkeypatch):
+    """Where ``torch._int_mm`` saturates (oneDNN without VNNI), the probe says so and the W8A8 module neither
+    offers nor statically picks it; calibration's product takes fp32."""
+    real = torch._int_mm
+
+    def saturating(a, b):  # what 16-bit pair sums do to the worst case
+        return real(a, b).clamp(-(2 ** 15), 2 ** 15 - 1)
+
+    monkeypatch.setattr(P, "_INT_MM_EXACT", {})
+    monkeypatch.setattr(P, "_INT_MM_FASTER", {"cpu": True})
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not P.int_mm_is_exact(torch.device("cpu"))
+    m = W8A8Linear.from_float(_linear(64, 32, False), None)
+    assert "int_mm" not in m.paths(torch.bfloat16) and m.static_path(64, torch.bfloat16) == "fp32"
+    xq = torch.full((32, 64), 127, dtype=torch.int8)
+    assert torch.equal(P.int8_product(xq, xq), torch.full((32, 32), 64.0 * 127 * 127))
+    monkeypatch.setattr(P, "_INT_MM_EXACT", {})
+    monkeypatch.setattr(torch, "_int_mm", real)
+    assert P.int_mm_is_exact(torch.device("cpu")) == torch.equal(
+        real(xq, xq.t()), torch.full((32, 32), 64 * 127 * 127, dtype=torch.int32))
+
+
+@pytest.mark.skipif("avx512f" not in native.cpu_flags().split(), reason="the CPU has no AVX-512 to cap")
+def test_kernels_built_under_an_avx2_cap_leave_out_avx512():
+    code = "from quant import native; print(native.isa_cap())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    capped = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            check=True)
+    assert capped.stdout.strip() == "('-mno-avx512f',)"
+    env.pop("ATEN_CPU_CAPABILITY")
+    plain = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                           check=True)
+    assert plain.stdout.strip() == "()"
