@@ -89,10 +89,15 @@ constexpr int64_t kLanes = 16;
 
 void dot4_i8(const int16_t* __restrict a, const int8_t* __restrict w, int64_t k, int32_t* __restrict out) {
   const int8_t* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  // The next four rows, 4 k contiguous bytes, fetched while these are summed (4 x the lanes' bytes per step):
+  // the four short row streams alone leave the hardware prefetchers behind (a cold 3072 x 576 weight read at
+  // ~half the bandwidth a bf16 one is).
+  const int8_t* next = w + 4 * k;
   int64_t j = 0;
 #if defined(__AVX512BW__)
   __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
   for (; j + kLanes <= k; j += kLanes) {
+    __builtin_prefetch(next + 4 * j), __builtin_prefetch(next + 4 * j + 64);
     const __m512i x = _mm512_loadu_si512(a + j);
     s0 = madd(s0, x, ws[0] + j), s1 = madd(s1, x, ws[1] + j), s2 = madd(s2, x, ws[2] + j), s3 = madd(s3, x, ws[3] + j);
   }
@@ -101,6 +106,7 @@ void dot4_i8(const int16_t* __restrict a, const int8_t* __restrict w, int64_t k,
 #elif defined(__AVX2__)
   __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
   for (; j + kLanes <= k; j += kLanes) {
+    __builtin_prefetch(next + 4 * j), __builtin_prefetch(next + 4 * j + 64);
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
     s0 = madd(s0, x, ws[0] + j), s1 = madd(s1, x, ws[1] + j), s2 = madd(s2, x, ws[2] + j), s3 = madd(s3, x, ws[3] + j);
   }
