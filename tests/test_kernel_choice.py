@@ -136,10 +136,12 @@ def test_static_mode_measures_nothing(tmp_path, monkeypatch):
 def test_int4pack_layout_reads_back_on_every_vector_width(capability):
     """The CPU int4pack layout depends on the vector width PyTorch dispatches to; each is checked in its own
     process (ATEN_CPU_CAPABILITY is read once), on shapes with full and partial blocks, against the codes read
-    back through the kernel itself."""
+    back through the kernel itself; the C++ dequantizer and int8 kernels, built for that capability, are held to
+    their references bit for bit there."""
     code = (
         "import torch\n"
-        "from quant import gptq as G, int4\n"
+        "from quant import dequant, gptq as G, int4, int8_rows\n"
+        "from quant.layers import W8A8Linear\n"
         "assert int4._cpu_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
         "for n in (16, 48, 80, 576, 960):\n"
         "    w = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))\n"
@@ -150,6 +152,17 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
         "    assert torch.equal(fast, m._kernel_codes()), n\n"
         "    err = (m.dequantized(torch.float32) - ref).abs().max() / ref.abs().max()\n"
         "    assert err < 1e-2, (n, err)  # scales and zeros are held in bf16\n"
+        "    sz = m.scales_zeros.clone()\n"
+        "    sz[0, :3, 0] = torch.tensor([float('nan'), float('inf'), 1e-3])  # specials through the rounding\n"
+        "    for dt in (torch.float32, torch.bfloat16):  # the C++ dequantizer as built for this capability\n"
+        "        fast = dequant.int4pack(m.packed, n, 128, int4._cpu_layout(), sz, 64, None, dt)\n"
+        "        ref = dequant.int4pack_reference(m.packed, n, 128, int4._cpu_layout(), sz, 64, None, dt)\n"
+        "        torch.testing.assert_close(fast, ref, rtol=0, atol=0, equal_nan=True)  # NaN payloads aside\n"
+        "w = W8A8Linear.from_float(torch.nn.Linear(200, 98), None)\n"
+        "x = torch.randn(3, 200).bfloat16()\n"
+        "xq, xs = w._quantize_input(x)\n"
+        "exact = w._finish((xq.long() @ w.weight.long().t()).int(), xs, x.dtype)\n"
+        "assert not int8_rows.available(w.weight) or torch.equal(w.paths(x.dtype)['rows'](x), exact)\n"
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
