@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from quant import dequant, triton_ops
+from quant import rows as rowops
 from quant.errors import ArtifactError
 from quant.layers import WeightOnlyLinear, fused_bias, fused_offsets
 
@@ -272,10 +273,18 @@ class GPTQLinear(WeightOnlyLinear):
 
     def paths(self, dtype: torch.dtype) -> dict:
         """As every weight-only module's, less the dequantizing paths where the int4pack layout cannot be read
-        back cheaply on this CPU (an unknown layout: only the kernel's identity product would do, K x K x N)."""
+        back cheaply on this CPU (an unknown layout: only the kernel's identity product would do, K x K x N), and
+        with ``rows`` (``quant.rows.int4``) where it can."""
         out = super().paths(dtype)
-        if self.packed is not None and self.packed.device.type == "cpu" and _cpu_layout() is None:
-            out = {"kernel": out["kernel"]}
+        if self.packed is not None and self.packed.device.type == "cpu":
+            layout = _cpu_layout()
+            if layout is None:
+                return {"kernel": out["kernel"]}
+            if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
+                n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
+                bias = None if self.bias is None else self.bias.data.float()
+                out["rows"] = lambda x: rowops.int4(x if perm is None else x.index_select(1, perm), self.packed, n,
+                                                    k, layout, self.scales_zeros, gs, bias)
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:

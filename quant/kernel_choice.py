@@ -44,9 +44,9 @@ ROW_BUCKETS = (1, 8, 32, 128, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 5  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 6  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
-# and the rows paths' inner loops written with intrinsics)
+# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path)
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant import dequant, int8_rows, triton_ops
+from quant import dequant, triton_ops
 from quant import primitives as P
+from quant import rows as rowops
 from quant.kernel_choice import computation_key
 
 # Up to this many rows (tokens) the weight-only int8 kernel wins; at 512 rows a dequantized dense
@@ -284,10 +285,10 @@ class Int8WeightLinear(WeightOnlyLinear):
             return "Triton int8 weight-only GEMM (quant.triton_ops.int8_matmul), every row count"
         if self.has_kernel(dtype):
             corr = " - rowsum(x)*s*z" if self.affine else ""
-            return (f"aten._weight_int8pack_mm{corr}, one C++ pass (quant.int8_rows) or dequantize + matmul (bf16 "
+            return (f"aten._weight_int8pack_mm{corr}, one C++ pass (quant.rows) or dequantize + matmul (bf16 "
                     f"or fp32), per row count the fastest on the serving CPU (quant serve --kernels; static rule: "
                     f"the kernel up to {INT8PACK_MAX_ROWS} rows)")
-        return ("dequantize + matmul, or one C++ pass (quant.int8_rows) where measured faster (the fp32 int8pack "
+        return ("dequantize + matmul, or one C++ pass (quant.rows) where measured faster (the fp32 int8pack "
                 "kernel is slower than dense on CPU)")
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -295,15 +296,15 @@ class Int8WeightLinear(WeightOnlyLinear):
 
     def paths(self, dtype: torch.dtype) -> dict:
         """As every weight-only module's, and on CPU ``rows``: the whole Linear in one C++ pass over the int8
-        weight, in fp32, rounded once (``quant.int8_rows``; at a few rows a dozen small ops cost more than the
+        weight, in fp32, rounded once (``quant.rows``; at a few rows a dozen small ops cost more than the
         bytes)."""
         out = super().paths(dtype)
-        if int8_rows.available(self.weight):
+        if rowops.available(self.weight):
             off = self.kernel_offset
             if self.affine and off is None:
                 off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
             bias = None if self.bias is None else self.bias.data
-            out["rows"] = lambda x: int8_rows.int8_weight(x, self.weight, self.weight_scale, off, bias)
+            out["rows"] = lambda x: rowops.int8_weight(x, self.weight, self.weight_scale, off, bias)
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
@@ -387,7 +388,7 @@ class W8A8Linear(QuantizedLinear):
     def kernel(self, dtype: torch.dtype) -> str:
         act = "per-token dynamic" if self.dynamic else "per-tensor static"
         return (f"int8 x int8 products by torch._int_mm, in fp32, (bf16) through _weight_int8pack_mm, or the whole "
-                f"Linear in one C++ pass (quant.int8_rows), per row count the fastest on the serving CPU; {act} "
+                f"Linear in one C++ pass (quant.rows), per row count the fastest on the serving CPU; {act} "
                 f"activations, fp32 rescale")
 
     def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +407,7 @@ class W8A8Linear(QuantizedLinear):
         int_mm: ``torch._int_mm`` (fast with VNNI/AMX or on CUDA, ~25x slower than fp32 on AVX2-only CPUs);
         fp32: the int8 values as fp32 (products exact, sums exact below 2^24); int8pack (bf16, CPU): the
         quantized activations as bf16 (exact) through ``aten._weight_int8pack_mm`` with unit scales, whose sums
-        come back rounded to bf16 before the rescale; rows (CPU): all of it in one C++ call (``quant.int8_rows``),
+        come back rounded to bf16 before the rescale; rows (CPU): all of it in one C++ call (``quant.rows``),
         equal to int_mm bit for bit, for the few-row products where a dozen small ops cost more than the bytes."""
         out = {}
         if P.int_mm_is_exact(self.weight.device):  # not on CPUs without VNNI: oneDNN's sums saturate there
@@ -416,11 +417,11 @@ class W8A8Linear(QuantizedLinear):
             if dtype == torch.bfloat16:
                 ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self.weight.device)
                 out["int8pack"] = lambda x: self._finish(*self._int8pack_product(x, ones), dtype)
-            if int8_rows.available(self.weight):
+            if rowops.available(self.weight):
                 bias = None if self.bias is None else self.bias.data
-                out["rows"] = lambda x: int8_rows.w8a8(x, self.weight, self.weight_scale,
-                                                       None if self.dynamic else self.input_scale,
-                                                       self.smooth_scale, bias)
+                out["rows"] = lambda x: rowops.w8a8(x, self.weight, self.weight_scale,
+                                                    None if self.dynamic else self.input_scale, self.smooth_scale,
+                                                    bias)
         return out
 
     def _int_mm(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,7 +140,7 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
     their references bit for bit there."""
     code = (
         "import torch\n"
-        "from quant import dequant, gptq as G, int4, int8_rows\n"
+        "from quant import dequant, gptq as G, int4, rows\n"
         "from quant.layers import W8A8Linear\n"
         "assert int4._cpu_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
         "for n in (16, 48, 80, 576, 960):\n"
@@ -152,6 +152,10 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
         "    assert torch.equal(fast, m._kernel_codes()), n\n"
         "    err = (m.dequantized(torch.float32) - ref).abs().max() / ref.abs().max()\n"
         "    assert err < 1e-2, (n, err)  # scales and zeros are held in bf16\n"
+        "    x = torch.randn(2, 128).bfloat16()\n"
+        "    if rows.available(m.packed):  # the int4 rows kernel, built for this capability\n"
+        "        y, r = m.paths(torch.bfloat16)['rows'](x).float(), m.reference_forward(x)\n"
+        "        assert float((y - r).abs().max() / r.abs().max()) < 1e-2, n\n"
         "    sz = m.scales_zeros.clone()\n"
         "    sz[0, :3, 0] = torch.tensor([float('nan'), float('inf'), 1e-3])  # specials through the rounding\n"
         "    for dt in (torch.float32, torch.bfloat16):  # the C++ dequantizer as built for this capability\n"
@@ -162,7 +166,7 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
         "x = torch.randn(3, 200).bfloat16()\n"
         "xq, xs = w._quantize_input(x)\n"
         "exact = w._finish((xq.long() @ w.weight.long().t()).int(), xs, x.dtype)\n"
-        "assert not int8_rows.available(w.weight) or torch.equal(w.paths(x.dtype)['rows'](x), exact)\n"
+        "assert not rows.available(w.weight) or torch.equal(w.paths(x.dtype)['rows'](x), exact)\n"
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

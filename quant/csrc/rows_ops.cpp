@@ -1,5 +1,5 @@
-// Whole int8 Linears for a few rows (batch-1 and small-batch decode) in one call each (quant/layers.py; loaded by
-// quant/int8_rows.py, where each has its PyTorch counterpart, and tests hold the two together).
+// Whole int8 and int4 Linears for a few rows (batch-1 and small-batch decode) in one call each (quant/layers.py,
+// quant/int4.py; loaded by quant/rows.py, where each has its PyTorch counterpart, and tests hold them together).
 //
 // Why: at a few rows a quantized Linear reads N x K int8 weight bytes once, half the bytes of a bf16 one, but its
 // eager form is a chain of small ATen ops (W8A8: smooth, abs, amax, divide, clamp, divide, round, clamp, convert,
@@ -12,7 +12,8 @@
 // quant.primitives does (division, round half to even, clamp), exact int32 sums, and the fp32 rescale in the same
 // order. int8_weight_rows computes x @ (s (q - z))^T as (x . q) s - rowsum(x) s z in fp32, rounded once; its sums
 // are in another order than ATen's int8pack kernel (which rounds to the activation dtype before the correction),
-// so it is held to the module's fp32 reference, as that kernel is.
+// so it is held to the module's fp32 reference, as that kernel is. int4_rows reads the CPU int4pack layout
+// itself (no dequantized W), also in fp32 and rounded once, and is held to the reference the same way.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -282,14 +283,154 @@ void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   });
 }
 
-TORCH_LIBRARY(quantserve_int8, m) {
+// ---- 4-bit: W8A16's few-row product straight from the CPU int4pack layout ----
+
+namespace {
+
+// One block of `rows` rows of W (K x rows/2 bytes, split nibbles or interleaved, see quant/int4.py
+// _kernel_codes_cpu) times one fp32 x row: y[r] = sum_g s[g, r] * (sum_{c in g} x[c] * code[r, c]) + off[g, r] *
+// (sum_{c in g} x[c]), off = z - 8 s. The inner sums run down the block's columns with the row index in the
+// vector lanes (x[c] broadcast), so each byte is read once, in storage order.
+template <int64_t HALF, typename S>
+void int4_block_rows(const float* __restrict x, const uint8_t* __restrict blk, int64_t rows, bool split, int64_t k,
+                     int64_t gs, const S* __restrict sz, int64_t n, float* __restrict y) {
+  const int64_t half = HALF > 0 ? HALF : rows / 2;
+  float acc[64];
+  for (int64_t r = 0; r < rows; ++r) y[r] = 0.f;
+  for (int64_t g0 = 0; g0 < k; g0 += gs) {
+    const int64_t g = g0 / gs;
+    float xs = 0.f;
+    bool done = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (HALF == 32) {
+      if (split) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const __m256i nib = _mm256_set1_epi8(15);
+        for (int64_t c = g0; c < g0 + gs; ++c) {
+          const __m512 xc = _mm512_set1_ps(x[c]);
+          xs += x[c];
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * HALF));
+          const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+          a0 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), a0);
+          a1 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), a1);
+          a2 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), a2);
+          a3 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), a3);
+        }
+        _mm512_storeu_ps(acc, a0), _mm512_storeu_ps(acc + 16, a1), _mm512_storeu_ps(acc + 32, a2);
+        _mm512_storeu_ps(acc + 48, a3);
+        done = true;
+      }
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if constexpr (HALF == 16) {
+      if (split) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const __m128i nib = _mm_set1_epi8(15);
+        for (int64_t c = g0; c < g0 + gs; ++c) {
+          const __m256 xc = _mm256_set1_ps(x[c]);
+          xs += x[c];
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + c * HALF));
+          const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+          a0 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), a0);
+          a1 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), a1);
+          a2 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), a2);
+          a3 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), a3);
+        }
+        _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+        _mm256_storeu_ps(acc + 24, a3);
+        done = true;
+      }
+    }
+#endif
+    if (!done) {  // any block, any CPU: the same sums, one row at a time
+      for (int64_t r = 0; r < rows; ++r) acc[r] = 0.f;
+      for (int64_t c = g0; c < g0 + gs; ++c) {
+        xs += x[c];
+        const uint8_t* b = blk + c * half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = static_cast<float>(b[i] & 15), hi = static_cast<float>(b[i] >> 4);
+          const int64_t rl = split ? i : 2 * i, rh = split ? half + i : 2 * i + 1;
+          acc[rl] = std::fma(x[c], lo, acc[rl]);
+          acc[rh] = std::fma(x[c], hi, acc[rh]);
+        }
+      }
+    }
+    const S* zg = sz + g * n * 2;  // this block's rows of group g: (scale, zero) pairs, z - 8 s as the dequantizer's
+    for (int64_t r = 0; r < rows; ++r) {
+      const float sc = qs::to_f(zg[2 * r]);
+      y[r] += sc * acc[r] + (qs::to_f(zg[2 * r + 1]) - sc * 8.0f) * xs;
+    }
+  }
+}
+
+}  // namespace
+
+// out (M, N) = x (M, K, the kernel's column order) @ W^T (+ bias), W from the CPU int4pack layout (packed, block,
+// split as for dequant_int4pack) and its (G, N, 2) scale/zero table: in fp32, rounded once to x's dtype.
+void int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t block, bool split,
+               const at::Tensor& sz, int64_t group_size, const at::Tensor& bias, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
+              "x must be a contiguous CPU (M, K) tensor");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == n * k / 2,
+              "packed must be a contiguous CPU uint8 tensor of N * K / 2 bytes");
+  TORCH_CHECK(n % 2 == 0 && block > 0 && block % 2 == 0 && block <= 64, "N and the block (<= 64) must be even");
+  TORCH_CHECK(group_size > 0 && k % group_size == 0, "K must be a multiple of group_size");
+  const int64_t G = k / group_size, m = x.size(0);
+  TORCH_CHECK(sz.dim() == 3 && sz.size(0) == G && sz.size(1) == n && sz.size(2) == 2,
+              "scales_zeros must be (K / group_size, N, 2)");
+  const float* bp = optional_f32(bias, n, "bias");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
+                  out.size(1) == n && out.scalar_type() == x.scalar_type(),
+              "out must be a contiguous (M, N) tensor of x's dtype");
+  TORCH_CHECK(sz.is_contiguous(), "scales_zeros must be contiguous");
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t full = split ? n / block : 0, blocks = (n + block - 1) / block;
+  std::vector<float> xf(m * k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_rows", [&] {
+    using T = scalar_t;
+    const auto* xr = qs::raw(x.data_ptr<T>());
+    for (int64_t r = 0; r < m; ++r) row_f32<T>(xr + r * k, nullptr, xf.data() + r * k, k);
+    auto* o = qs::raw(out.data_ptr<T>());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_table", [&] {
+      const scalar_t* zp = sz.data_ptr<scalar_t>();
+      at::parallel_for(0, blocks, grain_rows(block * k * m), [&](int64_t b, int64_t e) {
+        float y[64];
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t r0 = i * block, rows = std::min(block, n - r0);
+          const bool sb = split && i < full;
+          const uint8_t* blk = pp + r0 * k / 2;
+          const scalar_t* zb = zp + r0 * 2;
+          for (int64_t r = 0; r < m; ++r) {
+            const float* xrow = xf.data() + r * k;
+            if (sb && rows == 64) {
+              int4_block_rows<32>(xrow, blk, rows, true, k, group_size, zb, n, y);
+            } else if (sb && rows == 32) {
+              int4_block_rows<16>(xrow, blk, rows, true, k, group_size, zb, n, y);
+            } else {
+              int4_block_rows<0>(xrow, blk, rows, sb, k, group_size, zb, n, y);
+            }
+            for (int64_t j = 0; j < rows; ++j)
+              o[r * n + r0 + j] = qs::Raw<T>::put(bp ? y[j] + bp[r0 + j] : y[j]);
+          }
+        }
+      });
+    });
+  });
+}
+
+TORCH_LIBRARY(quantserve_rows, m) {
   m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
         "float qmax, float min_scale, Tensor(a!) out) -> ()");
   m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias, "
         "Tensor(a!) out) -> ()");
+  m.def("int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, Tensor scales_zeros, "
+        "int group_size, Tensor bias, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(quantserve_int8, CPU, m) {
+TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("w8a8_rows", &w8a8_rows);
   m.impl("int8_weight_rows", &int8_weight_rows);
+  m.impl("int4_rows", &int4_rows);
 }

@@ -1,5 +1,5 @@
-"""The one-call int8 Linears (quant/int8_rows.py, quant/csrc/int8_ops.cpp) against exact and fp32 references, the
-check that keeps an inexact ``torch._int_mm`` out of the W8A8 paths, and the ISA cap of the C++ builds."""
+"""The one-call int8 and int4 Linears (quant/rows.py, quant/csrc/rows_ops.cpp) against exact and fp32 references,
+the check that keeps an inexact ``torch._int_mm`` out of the W8A8 paths, and the ISA cap of the C++ builds."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from quant import int8_rows
-from quant import native
+from quant import gptq as G
+from quant import int4, native, rows
 from quant import primitives as P
 from quant.layers import Int8WeightLinear, W8A8Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not int8_rows.available(torch.empty(0, dtype=torch.int8)),
+pytestmark = pytest.mark.skipif(not rows.available(torch.empty(0, dtype=torch.int8)),
                                 reason="the C++ int8 ops cannot be built here")
 
 
@@ -86,17 +86,66 @@ def test_int8_weight_rows_of_a_fused_module_are_its_parts_products():
     assert torch.equal(y, want)
 
 
+def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0) -> int4.GPTQLinear:
+    g = torch.Generator().manual_seed(seed)
+    q = G.rtn(torch.randn(n, k, generator=g), 4, 64)
+    m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
+    if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
+        m.g_idx = (torch.randperm(k, generator=g) // 64).to(torch.int32)
+    m.prepare(torch.bfloat16)
+    return m
+
+
+# N = 80: one full block of the AVX-512 layout (64 rows) and a partial, interleaved one; 2 and a half of AVX2's.
+@pytest.mark.parametrize("n", [80, 192])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows_", [1, 5])
+def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
+    m = _gptq(n, 128, bias, act_order)
+    if int4._cpu_layout() is None:
+        pytest.skip("this CPU's int4pack layout is not one the C++ ops read")
+    assert (m.perm is not None) == act_order
+    x = torch.randn(rows_, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = m.reference_forward(x)
+    paths = m.paths(torch.bfloat16)
+    y = paths["rows"](x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows_, n)
+    assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    # the same sums as the dequantizing fp32 path, up to fp32 ordering: equal after rounding almost everywhere
+    assert float((y.float() - paths["dequant-fp32"](x).float()).abs().max() / ref.abs().max()) < 8e-3
+
+
+def test_int4_rows_of_a_fused_module_are_its_parts_products():
+    """Parts of 64 and 128 rows end on block boundaries of every layout, so each row's sums are the same."""
+    fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])
+    if fused is None or int4._cpu_layout() is None:
+        pytest.skip("parts of these sizes do not fuse on this CPU's layout")
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
+    y = fused.paths(torch.bfloat16)["rows"](x)
+    want = torch.cat([_gptq(n, 128, False, False, seed=n).paths(torch.bfloat16)["rows"](x) for n in (64, 128)], 1)
+    assert torch.equal(y, want)
+
+
 def test_bad_operands_get_one_line_errors():
     q = torch.zeros(8, 64, dtype=torch.int8)
     s = torch.ones(8)
     with pytest.raises(RuntimeError, match="weight must be a contiguous CPU \\(N, K\\) int8 tensor with x's K"):
-        int8_rows.int8_weight(torch.zeros(1, 32), q, s, None, None)
+        rows.int8_weight(torch.zeros(1, 32), q, s, None, None)
     with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor"):
-        int8_rows.w8a8(torch.zeros(1, 64), q, s.double(), None, None, None)
+        rows.w8a8(torch.zeros(1, 64), q, s.double(), None, None, None)
     with pytest.raises(RuntimeError, match="smooth_scale must be a contiguous \\(64,\\) fp32 tensor"):
-        int8_rows.w8a8(torch.zeros(1, 64), q, s, None, torch.ones(63), None)
+        rows.w8a8(torch.zeros(1, 64), q, s, None, torch.ones(63), None)
     with pytest.raises(RuntimeError, match="input_scale must be a 0-dim fp32 tensor"):
-        int8_rows.w8a8(torch.zeros(1, 64), q, s, torch.ones(2), None, None)
+        rows.w8a8(torch.zeros(1, 64), q, s, torch.ones(2), None, None)
+    packed = torch.zeros(64 * 128 // 2, dtype=torch.uint8)
+    sz = torch.ones(2, 64, 2)
+    with pytest.raises(RuntimeError, match="N and the block \\(<= 64\\) must be even"):
+        rows.int4(torch.zeros(1, 128), packed, 64, 128, (128, True), sz, 64, None)
+    with pytest.raises(RuntimeError, match="scales_zeros must be \\(K / group_size, N, 2\\)"):
+        rows.int4(torch.zeros(1, 128), packed, 64, 128, (64, True), sz[:1], 64, None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) tensor"):
+        rows.int4(torch.zeros(1, 64), packed, 64, 128, (64, True), sz, 64, None)
 
 
 def test_an_inexact_int_mm_is_not_offered(monkeypatch):
