@@ -38,15 +38,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quant import rows as rowops
+
 log = logging.getLogger("quantserve.kernels")
 
 ROW_BUCKETS = (1, 8, 32, 128, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 6  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 7  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
-# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path)
+# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too)
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,12 +104,14 @@ def dense_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtyp
 
 
 def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, PathFn]:
-    """A float Linear's paths: in its own dtype, and (16-bit) upcast to fp32 per call, which wins for many rows
-    where the CPU has no fast 16-bit GEMM."""
+    """A float Linear's paths: in its own dtype; (16-bit) upcast to fp32 per call, which wins for many rows where
+    the CPU has no fast 16-bit GEMM; (bf16) ``rows``, few-row products in one C++ pass (``quant.rows.bf16``)."""
     paths: dict[str, PathFn] = {"dense": lambda x: F.linear(x, weight, bias)}
     if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
         b32 = None if bias is None else bias.float()
         paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
+        if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
+            paths["rows"] = lambda x: rowops.bf16(x, weight, b32)
     return paths
 
 

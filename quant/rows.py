@@ -1,13 +1,13 @@
 """Whole quantized Linears for a few rows in one C++ call each (``quant/csrc/rows_ops.cpp``): the ``rows`` path of
-the W8A8, weight-only int8 and int4 runtime Linears (``quant.layers``, ``quant.int4``), which their kernel plans
-take where it is the fastest.
+the W8A8, weight-only int8 and int4 runtime Linears (``quant.layers``, ``quant.int4``) and of unquantized bf16 ones
+(``quant.kernel_choice.dense_paths``), which their kernel plans take where it is the fastest.
 
 At batch 1 a quantized Linear's eager form is a dozen small ATen ops, each costing about what its arithmetic does,
 and on CPUs without VNNI ``torch._int_mm`` is far slower than a float product; one pass over the quantized weight,
 with the activation quantization and the rescale folded in, reads a fraction of a bf16 weight's bytes in one call.
 
-:func:`w8a8` equals the module's ``_int_mm`` path bit for bit; :func:`int8_weight` and :func:`int4` round once, in
-fp32, and are held to their modules' fp32 references (tests/test_rows.py).
+:func:`w8a8` equals the module's ``_int_mm`` path bit for bit; :func:`int8_weight`, :func:`int4` and :func:`bf16`
+round once, in fp32, and are held to their modules' fp32 references (tests/test_rows.py).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def int4(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int, layout: tuple[i
     out = torch.empty((x2.shape[0], n), dtype=x2.dtype)
     torch.ops.quantserve_rows.int4_rows(x2, packed, n, k, layout[0], layout[1], scales_zeros.contiguous(), group_size,
                                         _opt(bias, x2), out)
+    return out
+
+
+def bf16(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(M, K) bf16 contiguous @ weight (N, K) bf16 ^T (+ the bias in fp32) -> (M, N) bf16: fp32 sums, rounded once."""
+    _ready()
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    torch.ops.quantserve_rows.bf16_rows(x2, weight, _opt(bias, x2), out)
     return out
 
 

@@ -127,6 +127,18 @@ def test_int4_rows_of_a_fused_module_are_its_parts_products():
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 5])
+def test_bf16_rows_match_the_fp32_product(bias, rows_):
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(98, 200, generator=g).bfloat16()  # N, K: tails of the four rows and of the vector width
+    b = torch.randn(98, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows_, 200, generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    y = rows.bf16(x, w, None if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+
+
 def test_bad_operands_get_one_line_errors():
     q = torch.zeros(8, 64, dtype=torch.int8)
     s = torch.ones(8)
@@ -138,6 +150,10 @@ def test_bad_operands_get_one_line_errors():
         rows.w8a8(torch.zeros(1, 64), q, s, None, torch.ones(63), None)
     with pytest.raises(RuntimeError, match="input_scale must be a 0-dim fp32 tensor"):
         rows.w8a8(torch.zeros(1, 64), q, s, torch.ones(2), None, None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
+        rows.bf16(torch.zeros(1, 64), torch.zeros(8, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor \\(or bf16\\)"):
+        rows.int8_weight(torch.zeros(1, 64), q, s.half(), None, None)
     packed = torch.zeros(64 * 128 // 2, dtype=torch.uint8)
     sz = torch.ones(2, 64, 2)
     with pytest.raises(RuntimeError, match="N and the block \\(<= 64\\) must be even"):

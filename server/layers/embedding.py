@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quant import rows as rowops
 from quant.layers import INT8PACK_MAX_ROWS
 from quant.primitives import quantize_weight_sym
 
@@ -59,8 +60,11 @@ class Int8Rows:
 
     def __init__(self, w: Tensor, dtype: torch.dtype):
         self.q, scale = quantize_rows(w)  # (V, H) int8, (V,) fp32
-        self.scale = scale.to(dtype)  # (V,) in the activation dtype: what the kernel takes
+        self.scale = scale.to(dtype)  # (V,) in the activation dtype: what the int8pack kernel takes
         self.dtype = dtype
+        # One row (batch-1 decode) goes through the one-call C++ product: at 49152 x 576 it reads the matrix in
+        # ~0.6x the int8pack kernel's time on both vector widths (bench/RESULTS.md, session 16).
+        self.rows = dtype == torch.bfloat16 and rowops.available(self.q)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, H) in the activation dtype, dequantizing only those rows."""
@@ -68,6 +72,8 @@ class Int8Rows:
 
     def head(self, h: Tensor) -> Tensor:
         """(S, H) -> (S, V) logits in the activation dtype."""
+        if h.shape[0] == 1 and self.rows:
+            return rowops.int8_weight(h.contiguous(), self.q, self.scale, None, None)
         if h.shape[0] <= INT8PACK_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)
         return torch.cat([self.head(part) for part in h.split(INT8PACK_MAX_ROWS)])
