@@ -195,8 +195,11 @@ class CausalLM:
         lm_head = weights.module("lm_head")
         plain = type(lm_head) is nn.Linear and lm_head.bias is None  # a matrix that int8 rows can stand for
         # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
+        # planned like the projections where it is used as it is (int8 rows otherwise stand for a plain head)
+        used = embeddings == "float" or not plain
+        head = bind_module(lm_head, self.dtype, self.projections.chooser if used else None)
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
-            embed, bind_module(lm_head, self.dtype), lm_head.weight.detach() if plain else None, embeddings, self.dtype)
+            embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype)
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
 
