@@ -42,7 +42,7 @@ from quant import rows as rowops
 
 log = logging.getLogger("quantserve.kernels")
 
-ROW_BUCKETS = (1, 8, 32, 128, 512)
+ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # 16: a common decode batch; 256: a prefill chunk (max_prefill_tokens)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")

@@ -61,24 +61,26 @@ def test_every_path_matches_the_reference(name, dtype):
 def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     m = _modules()["int8-sym"]
     m.prepare(torch.bfloat16)
-    plan = KC.RowPlan(("kernel", "kernel", "dequant-fp32", "dequant-fp32", "dequant-fp32"), {})
+    assert KC.ROW_BUCKETS[:3] == (1, 4, 16)
+    plan = KC.RowPlan(("kernel", "kernel") + ("dequant-fp32",) * (len(KC.ROW_BUCKETS) - 2), {})
     m.use_plan(plan, torch.bfloat16)
     calls = []
     real = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 8, 9, 600):
+    for rows in (1, 4, 5, 600):
         m(torch.randn(rows, 128, dtype=torch.bfloat16))
-    assert calls == [1, 8]  # 9 rows is in the 32-row bucket; 600 above the last one uses the last bucket's path
-    assert m.kernel_runs(8, torch.bfloat16) and not m.kernel_runs(9, torch.bfloat16)
-    assert plan.describe() == "kernel <= 8 rows, dequant-fp32 above 8"
+    assert calls == [1, 4]  # 5 rows is in the 16-row bucket; 600 above the last one uses the last bucket's path
+    assert m.kernel_runs(4, torch.bfloat16) and not m.kernel_runs(5, torch.bfloat16)
+    assert plan.describe() == "kernel <= 4 rows, dequant-fp32 above 4"
 
 
 def test_plan_pick_and_describe():
-    p = KC.RowPlan(("a", "a", "a", "a", "a"), {})
+    assert KC.ROW_BUCKETS == (1, 4, 16, 64, 256, 512)
+    p = KC.RowPlan(("a",) * 6, {})
     assert p.single == "a" and p.describe() == "a at every row count"
-    p = KC.RowPlan(("a", "b", "b", "a", "a"), {})
-    assert [p.pick(r) for r in (1, 2, 8, 9, 32, 33, 512, 5000)] == ["a", "b", "b", "b", "b", "a", "a", "a"]
-    assert p.describe() == "a <= 1 rows, b <= 32 rows, a above 32"
+    p = KC.RowPlan(("a", "b", "b", "a", "a", "a"), {})
+    assert [p.pick(r) for r in (1, 2, 4, 5, 16, 17, 512, 5000)] == ["a", "b", "b", "b", "b", "a", "a", "a"]
+    assert p.describe() == "a <= 1 rows, b <= 16 rows, a above 16"
 
 
 def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
@@ -95,7 +97,7 @@ def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
         return x
 
     plan = KC.measure({"slow": slow, "fixed": fixed_cost, "per_row": per_row}, 16, torch.float32)
-    assert plan.paths == ("per_row", "per_row", "per_row", "fixed", "fixed")
+    assert plan.paths == tuple("per_row" if rows < 100 else "fixed" for rows in KC.ROW_BUCKETS)
     assert plan.us["slow"][0] > 5000 and plan.us["slow"][1:] == (None,) * (len(KC.ROW_BUCKETS) - 1)
     assert all(v is not None for v in plan.us["fixed"])
 

@@ -66,10 +66,11 @@ class SdpaMeta:
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     features = frozenset({"window", "softcap"})
-    # The C++ decode kernel takes decode steps of at most this many rows. Through the engine
-    # (bench/decode_rows.py, bench/RESULTS.md session 14) it is level with the SDPA path at one row and slower
-    # from 4 rows up: 16 streams ran at 411.5 tok/s with it and 559.3 without.
-    FUSED_DECODE_MAX_ROWS = 1
+    # The C++ decode kernel takes decode steps of at most this many rows. Session 14 measured it slower than the
+    # SDPA path from 4 rows up (16 streams: 411.5 tok/s with it, 559.3 without) and kept it to 1 row; it was then
+    # running on one thread (built without OpenMP, see quant/native.py). On all threads it is ahead at 1, 4, 8 and
+    # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16).
+    FUSED_DECODE_MAX_ROWS = 16
 
     @staticmethod
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
