@@ -33,6 +33,14 @@ constexpr int64_t kGrain = 1 << 16;  // multiply-adds per task: below this a cal
 
 int64_t grain_rows(int64_t per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, per_row)); }
 
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {  // the eight lanes' sum
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
 void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
                 const at::Tensor& out, bool bf16_scale = false) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (M, K) tensor");
@@ -159,11 +167,7 @@ void dot4_f32_i8(const float* __restrict a, const int8_t* __restrict w, int64_t 
       s[i] = _mm256_fmadd_ps(x, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s[i]);
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s[i]), _mm256_extractf128_ps(s[i], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out[i] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum8(s[i]);
 #else
   out[0] = out[1] = out[2] = out[3] = 0.f;
 #endif
@@ -183,6 +187,26 @@ float sum_f32(const float* __restrict a, int64_t k) {
 #pragma omp simd reduction(+ : acc)
   for (int64_t j = 0; j < k; ++j) acc += a[j];
   return acc;
+}
+
+// Every (x row, W row) pair of an (M, K) x (N, K)^T product, four W rows at a time, parallel over W's rows:
+// dot4(r, c, acc) sums x row r against W rows c .. c + 3, dot1(r, c) against the one row c (the last, fewer than
+// four), and finish(r, c, sum) writes output (r, c).
+template <typename Acc, typename Dot4, typename Dot1, typename Finish>
+void four_rows(int64_t m, int64_t n, int64_t k, const Dot4& dot4, const Dot1& dot1, const Finish& finish) {
+  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+    Acc acc[4];
+    for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
+      for (int64_t r = 0; r < m; ++r) {
+        if (c + 4 <= n) {
+          dot4(r, c, acc);
+          for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
+        } else {
+          for (int64_t i = c; i < n; ++i) finish(r, i, dot1(r, i));
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -227,19 +251,9 @@ void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sca
       if (bp) y = y + bp[c];
       op[r * n + c] = qs::Raw<scalar_t>::put(y);
     };
-    at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
-      int32_t acc[4];
-      for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
-        for (int64_t r = 0; r < m; ++r) {
-          if (c + 4 <= n) {
-            dot4_i8(xq.data() + r * k, wp + c * k, k, acc);
-            for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
-          } else {
-            for (int64_t i = c; i < n; ++i) finish(r, i, dot_i8(xq.data() + r * k, wp + i * k, k));
-          }
-        }
-      }
-    });
+    four_rows<int32_t>(
+        m, n, k, [&](int64_t r, int64_t c, int32_t* acc) { dot4_i8(xq.data() + r * k, wp + c * k, k, acc); },
+        [&](int64_t r, int64_t c) { return dot_i8(xq.data() + r * k, wp + c * k, k); }, finish);
   });
 }
 
@@ -270,19 +284,9 @@ void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       if (bp) y = y + bp[c];
       op[r * n + c] = qs::Raw<scalar_t>::put(y);
     };
-    at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
-      float acc[4];
-      for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
-        for (int64_t r = 0; r < m; ++r) {
-          if (c + 4 <= n) {
-            dot4_f32_i8(xf.data() + r * k, qp + c * k, k, acc);
-            for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
-          } else {
-            for (int64_t i = c; i < n; ++i) finish(r, i, dot_f32_i8(xf.data() + r * k, qp + i * k, k));
-          }
-        }
-      }
-    });
+    four_rows<float>(
+        m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_f32_i8(xf.data() + r * k, qp + c * k, k, acc); },
+        [&](int64_t r, int64_t c) { return dot_f32_i8(xf.data() + r * k, qp + c * k, k); }, finish);
   });
 }
 
@@ -455,11 +459,7 @@ void dot4_bf16(const float* __restrict a, const uint16_t* __restrict w, int64_t 
       s[i] = _mm256_fmadd_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), s[i]);
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s[i]), _mm256_extractf128_ps(s[i], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out[i] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum8(s[i]);
 #else
   out[0] = out[1] = out[2] = out[3] = 0.f;
 #endif
@@ -488,23 +488,14 @@ void bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
   const uint16_t* wp = qs::raw(w.data_ptr<T>());
   uint16_t* op = qs::raw(out.data_ptr<T>());
   const auto finish = [&](int64_t r, int64_t c, float y) { op[r * n + c] = qs::Raw<T>::put(bp ? y + bp[c] : y); };
-  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
-    float acc[4];
-    for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
-      for (int64_t r = 0; r < m; ++r) {
-        if (c + 4 <= n) {
-          dot4_bf16(xf.data() + r * k, wp + c * k, k, acc);
-          for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
-        } else {
-          for (int64_t i = c; i < n; ++i) {
-            float y = 0.f;
-            for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], qs::Raw<T>::get(wp[i * k + j]), y);
-            finish(r, i, y);
-          }
-        }
-      }
-    }
-  });
+  const auto dot1 = [&](int64_t r, int64_t c) {
+    float y = 0.f;
+    for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], qs::Raw<T>::get(wp[c * k + j]), y);
+    return y;
+  };
+  four_rows<float>(
+      m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_bf16(xf.data() + r * k, wp + c * k, k, acc); }, dot1,
+      finish);
 }
 
 TORCH_LIBRARY(quantserve_rows, m) {
