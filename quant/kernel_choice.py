@@ -103,13 +103,17 @@ def dense_key(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtyp
     return computation_key(kind, weight.shape[0], weight.shape[1], dtype)
 
 
-def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> dict[str, PathFn]:
-    """A float Linear's paths: in its own dtype; (16-bit) upcast to fp32 per call, which wins for many rows where
-    the CPU has no fast 16-bit GEMM; (bf16) ``rows``, few-row products in one C++ pass (``quant.rows.bf16``)."""
+def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                upcast: bool = True) -> dict[str, PathFn]:
+    """A float Linear's paths: in its own dtype; (16-bit, ``upcast``) upcast to fp32 per call, which wins for many
+    rows where the CPU has no fast 16-bit GEMM but holds an fp32 copy of W while it runs (the engine counts that
+    transient for the projections, not for the head, which is bound without it); (bf16) ``rows``, few-row
+    products in one C++ pass (``quant.rows.bf16``)."""
     paths: dict[str, PathFn] = {"dense": lambda x: F.linear(x, weight, bias)}
     if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
         b32 = None if bias is None else bias.float()
-        paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
+        if upcast:
+            paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
         if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
             paths["rows"] = lambda x: rowops.bf16(x, weight, b32)
     return paths

@@ -62,6 +62,17 @@ def test_w8a8_rows_is_exact_where_16_bit_pair_sums_would_saturate():
     assert torch.equal(y, want.expand(2, 8).float())
 
 
+def test_w8a8_rows_keeps_a_nan_row_nan_as_the_module_does():
+    """A NaN activation makes its row's dynamic scale NaN, and the whole output row NaN (torch's amax propagates it);
+    the other rows are untouched."""
+    m = W8A8Linear.from_float(_linear(64, 8, False), None)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    x[1, 5] = float("nan")
+    y = m.paths(torch.float32)["rows"](x)
+    assert bool(y[1].isnan().all())
+    assert torch.equal(y[[0, 2]], _exact_w8a8(m, x[[0, 2]]))
+
+
 @pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

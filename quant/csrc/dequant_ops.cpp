@@ -13,7 +13,9 @@
 
 #include "elements.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <type_traits>

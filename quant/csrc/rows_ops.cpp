@@ -21,10 +21,13 @@
 
 #include "elements.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -234,14 +237,18 @@ void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sca
       float s;
       if (dynamic) {
         float amax = 0.f;
-        for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(xf[j]));
-        s = std::max(amax / qm, floor_s);
+        bool nan = false;  // torch's amax propagates NaN (a NaN scale, a NaN output row); std::max would drop it
+        for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(xf[j])), nan |= std::isnan(xf[j]);
+        s = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax / qm, floor_s);
       } else {
         s = input_scale.item<float>();
       }
       xs[r] = s;
       int16_t* q = xq.data() + r * k;
-      for (int64_t j = 0; j < k; ++j) q[j] = static_cast<int16_t>(std::clamp(std::nearbyint(xf[j] / s), -qm, qm));
+      for (int64_t j = 0; j < k; ++j) {  // NaN (x or s) -> 0: a defined code, the row's rescale by s is NaN anyway
+        const float v = std::clamp(std::nearbyint(xf[j] / s), -qm, qm);
+        q[j] = std::isnan(v) ? int16_t{0} : static_cast<int16_t>(v);
+      }
     }
     const float* ws = w_scale.data_ptr<float>();
     const int8_t* wp = w.data_ptr<int8_t>();

@@ -33,13 +33,15 @@ def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
     return mod
 
 
-def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None) -> Callable[[Tensor], Tensor]:
+def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
+         upcast: bool = True) -> Callable[[Tensor], Tensor]:
     """The call of one projection for inputs of ``dtype``: by the path the chooser planned per row count (one
-    path for every row count: that path itself), else the module's own rule."""
+    path for every row count: that path itself), else the module's own rule. ``upcast``: whether a 16-bit dense
+    Linear may take its fp32-upcast path (a transient fp32 copy of W)."""
     if chooser is None:
         return _plain_call(mod)
     if type(mod) is nn.Linear:
-        paths = dense_paths(mod.weight, mod.bias, dtype)
+        paths = dense_paths(mod.weight, mod.bias, dtype, upcast)
     elif isinstance(mod, QuantizedLinear):
         paths = mod.paths(dtype)
     else:

@@ -195,9 +195,11 @@ class CausalLM:
         lm_head = weights.module("lm_head")
         plain = type(lm_head) is nn.Linear and lm_head.bias is None  # a matrix that int8 rows can stand for
         # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
-        # planned like the projections where it is used as it is (int8 rows otherwise stand for a plain head)
-        used = embeddings == "float" or not plain
-        head = bind_module(lm_head, self.dtype, self.projections.chooser if used else None)
+        # A plain head served as stored is planned like the projections, without the fp32-upcast path (a transient
+        # fp32 copy of the vocabulary matrix the budget does not count); int8 rows stand for it otherwise, and a
+        # head the scheme quantized keeps its module's own rule.
+        planned = embeddings == "float" and plain
+        head = bind_module(lm_head, self.dtype, self.projections.chooser if planned else None, upcast=False)
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
             embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype)
         self._embed_scale = self.embed_scale(config)
