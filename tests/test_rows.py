@@ -159,6 +159,8 @@ def test_bad_operands_get_one_line_errors():
         rows.w8a8(torch.zeros(1, 64), q, s.double(), None, None, None)
     with pytest.raises(RuntimeError, match="smooth_scale must be a contiguous \\(64,\\) fp32 tensor"):
         rows.w8a8(torch.zeros(1, 64), q, s, None, torch.ones(63), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous \\(8,\\) fp32 tensor, or empty"):
+        rows.int8_weight(torch.zeros(1, 64), q, s, None, torch.ones(7))
     with pytest.raises(RuntimeError, match="input_scale must be a 0-dim fp32 tensor"):
         rows.w8a8(torch.zeros(1, 64), q, s, torch.ones(2), None, None)
     with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):

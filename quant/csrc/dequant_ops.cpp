@@ -65,12 +65,6 @@ void dequant_int8(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
 
 namespace {
 
-// Column c of one block of the int4pack layout (`rows` rows of W stored as (K, rows/2) bytes, column c's codes in
-// bytes [c * rows/2, (c + 1) * rows/2) of the block) into W^T's row c, entries r0 .. r0 + rows. Nibble layout
-// `split` (byte i: row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s +
-// (z - 8 s) per row (s, off: that column group's (N,) scales and offsets).
-// HALF > 0: rows / 2 known at compile time (the full blocks of the AVX-512 and AVX2 layouts, 32 and 16), so
-// the short loops vectorise without a scalar remainder; 0: any block (the partial last one).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // The AVX2 layout's full block (16 bytes: 32 rows), written with intrinsics: the compiler's vectorisation of the
 // 16-long loops below unpacked bytes one 128-bit lane at a time and ran 6x slower than a bf16 -> fp32 conversion of
@@ -136,6 +130,12 @@ inline void int4_split32(const uint8_t* __restrict src, const float* __restrict 
 }
 #endif
 
+// Column c of one block of the int4pack layout (`rows` rows of W stored as (K, rows/2) bytes, column c's codes in
+// bytes [c * rows/2, (c + 1) * rows/2) of the block) into W^T's row c, entries r0 .. r0 + rows. Nibble layout
+// `split` (byte i: row i low, row i + rows/2 high) or interleaved (byte i: rows 2i low, 2i + 1 high). w = code * s +
+// (z - 8 s) per row (s, off: that column group's (N,) scales and offsets).
+// HALF > 0: rows / 2 known at compile time (the full blocks of the AVX-512 and AVX2 layouts, 32 and 16), so
+// the short loops vectorise without a scalar remainder; 0: any block (the partial last one).
 template <typename T, int64_t HALF>
 inline void int4_column(const uint8_t* __restrict src, int64_t rows, bool split, const float* __restrict sb,
                         const float* __restrict ob, typename qs::Raw<T>::type* __restrict w) {

@@ -44,8 +44,9 @@ inline float hsum8(__m256 v) {  // the eight lanes' sum
 }
 #endif
 
-void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias,
-                const at::Tensor& out, bool bf16_scale = false) {
+// x, the int8 weight, its scales and out (the bias and other optional vectors: optional_f32).
+void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& out,
+                bool bf16_scale = false) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (M, K) tensor");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
                   w.size(1) == x.size(1),
@@ -54,9 +55,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
   const bool dtype_ok = scale.scalar_type() == at::kFloat || (bf16_scale && scale.scalar_type() == at::kBFloat16);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && dtype_ok,
               "weight_scale must be a contiguous (N,) fp32 tensor", bf16_scale ? " (or bf16)" : "");
-  TORCH_CHECK(bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous() &&
-                                    bias.scalar_type() == at::kFloat),
-              "bias must be a contiguous (N,) fp32 tensor, or empty");
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
                   out.size(1) == n && out.scalar_type() == x.scalar_type(),
               "out must be a contiguous (M, N) tensor of x's dtype");
@@ -219,7 +217,7 @@ void four_rows(int64_t m, int64_t n, int64_t k, const Dot4& dot4, const Dot1& do
 // rescaled by s_x * weight_scale (N,) in fp32, plus bias (N,) fp32 where given, rounded to x's dtype.
 void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& input_scale,
                const at::Tensor& smooth, const at::Tensor& bias, double qmax, double min_scale, at::Tensor out) {
-  check_rows(x, w, w_scale, bias, out);
+  check_rows(x, w, w_scale, out);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   const bool dynamic = input_scale.numel() == 0;
   TORCH_CHECK(dynamic || (input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat),
@@ -268,7 +266,7 @@ void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sca
 // = s * z, fp32, or empty when symmetric), in fp32, rounded once to x's dtype.
 void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                       const at::Tensor& bias, at::Tensor out) {
-  check_rows(x, q, scale, bias, out, /*bf16_scale=*/true);
+  check_rows(x, q, scale, out, /*bf16_scale=*/true);
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
   const float* off = optional_f32(offset, n, "offset");
   const float* bp = optional_f32(bias, n, "bias");
