@@ -5,6 +5,7 @@ logprobs and trace outputs. CPU only, a few seconds."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -531,3 +532,21 @@ def test_the_largest_float32_temperature_samples_uniformly_without_nan():
     assert res.tokens[0].item() != 7
     assert not any(pr.isnan().any() for _, pr in res.trace.values())
     assert not res.trace_stats.isnan().any()
+
+
+def test_greedy_fast_path_matches_the_general_path():
+    # A greedy batch that asks for no logprobs and no trace takes the argmax of the penalised logits alone;
+    # the tokens must be those of the general path (which also computes log-softmaxes and one-hots).
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 64, generator=g) * 3  # (B, V)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index wins on both paths
+    params = [SamplingParams(temperature=0.0, repetition_penalty=r) for r in (1.0, 1.3, 1.0, 2.0, 1.0)]
+    histories = [[1, 2], [int(logits[1].argmax()), 5], [], [int(logits[3].argmax())], [63]]
+    fast = _batch(params, histories)
+    assert fast.all_greedy and not fast.want_logprob
+    out = sample(logits, fast)
+    assert out.logprob is None and out.top_logprobs is None and out.trace is None
+    general = sample(logits, replace(fast, want_logprob=True))
+    assert torch.equal(out.tokens, general.tokens)
+    assert int(out.tokens[2]) == 7
+    assert _batch([SamplingParams(temperature=0.0, logprobs=0)]).want_logprob

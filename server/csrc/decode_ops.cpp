@@ -249,6 +249,15 @@ at::Tensor act_mul(const at::Tensor& gu) {
   return out;
 }
 
+constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
+
+// Asks for the cache lines of one D-element row.
+template <typename E>
+inline void prefetch_row(const E* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
 // paged cache (k, v: this head's element 0 of slot 0; a slot is `slot_stride` elements further), output o (g, D).
 // Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise.
@@ -268,7 +277,23 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
   // Positions are walked block by block (an integer division per key cost more than its dot products).
   int64_t blk = lo / bs, off = lo % bs;
+  // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
+  // layer's cache has been evicted by the weights streaming through; without it, each row's cache misses
+  // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
+  int64_t pblk = blk, poff = off;
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
+    const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
+    prefetch_row(k + slot, D);
+    prefetch_row(v + slot, D);
+    if (++poff == bs) poff = 0, ++pblk;
+  }
   for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
+    if (j + kAhead < n) {
+      const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
+      prefetch_row(k + slot, D);
+      prefetch_row(v + slot, D);
+      if (++poff == bs) poff = 0, ++pblk;
+    }
     const typename Raw<T>::type* kr = k + (table[blk] * bs + off) * slot_stride;
     for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(kr[d]);
     for (int64_t i = 0; i < g; ++i) {
