@@ -283,8 +283,8 @@ class GPTQLinear(WeightOnlyLinear):
             if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
                 n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
                 bias = None if self.bias is None else self.bias.data.float()
-                out["rows"] = lambda x: rowops.int4(x if perm is None else x.index_select(1, perm), self.packed, n,
-                                                    k, layout, self.scales_zeros, gs, bias)
+                rows = rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias)
+                out["rows"] = rows if perm is None else lambda x: rows(x.index_select(1, perm))
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:

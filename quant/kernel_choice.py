@@ -46,9 +46,10 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # 16: a common decode batch; 256: a pref
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 7  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 8  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
-# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too)
+# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too; 8:
+# bf16 int4 rows two columns per instruction with AVX512-BF16)
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -115,7 +116,7 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
         if upcast:
             paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
         if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
-            paths["rows"] = lambda x: rowops.bf16(x, weight, b32)
+            paths["rows"] = rowops.bf16(weight, b32)
     return paths
 
 

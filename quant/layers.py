@@ -304,7 +304,7 @@ class Int8WeightLinear(WeightOnlyLinear):
             if self.affine and off is None:
                 off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
             bias = None if self.bias is None else self.bias.data
-            out["rows"] = lambda x: rowops.int8_weight(x, self.weight, self.weight_scale, off, bias)
+            out["rows"] = rowops.int8_weight(self.weight, self.weight_scale, off, bias)
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
@@ -419,9 +419,8 @@ class W8A8Linear(QuantizedLinear):
                 out["int8pack"] = lambda x: self._finish(*self._int8pack_product(x, ones), dtype)
             if rowops.available(self.weight):
                 bias = None if self.bias is None else self.bias.data
-                out["rows"] = lambda x: rowops.w8a8(x, self.weight, self.weight_scale,
-                                                    None if self.dynamic else self.input_scale, self.smooth_scale,
-                                                    bias)
+                out["rows"] = rowops.w8a8(self.weight, self.weight_scale, None if self.dynamic else self.input_scale,
+                                          self.smooth_scale, bias)
         return out
 
     def _int_mm(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ round once, in fp32, and are held to their modules' fp32 references (tests/test_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from quant.native import Extension
 
 _EXT = Extension(Path(__file__).with_name("csrc") / "rows_ops.cpp", "quantserve_rows_ops")
 unavailable_reason = _EXT.unavailable_reason
+Rows = Callable[[torch.Tensor], torch.Tensor]
 
 
 def available(t: torch.Tensor) -> bool:
@@ -28,51 +30,48 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _EXT.load()
 
 
-def _ready() -> None:
+def _op(name: str):
+    """The op's one overload (called directly: the overload packet's resolution costs ~a microsecond a call)."""
     if not _EXT.load():
         raise RuntimeError(f"quant.rows needs its C++ ops: {_EXT.unavailable_reason()}")
+    return getattr(torch.ops.quantserve_rows, name).default
 
 
-def _opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0, dtype=torch.float32) if t is None else t
+def _opt(t: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32) if t is None else t
 
 
-def w8a8(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-         smooth: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) contiguous -> (M, N) in x's dtype: x (/ smooth) quantized per row (``input_scale`` None) or by the
-    static scale, times the (N, K) int8 weight, rescaled by s_x * weight_scale in fp32, plus the fp32 bias."""
-    _ready()
-    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x2.dtype)
-    torch.ops.quantserve_rows.w8a8_rows(x2, weight, weight_scale, _opt(input_scale, x2), _opt(smooth, x2),
-                                        _opt(bias, x2), float(P.QMAX), float(P.MIN_SCALE), out)
-    return out
+# Each function below binds a module's tensors once and returns its call: (M, K) contiguous -> (M, N). At one row
+# a call is a few microseconds of arithmetic, so what is per call and what is per module matters.
+
+def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+         smooth: torch.Tensor | None, bias: torch.Tensor | None) -> Rows:
+    """In x's dtype: x (/ smooth) quantized per row (``input_scale`` None) or by the static scale, times the (N, K)
+    int8 weight, rescaled by s_x * weight_scale in fp32, plus the fp32 bias."""
+    op, s, sm, b = _op("w8a8_rows"), _opt(input_scale), _opt(smooth), _opt(bias)
+    qmax, floor = float(P.QMAX), float(P.MIN_SCALE)
+    return lambda x2: op(x2, weight, weight_scale, s, sm, b, qmax, floor)
 
 
-def int4(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool],
-         scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) contiguous, in the kernel's column order -> (M, N) in x's dtype, read straight from the CPU int4pack
-    layout (``layout``: block rows, split nibbles; see ``quant.int4._cpu_layout``) and its (G, N, 2) scale/zero
-    table: per group s * (x . codes) + (z - 8 s) * sum(x), in fp32, plus the fp32 bias, rounded once."""
-    _ready()
-    out = torch.empty((x2.shape[0], n), dtype=x2.dtype)
-    torch.ops.quantserve_rows.int4_rows(x2, packed, n, k, layout[0], layout[1], scales_zeros.contiguous(), group_size,
-                                        _opt(bias, x2), out)
-    return out
+def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
+         group_size: int, bias: torch.Tensor | None) -> Rows:
+    """In x's dtype, x in the kernel's column order, read straight from the CPU int4pack layout (``layout``: block
+    rows, split nibbles; see ``quant.int4._cpu_layout``) and its (G, N, 2) scale/zero table: per group
+    s * (x . codes) + (z - 8 s) * sum(x), in fp32, plus the fp32 bias, rounded once."""
+    op, sz, b = _op("int4_rows"), scales_zeros.contiguous(), _opt(bias)
+    block, split = layout
+    return lambda x2: op(x2, packed, n, k, block, split, sz, group_size, b)
 
 
-def bf16(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) bf16 contiguous @ weight (N, K) bf16 ^T (+ the bias in fp32) -> (M, N) bf16: fp32 sums, rounded once."""
-    _ready()
-    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-    torch.ops.quantserve_rows.bf16_rows(x2, weight, _opt(bias, x2), out)
-    return out
+def bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
+    """bf16 x @ weight (N, K) bf16 ^T (+ the bias in fp32) -> bf16: fp32 sums, rounded once."""
+    op, b = _op("bf16_rows"), _opt(bias)
+    return lambda x2: op(x2, weight, b)
 
 
-def int8_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) contiguous -> (M, N) in x's dtype: (x . q) * s - rowsum(x) * offset (+ bias), offset = s * z (None
-    when symmetric), all in fp32, rounded once."""
-    _ready()
-    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x2.dtype)
-    torch.ops.quantserve_rows.int8_weight_rows(x2, weight, weight_scale, _opt(offset, x2), _opt(bias, x2), out)
-    return out
+def int8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,
+                bias: torch.Tensor | None) -> Rows:
+    """In x's dtype: (x . q) * s - rowsum(x) * offset (+ bias), offset = s * z (None when symmetric), all in fp32,
+    rounded once."""
+    op, off, b = _op("int8_weight_rows"), _opt(offset), _opt(bias)
+    return lambda x2: op(x2, weight, weight_scale, off, b)

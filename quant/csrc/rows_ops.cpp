@@ -27,7 +27,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,9 +46,8 @@ inline float hsum8(__m256 v) {  // the eight lanes' sum
 }
 #endif
 
-// x, the int8 weight, its scales and out (the bias and other optional vectors: optional_f32).
-void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& out,
-                bool bf16_scale = false) {
+// x, the int8 weight and its scales (the bias and other optional vectors: optional_f32).
+void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool bf16_scale = false) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU (M, K) tensor");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
                   w.size(1) == x.size(1),
@@ -55,9 +56,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
   const bool dtype_ok = scale.scalar_type() == at::kFloat || (bf16_scale && scale.scalar_type() == at::kBFloat16);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && dtype_ok,
               "weight_scale must be a contiguous (N,) fp32 tensor", bf16_scale ? " (or bf16)" : "");
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == n && out.scalar_type() == x.scalar_type(),
-              "out must be a contiguous (M, N) tensor of x's dtype");
 }
 
 const float* optional_f32(const at::Tensor& t, int64_t n, const char* what) {
@@ -215,10 +213,12 @@ void four_rows(int64_t m, int64_t n, int64_t k, const Dot4& dot4, const Dot1& do
 // out (M, N) = the W8A8 Linear of x (M, K): x (divided by smooth (K,) where given) quantized per row (dynamic:
 // input_scale empty; s = max(amax|x| / qmax, min_scale)) or by the 0-dim input_scale, times the int8 weight (N, K),
 // rescaled by s_x * weight_scale (N,) in fp32, plus bias (N,) fp32 where given, rounded to x's dtype.
-void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& input_scale,
-               const at::Tensor& smooth, const at::Tensor& bias, double qmax, double min_scale, at::Tensor out) {
-  check_rows(x, w, w_scale, out);
+at::Tensor w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                     const at::Tensor& input_scale, const at::Tensor& smooth, const at::Tensor& bias, double qmax,
+                     double min_scale) {
+  check_rows(x, w, w_scale);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
   const bool dynamic = input_scale.numel() == 0;
   TORCH_CHECK(dynamic || (input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat),
               "input_scale must be a 0-dim fp32 tensor, or empty (dynamic)");
@@ -260,14 +260,16 @@ void w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_sca
         m, n, k, [&](int64_t r, int64_t c, int32_t* acc) { dot4_i8(xq.data() + r * k, wp + c * k, k, acc); },
         [&](int64_t r, int64_t c) { return dot_i8(xq.data() + r * k, wp + c * k, k); }, finish);
   });
+  return out;
 }
 
 // out (M, N) = x (M, K) @ (s (q - z))^T + bias: (x . q) * s - rowsum(x) * offset (s: (N,) fp32 or bf16; offset (N,)
 // = s * z, fp32, or empty when symmetric), in fp32, rounded once to x's dtype.
-void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
-                      const at::Tensor& bias, at::Tensor out) {
-  check_rows(x, q, scale, out, /*bf16_scale=*/true);
+at::Tensor int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const at::Tensor& offset, const at::Tensor& bias) {
+  check_rows(x, q, scale, /*bf16_scale=*/true);
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
   const float* off = optional_f32(offset, n, "offset");
   const float* bp = optional_f32(bias, n, "bias");
   std::vector<float> xf(m * k);
@@ -293,6 +295,7 @@ void int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor
         m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_f32_i8(xf.data() + r * k, qp + c * k, k, acc); },
         [&](int64_t r, int64_t c) { return dot_f32_i8(xf.data() + r * k, qp + c * k, k); }, finish);
   });
+  return out;
 }
 
 // ---- 4-bit: W4A16's few-row product straight from the CPU int4pack layout ----
@@ -376,12 +379,102 @@ void int4_block_rows(const float* __restrict x, const uint8_t* __restrict blk, i
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The scales and offsets of 16 consecutive rows of one group, from the (N, 2) (scale, zero) pairs at p, in fp32.
+template <typename S>
+inline void scales16(const S* p, __m512& sc, __m512& z) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {  // a pair is one 32-bit lane: scale low, zero high
+    const __m512i v = _mm512_loadu_si512(p);
+    sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  } else {
+    alignas(64) float a[16], b[16];
+    for (int i = 0; i < 16; ++i) a[i] = qs::to_f(p[2 * i]), b[i] = qs::to_f(p[2 * i + 1]);
+    sc = _mm512_load_ps(a), z = _mm512_load_ps(b);
+  }
+}
+
+// A 64-row split block (see int4_block_rows) times MR bf16 rows of x (row stride k), one group: vdpbf16ps adds
+// x[c] w[c] + x[c+1] w[c+1] into each fp32 lane. A code q becomes the bf16 1 + q / 16 by placing it in mantissa
+// bits 3-6 of 1.0 (one shift and one ternary-logic op per 32 codes, against a widening and a conversion per 16 in
+// fp32), exact, as are the bf16 products; so sum_c x[c] q[c] = 16 (acc - sum_c x[c]) and, with the table's
+// off = z - 8 s, y += 16 s acc + (z - 24 s) sum(x) per group. Sums in fp32, in another order than the fp32 path.
+// MR is a template argument so that the 4 MR accumulators stay in registers.
+template <int MR, typename S>
+inline void int4_group_bf16(const uint16_t* __restrict x, int64_t k, const uint8_t* __restrict blk, int64_t c0,
+                            int64_t gs, const S* __restrict zg, const float* xs, bool first, float* __restrict y) {
+  const __m512i bits = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);  // mantissa bits 3-6; bf16 1.0
+  // acc[i][j]: x row i; j = 0, 1 low nibbles, 2, 3 high nibbles. Lane l of j = 0 holds row l (l < 8) or 8 + l
+  // (l >= 8): unpacklo_epi8 interleaves within 128-bit halves; j = 1 holds the other eight of each 16.
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = c0; c < c0 + gs; c += 2) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (c + 1) * 32));
+    const __m512i a = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b0, b1));  // (row, c), (row, c + 1) bytes
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b0, b1));
+    const __m512i w[4] = {_mm512_ternarylogic_epi32(_mm512_slli_epi16(a, 3), bits, one, 0xEA),  // (v & m) | 1.0
+                          _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), bits, one, 0xEA),
+                          _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 1), bits, one, 0xEA),
+                          _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), bits, one, 0xEA)};
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * k + c, sizeof(pair));
+      const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)w[j], xp);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512 xsum = _mm512_set1_ps(xs[i]);
+    for (int h = 0; h < 2; ++h) {  // low nibbles: rows 0-31; high: rows 32-63
+      const __m512 p = acc[i][2 * h], q = acc[i][2 * h + 1];
+      // rows 0-15 are p's then q's first eight lanes (128-bit quarters 0, 1 of each); rows 16-31 the rest
+      const __m512 part[2] = {_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE)};
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = 32 * h + 16 * half;
+        __m512 sc, z;
+        scales16(zg + 2 * row, sc, z);
+        float* yr = y + i * 64 + row;
+        const __m512 off = _mm512_fnmadd_ps(sc, _mm512_set1_ps(24.f), z);  // z - 24 s
+        const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(16.f)), part[half],
+                                         first ? _mm512_setzero_ps() : _mm512_loadu_ps(yr));
+        _mm512_storeu_ps(yr, _mm512_fmadd_ps(off, xsum, v));
+      }
+    }
+  }
+}
+
+// The block times m bf16 rows of x: y (m, 64) fp32, overwritten. xsum: (m, G) per-group sums of x.
+template <typename S>
+void int4_block_bf16(const uint16_t* __restrict x, int64_t m, int64_t k, const uint8_t* __restrict blk, int64_t gs,
+                     const S* __restrict sz, int64_t n, const float* __restrict xsum, float* __restrict y) {
+  const int64_t G = k / gs;
+  float xs[4];
+  for (int64_t r0 = 0; r0 < m; r0 += 4) {
+    const int64_t mr = std::min<int64_t>(4, m - r0);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < mr; ++i) xs[i] = xsum[(r0 + i) * G + g];
+      const uint16_t* xr = x + r0 * k;
+      const S* zg = sz + g * n * 2;
+      float* yr = y + r0 * 64;
+      switch (mr) {
+        case 4: int4_group_bf16<4>(xr, k, blk, g * gs, gs, zg, xs, g == 0, yr); break;
+        case 3: int4_group_bf16<3>(xr, k, blk, g * gs, gs, zg, xs, g == 0, yr); break;
+        case 2: int4_group_bf16<2>(xr, k, blk, g * gs, gs, zg, xs, g == 0, yr); break;
+        default: int4_group_bf16<1>(xr, k, blk, g * gs, gs, zg, xs, g == 0, yr); break;
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // out (M, N) = x (M, K, the kernel's column order) @ W^T (+ bias), W from the CPU int4pack layout (packed, block,
 // split as for dequant_int4pack) and its (G, N, 2) scale/zero table: in fp32, rounded once to x's dtype.
-void int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t block, bool split,
-               const at::Tensor& sz, int64_t group_size, const at::Tensor& bias, at::Tensor out) {
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t block, bool split,
+                     const at::Tensor& sz, int64_t group_size, const at::Tensor& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
               "x must be a contiguous CPU (M, K) tensor");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
@@ -393,10 +486,8 @@ void int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t
   TORCH_CHECK(sz.dim() == 3 && sz.size(0) == G && sz.size(1) == n && sz.size(2) == 2,
               "scales_zeros must be (K / group_size, N, 2)");
   const float* bp = optional_f32(bias, n, "bias");
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
-                  out.size(1) == n && out.scalar_type() == x.scalar_type(),
-              "out must be a contiguous (M, N) tensor of x's dtype");
   TORCH_CHECK(sz.is_contiguous(), "scales_zeros must be contiguous");
+  at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const int64_t full = split ? n / block : 0, blocks = (n + block - 1) / block;
   std::vector<float> xf(m * k);
@@ -405,15 +496,39 @@ void int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t
     const auto* xr = qs::raw(x.data_ptr<T>());
     for (int64_t r = 0; r < m; ++r) row_f32<T>(xr + r * k, nullptr, xf.data() + r * k, k);
     auto* o = qs::raw(out.data_ptr<T>());
+    // bf16 x: whole split 64-row blocks take the two-columns-per-instruction kernel, which needs x's per-group sums
+    bool pairs = false;
+    std::vector<float> xsum;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      pairs = split && block == 64 && group_size % 2 == 0;
+      if (pairs) {
+        xsum.resize(m * G);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t g = 0; g < G; ++g) xsum[r * G + g] = sum_f32(xf.data() + r * k + g * group_size, group_size);
+      }
+    }
+#endif
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_table", [&] {
       const scalar_t* zp = sz.data_ptr<scalar_t>();
       at::parallel_for(0, blocks, grain_rows(block * k * m), [&](int64_t b, int64_t e) {
         float y[64];
+        std::vector<float> ym(pairs ? m * 64 : 0);
         for (int64_t i = b; i < e; ++i) {
           const int64_t r0 = i * block, rows = std::min(block, n - r0);
           const bool sb = split && i < full;
           const uint8_t* blk = pp + r0 * k / 2;
           const scalar_t* zb = zp + r0 * 2;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if (pairs && sb && rows == 64) {
+            int4_block_bf16<scalar_t>(reinterpret_cast<const uint16_t*>(xr), m, k, blk, group_size, zb, n,
+                                      xsum.data(), ym.data());
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t j = 0; j < 64; ++j)
+                o[r * n + r0 + j] = qs::Raw<T>::put(bp ? ym[r * 64 + j] + bp[r0 + j] : ym[r * 64 + j]);
+            continue;
+          }
+#endif
           for (int64_t r = 0; r < m; ++r) {
             const float* xrow = xf.data() + r * k;
             if (sb && rows == 64) {
@@ -430,6 +545,7 @@ void int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t
       });
     });
   });
+  return out;
 }
 
 // ---- 16-bit dense: an unquantized bf16 Linear's few-row product ----
@@ -475,7 +591,7 @@ void dot4_bf16(const float* __restrict a, const uint16_t* __restrict w, int64_t 
 }  // namespace
 
 // out (M, N) bf16 = x (M, K) bf16 @ w (N, K)^T bf16 + bias (N,) fp32 where given: fp32 sums, rounded once.
-void bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor out) {
+at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be a contiguous CPU (M, K) bf16 tensor");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 &&
@@ -483,9 +599,7 @@ void bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
               "weight must be a contiguous CPU (N, K) bf16 tensor with x's K");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   const float* bp = optional_f32(bias, n, "bias");
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
-                  out.size(1) == n && out.scalar_type() == at::kBFloat16,
-              "out must be a contiguous (M, N) bf16 tensor");
+  at::Tensor out = at::empty({m, n}, x.options());
   using T = c10::BFloat16;
   std::vector<float> xf(m * k);
   const auto* xr = qs::raw(x.data_ptr<T>());
@@ -501,16 +615,16 @@ void bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
   four_rows<float>(
       m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_bf16(xf.data() + r * k, wp + c * k, k, acc); }, dot1,
       finish);
+  return out;
 }
 
 TORCH_LIBRARY(quantserve_rows, m) {
   m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
-        "float qmax, float min_scale, Tensor(a!) out) -> ()");
-  m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias, "
-        "Tensor(a!) out) -> ()");
+        "float qmax, float min_scale) -> Tensor");
+  m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, Tensor scales_zeros, "
-        "int group_size, Tensor bias, Tensor(a!) out) -> ()");
-  m.def("bf16_rows(Tensor x, Tensor weight, Tensor bias, Tensor(a!) out) -> ()");
+        "int group_size, Tensor bias) -> Tensor");
+  m.def("bf16_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {

@@ -64,7 +64,8 @@ class Int8Rows:
         self.dtype = dtype
         # One row (batch-1 decode) goes through the one-call C++ product: at 49152 x 576 it reads the matrix in
         # ~0.6x the int8pack kernel's time on both vector widths (bench/RESULTS.md, session 16).
-        self.rows = dtype == torch.bfloat16 and rowops.available(self.q)
+        use = dtype == torch.bfloat16 and rowops.available(self.q)
+        self.rows = rowops.int8_weight(self.q, self.scale, None, None) if use else None
 
     def lookup(self, ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, H) in the activation dtype, dequantizing only those rows."""
@@ -72,8 +73,8 @@ class Int8Rows:
 
     def head(self, h: Tensor) -> Tensor:
         """(S, H) -> (S, V) logits in the activation dtype."""
-        if h.shape[0] == 1 and self.rows:
-            return rowops.int8_weight(h.contiguous(), self.q, self.scale, None, None)
+        if h.shape[0] == 1 and self.rows is not None:
+            return self.rows(h.contiguous())
         if h.shape[0] <= INT8PACK_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)
         return torch.cat([self.head(part) for part in h.split(INT8PACK_MAX_ROWS)])
