@@ -229,6 +229,8 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "calibration": None if calib is None else {**calib.describe(), "seed": cfg.calib.seed},
             "memory": mem,
             "build": {"streamed": sm.streamed, "not_streamed_because": sm.reason, "device": str(sm.device),
+                      "matmul_dtype": str(cfg.matmul_torch_dtype(sm.device)).removeprefix("torch.")
+                      if cfg.needs_calibration else None,
                       "layer_seconds": [round(x, 3) for x in layer_seconds], "moe": moe.describe(model)},
             "quality": None,
             "timings": timings,

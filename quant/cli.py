@@ -50,6 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="GPTQ: process columns by decreasing Hessian diagonal, with static groups (default: on)")
     b.add_argument("--dtype", default="bfloat16", help=f"storage dtype of float tensors: {', '.join(DTYPES)}")
     b.add_argument("--device", default="auto", help="where calibration and GPTQ run: auto (cuda if available), cpu, cuda, cuda:N")
+    b.add_argument("--matmul-dtype", default="auto",
+                   help="dtype of the calibration pass's Linear products: auto (bfloat16 where this device multiplies "
+                        "it clearly faster than fp32), float32, bfloat16; weights, Hessians and GPTQ stay fp32")
     b.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors shard (e.g. 5GB, 500MiB)")
     b.add_argument("--eval-data", default=None, help="text file: write a quality report into the manifest")
     b.add_argument("--eval-windows", type=int, default=40)
@@ -181,7 +184,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
         calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
         act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
         group_size=args.group_size, asym=args.asym, damp=args.damp, act_order=args.act_order,
-        max_shard_bytes=_size_arg("--max-shard-size", args.max_shard_size), device=args.device,
+        max_shard_bytes=_size_arg("--max-shard-size", args.max_shard_size), device=args.device, matmul_dtype=args.matmul_dtype,
         max_dppl=args.max_dppl, max_kl=args.max_kl,
         eval=EvalConfig(data=args.eval_data, windows=args.eval_windows, seqlen=args.eval_seqlen,
                         dtype=args.eval_dtype, flag="--eval-"),

@@ -11,7 +11,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 from quant.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 CALIB_METHODS = ("minmax", "percentile", "kl", "auto")
 # Percentiles tried by `percentile` (the first one) and offered to `auto` as candidates.
@@ -19,6 +24,7 @@ PERCENTILES = (99.99, 99.999, 99.9)
 # Smoothing strengths tried when --smooth-alpha is not given.
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,10 @@ class BuildConfig:
     search_tokens: int = 4096
     # Where calibration and GPTQ run: "auto" (cuda when available), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
+    # The dtype the calibration pass's Linear products are computed in: "auto" (bfloat16 where this device
+    # multiplies it clearly faster than fp32, float32 elsewhere), "float32" or "bfloat16". Weights, norms,
+    # attention, captured inputs, Hessians and the GPTQ solve stay fp32 (quant.sequential.linear_products_in).
+    matmul_dtype: str = "auto"
     # Data bytes per safetensors shard of the artifact (one model.safetensors when it all fits).
     max_shard_bytes: int = 5_000_000_000
     # Quality gate, measured on `eval.data`: the artifact is not published past either bound.
@@ -103,6 +113,8 @@ class BuildConfig:
             raise ConfigError(f"--damp must be in (0, 1), got {self.damp}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ConfigError(f"--matmul-dtype must be one of {', '.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
         if self.max_shard_bytes < 1:
             raise ConfigError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         for flag, bound in (("--max-dppl", self.max_dppl), ("--max-kl", self.max_kl)):
@@ -132,6 +144,16 @@ class BuildConfig:
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 raise ConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         return dev
+
+    def matmul_torch_dtype(self, device) -> "torch.dtype":
+        """`matmul_dtype` for a build on `device`, "auto" resolved by measuring (once per process)."""
+        import torch
+
+        from quant.primitives import bf16_matmul_is_faster
+
+        if self.matmul_dtype == "auto":
+            return torch.bfloat16 if bf16_matmul_is_faster(device) else torch.float32
+        return getattr(torch, self.matmul_dtype)
 
     def scheme_def(self):
         """The registered scheme (quant.schemes) this build uses."""

@@ -87,6 +87,31 @@ def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: floa
     return torch.where(dead, torch.ones_like(s), s).clamp_min(1e-5)
 
 
+_BF16_FASTER: dict[str, bool] = {}
+
+
+def bf16_matmul_is_faster(device: torch.device) -> bool:
+    """Whether a bf16 matmul beats an fp32 one on `device`, measured once per device type on a calibration-sized
+    product. With AVX512-BF16 or AMX oneDNN's bf16 GEMM is ~4x the fp32 rate; on AVX2-only CPUs bf16 is
+    emulated, ~8x slower (bench/RESULTS.md, issue #16); CUDA GPUs with bf16 support multiply it faster."""
+    key = torch.device(device).type
+    if key not in _BF16_FASTER:
+        if key == "cuda":
+            _BF16_FASTER[key] = torch.cuda.is_bf16_supported()
+        else:
+            g = torch.Generator().manual_seed(0)
+            a, b = torch.randn(512, 576, generator=g), torch.randn(576, 1536, generator=g)
+            timings = []
+            for x, y in ((a.bfloat16(), b.bfloat16()), (a, b)):
+                x @ y  # warm-up
+                t = time.perf_counter()
+                for _ in range(3):
+                    x @ y
+                timings.append(time.perf_counter() - t)
+            _BF16_FASTER[key] = timings[0] < 0.8 * timings[1]  # a clear win only: noise must not flip it
+    return _BF16_FASTER[key]
+
+
 _INT_MM_FASTER: dict[str, bool] = {}
 
 

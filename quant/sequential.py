@@ -262,8 +262,46 @@ def exact_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group:
 
 
 def layer_pass(layer: nn.Module, hidden: torch.Tensor, kw: dict, quantize_group: QuantizeGroup, lp: LayerPlan,
-               groups) -> torch.Tensor:
-    """The staged pass where `lp` allows it, the exact pass otherwise; returns the layer's output."""
-    if lp.staged:
-        return staged_pass(layer, hidden, kw, quantize_group, lp)
-    return exact_pass(layer, hidden, kw, quantize_group, lp, groups)
+               groups, matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The staged pass where `lp` allows it, the exact pass otherwise; returns the layer's output. The layer's
+    Linears multiply in `matmul_dtype` (see `linear_products_in`)."""
+    with linear_products_in(layer, matmul_dtype):
+        if lp.staged:
+            return staged_pass(layer, hidden, kw, quantize_group, lp)
+        return exact_pass(layer, hidden, kw, quantize_group, lp, groups)
+
+
+@contextmanager
+def linear_products_in(layer: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """While open, each float nn.Linear of `layer` multiplies in `dtype`: its input and weight rounded to it, the
+    product summed in fp32 by the GEMM and rounded to it, then returned in the input's dtype. Only the products
+    change: the weights stay as they are for the quantizer, and norms, attention, the residual stream and the
+    captured inputs (Hessians, activation statistics) stay fp32. A weight's cast is made once and made again
+    when the weight changes (a quantized group's dequantized weight, a smoothing fold); a Linear a scheme
+    makes compute something else (W8A8's simulation of its finished groups) is left to that."""
+    if dtype == torch.float32:
+        yield
+        return
+    mods = [m for m in layer.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    calls = {}
+
+    def low_precision(mod: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        cast: list = [None, None, None]  # (weight's data_ptr, version), W, bias in `dtype`
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            w, b = mod.weight, mod.bias
+            key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+            if cast[0] != key:
+                cast[:] = [key, w.to(dtype), None if b is None else b.to(dtype)]
+            return torch.nn.functional.linear(x.to(dtype), cast[1], cast[2]).to(x.dtype)
+
+        return forward
+
+    for m in mods:
+        m.forward = calls[m] = low_precision(m)
+    try:
+        yield
+    finally:
+        for m in mods:
+            if m.__dict__.get("forward") is calls[m]:
+                del m.forward

@@ -91,8 +91,8 @@ class LayerQuantizer:
     """
 
     def __init__(self, model: nn.Module, calib_ids: torch.Tensor | None, method: str, group_size: int,
-                 sym: bool, damp: float, act_order: bool):
-        self.model, self.method = model, method
+                 sym: bool, damp: float, act_order: bool, matmul_dtype: torch.dtype = torch.float32):
+        self.model, self.method, self.matmul_dtype = model, method, matmul_dtype
         self.group_size, self.sym, self.damp, self.act_order = group_size, sym, damp, act_order
         layers = decoder_layers(model)
         self.prefix = next(n for n, m in model.named_modules() if m is layers)
@@ -137,6 +137,7 @@ class LayerQuantizer:
                     lin.weight.data = q.dequantize().to(lin.weight.dtype)  # what the next groups see
                     del q
 
-            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, layer_groups(layer, lp))
+            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, layer_groups(layer, lp),
+                                     self.matmul_dtype)
         for n in linears:
             set_module(layer, n, packed.pop(n))

@@ -148,7 +148,8 @@ class LayerQuantizer:
             return s if fold else None
 
         try:
-            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, groups)
+            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, groups,
+                                     cfg.matmul_torch_dtype(self.hidden.device))
         finally:
             for name in built:
                 _unsimulate(layer.get_submodule(name))

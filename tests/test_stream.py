@@ -137,6 +137,9 @@ def test_one_layer_is_materialised_at_a_time(tmp_path, sharded_dir, text_file, m
     assert seen == [(0, [0], True), (1, [1], True)]
     manifest = json.loads((out / "quant_manifest.json").read_text())
     assert manifest["build"]["streamed"] and len(manifest["build"]["layer_seconds"]) == 2
+    from quant.primitives import bf16_matmul_is_faster  # "auto": what this CPU measured, recorded
+
+    assert manifest["build"]["matmul_dtype"] == ("bfloat16" if bf16_matmul_is_faster(torch.device("cpu")) else "float32")
     est = manifest["memory"]["build_peak_estimate_bytes"]
     assert est["total"] == est["runtime"] + est["part"] + est["activations"] + est["solver"] > 0
 
@@ -170,4 +173,10 @@ def test_self_calibration_of_a_model_too_large_to_hold_is_refused(tmp_path, shar
 def test_a_device_this_machine_lacks_is_refused_before_any_work(tmp_path, sharded_dir, text_file, device, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         _build(sharded_dir, tmp_path / "art", "w4a16", text_file, device=device)
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+def test_an_unknown_matmul_dtype_is_refused_before_any_work(tmp_path, sharded_dir, text_file):
+    with pytest.raises(ConfigError, match="--matmul-dtype must be one of auto, float32, bfloat16, got 'fp8'") as e:
+        _build(sharded_dir, tmp_path / "art", "w4a16", text_file, matmul_dtype="fp8")
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())

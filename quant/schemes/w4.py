@@ -38,7 +38,7 @@ class GPTQScheme(Scheme):
         from quant import w4a16
 
         return w4a16.LayerQuantizer(model, calib_ids, self.method, resolved["group_size"], not cfg.asym, cfg.damp,
-                                    cfg.act_order)
+                                    cfg.act_order, cfg.matmul_torch_dtype(cfg.torch_device()))
 
     def parameters(self, cfg, resolved, report):
         gs = resolved["group_size"]
