@@ -30,6 +30,13 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _EXT.load()
 
 
+def staging_bytes(m: int, k: int) -> int:
+    """What a rows op holds besides its output while it runs on (m, K) x, at most: x widened to fp32 (W8A8 holds
+    it as int16 instead), plus, for int4, per-group sums of x and one (m, 64) fp32 block per thread. C++ vectors,
+    which quant.memory's MemoryTracker (it sees op outputs) cannot see: the engine adds this to what it tracks."""
+    return 4 * m * k + 4 * m * (k // 32 + 64 * torch.get_num_threads())
+
+
 def _op(name: str):
     """The op's one overload (called directly: the overload packet's resolution costs ~a microsecond a call)."""
     if not _EXT.load():

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quant import rows as rowops
 from quant.kernel_choice import Chooser, dense_key, dense_paths
 from quant.layers import QuantizedLinear
 from server.fuse import fuse_linears
@@ -112,7 +113,8 @@ class Projections:
         """Bytes each role holds beyond its output while it runs on ``rows`` rows: a layer whose path at that row
         count dequantizes its weight (or upcasts it, or its input, to fp32) holds those copies while it runs. Each
         is measured once per computation and path with quant.memory's MemoryTracker, on the path itself at this
-        row count (every scheme and path allocates with its own arithmetic; tracking it is exact)."""
+        row count (every scheme and path allocates with its own arithmetic; tracking it is exact), plus, for a
+        ``rows`` path, the staging its C++ op holds where the tracker cannot see (``quant.rows.staging_bytes``)."""
         if rows not in self._transients:
             self._transients[rows] = {role: max((self._extra_bytes(m, rows) for m in mods), default=0)
                                       for role, mods in self.by_role.items()}
@@ -129,7 +131,8 @@ class Projections:
             x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=_device(m))  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:
                 y = call(x)  # (M, N)
-            self._peak_cache[key] = max(0, mt.peak - y.numel() * y.element_size())
+            staged = rowops.staging_bytes(rows, m.in_features) if key[1] == "rows" else 0  # inside the C++ op
+            self._peak_cache[key] = max(0, mt.peak - y.numel() * y.element_size()) + staged
         return self._peak_cache[key]
 
     def _path_name(self, m: nn.Module, rows: int) -> str:
