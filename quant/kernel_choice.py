@@ -151,13 +151,20 @@ def _time_us(fn: PathFn, x: torch.Tensor, budget_s: float = 0.05) -> float:
 
 
 @torch.inference_mode()
-def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, device="cpu") -> RowPlan:
-    """Time every path at every bucket (steps 1 and 2 of the module docstring)."""
+def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, device="cpu",
+            max_rows: int | None = None) -> RowPlan:
+    """Time every path at every bucket (steps 1 and 2 of the module docstring); with ``max_rows``, only up to the
+    bucket that holds it, the buckets above taking that bucket's path (calls never have more rows)."""
     g = torch.Generator(device=device).manual_seed(0)
     live = dict(paths)
     us: dict[str, list[float | None]] = {name: [] for name in paths}
     chosen = []
     for rows in ROW_BUCKETS:
+        if max_rows is not None and chosen and ROW_BUCKETS[len(chosen) - 1] >= max_rows:
+            chosen.append(chosen[-1])
+            for name in us:
+                us[name].append(None)
+            continue
         x = torch.randn(rows, in_features, generator=g, device=device).to(dtype)  # (M, K)
         here = {name: _time_us(fn, x) for name, fn in live.items()}
         best = min(here, key=here.__getitem__)
@@ -171,10 +178,14 @@ def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, devi
 class Chooser:
     """Plans for the Linears of one engine: measured (and cached per CPU) or static."""
 
-    def __init__(self, mode: str = "static", cache_dir: Path | None = None, threads: int | None = None):
+    def __init__(self, mode: str = "static", cache_dir: Path | None = None, threads: int | None = None,
+                 head_rows: int | None = None):
         if mode not in MODES:
             raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
+        # The most rows the output head gets in one call (an engine's max_batch: it sees only the sampled rows),
+        # so its plan is not measured at prefill sizes (a 49152 x 576 head at 512 rows took seconds per path).
+        self.head_rows = head_rows
         self.key = cpu_key(threads)
         self.file = None
         if cache_dir is not None:
@@ -207,15 +218,18 @@ class Chooser:
             log.warning("could not keep kernel plans in %s (%s)", self.file, e)
 
     def plan(self, key: str, paths: dict[str, PathFn], in_features: int, dtype: torch.dtype,
-             device: torch.device) -> RowPlan | None:
-        """The plan for one computation, or None (static mode, one path only, or not a CPU)."""
+             device: torch.device, max_rows: int | None = None) -> RowPlan | None:
+        """The plan for one computation, or None (static mode, one path only, or not a CPU). ``max_rows``: the
+        most rows a call will have (the head's: the sampled rows of a step), measured no further."""
         if self.mode == "static" or len(paths) < 2 or torch.device(device).type != "cpu":
             return None
         plans = self._load()
+        if max_rows is not None:  # a plan measured up to fewer rows must not serve a computation with more
+            key = f"{key} (<= {ROW_BUCKETS[min(bisect.bisect_left(ROW_BUCKETS, max_rows), len(ROW_BUCKETS) - 1)]} rows)"
         got = RowPlan.from_json(plans[key], set(paths)) if key in plans else None
         if got is None:
             t = time.perf_counter()
-            got = measure(paths, in_features, dtype, device)
+            got = measure(paths, in_features, dtype, device, max_rows)
             log.info("kernel plan for %s: %s (measured in %.2f s)", key, got.describe(), time.perf_counter() - t)
             plans[key] = got.to_json()
             self._save()

@@ -103,6 +103,26 @@ def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
     assert all(v is not None for v in plan.us["fixed"])
 
 
+def test_a_plan_bounded_in_rows_is_measured_no_further_and_kept_apart(tmp_path):
+    seen = []
+
+    def path(x):
+        seen.append(x.shape[0])
+        return x
+
+    plan = KC.measure({"a": path, "b": lambda x: x + 0}, 16, torch.float32, max_rows=10)
+    assert max(seen) == 16  # the bucket that holds 10 rows, none above it
+    i = KC.ROW_BUCKETS.index(16)
+    assert plan.paths[i + 1 :] == (plan.paths[i],) * (len(KC.ROW_BUCKETS) - i - 1)
+    assert plan.us["a"][i + 1 :] == (None,) * (len(KC.ROW_BUCKETS) - i - 1)
+    # a head's plan (<= 64 rows) is stored apart from the same computation measured at every bucket
+    c = KC.Chooser("measure", tmp_path)
+    c.plan("k", {"a": path, "b": lambda x: x + 0}, 16, torch.float32, "cpu", max_rows=64)
+    c.plan("k", {"a": path, "b": lambda x: x + 0}, 16, torch.float32, "cpu")
+    assert sorted(c.chosen) == ["k", "k (<= 64 rows)"]
+    assert max(seen) == max(KC.ROW_BUCKETS)
+
+
 def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path, monkeypatch):
     paths = {"a": lambda x: x, "b": lambda x: x + 0}
     first = KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))

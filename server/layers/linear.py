@@ -35,10 +35,11 @@ def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
 
 
 def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
-         upcast: bool = True) -> Callable[[Tensor], Tensor]:
+         upcast: bool = True, max_rows: int | None = None) -> Callable[[Tensor], Tensor]:
     """The call of one projection for inputs of ``dtype``: by the path the chooser planned per row count (one
     path for every row count: that path itself), else the module's own rule. ``upcast``: whether a 16-bit dense
-    Linear may take its fp32-upcast path (a transient fp32 copy of W)."""
+    Linear may take its fp32-upcast path (a transient fp32 copy of W). ``max_rows``: the most rows a call has,
+    where that is known (the head's), so the plan is measured no further."""
     if chooser is None:
         return _plain_call(mod)
     if type(mod) is nn.Linear:
@@ -47,7 +48,7 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
         paths = mod.paths(dtype)
     else:
         return mod
-    plan = chooser.plan(computation(mod, dtype), paths, mod.in_features, dtype, _device(mod))
+    plan = chooser.plan(computation(mod, dtype), paths, mod.in_features, dtype, _device(mod), max_rows)
     if plan is None:
         return _plain_call(mod)
     if isinstance(mod, QuantizedLinear):

@@ -199,7 +199,8 @@ class CausalLM:
         # fp32 copy of the vocabulary matrix the budget does not count); int8 rows stand for it otherwise, and a
         # head the scheme quantized keeps its module's own rule.
         planned = embeddings == "float" and plain
-        head = bind_module(lm_head, self.dtype, self.projections.chooser if planned else None, upcast=False)
+        chooser = self.projections.chooser if planned else None
+        head = bind_module(lm_head, self.dtype, chooser, upcast=False, max_rows=chooser and chooser.head_rows)
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
             embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype)
         self._embed_scale = self.embed_scale(config)
