@@ -227,7 +227,7 @@ def test_a_rows_path_counts_its_staging_in_the_projection_transients():
     class Fixed:  # a chooser whose plan is the rows path at every row count
         chosen: dict = {}
 
-        def plan(self, key, paths, k, dtype, device):
+        def plan(self, key, paths, k, dtype, device, max_rows=None):
             self.chosen[key] = RowPlan(("rows",) * len(ROW_BUCKETS), {})
             return self.chosen[key]
 

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "int4_vec.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -65,67 +66,20 @@ void dequant_int8(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
 
 namespace {
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// The AVX2 layout's full block (16 bytes: 32 rows), written with intrinsics: the compiler's vectorisation of the
-// 16-long loops below unpacked bytes one 128-bit lane at a time and ran 6x slower than a bf16 -> fp32 conversion of
-// the same W. Same operations, same order, same rounding (a product, then a sum; bf16 to nearest even, NaN to
-// 0x7FC0) as qs::Raw<T>::put of the scalar loop.
-inline void put8(__m256 v, float* w) { _mm256_storeu_ps(w, v); }
-inline void put8(__m256 v, uint16_t* w) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // 8 x u16 in the low half
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(w), _mm256_castsi256_si128(packed));
-}
-
+#if defined(QS_INT4_VEC)
+// A full block's column (int4_vec.h) into W^T, written with intrinsics: the compiler's vectorisation of the short
+// loops below unpacked bytes one 128-bit lane at a time (AVX2: 6x slower than a bf16 -> fp32 conversion of the same
+// W) and rounded to bf16 at half the speed it wrote fp32 (AVX-512). Same operations, same order, same rounding (a
+// product, then a sum; bf16 to nearest even, NaN to 0x7FC0) as qs::Raw<T>::put of the scalar loop.
 template <typename O>
-inline void int4_split16(const uint8_t* __restrict src, const float* __restrict sb, const float* __restrict ob,
-                         O* __restrict w) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m128i nib = _mm_set1_epi8(15);
-  const __m128i codes[2] = {_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib)};
-  for (int h = 0; h < 2; ++h) {      // low nibbles: rows 0..15; high: rows 16..31
-    for (int e = 0; e < 2; ++e) {    // eight rows at a time
-      const int64_t i = 16 * h + 8 * e;
-      const __m128i eight = e ? _mm_srli_si128(codes[h], 8) : codes[h];
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
-      put8(_mm256_add_ps(_mm256_mul_ps(f, _mm256_loadu_ps(sb + i)), _mm256_loadu_ps(ob + i)), w + i);
-    }
-  }
-}
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// The AVX-512 layout's full block (32 bytes: 64 rows), as int4_split16 does the AVX2 one: the compiler's loop
-// rounded to bf16 at half the speed it wrote fp32.
-inline void put16(__m512 v, float* w) { _mm512_storeu_ps(w, v); }
-inline void put16(__m512 v, uint16_t* w) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  const __m512i out = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), _mm512_cvtepi32_epi16(out));
-}
-
-template <typename O>
-inline void int4_split32(const uint8_t* __restrict src, const float* __restrict sb, const float* __restrict ob,
-                         O* __restrict w) {
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  const __m256i nib = _mm256_set1_epi8(15);
-  const __m256i codes[2] = {_mm256_and_si256(bytes, nib), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib)};
-  for (int h = 0; h < 2; ++h) {      // low nibbles: rows 0..31; high: rows 32..63
-    for (int e = 0; e < 2; ++e) {    // sixteen rows at a time
-      const int64_t i = 32 * h + 16 * e;
-      const __m128i sixteen = e ? _mm256_extracti128_si256(codes[h], 1) : _mm256_castsi256_si128(codes[h]);
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen));
-      put16(_mm512_add_ps(_mm512_mul_ps(f, _mm512_loadu_ps(sb + i)), _mm512_loadu_ps(ob + i)), w + i);
-    }
+inline void int4_split_full(const uint8_t* __restrict src, const float* __restrict sb, const float* __restrict ob,
+                            O* __restrict w) {
+  using V = qs::Int4Vec;
+  V::F codes[4];
+  V::codes(src, codes);
+  for (int j = 0; j < 4; ++j) {
+    const int64_t i = j * V::kLanes;
+    V::put(V::mul_add(codes[j], V::load(sb + i), V::load(ob + i)), w + i);
   }
 }
 #endif
@@ -139,18 +93,10 @@ inline void int4_split32(const uint8_t* __restrict src, const float* __restrict 
 template <typename T, int64_t HALF>
 inline void int4_column(const uint8_t* __restrict src, int64_t rows, bool split, const float* __restrict sb,
                         const float* __restrict ob, typename qs::Raw<T>::type* __restrict w) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (HALF == 32 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
+#if defined(QS_INT4_VEC)
+  if constexpr (HALF == qs::Int4Vec::kHalf && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
     if (split) {
-      int4_split32(src, sb, ob, w);
-      return;
-    }
-  }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if constexpr (HALF == 16 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>)) {
-    if (split) {
-      int4_split16(src, sb, ob, w);
+      int4_split_full(src, sb, ob, w);
       return;
     }
   }

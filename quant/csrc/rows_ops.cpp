@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "int4_vec.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -316,44 +317,19 @@ void int4_block_rows(const float* __restrict x, const uint8_t* __restrict blk, i
     const int64_t g = g0 / gs;
     float xs = 0.f;
     bool done = false;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if constexpr (HALF == 32) {
+#if defined(QS_INT4_VEC)
+    if constexpr (HALF == qs::Int4Vec::kHalf) {  // a full block of this width's layout, split nibbles
       if (split) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const __m256i nib = _mm256_set1_epi8(15);
+        using V = qs::Int4Vec;
+        V::F a[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
         for (int64_t c = g0; c < g0 + gs; ++c) {
-          const __m512 xc = _mm512_set1_ps(x[c]);
+          const V::F xc = V::set1(x[c]);
           xs += x[c];
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * HALF));
-          const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
-          a0 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo))), a0);
-          a1 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1))), a1);
-          a2 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi))), a2);
-          a3 = _mm512_fmadd_ps(xc, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))), a3);
+          V::F codes[4];
+          V::codes(blk + c * HALF, codes);
+          for (int j = 0; j < 4; ++j) a[j] = V::fma(xc, codes[j], a[j]);
         }
-        _mm512_storeu_ps(acc, a0), _mm512_storeu_ps(acc + 16, a1), _mm512_storeu_ps(acc + 32, a2);
-        _mm512_storeu_ps(acc + 48, a3);
-        done = true;
-      }
-    }
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-    if constexpr (HALF == 16) {
-      if (split) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const __m128i nib = _mm_set1_epi8(15);
-        for (int64_t c = g0; c < g0 + gs; ++c) {
-          const __m256 xc = _mm256_set1_ps(x[c]);
-          xs += x[c];
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + c * HALF));
-          const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
-          a0 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), a0);
-          a1 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), a1);
-          a2 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), a2);
-          a3 = _mm256_fmadd_ps(xc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), a3);
-        }
-        _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
-        _mm256_storeu_ps(acc + 24, a3);
+        for (int j = 0; j < 4; ++j) V::put(a[j], acc + j * V::kLanes);
         done = true;
       }
     }
