@@ -104,10 +104,20 @@ def _choose_threshold(
 
 
 def _simulate(lin: nn.Linear, mod: W8A8Linear) -> None:
-    """Make the float `lin` compute `mod.reference_forward` (what the int8 module computes: dequantized weight,
-    input divided by the explicit smoothing scale and fake-quantized) until `_unsimulate`. An instance attribute
-    shadows the class's forward, so the Linear stays where the layer pass holds it and its hooks still run."""
-    lin.forward = mod.reference_forward
+    """Make the float `lin` compute what the int8 module `mod` computes (its input divided by the explicit smoothing
+    scale and quantized, the integer product, rescaled in fp32) until `_unsimulate`, by the module's own static
+    rule: ``torch._int_mm`` where it is exact and this machine's faster product, else the same integer product in
+    fp32. (Its fp32 `reference_forward`, which dequantizes the weight on every call, made the calibration's layer
+    pass a fifth of a w8a8 build.) The scales are read at each call: a later fold into this module divides them.
+    An instance attribute shadows the class's forward, so the Linear stays where the layer pass holds it and its
+    hooks still run."""
+    path = mod.paths(torch.float32)[mod.static_path(0, torch.float32)]  # (M, K) contiguous -> (M, N) fp32
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = path(x.reshape(-1, mod.in_features).float().contiguous())  # (M, N)
+        return y.reshape(*x.shape[:-1], mod.out_features)
+
+    lin.forward = forward
 
 
 def _unsimulate(lin: nn.Linear) -> None:
