@@ -4,9 +4,10 @@ The bar (issue #14): a w8a8 build costs at most 2x a w4a16 build of the same mod
 CPU and on an AVX2-only one (where `torch._int_mm` is ~25x slower than fp32, so calibration must not run it).
 Calibration: WikiText-2 valid, 128 x 512 tokens, seed 0. Each build is its own `quant build` process, timed
 whole (load, calibration, quantization, writing); the manifest's phase timings are printed beside it.
-"w8a8-fp32" is the default w8a8 build with calibration's int8 products forced onto the fp32 path, which is what
-the once-per-process probe (`primitives.int_mm_is_faster`) picks on a CPU without int8 dot-product
-instructions: its time here stands in for that machine's choice, not for that machine. Quality: each artifact
+The "-fp32" builds stand in for an AVX2-only CPU's choices: both once-per-process probes are fixed to what such a
+CPU answers, calibration's int8 products on the fp32 path (`primitives.int_mm_is_faster`) and the calibration
+pass's Linear products in fp32 (`primitives.bf16_matmul_is_faster`, behind `--matmul-dtype auto`). Their time
+here stands in for that machine's choices, not for that machine; "w8a8-fp32" is compared with "w4a16-fp32". Quality: each artifact
 against the fp32 base on WikiText-2 test windows, in one pass (`--eval-windows 0` skips it).
 
     python bench/build_time.py [--out bench/out/build_time] [--samples 128] [--schemes w4a16 w8a8 ...]
@@ -33,11 +34,12 @@ CONFIGS = {
     "w8a8": ["--scheme", "w8a8"],  # static input scales, calib-method auto, alpha searched: the default
     "w8a8-dynamic": ["--scheme", "w8a8", "--act-dynamic"],
     "w8a8-kl": ["--scheme", "w8a8", "--calib-method", "kl"],
+    "w4a16-fp32": ["--scheme", "w4a16"],
     "w8a8-fp32": ["--scheme", "w8a8"],
 }
-# Runs `quant build` with the probe's answer fixed to "fp32 is faster" (see the docstring).
+# Runs `quant build` with the probes' answers fixed to "fp32 is faster" (see the docstring).
 FP32_PRODUCTS = ("import sys; from quant import primitives as P; P._INT_MM_FASTER['cpu'] = False; "
-                 "from quant.cli import main; sys.exit(main(sys.argv[1:]))")
+                 "P._BF16_FASTER['cpu'] = False; from quant.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def cpu_name() -> str:
@@ -52,7 +54,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "build_time"))
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--schemes", nargs="+", default=["w4a16", "w8a8", "w8a8-fp32"], choices=list(CONFIGS))
+    ap.add_argument("--schemes", nargs="+", default=["w4a16", "w8a8", "w4a16-fp32", "w8a8-fp32"],
+                    choices=list(CONFIGS))
     ap.add_argument("--eval-windows", type=int, default=40)
     args = ap.parse_args()
     out = Path(args.out)
@@ -82,10 +85,10 @@ def main() -> None:
         windows = calibration.eval_windows(tok, DATA / "test.txt", args.eval_windows, args.seqlen)
         quality = evaluate.compare(base, {n: load(out / n, dtype=torch.float32).model for n in rows}, windows,
                                    progress=False)
-    ref = rows.get("w4a16")
-    print(f"\n| build ({args.samples} x {args.seqlen}) | process s | quantize s | vs w4a16 | Δppl % | mean KL |"
+    print(f"\n| build ({args.samples} x {args.seqlen}) | process s | quantize s | vs its w4a16 | Δppl % | mean KL |"
           "\n|---|---|---|---|---|---|")
     for name, (wall, timings) in rows.items():
+        ref = rows.get("w4a16-fp32" if name.endswith("-fp32") else "w4a16")  # the same machine's choices
         ratio = f"{wall / ref[0]:.2f}x" if ref else ""
         q = quality.get(name)
         qual = f"{q.delta_ppl_pct:+.2f} | {q.mean_kl:.4f}" if q else " | "
