@@ -165,6 +165,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         memory.ModelShape.from_config(model.config), cfg.scheme,
         cfg.calib.samples * cfg.calib.seqlen if cfg.needs_calibration else 0,
         streamed=sm.streamed, self_calibration=cfg.needs_calibration and cfg.calib.source == "self",
+        matmul_bytes=cfg.matmul_torch_dtype(device).itemsize if cfg.needs_calibration else None,
     )
     estimate["runtime"] = rss_before
     estimate["total"] += rss_before

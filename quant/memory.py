@@ -195,11 +195,13 @@ def weight_bytes(shape: ModelShape, scheme: str, float_bytes: int = 2, group_siz
 
 
 def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed: bool = True,
-                     self_calibration: bool = False, compute_bytes: int = 4) -> dict:
+                     self_calibration: bool = False, compute_bytes: int = 4, matmul_bytes: int | None = None) -> dict:
     """Predicted peak memory of `quant build` beyond the process's own runtime, by what holds it:
     - part: the model part materialised at a time, in the compute dtype (fp32): one decoder layer, or
       the embedding matrix while the first layer's inputs are captured; the whole model when it is not
-      streamed or generates its own calibration text;
+      streamed or generates its own calibration text; with calibration products in another dtype
+      (`matmul_bytes` per element, `--matmul-dtype`), the layer's Linear weights once more in it (each cast is
+      kept through the layer pass; W8A8's simulated Linears make none, so this is at most);
     - activations: the calibration set's hidden states (S*T x hidden, fp32) in, out and in the middle of
       a layer, plus what a scheme keeps of a layer's inner activations (GPTQ: the attention output and
       the MLP's down_proj input; W8A8: every smoothing group's input at once);
@@ -207,7 +209,10 @@ def build_peak_bytes(shape: ModelShape, scheme: str, calib_tokens: int, streamed
       factorisation steps, K x K fp32 each, plus the weight's fp32 copies and codes).
     """
     H = shape.hidden
-    layer = (sum(n * k for _, n, k in shape.linears()) + 2 * H) * compute_bytes
+    linear = sum(n * k for _, n, k in shape.linears())
+    layer = (linear + 2 * H) * compute_bytes
+    if matmul_bytes is not None and matmul_bytes != compute_bytes:
+        layer += linear * matmul_bytes
     embed = shape.vocab * H * compute_bytes
     whole = shape.params() * compute_bytes
     part = whole if (not streamed or self_calibration) else max(layer, embed)

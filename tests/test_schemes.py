@@ -117,3 +117,9 @@ def test_every_scheme_predicts_build_memory_and_weights():
         peak = build_peak_bytes(shape, name, 4096)
         assert peak["total"] == peak["part"] + peak["activations"] + peak["solver"] > 0
         assert (peak["activations"] > 0) == schemes.get(name).needs_calibration
+    # bf16 calibration products keep a bf16 cast of a layer's Linear weights through its pass (7B: a layer
+    # outweighs the embedding, so the part is the layer)
+    big = KNOWN_SHAPES["7B"]
+    lin = sum(n * k for _, n, k in big.linears())
+    fp32, bf16 = (build_peak_bytes(big, "w4a16", 4096, matmul_bytes=b) for b in (4, 2))
+    assert fp32["part"] == (lin + 2 * big.hidden) * 4 and bf16["part"] == fp32["part"] + 2 * lin
