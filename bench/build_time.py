@@ -7,8 +7,9 @@ whole (load, calibration, quantization, writing); the manifest's phase timings a
 The "-fp32" builds stand in for an AVX2-only CPU's choices: both once-per-process probes are fixed to what such a
 CPU answers, calibration's int8 products on the fp32 path (`primitives.int_mm_is_faster`) and the calibration
 pass's Linear products in fp32 (`primitives.bf16_matmul_is_faster`, behind `--matmul-dtype auto`). Their time
-here stands in for that machine's choices, not for that machine; "w8a8-fp32" is compared with "w4a16-fp32". Quality: each artifact
-against the fp32 base on WikiText-2 test windows, in one pass (`--eval-windows 0` skips it).
+here stands in for that machine's choices, not for that machine; "w8a8-fp32" is compared with "w4a16-fp32".
+Quality: each artifact against the fp32 base on WikiText-2 test windows, in one pass (`--eval-windows 0` skips
+it).
 
     python bench/build_time.py [--out bench/out/build_time] [--samples 128] [--schemes w4a16 w8a8 ...]
 Nothing else may run meanwhile (every build uses every core).

@@ -160,12 +160,13 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         eval_windows = calibration.eval_windows(tok, cfg.eval.data, cfg.eval.windows, cfg.eval.seqlen, cfg.eval.flag)
     store_dtype = models.torch_dtype(cfg.dtype)
     base_bytes = memory.float_model_bytes(model, store_dtype)
+    matmul = cfg.matmul_torch_dtype(device) if cfg.needs_calibration else None  # the calibration products' dtype
     resolved = scheme.resolve(cfg, model)
     estimate = memory.build_peak_bytes(
         memory.ModelShape.from_config(model.config), cfg.scheme,
         cfg.calib.samples * cfg.calib.seqlen if cfg.needs_calibration else 0,
         streamed=sm.streamed, self_calibration=cfg.needs_calibration and cfg.calib.source == "self",
-        matmul_bytes=cfg.matmul_torch_dtype(device).itemsize if cfg.needs_calibration else None,
+        matmul_bytes=None if matmul is None else matmul.itemsize,
     )
     estimate["runtime"] = rss_before
     estimate["total"] += rss_before
@@ -230,8 +231,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "calibration": None if calib is None else {**calib.describe(), "seed": cfg.calib.seed},
             "memory": mem,
             "build": {"streamed": sm.streamed, "not_streamed_because": sm.reason, "device": str(sm.device),
-                      "matmul_dtype": str(cfg.matmul_torch_dtype(sm.device)).removeprefix("torch.")
-                      if cfg.needs_calibration else None,
+                      "matmul_dtype": None if matmul is None else str(matmul).removeprefix("torch."),
                       "layer_seconds": [round(x, 3) for x in layer_seconds], "moe": moe.describe(model)},
             "quality": None,
             "timings": timings,

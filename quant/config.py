@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-
 from typing import TYPE_CHECKING
 
 from quant.errors import ConfigError

@@ -54,6 +54,11 @@ _CACHE_VERSION = 8  # bumped when a path gets faster or slower (3: the int4 dequ
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 
 
+def bucket_index(rows: int) -> int:
+    """The bucket whose plan a call of `rows` rows takes: the smallest >= rows, the last above it."""
+    return min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
+
+
 @dataclass(frozen=True)
 class RowPlan:
     """The path for each row bucket, and what was measured (µs per call; None where a path was not run)."""
@@ -62,7 +67,7 @@ class RowPlan:
     us: dict[str, tuple[float | None, ...]]
 
     def pick(self, rows: int) -> str:
-        return self.paths[min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)]
+        return self.paths[bucket_index(rows)]
 
     @property
     def single(self) -> str | None:
@@ -158,9 +163,10 @@ def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, devi
     g = torch.Generator(device=device).manual_seed(0)
     live = dict(paths)
     us: dict[str, list[float | None]] = {name: [] for name in paths}
+    last = len(ROW_BUCKETS) - 1 if max_rows is None else bucket_index(max_rows)  # the last bucket measured
     chosen = []
-    for rows in ROW_BUCKETS:
-        if max_rows is not None and chosen and ROW_BUCKETS[len(chosen) - 1] >= max_rows:
+    for i, rows in enumerate(ROW_BUCKETS):
+        if i > last:
             chosen.append(chosen[-1])
             for name in us:
                 us[name].append(None)
@@ -225,7 +231,7 @@ class Chooser:
             return None
         plans = self._load()
         if max_rows is not None:  # a plan measured up to fewer rows must not serve a computation with more
-            key = f"{key} (<= {ROW_BUCKETS[min(bisect.bisect_left(ROW_BUCKETS, max_rows), len(ROW_BUCKETS) - 1)]} rows)"
+            key = f"{key} (<= {ROW_BUCKETS[bucket_index(max_rows)]} rows)"
         got = RowPlan.from_json(plans[key], set(paths)) if key in plans else None
         if got is None:
             t = time.perf_counter()

@@ -87,6 +87,15 @@ def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: floa
     return torch.where(dead, torch.ones_like(s), s).clamp_min(1e-5)
 
 
+def _seconds(f, calls: int = 3) -> float:
+    """Wall time of `calls` calls of `f` after one warm-up call: the once-per-process probes below."""
+    f()
+    t = time.perf_counter()
+    for _ in range(calls):
+        f()
+    return time.perf_counter() - t
+
+
 _BF16_FASTER: dict[str, bool] = {}
 
 
@@ -101,14 +110,9 @@ def bf16_matmul_is_faster(device: torch.device) -> bool:
         else:
             g = torch.Generator().manual_seed(0)
             a, b = torch.randn(512, 576, generator=g), torch.randn(576, 1536, generator=g)
-            timings = []
-            for x, y in ((a.bfloat16(), b.bfloat16()), (a, b)):
-                x @ y  # warm-up
-                t = time.perf_counter()
-                for _ in range(3):
-                    x @ y
-                timings.append(time.perf_counter() - t)
-            _BF16_FASTER[key] = timings[0] < 0.8 * timings[1]  # a clear win only: noise must not flip it
+            a16, b16 = a.bfloat16(), b.bfloat16()
+            # a clear win only: noise must not flip it
+            _BF16_FASTER[key] = _seconds(lambda: a16 @ b16) < 0.8 * _seconds(lambda: a @ b)
     return _BF16_FASTER[key]
 
 
@@ -128,14 +132,7 @@ def int_mm_is_faster(device: torch.device) -> bool:
             a = torch.randint(-127, 128, (256, 512), generator=g, dtype=torch.int8)
             b = torch.randint(-127, 128, (512, 512), generator=g, dtype=torch.int8)
             af, bf = a.float(), b.float()
-            timings = []
-            for f in (lambda: torch._int_mm(a, b), lambda: af @ bf):
-                f()  # warm-up
-                t = time.perf_counter()
-                for _ in range(3):
-                    f()
-                timings.append(time.perf_counter() - t)
-            _INT_MM_FASTER[key] = timings[0] < timings[1]
+            _INT_MM_FASTER[key] = _seconds(lambda: torch._int_mm(a, b)) < _seconds(lambda: af @ bf)
     return _INT_MM_FASTER[key]
 
 

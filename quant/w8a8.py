@@ -135,6 +135,7 @@ class LayerQuantizer:
         self.prefix = next(n for n, m in model.named_modules() if m is layers)
         self.gen = torch.Generator().manual_seed(cfg.calib.seed)
         self.hidden, self.kws = capture_layer_inputs(model, calib_ids)  # (S, T, D)
+        self.matmul_dtype = cfg.matmul_torch_dtype(self.hidden.device)
         self.report: dict = {"groups": {}, "linears": {}}
 
     def _subsample(self, rows: int, n: int) -> torch.Tensor:
@@ -158,8 +159,7 @@ class LayerQuantizer:
             return s if fold else None
 
         try:
-            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, groups,
-                                     cfg.matmul_torch_dtype(self.hidden.device))
+            self.hidden = layer_pass(layer, self.hidden, kw, quantize_group, lp, groups, self.matmul_dtype)
         finally:
             for name in built:
                 _unsimulate(layer.get_submodule(name))

@@ -139,7 +139,8 @@ def test_one_layer_is_materialised_at_a_time(tmp_path, sharded_dir, text_file, m
     assert manifest["build"]["streamed"] and len(manifest["build"]["layer_seconds"]) == 2
     from quant.primitives import bf16_matmul_is_faster  # "auto": what this CPU measured, recorded
 
-    assert manifest["build"]["matmul_dtype"] == ("bfloat16" if bf16_matmul_is_faster(torch.device("cpu")) else "float32")
+    want = "bfloat16" if bf16_matmul_is_faster(torch.device("cpu")) else "float32"
+    assert manifest["build"]["matmul_dtype"] == want
     est = manifest["memory"]["build_peak_estimate_bytes"]
     assert est["total"] == est["runtime"] + est["part"] + est["activations"] + est["solver"] > 0
 

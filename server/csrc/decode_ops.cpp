@@ -281,19 +281,15 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   // layer's cache has been evicted by the weights streaming through; without it, each row's cache misses
   // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
   int64_t pblk = blk, poff = off;
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) {
+  const auto prefetch_next = [&]() {
     const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
     prefetch_row(k + slot, D);
     prefetch_row(v + slot, D);
     if (++poff == bs) poff = 0, ++pblk;
-  }
+  };
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
   for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
-    if (j + kAhead < n) {
-      const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
-      prefetch_row(k + slot, D);
-      prefetch_row(v + slot, D);
-      if (++poff == bs) poff = 0, ++pblk;
-    }
+    if (j + kAhead < n) prefetch_next();
     const typename Raw<T>::type* kr = k + (table[blk] * bs + off) * slot_stride;
     for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(kr[d]);
     for (int64_t i = 0; i < g; ++i) {
