@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import nn
 
-from quant import dequant, triton_ops
+from quant import dequant, gemm, triton_ops
 from quant import rows as rowops
 from quant.errors import ArtifactError
 from quant.layers import WeightOnlyLinear, fused_bias, fused_offsets
@@ -274,17 +274,19 @@ class GPTQLinear(WeightOnlyLinear):
     def paths(self, dtype: torch.dtype) -> dict:
         """As every weight-only module's, less the dequantizing paths where the int4pack layout cannot be read
         back cheaply on this CPU (an unknown layout: only the kernel's identity product would do, K x K x N), and
-        with ``rows`` (``quant.rows.int4``) where it can."""
+        with ``rows`` (``quant.rows.int4``, few rows) and ``gemm`` (``quant.gemm.int4``, many) where they can."""
         out = super().paths(dtype)
         if self.packed is not None and self.packed.device.type == "cpu":
             layout = _cpu_layout()
             if layout is None:
                 return {"kernel": out["kernel"]}
+            n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
+            bias = None if self.bias is None else self.bias.data.float()
             if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
-                n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
-                bias = None if self.bias is None else self.bias.data.float()
-                rows = rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias)
-                out["rows"] = rows if perm is None else lambda x: rows(x.index_select(1, perm))
+                out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
+                                               perm)
+            if gemm.available(self.packed, n, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
+                out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
@@ -360,6 +362,11 @@ def _cpu_layout() -> tuple[int, bool] | None:
     codes = torch.randint(0, 16, (2 * guess[0] + 16, 64), generator=g, dtype=torch.int32)  # (N, K)
     got = _kernel_codes_cpu(_pack_for_kernel(codes), codes.shape[0], codes.shape[1], guess)
     return guess if torch.equal(got.to(torch.int32), codes) else None
+
+
+def _in_kernel_order(call, perm: torch.Tensor | None):
+    """A call on x in the kernel's column order, taking x in W's (act-order checkpoints permute K at load)."""
+    return call if perm is None else lambda x: call(x.index_select(1, perm))
 
 
 def _int4_mm(x2: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,10 @@ with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESU
 its *paths* for an activation dtype (``QuantizedLinear.paths``; dense Linears get :func:`dense_paths`), each a
 callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :class:`Chooser` measures them:
 
-1. every path at each row bucket (:data:`ROW_BUCKETS`), on random inputs, median of a few calls, smallest bucket
-   first; a path both more than :data:`DROP_FACTOR` times slower than the best at one bucket and slower than
-   :data:`DROP_US` is not measured at larger ones (a bf16 product of a big shape on an AVX2 CPU would otherwise take
-   seconds). Being slower at a few rows alone does not drop a path: dequantizing costs the same at any row count,
+1. every path at each row bucket (:data:`ROW_BUCKETS`), on random inputs, median of a few calls (the paths called
+   in turn), smallest bucket first; a path both more than :data:`DROP_FACTOR` times slower than the best at one
+   bucket and slower than :data:`DROP_US` is not measured at larger ones (a bf16 product of a big shape on an AVX2
+   CPU would otherwise take seconds). Being slower at a few rows alone does not drop a path: dequantizing costs the same at any row count,
    so those paths lose at 1 row and win at 512;
 2. per bucket, the fastest path; a call of M rows uses the plan of the smallest bucket >= M (the last above it);
 3. the plan is kept per computation (the module's ``plan_key``: class, options, shape, dtype) in a JSON file per
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quant import gemm
 from quant import rows as rowops
 
 log = logging.getLogger("quantserve.kernels")
@@ -46,10 +47,11 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # 16: a common decode batch; 256: a pref
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 8  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 9  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
 # and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too; 8:
-# bf16 int4 rows two columns per instruction with AVX512-BF16)
+# bf16 int4 rows two columns per instruction with AVX512-BF16; 9: int4 and int8 Linears have a `gemm` path, and
+# the paths are timed in turn; with AVX2, bf16 Linears have one too)
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -114,7 +116,8 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     """A float Linear's paths: in its own dtype; (16-bit, ``upcast``) upcast to fp32 per call, which wins for many
     rows where the CPU has no fast 16-bit GEMM but holds an fp32 copy of W while it runs (the engine counts that
     transient for the projections, not for the head, which is bound without it); (bf16) ``rows``, few-row
-    products in one C++ pass (``quant.rows.bf16``)."""
+    products in one C++ pass (``quant.rows.bf16``), and where the CPU has no fast bf16 GEMM, ``gemm``, many-row
+    ones in fp32 tiles (``quant.gemm.bf16``)."""
     paths: dict[str, PathFn] = {"dense": lambda x: F.linear(x, weight, bias)}
     if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
         b32 = None if bias is None else bias.float()
@@ -122,6 +125,8 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
             paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
         if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
             paths["rows"] = rowops.bf16(weight, b32)
+        if dtype == torch.bfloat16 == weight.dtype and gemm.available(weight, weight.shape[0], dtype, dense=True):
+            paths["gemm"] = gemm.bf16(weight, b32)
     return paths
 
 
@@ -142,17 +147,25 @@ def cpu_key(threads: int | None = None) -> str:
     return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
-def _time_us(fn: PathFn, x: torch.Tensor, budget_s: float = 0.05) -> float:
-    """Median µs of a few calls after a warm-up; fewer calls when one is slow (a 512-row bf16 product on an
-    AVX2 CPU takes a tenth of a second)."""
-    fn(x)
-    samples = []
-    t_end = time.perf_counter() + budget_s
-    while len(samples) < 3 or (time.perf_counter() < t_end and len(samples) < 15):
-        t = time.perf_counter()
+def _time_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
+    """Median µs of each path's calls on ``x`` after a warm-up call each. The paths are called in turn, a round at
+    a time, so that a change in the machine's speed while measuring (another process, a clock step) falls on all
+    of them alike: timed one after the other, two paths within 5% of each other were ranked by the drift (the
+    plans picked dequantizing over the tiled product that beat it by 20% when interleaved). At least 3 rounds,
+    then up to 15 within ``budget_s`` per path (fewer when one is slow: a 512-row bf16 product on an AVX2 CPU takes
+    a tenth of a second)."""
+    for fn in paths.values():
         fn(x)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e6
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    t_end = time.perf_counter() + budget_s * len(paths)
+    rounds = 0
+    while rounds < 3 or (time.perf_counter() < t_end and rounds < 15):
+        for name, fn in paths.items():
+            t = time.perf_counter()
+            fn(x)
+            samples[name].append(time.perf_counter() - t)
+        rounds += 1
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
 @torch.inference_mode()
@@ -172,7 +185,7 @@ def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, devi
                 us[name].append(None)
             continue
         x = torch.randn(rows, in_features, generator=g, device=device).to(dtype)  # (M, K)
-        here = {name: _time_us(fn, x) for name, fn in live.items()}
+        here = _time_us(live, x)
         best = min(here, key=here.__getitem__)
         chosen.append(best)
         for name in us:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant import dequant, triton_ops
+from quant import dequant, gemm, triton_ops
 from quant import primitives as P
 from quant import rows as rowops
 from quant.kernel_choice import computation_key
@@ -297,7 +297,7 @@ class Int8WeightLinear(WeightOnlyLinear):
     def paths(self, dtype: torch.dtype) -> dict:
         """As every weight-only module's, and on CPU ``rows``: the whole Linear in one C++ pass over the int8
         weight, in fp32, rounded once (``quant.rows``; at a few rows a dozen small ops cost more than the
-        bytes)."""
+        bytes); ``gemm`` for many bf16 rows where the CPU has AVX512-BF16 (``quant.gemm``)."""
         out = super().paths(dtype)
         if rowops.available(self.weight):
             off = self.kernel_offset
@@ -305,6 +305,9 @@ class Int8WeightLinear(WeightOnlyLinear):
                 off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
             bias = None if self.bias is None else self.bias.data
             out["rows"] = rowops.int8_weight(self.weight, self.weight_scale, off, bias)
+        if gemm.available(self.weight, self.out_features, dtype) and self.in_features % 2 == 0:
+            bias = None if self.bias is None else self.bias.data
+            out["gemm"] = gemm.int8(self.weight, self.weight_scale, self.weight_zero_point, bias)
         return out
 
     def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quant import rows as rowops
+from quant import gemm, rows as rowops
 from quant.kernel_choice import Chooser, dense_key, dense_paths
 from quant.layers import QuantizedLinear
 from server.fuse import fuse_linears
 
 ROLES = ("qkv", "o", "gate_up", "down")  # quant.memory.engine_prefill_bytes keys its transients by these
+
+# Bytes a path's C++ op holds inside the call on (rows, K) x, by path name: (rows, K) -> bytes
+_STAGING: dict[str, Callable[[int, int], int]] = {"rows": rowops.staging_bytes, "gemm": gemm.staging_bytes}
 
 
 def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -114,8 +117,8 @@ class Projections:
         """Bytes each role holds beyond its output while it runs on ``rows`` rows: a layer whose path at that row
         count dequantizes its weight (or upcasts it, or its input, to fp32) holds those copies while it runs. Each
         is measured once per computation and path with quant.memory's MemoryTracker, on the path itself at this
-        row count (every scheme and path allocates with its own arithmetic; tracking it is exact), plus, for a
-        ``rows`` path, the staging its C++ op holds where the tracker cannot see (``quant.rows.staging_bytes``)."""
+        row count (every scheme and path allocates with its own arithmetic; tracking it is exact), plus, for the
+        ``rows`` and ``gemm`` paths, the staging their C++ ops hold where the tracker cannot see (:data:`_STAGING`)."""
         if rows not in self._transients:
             self._transients[rows] = {role: max((self._extra_bytes(m, rows) for m in mods), default=0)
                                       for role, mods in self.by_role.items()}
@@ -132,7 +135,7 @@ class Projections:
             x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=_device(m))  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:
                 y = call(x)  # (M, N)
-            staged = rowops.staging_bytes(rows, m.in_features) if key[1] == "rows" else 0  # inside the C++ op
+            staged = _STAGING.get(key[1], lambda *_: 0)(rows, m.in_features)  # inside a C++ op
             self._peak_cache[key] = max(0, mt.peak - y.numel() * y.element_size()) + staged
         return self._peak_cache[key]
 

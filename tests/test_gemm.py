@@ -1,0 +1,202 @@
+"""The tiled many-row int4 and int8 products (quant/gemm.py, quant/csrc/gemm_ops.cpp) against the modules' fp32
+references and the dequantize-then-matmul paths they stand in for; where they are offered; their one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quant import gemm, int4
+from quant import gptq as G
+from quant.layers import Int8WeightLinear
+
+
+def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64) -> int4.GPTQLinear:
+    g = torch.Generator().manual_seed(seed)
+    q = G.rtn(torch.randn(n, k, generator=g), 4, group)
+    m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
+    if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
+        m.g_idx = (torch.randperm(k, generator=g) // group).to(torch.int32)
+    m.prepare(torch.bfloat16)
+    return m
+
+
+def _int8(n: int, k: int, bias: bool, affine: bool, seed: int = 0) -> Int8WeightLinear:
+    torch.manual_seed(seed)
+    m = Int8WeightLinear.from_float(torch.nn.Linear(k, n, bias=bias), affine)
+    m.prepare(torch.bfloat16)
+    return m
+
+
+def _gemm_path(m):
+    path = m.paths(torch.bfloat16).get("gemm")
+    if path is None:
+        pytest.skip(f"no gemm path here ({gemm.unavailable_reason() or 'no AVX512-BF16, or another layout'})")
+    return path
+
+
+# K = 768: three K-tiles of 256 columns (a tile holds at most 32 KiB of expanded weights, 128 bytes a column);
+# rows 1, 7, 13, 70: a lone row, strips of 6 with remainders, and more rows than one strip and one chunk
+@pytest.mark.parametrize("n,k,group", [(64, 128, 64), (192, 768, 128), (128, 320, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows_", [1, 7, 13, 70])
+def test_gemm_computes_the_dequantize_then_matmul_product(n, k, group, bias, act_order, rows_):
+    m = _gptq(n, k, bias, act_order, group=group)
+    path = _gemm_path(m)
+    x = torch.randn(rows_, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y = path(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows_, n)
+    ref = m.reference_forward(x)
+    assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    # the dequantizer's W in the tiles' dtype (what the dequant path hands oneDNN or MKL), summed in fp32 and
+    # rounded once: the same numbers up to the order of the fp32 sums, so equal after rounding almost everywhere;
+    # a wrong lane, pair, group, tile or permutation could not hide under the tolerance above and this
+    _assert_dequantized_product(m, x, y)
+
+
+def _assert_dequantized_product(m, x: torch.Tensor, y: torch.Tensor) -> None:
+    w = m.dequantized(gemm.tile_dtype()).float()  # (N, K)
+    want = F.linear(x.float(), w, None if m.bias is None else m.bias.float()).bfloat16()
+    assert float((y == want).float().mean()) > 0.99
+
+
+# K = 200: one K-tile ending in a partial 32-column step; 1000: four tiles, the last one partial
+@pytest.mark.parametrize("n,k", [(64, 200), (192, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("rows_", [1, 7, 70])
+def test_int8_gemm_computes_the_dequantize_then_matmul_product(n, k, bias, affine, rows_):
+    m = _int8(n, k, bias, affine)
+    path = _gemm_path(m)
+    x = torch.randn(rows_, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y = path(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows_, n)
+    ref = m.reference_forward(x)
+    assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    _assert_dequantized_product(m, x, y)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_each_row_is_computed_alone(scheme):
+    """Rows fall into strips of 6 and chunks per thread by their count; a row's sums must not depend on either."""
+    m = _gptq(128, 256, True, False) if scheme == "int4" else _int8(128, 256, True, True)
+    path = _gemm_path(m)
+    x = torch.randn(41, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    whole = path(x)
+    assert torch.equal(whole, torch.cat([path(x[i: i + 1]) for i in range(41)]))
+    assert path(x[:0]).shape == (0, 128)
+
+
+def test_gemm_of_a_fused_module_is_its_parts_products():
+    """Parts of 64 and 128 rows end on block boundaries, so each output's sums are the same."""
+    fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])
+    if fused is None:
+        pytest.skip("parts of these sizes do not fuse on this CPU's layout")
+    y = _gemm_path(fused)(x := torch.randn(9, 128, generator=torch.Generator().manual_seed(7)).bfloat16())
+    want = torch.cat([_gptq(n, 128, False, False, seed=n).paths(torch.bfloat16)["gemm"](x) for n in (64, 128)], 1)
+    assert torch.equal(y, want)
+
+
+def test_gemm_is_offered_only_where_it_computes():
+    """bf16 activations and whole 64-row blocks: fp16/fp32 inputs and an N with a partial block take other paths."""
+    _gemm_path(_gptq(64, 128, False, False))  # skips where the op is not built for this CPU
+    assert "gemm" not in _gptq(64, 128, False, False).paths(torch.float32)
+    m = _gptq(80, 128, False, False)  # one full block and a partial, interleaved one
+    assert "gemm" not in m.paths(torch.bfloat16) and "rows" in m.paths(torch.bfloat16)
+    assert "gemm" in _int8(64, 128, False, False).paths(torch.bfloat16)
+    assert "gemm" not in _int8(72, 128, False, False).paths(torch.bfloat16)  # blocks of 64 (AVX-512) or 16 (AVX2)
+    assert "gemm" not in _int8(64, 127, False, False).paths(torch.bfloat16)  # K odd: pairs of columns
+
+
+def test_bad_operands_get_one_line_errors():
+    m = _gptq(64, 128, False, False)
+    _gemm_path(m)
+    packed, sz = m.packed, m.scales_zeros
+    x = torch.zeros(2, 128).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
+        gemm.int4(packed, 64, 128, sz, 64, None)(x.float())
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
+        gemm.int4(packed, 64, 128, sz, 64, None)(x[:, :64])
+    with pytest.raises(RuntimeError, match="N must be a multiple of (64|32)"):
+        gemm.int4(packed.flatten()[: 16 * 128 // 2], 16, 128, sz[:, :16], 64, None)(x)
+    with pytest.raises(RuntimeError, match="scales_zeros must be a contiguous \\(K / group_size, N, 2\\) tensor"):
+        gemm.int4(packed, 64, 128, sz[:1], 64, None)(x)
+    with pytest.raises(RuntimeError, match="K must be a multiple of group_size, an even number"):
+        gemm.int4(packed, 64, 128, sz, 3, None)(x)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous \\(64,\\) fp32 tensor, or empty"):
+        gemm.int4(packed, 64, 128, sz, 64, torch.ones(63))(x)
+    q, s = torch.zeros(64, 128, dtype=torch.int8), torch.ones(64)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous CPU \\(N, K\\) int8 tensor"):
+        gemm.int8(q.float(), s, None, None)(x)
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
+        gemm.int8(q[:, :64].contiguous(), s, None, None)(x)
+    with pytest.raises(RuntimeError, match="N must be a multiple of (64|16) and K even"):
+        gemm.int8(q[:8], s[:8], None, None)(x)
+    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor"):
+        gemm.int8(q, s.bfloat16(), None, None)(x)
+    with pytest.raises(RuntimeError, match="zero must be a contiguous \\(N,\\) int8 tensor, or empty"):
+        gemm.int8(q, s, torch.zeros(64, dtype=torch.int32), None)(x)
+
+
+def test_a_gemm_path_counts_its_staging_in_the_projection_transients():
+    """The op's tiles and sums are C++ vectors the allocator tracker cannot see; the engine's transients add them."""
+    from quant.kernel_choice import ROW_BUCKETS, RowPlan
+    from server.layers.linear import Projections
+
+    m = _gptq(192, 128, False, False)
+    _gemm_path(m)
+
+    class Fixed:  # a chooser whose plan is the gemm path at every row count
+        chosen: dict = {}
+
+        def plan(self, key, paths, k, dtype, device, max_rows=None):
+            self.chosen[key] = RowPlan(("gemm",) * len(ROW_BUCKETS), {})
+            return self.chosen[key]
+
+    proj = Projections(torch.bfloat16, Fixed())
+    proj.bind("gate_up", [m])
+    assert proj.transients(64)["gate_up"] >= gemm.staging_bytes(64, 128) >= 128 * 128 + 4 * 64 * 64
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 7, 70])
+def test_bf16_gemm_computes_the_fp32_product(bias, rows_):
+    """Only where the CPU has no fast bf16 GEMM (AVX2): a bf16 Linear's many-row product in fp32 tiles."""
+    from quant.kernel_choice import dense_paths
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 200, generator=g).bfloat16()  # K = 200: a last 8-column step of its own
+    b = torch.randn(48, generator=g) if bias else None
+    paths = dense_paths(w, b, torch.bfloat16)
+    if not gemm.available(w, 48, torch.bfloat16, dense=True):
+        assert "gemm" not in paths
+        with pytest.raises(RuntimeError, match="bf16_gemm is built only for CPUs without AVX512-BF16"):
+            gemm.bf16(w, b)(torch.zeros(1, 200).bfloat16())
+        pytest.skip("bf16 weights take oneDNN's bf16 GEMM on this CPU")
+    x = torch.randn(rows_, 200, generator=g).bfloat16()
+    y = paths["gemm"](x)
+    want = F.linear(x.float(), w.float(), b).bfloat16()
+    assert y.shape == (rows_, 48) and float((y == want).float().mean()) > 0.99
+
+
+def test_the_avx2_kernels_under_an_avx2_cap():
+    """A CPU without AVX-512 gets the fp32-tile kernels (gemm_avx2.h): this file's tests, run again in a process
+    capped to AVX2 (the extension is then compiled without AVX-512), so CI on an AVX-512 machine holds them too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from quant import native
+
+    if "avx512f" not in native.cpu_flags().split() or "avx2" not in native.cpu_flags().split():
+        pytest.skip("this CPU's own run covers its kernel; no AVX-512 to cap")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "not under_an_avx2_cap"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    summary = p.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary  # every test ran there, the bf16 ones too
