@@ -88,6 +88,19 @@ def int8(weight: torch.Tensor, weight_scale: torch.Tensor, zero: torch.Tensor | 
     return lambda x2: op(x2, weight, weight_scale, z, b)
 
 
+def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    """W8A8's product from its quantized activations: (xq (M, K) int8, x_scale (M, 1) or a 0-dim static scale)
+    -> bf16 (M, N) = (xq @ q^T) * (x_scale * weight_scale) (+ the fp32 bias): W8A8Linear's fp32 path (exact
+    integer products, fp32 sums, the rescale in its order), rounded once."""
+    op, b = torch.ops.quantserve_gemm.w8a8_gemm.default, _bias(bias)
+
+    def call(xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        xs = x_scale.float().reshape(-1).expand(xq.shape[0]).contiguous()  # (M,): a static scale per row too
+        return op(xq, xs, weight, weight_scale, b)
+
+    return call
+
+
 def bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
     """A bf16 (N, K) weight, in fp32 (only where that is what the CPU does fastest: see :func:`available`)."""
     op, b = torch.ops.quantserve_gemm.bf16_gemm.default, _bias(bias)

@@ -411,7 +411,8 @@ class W8A8Linear(QuantizedLinear):
         fp32: the int8 values as fp32 (products exact, sums exact below 2^24); int8pack (bf16, CPU): the
         quantized activations as bf16 (exact) through ``aten._weight_int8pack_mm`` with unit scales, whose sums
         come back rounded to bf16 before the rescale; rows (CPU): all of it in one C++ call (``quant.rows``),
-        equal to int_mm bit for bit, for the few-row products where a dozen small ops cost more than the bytes."""
+        equal to int_mm bit for bit, for the few-row products where a dozen small ops cost more than the bytes;
+        gemm (bf16, CPU): the fp32 path's numbers in one tiled C++ product (``quant.gemm``), for many rows."""
         out = {}
         if P.int_mm_is_exact(self.weight.device):  # not on CPUs without VNNI: oneDNN's sums saturate there
             out["int_mm"] = lambda x: self._finish(*self._int_mm(x), dtype)
@@ -424,6 +425,9 @@ class W8A8Linear(QuantizedLinear):
                 bias = None if self.bias is None else self.bias.data
                 out["rows"] = rowops.w8a8(self.weight, self.weight_scale, None if self.dynamic else self.input_scale,
                                           self.smooth_scale, bias)
+            if gemm.available(self.weight, self.out_features, dtype) and self.in_features % 2 == 0:
+                mm = gemm.w8a8(self.weight, self.weight_scale, None if self.bias is None else self.bias.data)
+                out["gemm"] = lambda x: mm(*self._quantize_input(x))
         return out
 
     def _int_mm(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,6 +138,11 @@ def test_bad_operands_get_one_line_errors():
         gemm.int8(q, s.bfloat16(), None, None)(x)
     with pytest.raises(RuntimeError, match="zero must be a contiguous \\(N,\\) int8 tensor, or empty"):
         gemm.int8(q, s, torch.zeros(64, dtype=torch.int32), None)(x)
+    xq = torch.zeros(2, 128, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="xq must be a contiguous CPU \\(M, K\\) int8 tensor"):
+        gemm.w8a8(q, s, None)(xq.float(), torch.ones(2))
+    with pytest.raises(RuntimeError, match="x_scale must be a contiguous \\(M,\\) fp32 tensor"):
+        torch.ops.quantserve_gemm.w8a8_gemm(xq, torch.ones(3), q, s, torch.empty(0))
 
 
 def test_a_gemm_path_counts_its_staging_in_the_projection_transients():
@@ -200,3 +205,30 @@ def test_the_avx2_kernels_under_an_avx2_cap():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     summary = p.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary  # every test ran there, the bf16 ones too
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 7, 70])
+def test_w8a8_gemm_computes_the_fp32_paths_numbers(dynamic, smooth, bias, rows_):
+    """The same integer products and fp32 rescale as W8A8Linear's fp32 path: equal after rounding (fp32 sums in
+    another order; with AVX2, int32 sums, so int_mm's exactly), and held to the module's reference."""
+    from quant.layers import W8A8Linear
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(200, 64, bias=bias)
+    calib = torch.randn(32, 200) * 2
+    m = W8A8Linear.from_float(lin, None if dynamic else float(calib.abs().max() / 127),
+                              torch.rand(200) + 0.5 if smooth else None)
+    m.prepare(torch.bfloat16)
+    paths = m.paths(torch.bfloat16)
+    path = _gemm_path(m)
+    x = torch.randn(rows_, 200, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = path(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows_, 64)
+    assert float((y == paths["fp32"](x)).float().mean()) > 0.99
+    if gemm.tile_dtype() == torch.float32:  # AVX2: exact int32 sums, the rows path's (int_mm's) bit for bit
+        assert torch.equal(y, paths["rows"](x))
+    ref = m.reference_forward(x)
+    assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "elements.h"
+#include "gemm_epilogue.h"
 
 namespace qs::gemm {
 
@@ -71,12 +72,17 @@ struct Avx2 {
     _mm256_storeu_ps(acc + 72, a41), _mm256_storeu_ps(acc + 80, a50), _mm256_storeu_ps(acc + 88, a51);
   }
 
-  // (rows, 16) fp32 sums (+ bias) -> bf16 columns of out (row stride n), to nearest even as c10 rounds.
-  static void finish(const float* __restrict acc, int64_t rows, const float* __restrict bias, uint16_t* __restrict out,
+  // (rows, 16) fp32 sums -> bf16 columns of out (row stride n) through the epilogue (its vectors at this block), to
+  // nearest even as c10 rounds.
+  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
                      int64_t n) {
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < kBlock; ++j)
-        out[r * n + j] = qs::Raw<c10::BFloat16>::put(bias ? acc[r * kBlock + j] + bias[j] : acc[r * kBlock + j]);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        float y = acc[r * kBlock + j];
+        if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);  // as W8A8Linear._finish
+        if (e.bias) y = y + e.bias[j];
+        out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
+      }
   }
 };
 
@@ -176,7 +182,7 @@ struct RowTiles2 {
 
 struct Int8Row {  // (q - z) * s, as the int8 dequantizer
   const int8_t* q;
-  const float* scale;
+  const float* scale;  // null: 1 (the codes themselves)
   const int8_t* zero;  // null: symmetric
   int64_t k;
   const void* data() const { return q; }
@@ -189,7 +195,7 @@ struct Int8Row {  // (q - z) * s, as the int8 dequantizer
     }
     const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(word)));
     return _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(zero ? static_cast<float>(zero[r]) : 0.f)),
-                         _mm256_set1_ps(scale[r]));
+                         _mm256_set1_ps(scale ? scale[r] : 1.f));
   }
 };
 
@@ -207,6 +213,121 @@ struct Bf16Row {  // exact
       v = _mm_load_si128(reinterpret_cast<const __m128i*>(h));
     }
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+};
+
+// W8A8's product with AVX2 (gemm_ops.cpp w8a8_gemm): int16 pairs of quantized activations against int16 pairs
+// of weight codes, vpmaddwd (16 multiply-adds per instruction, exact) into int32 sums, so the sums are int_mm's.
+// A tile: tile[2 p + h] lane l holds (q[r][c], q[r][c + 1]), r = 16 b + 8 h + l, c = k0 + 2 p; the sums (rows, 16)
+// are int32, kept in the driver's float buffer by bits.
+struct Avx2Int16 {
+  static constexpr int64_t kBlock = 16;
+  static constexpr int64_t kColBytes = 32;  // 16 int16 per K column
+  static constexpr int64_t kTileBytes = 16 << 10;
+  using Tile = __m256i;
+  using X = int16_t;  // the quantized activations, widened once per call
+
+  static void madd2(__m256i xb, const Tile* w, __m256i& lo, __m256i& hi) {
+    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(xb, w[0]));
+    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(xb, w[1]));
+  }
+
+  static __m256i pair(const X* p) {  // (p[0], p[1]) in every lane
+    int32_t v;
+    std::memcpy(&v, p, sizeof(v));
+    return _mm256_set1_epi32(v);
+  }
+
+  template <int MR>
+  static void strip(const X* __restrict x, int64_t ldx, int64_t k0, const Tile* __restrict tile, int64_t kt,
+                    bool first, float* __restrict acc) {
+    auto* a32 = reinterpret_cast<__m256i*>(acc);  // the sums' bits (intrinsic loads and stores may alias)
+    if constexpr (MR == 6) {
+      strip6(x + k0, ldx, tile, kt, first, a32);
+    } else {  // the last strip of a chunk
+      __m256i a[MR][2];
+      for (int i = 0; i < MR; ++i)
+        for (int h = 0; h < 2; ++h) a[i][h] = first ? _mm256_setzero_si256() : _mm256_loadu_si256(a32 + 2 * i + h);
+      for (int64_t p = 0; p < kt / 2; ++p)
+        for (int i = 0; i < MR; ++i) madd2(pair(x + i * ldx + k0 + 2 * p), tile + 2 * p, a[i][0], a[i][1]);
+      for (int i = 0; i < MR; ++i)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_si256(a32 + 2 * i + h, a[i][h]);
+    }
+  }
+
+  // As Avx2::strip6: named accumulators, which GCC 12 keeps in registers.
+  static void strip6(const X* __restrict x, int64_t ldx, const Tile* __restrict tile, int64_t kt, bool first,
+                     __m256i* __restrict acc) {
+    const auto init = [&](int j) { return first ? _mm256_setzero_si256() : _mm256_loadu_si256(acc + j); };
+    __m256i a00 = init(0), a01 = init(1), a10 = init(2), a11 = init(3), a20 = init(4), a21 = init(5);
+    __m256i a30 = init(6), a31 = init(7), a40 = init(8), a41 = init(9), a50 = init(10), a51 = init(11);
+    for (int64_t p = 0; p < kt / 2; ++p) {
+      const Tile* w = tile + 2 * p;
+      const X* xc = x + 2 * p;
+      madd2(pair(xc), w, a00, a01);
+      madd2(pair(xc + ldx), w, a10, a11);
+      madd2(pair(xc + 2 * ldx), w, a20, a21);
+      madd2(pair(xc + 3 * ldx), w, a30, a31);
+      madd2(pair(xc + 4 * ldx), w, a40, a41);
+      madd2(pair(xc + 5 * ldx), w, a50, a51);
+    }
+    _mm256_storeu_si256(acc, a00), _mm256_storeu_si256(acc + 1, a01), _mm256_storeu_si256(acc + 2, a10);
+    _mm256_storeu_si256(acc + 3, a11), _mm256_storeu_si256(acc + 4, a20), _mm256_storeu_si256(acc + 5, a21);
+    _mm256_storeu_si256(acc + 6, a30), _mm256_storeu_si256(acc + 7, a31), _mm256_storeu_si256(acc + 8, a40);
+    _mm256_storeu_si256(acc + 9, a41), _mm256_storeu_si256(acc + 10, a50), _mm256_storeu_si256(acc + 11, a51);
+  }
+
+  // int32 sums -> fp32 (as int_mm's .float()), then the epilogue, to bf16 to nearest even.
+  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
+                     int64_t n) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < kBlock; ++j) {
+        int32_t sum;
+        std::memcpy(&sum, acc + r * kBlock + j, sizeof(sum));
+        float y = static_cast<float>(sum);
+        if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);
+        if (e.bias) y = y + e.bias[j];
+        out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
+      }
+  }
+};
+
+// 16 rows of the (N, K) int8 weight as Avx2Int16's tiles: 16 columns (8 pairs) of 8 rows at a time widened to int16,
+// then an 8 x 8 transpose of their 32-bit pairs.
+struct Int16PairTiles {
+  const int8_t* q;
+  int64_t k;
+  static constexpr int64_t kAlign = 16;
+
+  void operator()(int64_t b, int64_t k0, int64_t kc, __m256i* __restrict tile) const {
+    for (int64_t c = k0; c < k0 + kc; c += 16) {
+      const int64_t cols = std::min<int64_t>(16, k0 + kc - c);  // even
+      for (int h = 0; h < 2; ++h) {
+        __m256 v[8];
+        for (int l = 0; l < 8; ++l) {
+          const int8_t* src = q + (16 * b + 8 * h + l) * k + c;
+          __m128i bytes;
+          if (cols == 16) {
+            bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+          } else {
+            alignas(16) int8_t part[16] = {};
+            std::memcpy(part, src, cols);
+            bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+          }
+          v[l] = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(bytes));  // lane j: the pair (c + 2 j, c + 2 j + 1)
+        }
+        transpose8(v);  // v[j] lane l: row 8 h + l's pair j
+        for (int64_t j = 0; j < cols / 2; ++j) tile[2 * ((c - k0) / 2 + j) + h] = _mm256_castps_si256(v[j]);
+      }
+    }
+  }
+
+  void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // kc bytes of each of 16 rows
+    for (int64_t r = 16 * b; r < 16 * (b + 1); ++r) {
+      const char* p = reinterpret_cast<const char*>(q + r * k + k0);
+      for (int64_t i = 0; i < kc; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+      _mm_prefetch(p + kc - 1, _MM_HINT_T1);
+    }
   }
 };
 

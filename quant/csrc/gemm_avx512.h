@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "elements.h"
+#include "gemm_epilogue.h"
 
 namespace qs::gemm {
 
@@ -51,13 +52,15 @@ struct Avx512 {
       for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + i * kBlock + 16 * j, a[i][j]);
   }
 
-  // (rows, 64) fp32 sums (+ bias) -> bf16 columns of out (row stride n).
-  static void finish(const float* __restrict acc, int64_t rows, const float* __restrict bias, uint16_t* __restrict out,
+  // (rows, 64) fp32 sums -> bf16 columns of out (row stride n), through the epilogue (its vectors at this block).
+  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
                      int64_t n) {
     for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < 4; ++j) {
         __m512 v = _mm512_loadu_ps(acc + r * kBlock + 16 * j);
-        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+        if (e.col_scale)  // (row scale * column scale) first, as W8A8Linear._finish
+          v = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), _mm512_loadu_ps(e.col_scale + 16 * j)));
+        if (e.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e.bias + 16 * j));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
       }
   }
@@ -138,12 +141,12 @@ inline void transpose16(__m512i v[16]) {
   }
 }
 
-// A block of the (N, K) int8 weight, rows [64 b, 64 b + 64): (q - z) * s per row. 16 rows x 32 columns at a time:
+// A block of the (N, K) int8 weight, rows [64 b, 64 b + 64): (q - z) * s per row (s null: the codes themselves). 16 rows x 32 columns at a time:
 // each row's 32 weights become one vector of 16 pairs, and a transpose turns 16 such rows into 16 tile vectors.
 struct Int8Tiles512 {
   const int8_t* q;
-  const float* scale;
-  const int8_t* zero;  // null: symmetric
+  const float* scale;   // null: 1
+  const int8_t* zero;   // null: symmetric
   int64_t k;
   static constexpr int64_t kAlign = 32;  // a K-tile starts on a 32-column step (the last one may be shorter)
 
@@ -156,7 +159,8 @@ struct Int8Tiles512 {
         for (int l = 0; l < 16; ++l) {
           const int64_t r = b * 64 + 16 * j + l;
           const __m256i bytes = _mm256_maskz_loadu_epi8(mask, q + r * k + c);
-          const __m512 z = _mm512_set1_ps(zero ? static_cast<float>(zero[r]) : 0.f), s = _mm512_set1_ps(scale[r]);
+          const __m512 z = _mm512_set1_ps(zero ? static_cast<float>(zero[r]) : 0.f);
+          const __m512 s = _mm512_set1_ps(scale ? scale[r] : 1.f);
           const __m512 lo = _mm512_mul_ps(
               _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes))), z), s);
           const __m512 hi = _mm512_mul_ps(

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "elements.h"
+#include "gemm_epilogue.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gemm_avx512.h"
@@ -65,6 +66,8 @@ void check_x(const at::Tensor& x, int64_t k) {
               "x must be a contiguous CPU (M, K) bf16 tensor");
 }
 
+uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 const float* optional_bias(const at::Tensor& bias, int64_t n) {
   if (bias.numel() == 0) return nullptr;
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.is_contiguous() && bias.scalar_type() == at::kFloat,
@@ -75,52 +78,70 @@ const float* optional_bias(const at::Tensor& bias, int64_t n) {
 #if defined(QS_GEMM)
 using qs::gemm::Isa;
 
-template <int MR>
-void strip(const Isa::X* x, int64_t ldx, int64_t k0, const Isa::Tile* tile, int64_t kt, bool first, float* acc) {
-  Isa::strip<MR>(x, ldx, k0, tile, kt, first, acc);
+template <typename K, int MR>
+void strip(const typename K::X* x, int64_t ldx, int64_t k0, const typename K::Tile* tile, int64_t kt, bool first,
+           float* acc) {
+  K::template strip<MR>(x, ldx, k0, tile, kt, first, acc);
 }
 
-void run_strip(int64_t mr, const Isa::X* x, int64_t ldx, int64_t k0, const Isa::Tile* tile, int64_t kt, bool first,
-               float* acc) {
+template <typename K>
+void run_strip(int64_t mr, const typename K::X* x, int64_t ldx, int64_t k0, const typename K::Tile* tile, int64_t kt,
+               bool first, float* acc) {
   switch (mr) {
-    case 6: strip<6>(x, ldx, k0, tile, kt, first, acc); break;
-    case 5: strip<5>(x, ldx, k0, tile, kt, first, acc); break;
-    case 4: strip<4>(x, ldx, k0, tile, kt, first, acc); break;
-    case 3: strip<3>(x, ldx, k0, tile, kt, first, acc); break;
-    case 2: strip<2>(x, ldx, k0, tile, kt, first, acc); break;
-    default: strip<1>(x, ldx, k0, tile, kt, first, acc); break;
+    case 6: strip<K, 6>(x, ldx, k0, tile, kt, first, acc); break;
+    case 5: strip<K, 5>(x, ldx, k0, tile, kt, first, acc); break;
+    case 4: strip<K, 4>(x, ldx, k0, tile, kt, first, acc); break;
+    case 3: strip<K, 3>(x, ldx, k0, tile, kt, first, acc); break;
+    case 2: strip<K, 2>(x, ldx, k0, tile, kt, first, acc); break;
+    default: strip<K, 1>(x, ldx, k0, tile, kt, first, acc); break;
   }
 }
 
-// out (M, N) bf16 = x (M, K) bf16 @ W^T (+ bias), W's blocks of Isa::kBlock rows expanded by `expand` (and their
-// codes prefetched by expand.prefetch): per thread, work items of one block and a chunk of x's rows; per item,
-// K-tile by K-tile, the tile expanded once and every strip run over it.
-template <typename Expand>
-void tiled(const at::Tensor& x, int64_t n, int64_t k, const Expand& expand, const float* bias, at::Tensor& out) {
-  const int64_t m = x.size(0);
-  if (m == 0) return;
-  const auto* xr = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<float> wide;  // the fp32 kernel's x, widened once
-  const Isa::X* xp;
-  if constexpr (std::is_same_v<Isa::X, float>) {
-    wide.resize(m * k);
-    at::parallel_for(0, m * k, 1 << 16, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) wide[i] = qs::Raw<c10::BFloat16>::get(xr[i]);
-    });
-    xp = wide.data();
+// x's elements as a kernel reads them: bf16 bits (AVX-512), fp32 (AVX2) or int16 (AVX2, W8A8), from bf16 bits or
+// int8 (W8A8's quantized activations, exact in all three).
+template <typename To, typename From>
+To widen(From v) {
+  if constexpr (std::is_same_v<To, int16_t>) {
+    static_assert(std::is_same_v<From, int8_t>, "only quantized activations widen to int16");
+    return v;
   } else {
-    xp = xr;
+    const float f = [&] {
+      if constexpr (std::is_same_v<From, uint16_t>) return qs::Raw<c10::BFloat16>::get(v);
+      else return static_cast<float>(v);
+    }();
+    if constexpr (std::is_same_v<To, float>) return f;
+    else return qs::Raw<c10::BFloat16>::put(f);
   }
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  constexpr int64_t B = Isa::kBlock;
+}
+
+// out (M, N) bf16 = x (M, K) @ W^T through the epilogue, by the kernel Kn (the build's Isa, or Avx2Int16), W's
+// blocks of Kn::kBlock rows expanded by `expand` (and their codes prefetched by expand.prefetch): per thread, work
+// items of one block and a chunk of x's rows; per item, K-tile by K-tile, the tile expanded once and every strip
+// run over it. x: bf16 bits or int8.
+template <typename Kn = Isa, typename Expand, typename XIn>
+void tiled(const XIn* x, int64_t m, int64_t n, int64_t k, const Expand& expand, const qs::gemm::Epilogue& epi,
+           uint16_t* op) {
+  if (m == 0) return;
+  std::vector<typename Kn::X> staged;  // x as the kernel reads it, where it is not that already
+  const typename Kn::X* xp;
+  if constexpr (std::is_same_v<typename Kn::X, XIn>) {
+    xp = x;
+  } else {
+    staged.resize(m * k);
+    at::parallel_for(0, m * k, 1 << 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) staged[i] = widen<typename Kn::X>(x[i]);
+    });
+    xp = staged.data();
+  }
+  constexpr int64_t B = Kn::kBlock;
   const int64_t blocks = n / B;
   // K in tiles of about kTileBytes of expanded weights, as equal as the expander's alignment allows
-  const int64_t tiles = (k * Isa::kColBytes + Isa::kTileBytes - 1) / Isa::kTileBytes;
+  const int64_t tiles = (k * Kn::kColBytes + Kn::kTileBytes - 1) / Kn::kTileBytes;
   const int64_t kc = ((k + tiles - 1) / tiles + Expand::kAlign - 1) / Expand::kAlign * Expand::kAlign;
   const int64_t chunks = row_chunks(blocks, m, at::get_num_threads());
   const int64_t chunk_rows = ((m + chunks - 1) / chunks + kStrip - 1) / kStrip * kStrip;
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t b, int64_t e) {
-    std::vector<Isa::Tile> tile(kc * Isa::kColBytes / sizeof(Isa::Tile));
+    std::vector<typename Kn::Tile> tile(kc * Kn::kColBytes / sizeof(typename Kn::Tile));
     std::vector<float> acc(chunk_rows * B);
     for (int64_t item = b; item < e; ++item) {
       const int64_t blk = item / chunks, m0 = (item % chunks) * chunk_rows;
@@ -137,10 +158,10 @@ void tiled(const at::Tensor& x, int64_t n, int64_t k, const Expand& expand, cons
           expand.prefetch((item + 1) / chunks, 0, std::min(kc, k));
         }
         for (int64_t i = 0; i < rows; i += kStrip)
-          run_strip(std::min(kStrip, rows - i), xp + (m0 + i) * k, k, k0, tile.data(), kt, k0 == 0,
-                    acc.data() + i * B);
+          run_strip<Kn>(std::min(kStrip, rows - i), xp + (m0 + i) * k, k, k0, tile.data(), kt, k0 == 0,
+                        acc.data() + i * B);
       }
-      Isa::finish(acc.data(), rows, bias ? bias + blk * B : nullptr, op + m0 * n + blk * B, n);
+      Kn::finish(acc.data(), rows, epi.at(m0, blk * B), op + m0 * n + blk * B, n);
     }
   });
 }
@@ -183,7 +204,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
 #if defined(QS_GEMM)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_gemm", [&] {
     const qs::gemm::Int4Tiles<scalar_t> expand{packed.data_ptr<uint8_t>(), sz.data_ptr<scalar_t>(), n, k, group_size};
-    tiled(x, n, k, expand, bp, out);
+    tiled(bf16_bits(x), x.size(0), n, k, expand, {bp}, bf16_bits(out));
   });
 #endif
   return out;
@@ -215,7 +236,45 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 #else
   const qs::gemm::Int8Tiles512 expand{q.data_ptr<int8_t>(), scale.data_ptr<float>(), zp, k};
 #endif
-  tiled(x, n, k, expand, bp, out);
+  tiled(bf16_bits(x), x.size(0), n, k, expand, {bp}, bf16_bits(out));
+#endif
+  return out;
+}
+
+// W8A8's product from its quantized activations: out (M, N) bf16 = (xq @ q^T) * (x_scale[r] * weight_scale[c]) (+
+// bias), the integer products exact, in W8A8Linear's rescale order: xq (M, K) int8, x_scale (M,) fp32, q (N, K) int8
+// (N a multiple of the build's block, K even), weight_scale (N,) fp32. With AVX512-BF16 the products are summed in
+// fp32 (exact below 2^24: the module's fp32 path); with AVX2 in int32 with vpmaddwd (exact: its int_mm path, bit for
+// bit, and twice the multiply-adds per instruction of the fp32 kernel).
+at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& q,
+                     const at::Tensor& weight_scale, const at::Tensor& bias) {
+  const int64_t block = gemm_build()[0];
+  TORCH_CHECK(block > 0, "w8a8_gemm needs a build with AVX512-BF16 or AVX2");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "weight must be a contiguous CPU (N, K) int8 tensor");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
+                  xq.scalar_type() == at::kChar,
+              "xq must be a contiguous CPU (M, K) int8 tensor");
+  const int64_t m = xq.size(0);
+  TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == m && x_scale.is_contiguous() &&
+                  x_scale.scalar_type() == at::kFloat,
+              "x_scale must be a contiguous (M,) fp32 tensor");
+  TORCH_CHECK(n % block == 0 && k % 2 == 0, "N must be a multiple of ", block, " and K even");
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == n && weight_scale.is_contiguous() &&
+                  weight_scale.scalar_type() == at::kFloat,
+              "weight_scale must be a contiguous (N,) fp32 tensor");
+  const float* bp = optional_bias(bias, n);
+  at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kBFloat16));
+#if defined(QS_GEMM)
+  const qs::gemm::Epilogue epi{bp, x_scale.data_ptr<float>(), weight_scale.data_ptr<float>()};
+#if defined(QS_GEMM_DENSE)  // AVX2: int16 pairs and exact int32 sums, as int_mm
+  const qs::gemm::Int16PairTiles expand{q.data_ptr<int8_t>(), k};
+  tiled<qs::gemm::Avx2Int16>(xq.data_ptr<int8_t>(), m, n, k, expand, epi, bf16_bits(out));
+#else
+  const qs::gemm::Int8Tiles512 expand{q.data_ptr<int8_t>(), nullptr, nullptr, k};
+  tiled(xq.data_ptr<int8_t>(), m, n, k, expand, epi, bf16_bits(out));
+#endif
 #endif
   return out;
 }
@@ -234,8 +293,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(QS_GEMM_DENSE)
   const qs::gemm::RowTiles2<qs::gemm::Bf16Row> expand{
-      {reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), k}, k, 2};
-  tiled(x, n, k, expand, bp, out);
+      {bf16_bits(w), k}, k, 2};
+  tiled(bf16_bits(x), x.size(0), n, k, expand, {bp}, bf16_bits(out));
 #endif
   return out;
 }
@@ -245,10 +304,12 @@ TORCH_LIBRARY(quantserve_gemm, m) {
   m.def("int4_gemm(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor weight_scale, Tensor zero, Tensor bias) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  m.def("w8a8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve_gemm, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int8_gemm", &int8_gemm);
   m.impl("bf16_gemm", &bf16_gemm);
+  m.impl("w8a8_gemm", &w8a8_gemm);
 }
