@@ -43,20 +43,20 @@ def _gemm_path(m):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows_", [1, 7, 13, 70])
 def test_gemm_computes_the_dequantize_then_matmul_product(n, k, group, bias, act_order, rows_):
-    m = _gptq(n, k, bias, act_order, group=group)
+    _check_dequantized_product(_gptq(n, k, bias, act_order, group=group), rows_)
+
+
+def _check_dequantized_product(m, rows_: int) -> None:
+    """The gemm path of m on rows_ random rows: held to the module's fp32 reference, and to the dequantizer's W in
+    the tiles' dtype (what the dequant path hands oneDNN or MKL) summed in fp32 and rounded once: the same numbers
+    up to the order of the fp32 sums, so equal after rounding almost everywhere; a wrong lane, pair, group, tile or
+    permutation could not hide under the tolerance of the first check and this."""
     path = _gemm_path(m)
-    x = torch.randn(rows_, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x = torch.randn(rows_, m.in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
     y = path(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows_, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows_, m.out_features)
     ref = m.reference_forward(x)
     assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
-    # the dequantizer's W in the tiles' dtype (what the dequant path hands oneDNN or MKL), summed in fp32 and
-    # rounded once: the same numbers up to the order of the fp32 sums, so equal after rounding almost everywhere;
-    # a wrong lane, pair, group, tile or permutation could not hide under the tolerance above and this
-    _assert_dequantized_product(m, x, y)
-
-
-def _assert_dequantized_product(m, x: torch.Tensor, y: torch.Tensor) -> None:
     w = m.dequantized(gemm.tile_dtype()).float()  # (N, K)
     want = F.linear(x.float(), w, None if m.bias is None else m.bias.float()).bfloat16()
     assert float((y == want).float().mean()) > 0.99
@@ -68,14 +68,7 @@ def _assert_dequantized_product(m, x: torch.Tensor, y: torch.Tensor) -> None:
 @pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("rows_", [1, 7, 70])
 def test_int8_gemm_computes_the_dequantize_then_matmul_product(n, k, bias, affine, rows_):
-    m = _int8(n, k, bias, affine)
-    path = _gemm_path(m)
-    x = torch.randn(rows_, k, generator=torch.Generator().manual_seed(6)).bfloat16()
-    y = path(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows_, n)
-    ref = m.reference_forward(x)
-    assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
-    _assert_dequantized_product(m, x, y)
+    _check_dequantized_product(_int8(n, k, bias, affine), rows_)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
@@ -143,26 +136,6 @@ def test_bad_operands_get_one_line_errors():
         gemm.w8a8(q, s, None)(xq.float(), torch.ones(2))
     with pytest.raises(RuntimeError, match="x_scale must be a contiguous \\(M,\\) fp32 tensor"):
         torch.ops.quantserve_gemm.w8a8_gemm(xq, torch.ones(3), q, s, torch.empty(0))
-
-
-def test_a_gemm_path_counts_its_staging_in_the_projection_transients():
-    """The op's tiles and sums are C++ vectors the allocator tracker cannot see; the engine's transients add them."""
-    from quant.kernel_choice import ROW_BUCKETS, RowPlan
-    from server.layers.linear import Projections
-
-    m = _gptq(192, 128, False, False)
-    _gemm_path(m)
-
-    class Fixed:  # a chooser whose plan is the gemm path at every row count
-        chosen: dict = {}
-
-        def plan(self, key, paths, k, dtype, device, max_rows=None):
-            self.chosen[key] = RowPlan(("gemm",) * len(ROW_BUCKETS), {})
-            return self.chosen[key]
-
-    proj = Projections(torch.bfloat16, Fixed())
-    proj.bind("gate_up", [m])
-    assert proj.transients(64)["gate_up"] >= gemm.staging_bytes(64, 128) >= 128 * 128 + 4 * 64 * 64
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -215,22 +215,26 @@ def test_kernels_built_under_an_avx2_cap_leave_out_avx512():
     assert plain.stdout.strip() == "()"
 
 
-def test_a_rows_path_counts_its_staging_in_the_projection_transients():
-    """The rows ops stage x in C++ vectors the allocator tracker cannot see; the engine's transients add them."""
-    from quant.kernel_choice import RowPlan, ROW_BUCKETS
+@pytest.mark.parametrize("path", ["rows", "gemm"])
+def test_a_native_path_counts_its_staging_in_the_projection_transients(path):
+    """The rows and gemm ops stage x and their tiles in C++ vectors the allocator tracker cannot see; the engine's
+    transients add them."""
+    from quant import gemm
+    from quant.kernel_choice import ROW_BUCKETS, RowPlan
     from server.layers.linear import Projections
 
     m = _gptq(192, 128, False, False)
-    if "rows" not in m.paths(torch.bfloat16):
-        pytest.skip("no rows path on this CPU")
+    if path not in m.paths(torch.bfloat16):
+        pytest.skip(f"no {path} path on this CPU")
+    staging = {"rows": rows.staging_bytes, "gemm": gemm.staging_bytes}[path]
 
-    class Fixed:  # a chooser whose plan is the rows path at every row count
+    class Fixed:  # a chooser whose plan is the path at every row count
         chosen: dict = {}
 
         def plan(self, key, paths, k, dtype, device, max_rows=None):
-            self.chosen[key] = RowPlan(("rows",) * len(ROW_BUCKETS), {})
+            self.chosen[key] = RowPlan((path,) * len(ROW_BUCKETS), {})
             return self.chosen[key]
 
     proj = Projections(torch.bfloat16, Fixed())
     proj.bind("gate_up", [m])
-    assert proj.transients(16)["gate_up"] >= rows.staging_bytes(16, 128) >= 4 * 16 * 128
+    assert proj.transients(16)["gate_up"] >= staging(16, 128) >= 4 * 16 * 128

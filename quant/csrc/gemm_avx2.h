@@ -14,9 +14,62 @@
 #include <cstring>
 
 #include "elements.h"
-#include "gemm_epilogue.h"
+#include "gemm_common.h"
 
 namespace qs::gemm {
+
+// MR rows of x (row stride ldx, at the tile's first column) times a tile of kt columns, two accumulator vectors
+// per row (a row's 16 sums) kept in acc (MR, 16): overwritten when `first`, else added to. K (the kernel) gives the
+// vector type V, zero / load / store of acc's vector j, and step: kStep columns of one x row against the tile's two
+// vectors there. Six rows are written out as named variables: GCC 12 kept an array of 12 accumulators in registers
+// but also stored every one to the stack at every step (half the FMA rate); fewer rows (a chunk's last strip) take
+// the array.
+template <typename K, int MR>
+void strips(const typename K::X* __restrict x, int64_t ldx, const typename K::Tile* __restrict tile, int64_t kt,
+            bool first, float* __restrict acc) {
+  using V = typename K::V;
+  const auto init = [&](int j) { return first ? K::zero() : K::load(acc, j); };
+  const int64_t steps = kt / K::kStep;
+  if constexpr (MR == 6) {
+    V a00 = init(0), a01 = init(1), a10 = init(2), a11 = init(3), a20 = init(4), a21 = init(5);
+    V a30 = init(6), a31 = init(7), a40 = init(8), a41 = init(9), a50 = init(10), a51 = init(11);
+    for (int64_t s = 0; s < steps; ++s) {
+      const auto* w = tile + 2 * s;
+      const auto* xs = x + K::kStep * s;
+      K::step(xs, w, a00, a01), K::step(xs + ldx, w, a10, a11), K::step(xs + 2 * ldx, w, a20, a21);
+      K::step(xs + 3 * ldx, w, a30, a31), K::step(xs + 4 * ldx, w, a40, a41), K::step(xs + 5 * ldx, w, a50, a51);
+    }
+    K::store(acc, 0, a00), K::store(acc, 1, a01), K::store(acc, 2, a10), K::store(acc, 3, a11);
+    K::store(acc, 4, a20), K::store(acc, 5, a21), K::store(acc, 6, a30), K::store(acc, 7, a31);
+    K::store(acc, 8, a40), K::store(acc, 9, a41), K::store(acc, 10, a50), K::store(acc, 11, a51);
+  } else {
+    V a[MR][2];
+    for (int i = 0; i < MR; ++i) a[i][0] = init(2 * i), a[i][1] = init(2 * i + 1);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int i = 0; i < MR; ++i) K::step(x + i * ldx + K::kStep * s, tile + 2 * s, a[i][0], a[i][1]);
+    for (int i = 0; i < MR; ++i) K::store(acc, 2 * i, a[i][0]), K::store(acc, 2 * i + 1, a[i][1]);
+  }
+}
+
+// (rows, 16) sums (fp32, or int32 by their bits: converted as int_mm's .float()) -> bf16 columns of out (row stride
+// n) through the epilogue (its vectors at this block), to nearest even as c10 rounds.
+template <bool kInt32>
+void finish16(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < 16; ++j) {
+      float y;
+      if constexpr (kInt32) {
+        int32_t sum;
+        std::memcpy(&sum, acc + r * 16 + j, sizeof(sum));
+        y = static_cast<float>(sum);
+      } else {
+        y = acc[r * 16 + j];
+      }
+      if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);  // as W8A8Linear._finish
+      if (e.bias) y = y + e.bias[j];
+      out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
+    }
+}
 
 struct Avx2 {
   static constexpr int64_t kBlock = 16;       // W rows per block: 2 vectors of 8 fp32 sums per x row
@@ -26,63 +79,25 @@ struct Avx2 {
   using Tile = __m256;
   using X = float;  // x widened once per call
 
-  // MR rows of x (row stride ldx, from column k0) times the tile's kt columns, into acc (MR, 16): overwritten when
-  // `first`, else added to.
-  template <int MR>
-  static void strip(const X* __restrict x, int64_t ldx, int64_t k0, const Tile* __restrict tile, int64_t kt,
-                    bool first, float* __restrict acc) {
-    if constexpr (MR == 6) {
-      strip6(x + k0, ldx, tile, kt, first, acc);
-    } else {  // the last strip of a chunk
-      __m256 a[MR][2];
-      for (int i = 0; i < MR; ++i)
-        for (int h = 0; h < 2; ++h) a[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + i * kBlock + 8 * h);
-      for (int64_t c = 0; c < kt; ++c)
-        for (int i = 0; i < MR; ++i) fma2(_mm256_broadcast_ss(x + i * ldx + k0 + c), tile + 2 * c, a[i][0], a[i][1]);
-      for (int i = 0; i < MR; ++i)
-        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + i * kBlock + 8 * h, a[i][h]);
-    }
-  }
-
-  static void fma2(__m256 xb, const Tile* w, __m256& lo, __m256& hi) {
+  // One K step (a column) of one x row into a row's two accumulators.
+  using V = __m256;
+  static constexpr int64_t kStep = 1;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* acc, int j) { return _mm256_loadu_ps(acc + 8 * j); }
+  static void store(float* acc, int j, V v) { _mm256_storeu_ps(acc + 8 * j, v); }
+  static void step(const X* x, const Tile* w, V& lo, V& hi) {
+    const V xb = _mm256_broadcast_ss(x);
     lo = _mm256_fmadd_ps(xb, w[0], lo);
     hi = _mm256_fmadd_ps(xb, w[1], hi);
   }
 
-  // The 6-row strip with its 12 accumulators as named variables: GCC 12 kept an array of them in registers but
-  // also stored every one to the stack at every column (half the FMA rate).
-  static void strip6(const X* __restrict x, int64_t ldx, const Tile* __restrict tile, int64_t kt, bool first,
-                     float* __restrict acc) {
-    const auto init = [&](int j) { return first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * j); };
-    __m256 a00 = init(0), a01 = init(1), a10 = init(2), a11 = init(3), a20 = init(4), a21 = init(5);
-    __m256 a30 = init(6), a31 = init(7), a40 = init(8), a41 = init(9), a50 = init(10), a51 = init(11);
-    for (int64_t c = 0; c < kt; ++c) {
-      const Tile* w = tile + 2 * c;
-      const X* xc = x + c;
-      fma2(_mm256_broadcast_ss(xc), w, a00, a01);
-      fma2(_mm256_broadcast_ss(xc + ldx), w, a10, a11);
-      fma2(_mm256_broadcast_ss(xc + 2 * ldx), w, a20, a21);
-      fma2(_mm256_broadcast_ss(xc + 3 * ldx), w, a30, a31);
-      fma2(_mm256_broadcast_ss(xc + 4 * ldx), w, a40, a41);
-      fma2(_mm256_broadcast_ss(xc + 5 * ldx), w, a50, a51);
-    }
-    _mm256_storeu_ps(acc, a00), _mm256_storeu_ps(acc + 8, a01), _mm256_storeu_ps(acc + 16, a10);
-    _mm256_storeu_ps(acc + 24, a11), _mm256_storeu_ps(acc + 32, a20), _mm256_storeu_ps(acc + 40, a21);
-    _mm256_storeu_ps(acc + 48, a30), _mm256_storeu_ps(acc + 56, a31), _mm256_storeu_ps(acc + 64, a40);
-    _mm256_storeu_ps(acc + 72, a41), _mm256_storeu_ps(acc + 80, a50), _mm256_storeu_ps(acc + 88, a51);
+  template <int MR>
+  static void strip(const X* x, int64_t ldx, int64_t k0, const Tile* tile, int64_t kt, bool first, float* acc) {
+    strips<Avx2, MR>(x + k0, ldx, tile, kt, first, acc);
   }
 
-  // (rows, 16) fp32 sums -> bf16 columns of out (row stride n) through the epilogue (its vectors at this block), to
-  // nearest even as c10 rounds.
-  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
-                     int64_t n) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < kBlock; ++j) {
-        float y = acc[r * kBlock + j];
-        if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);  // as W8A8Linear._finish
-        if (e.bias) y = y + e.bias[j];
-        out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
-      }
+  static void finish(const float* acc, int64_t rows, const Epilogue& e, uint16_t* out, int64_t n) {
+    finish16<false>(acc, rows, e, out, n);
   }
 };
 
@@ -106,12 +121,8 @@ struct Int4Tiles2 {
     for (int64_t c = k0; c < k0 + kc; ++c) {
       const int64_t g = c / gs;
       if (g != loaded) {
-        const S* row = sz + (g * n + b * 16) * 2;
         alignas(32) float sv[16], ov[16];
-        for (int64_t r = 0; r < 16; ++r) {
-          sv[r] = qs::to_f(row[2 * r]);
-          ov[r] = qs::to_f(row[2 * r + 1]) - sv[r] * 8.0f;  // as the dequantizer: the product rounds, then the sum
-        }
+        group_scales(sz, g, n, b * 16, 16, sv, ov);
         for (int h = 0; h < 2; ++h) s[h] = _mm256_load_ps(sv + 8 * h), off[h] = _mm256_load_ps(ov + 8 * h);
         loaded = g;
       }
@@ -227,68 +238,28 @@ struct Avx2Int16 {
   using Tile = __m256i;
   using X = int16_t;  // the quantized activations, widened once per call
 
-  static void madd2(__m256i xb, const Tile* w, __m256i& lo, __m256i& hi) {
+  // One K step (a pair of columns) of one x row into a row's two accumulators; the int32 sums are kept in the
+  // driver's float buffer by their bits (intrinsic loads and stores may alias).
+  using V = __m256i;
+  static constexpr int64_t kStep = 2;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V load(const float* acc, int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + j); }
+  static void store(float* acc, int j, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + j, v); }
+  static void step(const X* x, const Tile* w, V& lo, V& hi) {
+    int32_t pair;  // (x[0], x[1]) in every lane
+    std::memcpy(&pair, x, sizeof(pair));
+    const V xb = _mm256_set1_epi32(pair);
     lo = _mm256_add_epi32(lo, _mm256_madd_epi16(xb, w[0]));
     hi = _mm256_add_epi32(hi, _mm256_madd_epi16(xb, w[1]));
   }
 
-  static __m256i pair(const X* p) {  // (p[0], p[1]) in every lane
-    int32_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm256_set1_epi32(v);
-  }
-
   template <int MR>
-  static void strip(const X* __restrict x, int64_t ldx, int64_t k0, const Tile* __restrict tile, int64_t kt,
-                    bool first, float* __restrict acc) {
-    auto* a32 = reinterpret_cast<__m256i*>(acc);  // the sums' bits (intrinsic loads and stores may alias)
-    if constexpr (MR == 6) {
-      strip6(x + k0, ldx, tile, kt, first, a32);
-    } else {  // the last strip of a chunk
-      __m256i a[MR][2];
-      for (int i = 0; i < MR; ++i)
-        for (int h = 0; h < 2; ++h) a[i][h] = first ? _mm256_setzero_si256() : _mm256_loadu_si256(a32 + 2 * i + h);
-      for (int64_t p = 0; p < kt / 2; ++p)
-        for (int i = 0; i < MR; ++i) madd2(pair(x + i * ldx + k0 + 2 * p), tile + 2 * p, a[i][0], a[i][1]);
-      for (int i = 0; i < MR; ++i)
-        for (int h = 0; h < 2; ++h) _mm256_storeu_si256(a32 + 2 * i + h, a[i][h]);
-    }
+  static void strip(const X* x, int64_t ldx, int64_t k0, const Tile* tile, int64_t kt, bool first, float* acc) {
+    strips<Avx2Int16, MR>(x + k0, ldx, tile, kt, first, acc);
   }
 
-  // As Avx2::strip6: named accumulators, which GCC 12 keeps in registers.
-  static void strip6(const X* __restrict x, int64_t ldx, const Tile* __restrict tile, int64_t kt, bool first,
-                     __m256i* __restrict acc) {
-    const auto init = [&](int j) { return first ? _mm256_setzero_si256() : _mm256_loadu_si256(acc + j); };
-    __m256i a00 = init(0), a01 = init(1), a10 = init(2), a11 = init(3), a20 = init(4), a21 = init(5);
-    __m256i a30 = init(6), a31 = init(7), a40 = init(8), a41 = init(9), a50 = init(10), a51 = init(11);
-    for (int64_t p = 0; p < kt / 2; ++p) {
-      const Tile* w = tile + 2 * p;
-      const X* xc = x + 2 * p;
-      madd2(pair(xc), w, a00, a01);
-      madd2(pair(xc + ldx), w, a10, a11);
-      madd2(pair(xc + 2 * ldx), w, a20, a21);
-      madd2(pair(xc + 3 * ldx), w, a30, a31);
-      madd2(pair(xc + 4 * ldx), w, a40, a41);
-      madd2(pair(xc + 5 * ldx), w, a50, a51);
-    }
-    _mm256_storeu_si256(acc, a00), _mm256_storeu_si256(acc + 1, a01), _mm256_storeu_si256(acc + 2, a10);
-    _mm256_storeu_si256(acc + 3, a11), _mm256_storeu_si256(acc + 4, a20), _mm256_storeu_si256(acc + 5, a21);
-    _mm256_storeu_si256(acc + 6, a30), _mm256_storeu_si256(acc + 7, a31), _mm256_storeu_si256(acc + 8, a40);
-    _mm256_storeu_si256(acc + 9, a41), _mm256_storeu_si256(acc + 10, a50), _mm256_storeu_si256(acc + 11, a51);
-  }
-
-  // int32 sums -> fp32 (as int_mm's .float()), then the epilogue, to bf16 to nearest even.
-  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
-                     int64_t n) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < kBlock; ++j) {
-        int32_t sum;
-        std::memcpy(&sum, acc + r * kBlock + j, sizeof(sum));
-        float y = static_cast<float>(sum);
-        if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);
-        if (e.bias) y = y + e.bias[j];
-        out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
-      }
+  static void finish(const float* acc, int64_t rows, const Epilogue& e, uint16_t* out, int64_t n) {
+    finish16<true>(acc, rows, e, out, n);
   }
 };
 

@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "elements.h"
-#include "gemm_epilogue.h"
+#include "gemm_common.h"
 
 namespace qs::gemm {
 
@@ -87,12 +87,8 @@ struct Int4Tiles512 {
     for (int64_t c = k0; c < k0 + kc; c += 2) {
       const int64_t g = c / gs;
       if (g != loaded) {
-        const S* row = sz + (g * n + b * 64) * 2;
         alignas(64) float sv[64], ov[64];
-        for (int64_t r = 0; r < 64; ++r) {
-          sv[r] = qs::to_f(row[2 * r]);
-          ov[r] = qs::to_f(row[2 * r + 1]) - sv[r] * 8.0f;  // as the dequantizer: the product rounds, then the sum
-        }
+        group_scales(sz, g, n, b * 64, 64, sv, ov);
         for (int j = 0; j < 4; ++j) s[j] = _mm512_load_ps(sv + 16 * j), off[j] = _mm512_load_ps(ov + 16 * j);
         loaded = g;
       }

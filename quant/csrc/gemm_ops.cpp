@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "elements.h"
-#include "gemm_epilogue.h"
+#include "gemm_common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "gemm_avx512.h"

@@ -1,0 +1,33 @@
+// What the tiled products' kernels (gemm_avx512.h, gemm_avx2.h) share, beside the driver in gemm_ops.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "elements.h"
+
+namespace qs::gemm {
+
+// What the driver does to a block's fp32 sums before rounding them to bf16: y = sum (* row_scale[r] *
+// col_scale[c], W8A8's rescale) (+ bias[c]). Pointers at the block's first row and column; null: not applied.
+struct Epilogue {
+  const float* bias = nullptr;
+  const float* row_scale = nullptr;  // set together with col_scale
+  const float* col_scale = nullptr;
+
+  Epilogue at(int64_t m0, int64_t c0) const {
+    return {bias ? bias + c0 : nullptr, row_scale ? row_scale + m0 : nullptr, col_scale ? col_scale + c0 : nullptr};
+  }
+};
+
+// The scales and offsets z - 8 s of `rows` consecutive rows of W from group g of the int4 (G, N, 2) (scale, zero)
+// table, in fp32 as the dequantizer computes them (the product rounds, then the difference).
+template <typename S>
+inline void group_scales(const S* sz, int64_t g, int64_t n, int64_t r0, int64_t rows, float* s, float* off) {
+  const S* row = sz + (g * n + r0) * 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    s[r] = qs::to_f(row[2 * r]);
+    off[r] = qs::to_f(row[2 * r + 1]) - s[r] * 8.0f;
+  }
+}
+
+}  // namespace qs::gemm
