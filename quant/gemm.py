@@ -28,13 +28,20 @@ MAX_BLOCK = 64  # the most rows of W per block either kernel uses
 
 
 @functools.cache
-def _build() -> tuple[int, int, bool]:
+def _build() -> tuple[int, int, bool, int]:
     """(rows per block of W, 0 without a kernel; the int4pack block rows the int4 op reads; whether bf16 weights
-    have an op), as the extension was compiled for this CPU (AVX512-BF16: 64, 64, no; AVX2: 16, 32, yes)."""
+    have an op; the K multiple for which W8A8's sums are exact int32 ones, 0 for never), as the extension was
+    compiled for this CPU (AVX512-BF16 and VNNI: 64, 64, no, 4; AVX2: 16, 32, yes, 2)."""
     if not _EXT.load():
-        return 0, 0, False
-    block, int4_block, dense = torch.ops.quantserve_gemm.gemm_build()
-    return block, int4_block, bool(dense)
+        return 0, 0, False, 0
+    block, int4_block, dense, exact = torch.ops.quantserve_gemm.gemm_build()
+    return block, int4_block, bool(dense), exact
+
+
+def w8a8_integer_sums(k: int) -> bool:
+    """Whether :func:`w8a8` sums a K-column product in int32 (exact: ``torch._int_mm``'s numbers), not fp32."""
+    multiple = _build()[3]
+    return multiple > 0 and k % multiple == 0
 
 
 def available(t: torch.Tensor, n: int, dtype: torch.dtype, int4_layout: tuple[int, bool] | None = None,
@@ -43,7 +50,7 @@ def available(t: torch.Tensor, n: int, dtype: torch.dtype, int4_layout: tuple[in
     tensor, bf16, whole blocks, the extension built with a kernel; for int4 (``int4_layout``, as
     ``quant.int4._cpu_layout`` names it) the layout the op reads; for a bf16 weight (``dense``), a build that has
     that op."""
-    block, int4_block, has_dense = _build()
+    block, int4_block, has_dense, _ = _build()
     if not (block and t.device.type == "cpu" and dtype == torch.bfloat16 and n % block == 0):
         return False
     if int4_layout is not None and (int4_layout != (int4_block, True) or n % int4_block):
@@ -90,13 +97,15 @@ def int8(weight: torch.Tensor, weight_scale: torch.Tensor, zero: torch.Tensor | 
 
 def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
     """W8A8's product from its quantized activations: (xq (M, K) int8, x_scale (M, 1) or a 0-dim static scale)
-    -> bf16 (M, N) = (xq @ q^T) * (x_scale * weight_scale) (+ the fp32 bias): W8A8Linear's fp32 path (exact
-    integer products, fp32 sums, the rescale in its order), rounded once."""
+    -> bf16 (M, N) = (xq @ q^T) * (x_scale * weight_scale) (+ the fp32 bias), the rescale in W8A8Linear's order,
+    rounded once: with AVX512-VNNI (K a multiple of 4) and with AVX2 the exact int32 sums (its int_mm path bit for
+    bit), else fp32 sums of the exact products (its fp32 path's numbers)."""
     op, b = torch.ops.quantserve_gemm.w8a8_gemm.default, _bias(bias)
+    sums = weight.sum(1, dtype=torch.int32)  # (N,): the VNNI kernel's correction for its unsigned x
 
     def call(xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         xs = x_scale.float().reshape(-1).expand(xq.shape[0]).contiguous()  # (M,): a static scale per row too
-        return op(xq, xs, weight, weight_scale, b)
+        return op(xq, xs, weight, weight_scale, sums, b)
 
     return call
 

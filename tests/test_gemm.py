@@ -135,7 +135,9 @@ def test_bad_operands_get_one_line_errors():
     with pytest.raises(RuntimeError, match="xq must be a contiguous CPU \\(M, K\\) int8 tensor"):
         gemm.w8a8(q, s, None)(xq.float(), torch.ones(2))
     with pytest.raises(RuntimeError, match="x_scale must be a contiguous \\(M,\\) fp32 tensor"):
-        torch.ops.quantserve_gemm.w8a8_gemm(xq, torch.ones(3), q, s, torch.empty(0))
+        torch.ops.quantserve_gemm.w8a8_gemm(xq, torch.ones(3), q, s, q.sum(1, dtype=torch.int32), torch.empty(0))
+    with pytest.raises(RuntimeError, match="weight_sums must be a contiguous \\(N,\\) int32 tensor"):
+        torch.ops.quantserve_gemm.w8a8_gemm(xq, torch.ones(2), q, s, q.sum(1), torch.empty(0))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -184,24 +186,26 @@ def test_the_avx2_kernels_under_an_avx2_cap():
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_", [1, 7, 70])
-def test_w8a8_gemm_computes_the_fp32_paths_numbers(dynamic, smooth, bias, rows_):
+@pytest.mark.parametrize("k", [200, 198])  # 198: not a multiple of 4, so fp32 sums with AVX512-BF16 even with VNNI
+def test_w8a8_gemm_computes_the_fp32_paths_numbers(dynamic, smooth, bias, rows_, k):
     """The same integer products and fp32 rescale as W8A8Linear's fp32 path: equal after rounding (fp32 sums in
-    another order; with AVX2, int32 sums, so int_mm's exactly), and held to the module's reference."""
+    another order; with AVX2 or AVX512-VNNI, int32 sums, so int_mm's exactly), and held to the module's
+    reference."""
     from quant.layers import W8A8Linear
 
     torch.manual_seed(3)
-    lin = torch.nn.Linear(200, 64, bias=bias)
-    calib = torch.randn(32, 200) * 2
+    lin = torch.nn.Linear(k, 64, bias=bias)
+    calib = torch.randn(32, k) * 2
     m = W8A8Linear.from_float(lin, None if dynamic else float(calib.abs().max() / 127),
-                              torch.rand(200) + 0.5 if smooth else None)
+                              torch.rand(k) + 0.5 if smooth else None)
     m.prepare(torch.bfloat16)
     paths = m.paths(torch.bfloat16)
     path = _gemm_path(m)
-    x = torch.randn(rows_, 200, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(rows_, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     y = path(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows_, 64)
     assert float((y == paths["fp32"](x)).float().mean()) > 0.99
-    if gemm.tile_dtype() == torch.float32:  # AVX2: exact int32 sums, the rows path's (int_mm's) bit for bit
+    if gemm.w8a8_integer_sums(k):  # AVX2, AVX512-VNNI: exact int32 sums, the rows path's (int_mm's) bit for bit
         assert torch.equal(y, paths["rows"](x))
     ref = m.reference_forward(x)
     assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3

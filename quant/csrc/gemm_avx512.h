@@ -137,8 +137,9 @@ inline void transpose16(__m512i v[16]) {
   }
 }
 
-// A block of the (N, K) int8 weight, rows [64 b, 64 b + 64): (q - z) * s per row (s null: the codes themselves). 16 rows x 32 columns at a time:
-// each row's 32 weights become one vector of 16 pairs, and a transpose turns 16 such rows into 16 tile vectors.
+// A block of the (N, K) int8 weight, rows [64 b, 64 b + 64): (q - z) * s per row (s null: the codes themselves).
+// 16 rows x 32 columns at a time: each row's 32 weights become one vector of 16 pairs, and a transpose turns 16
+// such rows into 16 tile vectors.
 struct Int8Tiles512 {
   const int8_t* q;
   const float* scale;   // null: 1
@@ -178,5 +179,121 @@ struct Int8Tiles512 {
     }
   }
 };
+
+#if defined(__AVX512VNNI__)
+// W8A8's product with AVX512-VNNI (gemm_ops.cpp w8a8_gemm): vpdpbusd multiplies 4 unsigned by 4 signed bytes per
+// 32-bit lane (64 multiply-adds an instruction, twice vdpbf16ps), so x is staged as xq + 128 and the epilogue takes
+// 128 * sum_k q[c, k] back off the exact int32 sums: int_mm's sums, bit for bit. A tile: tile[p * 4 + j] lane l
+// holds q[64 b + 16 j + l][k0 + 4 p .. + 3]; the sums (rows, 64) are int32, kept in the driver's float buffer by
+// their bits.
+struct Avx512Vnni {
+  static constexpr int64_t kBlock = 64;
+  static constexpr int64_t kColBytes = 64;  // 64 int8 per K column
+  static constexpr int64_t kTileBytes = 32 << 10;
+  using Tile = __m512i;
+  using X = uint8_t;  // xq + 128
+
+  // MR rows of x times the tile's kt columns into acc (MR, 64) int32 sums: overwritten when `first`, else added
+  // to. Six rows are written out as named variables: GCC 12 kept an array of 24 integer accumulators in registers
+  // but also stored most of them to the stack at every step (vpdpbusd then ran no faster than vdpbf16ps).
+  template <int MR>
+  static void strip(const X* __restrict x, int64_t ldx, int64_t k0, const Tile* __restrict tile, int64_t kt,
+                    bool first, float* __restrict acc) {
+    auto* a32 = reinterpret_cast<__m512i*>(acc);  // intrinsic loads and stores may alias
+    const auto init = [&](int j) { return first ? _mm512_setzero_si512() : _mm512_loadu_si512(a32 + j); };
+    const X* xk = x + k0;
+    if constexpr (MR == 6) {
+      __m512i a00 = init(0), a01 = init(1), a02 = init(2), a03 = init(3);
+      __m512i a10 = init(4), a11 = init(5), a12 = init(6), a13 = init(7);
+      __m512i a20 = init(8), a21 = init(9), a22 = init(10), a23 = init(11);
+      __m512i a30 = init(12), a31 = init(13), a32v = init(14), a33 = init(15);
+      __m512i a40 = init(16), a41 = init(17), a42 = init(18), a43 = init(19);
+      __m512i a50 = init(20), a51 = init(21), a52 = init(22), a53 = init(23);
+      for (int64_t p = 0; p < kt / 4; ++p) {
+        const Tile* t = tile + p * 4;
+        const __m512i w0 = _mm512_load_si512(t), w1 = _mm512_load_si512(t + 1);
+        const __m512i w2 = _mm512_load_si512(t + 2), w3 = _mm512_load_si512(t + 3);
+        const X* xp = xk + 4 * p;
+        step(xp, w0, w1, w2, w3, a00, a01, a02, a03);
+        step(xp + ldx, w0, w1, w2, w3, a10, a11, a12, a13);
+        step(xp + 2 * ldx, w0, w1, w2, w3, a20, a21, a22, a23);
+        step(xp + 3 * ldx, w0, w1, w2, w3, a30, a31, a32v, a33);
+        step(xp + 4 * ldx, w0, w1, w2, w3, a40, a41, a42, a43);
+        step(xp + 5 * ldx, w0, w1, w2, w3, a50, a51, a52, a53);
+      }
+      const __m512i all[24] = {a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
+                               a30, a31, a32v, a33, a40, a41, a42, a43, a50, a51, a52, a53};
+      for (int j = 0; j < 24; ++j) _mm512_storeu_si512(a32 + j, all[j]);
+    } else {  // the last strip of a chunk
+      __m512i a[MR][4];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = init(4 * i + j);
+      for (int64_t p = 0; p < kt / 4; ++p) {
+        const Tile* t = tile + p * 4;
+        for (int i = 0; i < MR; ++i)
+          step(xk + i * ldx + 4 * p, t[0], t[1], t[2], t[3], a[i][0], a[i][1], a[i][2], a[i][3]);
+      }
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 4; ++j) _mm512_storeu_si512(a32 + 4 * i + j, a[i][j]);
+    }
+  }
+
+  // One quad of K columns of one x row (4 unsigned bytes) into the row's four accumulators.
+  static void step(const X* x, __m512i w0, __m512i w1, __m512i w2, __m512i w3, __m512i& a0, __m512i& a1,
+                   __m512i& a2, __m512i& a3) {
+    int32_t quad;
+    std::memcpy(&quad, x, sizeof(quad));
+    const __m512i xb = _mm512_set1_epi32(quad);
+    a0 = _mm512_dpbusd_epi32(a0, xb, w0);
+    a1 = _mm512_dpbusd_epi32(a1, xb, w1);
+    a2 = _mm512_dpbusd_epi32(a2, xb, w2);
+    a3 = _mm512_dpbusd_epi32(a3, xb, w3);
+  }
+
+  // int32 sums less the offsets -> fp32 (as int_mm's .float()), then the epilogue, to bf16 to nearest even.
+  static void finish(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out,
+                     int64_t n) {
+    const auto* a32 = reinterpret_cast<const __m512i*>(acc);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i sums =
+            _mm512_sub_epi32(_mm512_loadu_si512(a32 + 4 * r + j), _mm512_loadu_si512(e.col_offset + 16 * j));
+        __m512 v = _mm512_cvtepi32_ps(sums);
+        v = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), _mm512_loadu_ps(e.col_scale + 16 * j)));
+        if (e.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e.bias + 16 * j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+  }
+};
+
+// A block of the (N, K) int8 weight as Avx512Vnni's tiles: 16 rows x 64 columns at a time, each row's 16 quads of
+// bytes one vector, transposed (K a multiple of 4; a last step of fewer columns loads zeros past them).
+struct Int8QuadTiles {
+  const int8_t* q;
+  int64_t k;
+  static constexpr int64_t kAlign = 64;
+
+  void operator()(int64_t b, int64_t k0, int64_t kc, __m512i* __restrict tile) const {
+    for (int64_t c = k0; c < k0 + kc; c += 64) {
+      const int64_t cols = std::min<int64_t>(64, k0 + kc - c);  // a multiple of 4
+      const __mmask64 mask = cols == 64 ? ~__mmask64{0} : (__mmask64{1} << cols) - 1;
+      for (int j = 0; j < 4; ++j) {
+        __m512i v[16];
+        for (int l = 0; l < 16; ++l) v[l] = _mm512_maskz_loadu_epi8(mask, q + (b * 64 + 16 * j + l) * k + c);
+        transpose16(v);  // v[p] lane l: row 16 j + l's quad p
+        for (int64_t p = 0; p < cols / 4; ++p) tile[((c - k0) / 4 + p) * 4 + j] = v[p];
+      }
+    }
+  }
+
+  void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // kc bytes of each of 64 rows
+    for (int64_t r = b * 64; r < (b + 1) * 64; ++r) {
+      const char* p = reinterpret_cast<const char*>(q + r * k + k0);
+      for (int64_t i = 0; i < kc; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+      _mm_prefetch(p + kc - 1, _MM_HINT_T1);
+    }
+  }
+};
+#endif  // __AVX512VNNI__
 
 }  // namespace qs::gemm

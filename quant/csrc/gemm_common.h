@@ -13,9 +13,11 @@ struct Epilogue {
   const float* bias = nullptr;
   const float* row_scale = nullptr;  // set together with col_scale
   const float* col_scale = nullptr;
+  const int32_t* col_offset = nullptr;  // integer sums only: subtracted first (the VNNI kernel's 128 * sum(q))
 
   Epilogue at(int64_t m0, int64_t c0) const {
-    return {bias ? bias + c0 : nullptr, row_scale ? row_scale + m0 : nullptr, col_scale ? col_scale + c0 : nullptr};
+    return {bias ? bias + c0 : nullptr, row_scale ? row_scale + m0 : nullptr, col_scale ? col_scale + c0 : nullptr,
+            col_offset ? col_offset + c0 : nullptr};
   }
 };
 

@@ -97,11 +97,14 @@ void run_strip(int64_t mr, const typename K::X* x, int64_t ldx, int64_t k0, cons
   }
 }
 
-// x's elements as a kernel reads them: bf16 bits (AVX-512), fp32 (AVX2) or int16 (AVX2, W8A8), from bf16 bits or
-// int8 (W8A8's quantized activations, exact in all three).
+// x's elements as a kernel reads them: bf16 bits (AVX-512), fp32 (AVX2), or for W8A8 int16 (AVX2) or xq + 128 as
+// u8 (AVX512-VNNI), from bf16 bits or int8 (W8A8's quantized activations, exact in all of them).
 template <typename To, typename From>
 To widen(From v) {
-  if constexpr (std::is_same_v<To, int16_t>) {
+  if constexpr (std::is_same_v<To, uint8_t>) {
+    static_assert(std::is_same_v<From, int8_t>, "only quantized activations widen to u8 + 128");
+    return static_cast<uint8_t>(static_cast<int>(v) + 128);
+  } else if constexpr (std::is_same_v<To, int16_t>) {
     static_assert(std::is_same_v<From, int8_t>, "only quantized activations widen to int16");
     return v;
   } else {
@@ -170,16 +173,17 @@ void tiled(const XIn* x, int64_t m, int64_t n, int64_t k, const Expand& expand, 
 }  // namespace
 
 // What this build computes (the CPU's vector extensions, compiled for): [rows per block of W (0: nothing), the
-// int4pack layout's block rows the int4 op reads, whether bf16 weights have an op too].
+// int4pack layout's block rows the int4 op reads, whether bf16 weights have an op too, the K multiple for which
+// W8A8's sums are exact int32 ones (0: never)].
 std::vector<int64_t> gemm_build() {
-#if defined(QS_GEMM)
-#if defined(QS_GEMM_DENSE)
-  return {Isa::kBlock, Isa::kInt4Block, 1};
+#if defined(QS_GEMM) && defined(QS_GEMM_DENSE)
+  return {Isa::kBlock, Isa::kInt4Block, 1, 2};
+#elif defined(QS_GEMM) && defined(__AVX512VNNI__)
+  return {Isa::kBlock, Isa::kInt4Block, 0, 4};
+#elif defined(QS_GEMM)
+  return {Isa::kBlock, Isa::kInt4Block, 0, 0};
 #else
-  return {Isa::kBlock, Isa::kInt4Block, 0};
-#endif
-#else
-  return {0, 0, 0};
+  return {0, 0, 0, 0};
 #endif
 }
 
@@ -247,7 +251,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // fp32 (exact below 2^24: the module's fp32 path); with AVX2 in int32 with vpmaddwd (exact: its int_mm path, bit for
 // bit, and twice the multiply-adds per instruction of the fp32 kernel).
 at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& q,
-                     const at::Tensor& weight_scale, const at::Tensor& bias) {
+                     const at::Tensor& weight_scale, const at::Tensor& weight_sums, const at::Tensor& bias) {
   const int64_t block = gemm_build()[0];
   TORCH_CHECK(block > 0, "w8a8_gemm needs a build with AVX512-BF16 or AVX2");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
@@ -264,14 +268,28 @@ at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::
   TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == n && weight_scale.is_contiguous() &&
                   weight_scale.scalar_type() == at::kFloat,
               "weight_scale must be a contiguous (N,) fp32 tensor");
+  TORCH_CHECK(weight_sums.dim() == 1 && weight_sums.size(0) == n && weight_sums.is_contiguous() &&
+                  weight_sums.scalar_type() == at::kInt,
+              "weight_sums must be a contiguous (N,) int32 tensor: sum_k weight[n, k]");
   const float* bp = optional_bias(bias, n);
   at::Tensor out = at::empty({m, n}, xq.options().dtype(at::kBFloat16));
 #if defined(QS_GEMM)
-  const qs::gemm::Epilogue epi{bp, x_scale.data_ptr<float>(), weight_scale.data_ptr<float>()};
+  qs::gemm::Epilogue epi{bp, x_scale.data_ptr<float>(), weight_scale.data_ptr<float>()};
 #if defined(QS_GEMM_DENSE)  // AVX2: int16 pairs and exact int32 sums, as int_mm
   const qs::gemm::Int16PairTiles expand{q.data_ptr<int8_t>(), k};
   tiled<qs::gemm::Avx2Int16>(xq.data_ptr<int8_t>(), m, n, k, expand, epi, bf16_bits(out));
 #else
+#if defined(__AVX512VNNI__)
+  if (k % 4 == 0) {  // u8 x s8 quads and exact int32 sums, as int_mm
+    std::vector<int32_t> offsets(n);  // 128 * sum_k q: what xq + 128 adds to each sum
+    const int32_t* sums = weight_sums.data_ptr<int32_t>();
+    for (int64_t c = 0; c < n; ++c) offsets[c] = 128 * sums[c];
+    epi.col_offset = offsets.data();
+    const qs::gemm::Int8QuadTiles expand{q.data_ptr<int8_t>(), k};
+    tiled<qs::gemm::Avx512Vnni>(xq.data_ptr<int8_t>(), m, n, k, expand, epi, bf16_bits(out));
+    return out;
+  }
+#endif
   const qs::gemm::Int8Tiles512 expand{q.data_ptr<int8_t>(), nullptr, nullptr, k};
   tiled(xq.data_ptr<int8_t>(), m, n, k, expand, epi, bf16_bits(out));
 #endif
@@ -304,7 +322,8 @@ TORCH_LIBRARY(quantserve_gemm, m) {
   m.def("int4_gemm(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor weight_scale, Tensor zero, Tensor bias) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
-  m.def("w8a8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor bias) -> Tensor");
+  m.def("w8a8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor weight_sums, Tensor bias) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve_gemm, CPU, m) {
