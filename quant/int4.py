@@ -259,7 +259,8 @@ class GPTQLinear(WeightOnlyLinear):
             return (f"Triton W4A16 GEMM over the GPTQ codes (quant.triton_ops.w4_matmul) up to "
                     f"{triton_ops.CUDA_KERNEL_MAX_ROWS} rows, one-pass Triton dequantize + cuBLAS above")
         if self.has_kernel(dtype):
-            return "aten._weight_int4pack_mm(_for_cpu); per row count, the faster of it and dequantize + matmul"
+            return ("aten._weight_int4pack_mm(_for_cpu), one C++ pass (quant.rows), a tiled C++ product (quant.gemm, "
+                    "bf16) or dequantize + matmul; per row count the fastest on the serving CPU")
         return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
 
     def has_kernel(self, dtype: torch.dtype) -> bool:

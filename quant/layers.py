@@ -285,9 +285,9 @@ class Int8WeightLinear(WeightOnlyLinear):
             return "Triton int8 weight-only GEMM (quant.triton_ops.int8_matmul), every row count"
         if self.has_kernel(dtype):
             corr = " - rowsum(x)*s*z" if self.affine else ""
-            return (f"aten._weight_int8pack_mm{corr}, one C++ pass (quant.rows) or dequantize + matmul (bf16 "
-                    f"or fp32), per row count the fastest on the serving CPU (quant serve --kernels; static rule: "
-                    f"the kernel up to {INT8PACK_MAX_ROWS} rows)")
+            return (f"aten._weight_int8pack_mm{corr}, one C++ pass (quant.rows), a tiled C++ product (quant.gemm, "
+                    f"bf16) or dequantize + matmul (bf16 or fp32), per row count the fastest on the serving CPU "
+                    f"(quant serve --kernels; static rule: the kernel up to {INT8PACK_MAX_ROWS} rows)")
         return ("dequantize + matmul, or one C++ pass (quant.rows) where measured faster (the fp32 int8pack "
                 "kernel is slower than dense on CPU)")
 
@@ -390,9 +390,9 @@ class W8A8Linear(QuantizedLinear):
 
     def kernel(self, dtype: torch.dtype) -> str:
         act = "per-token dynamic" if self.dynamic else "per-tensor static"
-        return (f"int8 x int8 products by torch._int_mm, in fp32, (bf16) through _weight_int8pack_mm, or the whole "
-                f"Linear in one C++ pass (quant.rows), per row count the fastest on the serving CPU; {act} "
-                f"activations, fp32 rescale")
+        return (f"int8 x int8 products by torch._int_mm, in fp32, (bf16) through _weight_int8pack_mm or in a tiled "
+                f"C++ product (quant.gemm), or the whole Linear in one C++ pass (quant.rows), per row count the "
+                f"fastest on the serving CPU; {act} activations, fp32 rescale")
 
     def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.smooth_scale is not None:
