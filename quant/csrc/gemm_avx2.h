@@ -182,12 +182,7 @@ struct RowTiles2 {
   }
 
   void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // kc elements of each of 16 rows
-    const char* base = static_cast<const char*>(row.data());
-    for (int64_t r = 16 * b; r < 16 * (b + 1); ++r) {
-      const char* p = base + (r * k + k0) * elem;
-      for (int64_t i = 0; i < kc * elem; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-      _mm_prefetch(p + kc * elem - 1, _MM_HINT_T1);  // a row's bytes need not start on a line
-    }
+    prefetch_rows(static_cast<const char*>(row.data()) + 16 * b * k * elem, 16, k * elem, k0 * elem, kc * elem);
   }
 };
 
@@ -293,13 +288,7 @@ struct Int16PairTiles {
     }
   }
 
-  void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // kc bytes of each of 16 rows
-    for (int64_t r = 16 * b; r < 16 * (b + 1); ++r) {
-      const char* p = reinterpret_cast<const char*>(q + r * k + k0);
-      for (int64_t i = 0; i < kc; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-      _mm_prefetch(p + kc - 1, _MM_HINT_T1);
-    }
-  }
+  void prefetch(int64_t b, int64_t k0, int64_t kc) const { prefetch_rows(q + 16 * b * k, 16, k, k0, kc); }
 };
 
 }  // namespace qs::gemm

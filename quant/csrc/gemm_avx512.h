@@ -171,13 +171,7 @@ struct Int8Tiles512 {
     }
   }
 
-  void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // the tile's codes: kc bytes of each of 64 rows
-    for (int64_t r = b * 64; r < (b + 1) * 64; ++r) {
-      const char* p = reinterpret_cast<const char*>(q + r * k + k0);
-      for (int64_t i = 0; i < kc; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-      _mm_prefetch(p + kc - 1, _MM_HINT_T1);  // a row's bytes need not start on a line
-    }
-  }
+  void prefetch(int64_t b, int64_t k0, int64_t kc) const { prefetch_rows(q + b * 64 * k, 64, k, k0, kc); }
 };
 
 #if defined(__AVX512VNNI__)
@@ -286,13 +280,7 @@ struct Int8QuadTiles {
     }
   }
 
-  void prefetch(int64_t b, int64_t k0, int64_t kc) const {  // kc bytes of each of 64 rows
-    for (int64_t r = b * 64; r < (b + 1) * 64; ++r) {
-      const char* p = reinterpret_cast<const char*>(q + r * k + k0);
-      for (int64_t i = 0; i < kc; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-      _mm_prefetch(p + kc - 1, _MM_HINT_T1);
-    }
-  }
+  void prefetch(int64_t b, int64_t k0, int64_t kc) const { prefetch_rows(q + b * 64 * k, 64, k, k0, kc); }
 };
 #endif  // __AVX512VNNI__
 

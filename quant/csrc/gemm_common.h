@@ -32,4 +32,15 @@ inline void group_scales(const S* sz, int64_t g, int64_t n, int64_t r0, int64_t 
   }
 }
 
+// Asks for bytes [off, off + len) of each of `rows` rows (row stride `stride` bytes) from `base` into L2: a tile's
+// codes from a row-major weight (a row's bytes need not start on a line, so its last byte is asked for too).
+inline void prefetch_rows(const void* base, int64_t rows, int64_t stride, int64_t off, int64_t len) {
+  const char* first = static_cast<const char*>(base) + off;
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = first + r * stride;
+    for (int64_t i = 0; i < len; i += 64) __builtin_prefetch(p + i, 0, 2);
+    __builtin_prefetch(p + len - 1, 0, 2);
+  }
+}
+
 }  // namespace qs::gemm
