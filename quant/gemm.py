@@ -44,14 +44,16 @@ def w8a8_integer_sums(k: int) -> bool:
     return multiple > 0 and k % multiple == 0
 
 
-def available(t: torch.Tensor, n: int, dtype: torch.dtype, int4_layout: tuple[int, bool] | None = None,
+def available(t: torch.Tensor, n: int, k: int, dtype: torch.dtype, int4_layout: tuple[int, bool] | None = None,
               dense: bool = False) -> bool:
-    """Whether an op can compute a module of N outputs whose weight is ``t`` for ``dtype`` activations: a CPU
-    tensor, bf16, whole blocks, the extension built with a kernel; for int4 (``int4_layout``, as
-    ``quant.int4._cpu_layout`` names it) the layout the op reads; for a bf16 weight (``dense``), a build that has
-    that op."""
+    """Whether an op can compute a module of N outputs and K inputs whose weight is ``t`` for ``dtype``
+    activations: a CPU tensor, bf16, whole blocks, the extension built with a kernel; K even (the quantized
+    weights' tiles take columns in pairs); for int4 (``int4_layout``, as ``quant.int4._cpu_layout`` names it) the
+    layout the op reads; for a bf16 weight (``dense``), a build that has that op."""
     block, int4_block, has_dense, _ = _build()
     if not (block and t.device.type == "cpu" and dtype == torch.bfloat16 and n % block == 0):
+        return False
+    if not dense and k % 2:
         return False
     if int4_layout is not None and (int4_layout != (int4_block, True) or n % int4_block):
         return False

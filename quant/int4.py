@@ -286,7 +286,7 @@ class GPTQLinear(WeightOnlyLinear):
             if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
                 out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
                                                perm)
-            if gemm.available(self.packed, n, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
+            if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
                 out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
         return out
 

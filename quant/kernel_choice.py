@@ -9,8 +9,8 @@ callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :cla
 1. every path at each row bucket (:data:`ROW_BUCKETS`), on random inputs, median of a few calls (the paths called
    in turn), smallest bucket first; a path both more than :data:`DROP_FACTOR` times slower than the best at one
    bucket and slower than :data:`DROP_US` is not measured at larger ones (a bf16 product of a big shape on an AVX2
-   CPU would otherwise take seconds). Being slower at a few rows alone does not drop a path: dequantizing costs the same at any row count,
-   so those paths lose at 1 row and win at 512;
+   CPU would otherwise take seconds). Being slower at a few rows alone does not drop a path: dequantizing costs
+   the same at any row count, so those paths lose at 1 row and win at 512;
 2. per bucket, the fastest path; a call of M rows uses the plan of the smallest bucket >= M (the last above it);
 3. the plan is kept per computation (the module's ``plan_key``: class, options, shape, dtype) in a JSON file per
    CPU (model name, vector capability, threads, torch version) under the cache dir, so a CPU measures a shape
@@ -125,7 +125,7 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
             paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
         if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
             paths["rows"] = rowops.bf16(weight, b32)
-        if dtype == torch.bfloat16 == weight.dtype and gemm.available(weight, weight.shape[0], dtype, dense=True):
+        if dtype == torch.bfloat16 == weight.dtype and gemm.available(weight, *weight.shape, dtype, dense=True):
             paths["gemm"] = gemm.bf16(weight, b32)
     return paths
 

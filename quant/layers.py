@@ -299,14 +299,13 @@ class Int8WeightLinear(WeightOnlyLinear):
         weight, in fp32, rounded once (``quant.rows``; at a few rows a dozen small ops cost more than the
         bytes); ``gemm`` for many bf16 rows where the CPU has AVX512-BF16 (``quant.gemm``)."""
         out = super().paths(dtype)
+        bias = None if self.bias is None else self.bias.data
         if rowops.available(self.weight):
             off = self.kernel_offset
             if self.affine and off is None:
                 off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
-            bias = None if self.bias is None else self.bias.data
             out["rows"] = rowops.int8_weight(self.weight, self.weight_scale, off, bias)
-        if gemm.available(self.weight, self.out_features, dtype) and self.in_features % 2 == 0:
-            bias = None if self.bias is None else self.bias.data
+        if gemm.available(self.weight, self.out_features, self.in_features, dtype):
             out["gemm"] = gemm.int8(self.weight, self.weight_scale, self.weight_zero_point, bias)
         return out
 
@@ -421,12 +420,12 @@ class W8A8Linear(QuantizedLinear):
             if dtype == torch.bfloat16:
                 ones = torch.ones(self.out_features, dtype=torch.bfloat16, device=self.weight.device)
                 out["int8pack"] = lambda x: self._finish(*self._int8pack_product(x, ones), dtype)
+            bias = None if self.bias is None else self.bias.data
             if rowops.available(self.weight):
-                bias = None if self.bias is None else self.bias.data
                 out["rows"] = rowops.w8a8(self.weight, self.weight_scale, None if self.dynamic else self.input_scale,
                                           self.smooth_scale, bias)
-            if gemm.available(self.weight, self.out_features, dtype) and self.in_features % 2 == 0:
-                mm = gemm.w8a8(self.weight, self.weight_scale, None if self.bias is None else self.bias.data)
+            if gemm.available(self.weight, self.out_features, self.in_features, dtype):
+                mm = gemm.w8a8(self.weight, self.weight_scale, bias)
                 out["gemm"] = lambda x: mm(*self._quantize_input(x))
         return out
 

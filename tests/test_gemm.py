@@ -101,6 +101,12 @@ def test_gemm_is_offered_only_where_it_computes():
     assert "gemm" in _int8(64, 128, False, False).paths(torch.bfloat16)
     assert "gemm" not in _int8(72, 128, False, False).paths(torch.bfloat16)  # blocks of 64 (AVX-512) or 16 (AVX2)
     assert "gemm" not in _int8(64, 127, False, False).paths(torch.bfloat16)  # K odd: pairs of columns
+    from quant.layers import W8A8Linear
+
+    for k, offered in ((128, True), (127, False)):
+        a8 = W8A8Linear.from_float(torch.nn.Linear(k, 64), 0.05)
+        a8.prepare(torch.bfloat16)
+        assert ("gemm" in a8.paths(torch.bfloat16)) == offered
 
 
 def test_bad_operands_get_one_line_errors():
@@ -112,6 +118,8 @@ def test_bad_operands_get_one_line_errors():
         gemm.int4(packed, 64, 128, sz, 64, None)(x.float())
     with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
         gemm.int4(packed, 64, 128, sz, 64, None)(x[:, :64])
+    with pytest.raises(RuntimeError, match="packed must be a contiguous CPU uint8 tensor of N \\* K / 2 bytes"):
+        gemm.int4(packed.flatten()[1:], 64, 128, sz, 64, None)(x)
     with pytest.raises(RuntimeError, match="N must be a multiple of (64|32)"):
         gemm.int4(packed.flatten()[: 16 * 128 // 2], 16, 128, sz[:, :16], 64, None)(x)
     with pytest.raises(RuntimeError, match="scales_zeros must be a contiguous \\(K / group_size, N, 2\\) tensor"):
@@ -150,7 +158,7 @@ def test_bf16_gemm_computes_the_fp32_product(bias, rows_):
     w = torch.randn(48, 200, generator=g).bfloat16()  # K = 200: a last 8-column step of its own
     b = torch.randn(48, generator=g) if bias else None
     paths = dense_paths(w, b, torch.bfloat16)
-    if not gemm.available(w, 48, torch.bfloat16, dense=True):
+    if not gemm.available(w, 48, 200, torch.bfloat16, dense=True):
         assert "gemm" not in paths
         with pytest.raises(RuntimeError, match="bf16_gemm is built only for CPUs without AVX512-BF16"):
             gemm.bf16(w, b)(torch.zeros(1, 200).bfloat16())
@@ -159,6 +167,10 @@ def test_bf16_gemm_computes_the_fp32_product(bias, rows_):
     y = paths["gemm"](x)
     want = F.linear(x.float(), w.float(), b).bfloat16()
     assert y.shape == (rows_, 48) and float((y == want).float().mean()) > 0.99
+    with pytest.raises(RuntimeError, match="weight must be a contiguous CPU \\(N, K\\) bf16 tensor"):
+        gemm.bf16(w.float(), b)(x)
+    with pytest.raises(RuntimeError, match="N must be a multiple of 16"):
+        gemm.bf16(w[:40].contiguous(), None)(x)
 
 
 def test_the_avx2_kernels_under_an_avx2_cap():

@@ -15,6 +15,7 @@
 
 #include "elements.h"
 #include "gemm_common.h"
+#include "int4_vec.h"
 
 namespace qs::gemm {
 
@@ -115,7 +116,6 @@ struct Int4Tiles2 {
   void operator()(int64_t b, int64_t k0, int64_t kc, __m256* __restrict tile) const {
     const uint8_t* blk = block(b);
     const int shift = b % 2 == 0 ? 0 : 4;  // rows 16 b .. 16 b + 15: the block's low or high nibbles
-    const __m128i nib = _mm_set1_epi8(15);
     __m256 s[2], off[2];
     int64_t loaded = -1;
     for (int64_t c = k0; c < k0 + kc; ++c) {
@@ -126,12 +126,9 @@ struct Int4Tiles2 {
         for (int h = 0; h < 2; ++h) s[h] = _mm256_load_ps(sv + 8 * h), off[h] = _mm256_load_ps(ov + 8 * h);
         loaded = g;
       }
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + c * 16));
-      const __m128i q = _mm_and_si128(_mm_srli_epi16(bytes, shift), nib);
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-      tile[2 * (c - k0)] = _mm256_add_ps(_mm256_mul_ps(lo, s[0]), off[0]);
-      tile[2 * (c - k0) + 1] = _mm256_add_ps(_mm256_mul_ps(hi, s[1]), off[1]);
+      __m256 q[2];  // as the dequantizer computes them (int4_vec.h)
+      Int4Vec::half(blk + c * 16, shift, q);
+      for (int h = 0; h < 2; ++h) tile[2 * (c - k0) + h] = Int4Vec::mul_add(q[h], s[h], off[h]);
     }
   }
 

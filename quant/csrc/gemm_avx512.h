@@ -14,6 +14,7 @@
 
 #include "elements.h"
 #include "gemm_common.h"
+#include "int4_vec.h"
 
 namespace qs::gemm {
 
@@ -80,7 +81,6 @@ struct Int4Tiles512 {
     alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i pairs = _mm512_load_si512(kPairs);
-    const __m256i nib = _mm256_set1_epi8(15);
     const uint8_t* blk = packed + b * 64 * k / 2;
     __m512 s[4], off[4];
     int64_t loaded = -1;
@@ -92,14 +92,10 @@ struct Int4Tiles512 {
         for (int j = 0; j < 4; ++j) s[j] = _mm512_load_ps(sv + 16 * j), off[j] = _mm512_load_ps(ov + 16 * j);
         loaded = g;
       }
-      __m512 w[2][4];
+      __m512 w[2][4];  // columns c and c + 1, as the dequantizer computes them (int4_vec.h)
       for (int h = 0; h < 2; ++h) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (c + h) * 32));
-        const __m256i lo = _mm256_and_si256(bytes, nib), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
-        const __m128i q[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                              _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-        for (int j = 0; j < 4; ++j)
-          w[h][j] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j])), s[j]), off[j]);
+        Int4Vec::codes(blk + (c + h) * 32, w[h]);
+        for (int j = 0; j < 4; ++j) w[h][j] = Int4Vec::mul_add(w[h][j], s[j], off[j]);
       }
       __m512i* t = tile + (c - k0) / 2 * 4;
       for (int j = 0; j < 4; ++j)

@@ -66,6 +66,16 @@ void check_x(const at::Tensor& x, int64_t k) {
               "x must be a contiguous CPU (M, K) bf16 tensor");
 }
 
+// An int8 (N, K) weight and its (N,) fp32 scales, as the int8 and W8A8 ops take them: N in whole blocks, K even.
+void check_int8_weight(const at::Tensor& q, const at::Tensor& scale, int64_t block) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "weight must be a contiguous CPU (N, K) int8 tensor");
+  const int64_t n = q.size(0);
+  TORCH_CHECK(n % block == 0 && q.size(1) % 2 == 0, "N must be a multiple of ", block, " and K even");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "weight_scale must be a contiguous (N,) fp32 tensor");
+}
+
 uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 const float* optional_bias(const at::Tensor& bias, int64_t n) {
@@ -220,13 +230,9 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
                      const at::Tensor& bias) {
   const int64_t block = gemm_build()[0];
   TORCH_CHECK(block > 0, "int8_gemm needs a build with AVX512-BF16 or AVX2");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "weight must be a contiguous CPU (N, K) int8 tensor");
+  check_int8_weight(q, scale, block);
   const int64_t n = q.size(0), k = q.size(1);
   check_x(x, k);
-  TORCH_CHECK(n % block == 0 && k % 2 == 0, "N must be a multiple of ", block, " and K even");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
-              "weight_scale must be a contiguous (N,) fp32 tensor");
   const bool affine = zero.numel() > 0;
   TORCH_CHECK(!affine || (zero.dim() == 1 && zero.size(0) == n && zero.is_contiguous() &&
                           zero.scalar_type() == at::kChar),
@@ -247,15 +253,15 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 // W8A8's product from its quantized activations: out (M, N) bf16 = (xq @ q^T) * (x_scale[r] * weight_scale[c]) (+
 // bias), the integer products exact, in W8A8Linear's rescale order: xq (M, K) int8, x_scale (M,) fp32, q (N, K) int8
-// (N a multiple of the build's block, K even), weight_scale (N,) fp32. With AVX512-BF16 the products are summed in
-// fp32 (exact below 2^24: the module's fp32 path); with AVX2 in int32 with vpmaddwd (exact: its int_mm path, bit for
-// bit, and twice the multiply-adds per instruction of the fp32 kernel).
+// (N a multiple of the build's block, K even), weight_scale (N,) fp32, weight_sums (N,) int32 sum_k q. The sums are
+// int32 (exact: its int_mm path, bit for bit) with AVX2 (vpmaddwd, twice the multiply-adds per instruction of the
+// fp32 kernel) and with AVX512-VNNI where K is a multiple of 4 (vpdpbusd); otherwise fp32 over bf16 pair tiles
+// (exact below 2^24: the module's fp32 path).
 at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& q,
                      const at::Tensor& weight_scale, const at::Tensor& weight_sums, const at::Tensor& bias) {
   const int64_t block = gemm_build()[0];
   TORCH_CHECK(block > 0, "w8a8_gemm needs a build with AVX512-BF16 or AVX2");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "weight must be a contiguous CPU (N, K) int8 tensor");
+  check_int8_weight(q, weight_scale, block);
   const int64_t n = q.size(0), k = q.size(1);
   TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
                   xq.scalar_type() == at::kChar,
@@ -264,10 +270,6 @@ at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::
   TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == m && x_scale.is_contiguous() &&
                   x_scale.scalar_type() == at::kFloat,
               "x_scale must be a contiguous (M,) fp32 tensor");
-  TORCH_CHECK(n % block == 0 && k % 2 == 0, "N must be a multiple of ", block, " and K even");
-  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == n && weight_scale.is_contiguous() &&
-                  weight_scale.scalar_type() == at::kFloat,
-              "weight_scale must be a contiguous (N,) fp32 tensor");
   TORCH_CHECK(weight_sums.dim() == 1 && weight_sums.size(0) == n && weight_sums.is_contiguous() &&
                   weight_sums.scalar_type() == at::kInt,
               "weight_sums must be a contiguous (N,) int32 tensor: sum_k weight[n, k]");
@@ -310,8 +312,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const float* bp = optional_bias(bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(QS_GEMM_DENSE)
-  const qs::gemm::RowTiles2<qs::gemm::Bf16Row> expand{
-      {bf16_bits(w), k}, k, 2};
+  const qs::gemm::RowTiles2<qs::gemm::Bf16Row> expand{{bf16_bits(w), k}, k, 2};
   tiled(bf16_bits(x), x.size(0), n, k, expand, {bp}, bf16_bits(out));
 #endif
   return out;

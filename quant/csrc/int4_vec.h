@@ -1,11 +1,13 @@
 // One column of a full block of the CPU int4pack layout as fp32 vectors, at the vector width this build has (AVX-512:
 // 64-row blocks, 32 bytes a column; AVX2: 32-row blocks, 16 bytes), for the kernels that read that layout (the
-// dequantizer in dequant_ops.cpp, the few-row product in rows_ops.cpp). The layout follows the width ATen dispatches
-// to, and quant/native.py caps each build at that width, so the two agree.
+// dequantizer in dequant_ops.cpp, the few-row product in rows_ops.cpp, the tiles of gemm_avx512.h and
+// gemm_avx2.h). The layout follows the width ATen dispatches to, and quant/native.py caps each build at that width,
+// so the two agree.
 //
 // Split nibbles: byte i holds row i (low) and row HALF + i (high). `codes` returns the four vectors of rows
-// [0, L), [L, 2L) (low nibbles), [2L, 3L), [3L, 4L) (high), L the lanes, as exact fp32 0..15. `put` stores a vector
-// to fp32, or rounded to bf16 (to nearest even, NaN to 0x7FC0, as qs::Raw<c10::BFloat16>::put).
+// [0, L), [L, 2L) (low nibbles), [2L, 3L), [3L, 4L) (high), L the lanes, as exact fp32 0..15; `half` two of them.
+// `put` stores a vector to fp32, or rounded to bf16 (to nearest even, NaN to 0x7FC0, as
+// qs::Raw<c10::BFloat16>::put).
 #pragma once
 
 #include <cstdint>
@@ -23,14 +25,13 @@ struct Int4Vec {
   static constexpr int64_t kLanes = 16;
   static constexpr int64_t kHalf = 32;  // bytes of one column of a full block
 
-  static void codes(const uint8_t* src, F out[4]) {
+  static void codes(const uint8_t* src, F out[4]) { half(src, 0, out), half(src, 4, out + 2); }
+  // The low (shift 0) or high (shift 4) nibbles: rows [0, 2L) or [2L, 4L).
+  static void half(const uint8_t* src, int shift, F out[2]) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m256i nib = _mm256_set1_epi8(15);
-    const __m256i lo = _mm256_and_si256(bytes, nib), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
-    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)));
-    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)));
-    out[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)));
-    out[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1)));
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi16(bytes, shift), _mm256_set1_epi8(15));
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
   }
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -55,14 +56,12 @@ struct Int4Vec {
   static constexpr int64_t kLanes = 8;
   static constexpr int64_t kHalf = 16;
 
-  static void codes(const uint8_t* src, F out[4]) {
+  static void codes(const uint8_t* src, F out[4]) { half(src, 0, out), half(src, 4, out + 2); }
+  static void half(const uint8_t* src, int shift, F out[2]) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m128i nib = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m128i q = _mm_and_si128(_mm_srli_epi16(bytes, shift), _mm_set1_epi8(15));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
   }
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
