@@ -280,11 +280,13 @@ def engine_prefill_bytes(shape: ModelShape, tokens: int, dtype_bytes_: int, glue
     element):
 
     - alive throughout: the rotary tables 2·T·d; the residual x, the sub-layer input h and the previous
-      sub-layer's output (the residual add is folded into the next norm): X = 3·T·H; for a chunk after cached
-      tokens, the attention backend's bool mask T·(past+T), built once per step;
+      sub-layer's output (the residual add is folded into the next norm): X = 3·T·H; eager glue only, for a
+      chunk after cached tokens: the attention backend's bool mask T·(past+T), built once per step;
     - attention: q/k/v T·(h+2kv)·d, rotated in place (the eager rotary keeps ~3·T·h·d of temporaries), alive
-      until o_proj has run; the SDPA output and its copy into the step's output (2·T·h·d), fp32 log-sum-exp
-      T·h·4; the o projection's output T·H, then the next norm's two outputs (2·T·H) while the old ones live;
+      until o_proj has run; the attention output and its copy into the step's output (2·T·h·d), and with eager
+      glue SDPA's fp32 log-sum-exp T·h·4 (the fused prefill kernel's fp32 tiles, ~110 KiB per thread whatever
+      T, are not counted); the o projection's output T·H, then the next norm's two outputs (2·T·H) while the
+      old ones live;
     - MLP: gate|up T·2I and silu(gate)·up T·I (fused glue; the eager ops also keep silu(gate), T·I more);
       then the down projection's output T·H;
     - eager glue only: the RMSNorm's fp32 copies (2·T·H·4);
@@ -298,11 +300,11 @@ def engine_prefill_bytes(shape: ModelShape, tokens: int, dtype_bytes_: int, glue
     tr = {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, **(transients or {})}
     b, T, S = dtype_bytes_, tokens, sampled
     H, I, h, kv, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
-    base = 2 * T * d * b + 3 * T * H * b + (T * (past + T) if past else 0)
-    qkv = T * (h + 2 * kv) * d * b
     eager = glue == "eager"
+    base = 2 * T * d * b + 3 * T * H * b + (T * (past + T) if past and eager else 0)
+    qkv = T * (h + 2 * kv) * d * b
     rope = qkv + (3 * T * h * d * b if eager else 0)
-    attend = qkv + 2 * T * h * d * b + 4 * T * h
+    attend = qkv + 2 * T * h * d * b + (4 * T * h if eager else 0)
     norm = 3 * T * H * b + (2 * 4 * T * H if eager else 0)
     phases = [
         qkv + tr["qkv"], rope, attend,

@@ -1,6 +1,6 @@
 """The project's C++ CPU kernels: compiled on first use with torch's extension builder, per machine.
 
-An :class:`Extension` is one C++ source registering ``torch.ops`` (``quant/csrc``: the weight dequantizers;
+An :class:`Extension` is one library of C++ sources registering ``torch.ops`` (``quant/csrc``: the weight dequantizers;
 ``server/csrc``: the engine's glue ops). It is built once per source, CPU, Python and torch (~15 s, needs a C++
 compiler) under torch's extensions root and loaded into the process; where it cannot be built, ``load`` says
 why (kept in ``unavailable_reason``) and the callers use their plain PyTorch references, which the tests hold
@@ -59,10 +59,11 @@ def cpu_flags() -> str:
 
 
 class Extension:
-    """One C++ source, built and loaded at most once per process."""
+    """One library of C++ sources, built and loaded at most once per process."""
 
-    def __init__(self, source: Path, name: str):
-        self.source, self.name = source, name
+    def __init__(self, sources: Path | list[Path], name: str):
+        self.sources = [sources] if isinstance(sources, Path) else list(sources)
+        self.name = name
         self._lock = threading.Lock()
         self._ok: bool | None = None
         self._why: str | None = None
@@ -95,7 +96,7 @@ class Extension:
 
         headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
         flags = " ".join(CFLAGS + isa_cap() + LDFLAGS + (cpu_flags(),))
-        digest = hashlib.sha256(self.source.read_bytes() + headers + flags.encode())
+        digest = hashlib.sha256(b"".join(s.read_bytes() for s in self.sources) + headers + flags.encode())
         digest = digest.hexdigest()
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         return Path(root) / (f"{self.name}_{digest[:12]}-py{sys.version_info[0]}{sys.version_info[1]}"
@@ -119,6 +120,6 @@ class Extension:
             if stale.exists():
                 log.warning("removing %s, left by a build that did not finish", stale)
                 stale.unlink()
-            build(name=where.name.split("-")[0], sources=[str(self.source)], extra_cflags=list(CFLAGS + isa_cap()),
+            build(name=where.name.split("-")[0], sources=[str(s) for s in self.sources], extra_cflags=list(CFLAGS + isa_cap()),
                   extra_ldflags=list(LDFLAGS), extra_include_paths=[str(INCLUDE)], build_directory=str(where),
                   is_python_module=False, verbose=False)

@@ -8,8 +8,10 @@ cache write of the sdpa backend, and the gated activations (SiLUÂ·up, GELU-tanhÂ
 
 The C++ source is compiled on first use (``quant.native``: needs a C++ compiler; ~15 s, cached under torch's
 extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the references below,
-which are the eager ops it replaces; tests hold the two to each other. The decode-attention op's reference is
-the row-by-row fp32 softmax beside it (the sdpa backend's own SDPA path remains the unfused one).
+which are the eager ops it replaces; tests hold the two to each other. ``server/csrc/attention_ops.cpp``, in the
+same library, has the sdpa backend's attention over the paged cache in place: decode rows, and prefill chunks
+(flash-style, key tiles with an online softmax); their references are the fp32 masked softmaxes beside them (the
+sdpa backend's own SDPA path remains the unfused one).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch import Tensor
 
 from quant.native import Extension
 
-_EXT = Extension(Path(__file__).with_name("csrc") / "decode_ops.cpp", "quantserve_decode_ops")
+_CSRC = Path(__file__).with_name("csrc")
+_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp"], "quantserve_decode_ops")
 load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
 unavailable_reason = _EXT.unavailable_reason
 build_directory = _EXT.build_directory
@@ -92,6 +95,28 @@ def ref_decode_attention(q: Tensor, kv: Tensor, block_table: Tensor, lens: Tenso
     return out
 
 
+def ref_prefill_attention(q: Tensor, kv: Tensor, block_table: Tensor, start: int, block_size: int, window: int,
+                          scale: float, softcap: float) -> Tensor:
+    """A prefill chunk's attention over one layer's paged cache in fp32: q (C, H, D) at positions [start, start + C),
+    kv (2, slots, Hkv, D), block_table (blocks,); query i attends to positions [max(0, start + i - window + 1),
+    start + i] (window <= 0: from 0), scores soft-capped when softcap > 0; the output rounded once to q's dtype."""
+    C, H, D = q.shape
+    Hkv = kv.shape[2]
+    pos = torch.arange(start + C)
+    slots = block_table[pos // block_size] * block_size + pos % block_size
+    k = kv[0, slots].float().repeat_interleave(H // Hkv, dim=1)  # (L, H, D)
+    v = kv[1, slots].float().repeat_interleave(H // Hkv, dim=1)
+    s = torch.einsum("chd,lhd->hcl", q.float(), k) * scale  # (H, C, L)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    qpos = torch.arange(start, start + C)[:, None]  # (C, 1)
+    seen = pos[None, :] <= qpos  # (C, L)
+    if window > 0:
+        seen &= pos[None, :] > qpos - window
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.einsum("hcl,lhd->chd", p, v).to(q.dtype)
+
+
 class Ops:
     """The glue ops, fused or reference; the layers and the sdpa backend call these and do not care which."""
 
@@ -106,6 +131,7 @@ class Ops:
             self.silu_mul = ops.silu_mul.default
             self.gelu_tanh_mul = ops.gelu_tanh_mul.default
             self.decode_attention = ops.decode_attention.default
+            self.prefill_attention = ops.prefill_attention.default
         else:
             self.rms_norm = ref_rms_norm
             self.add_rms_norm = ref_add_rms_norm
@@ -114,3 +140,4 @@ class Ops:
             self.silu_mul = ref_silu_mul
             self.gelu_tanh_mul = ref_gelu_tanh_mul
             self.decode_attention = ref_decode_attention
+            self.prefill_attention = ref_prefill_attention

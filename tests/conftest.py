@@ -144,3 +144,22 @@ def run_cli(*args: str) -> int:
     from quant.cli import main
 
     return main([str(a) for a in args])
+
+
+def rerun_capped_to_avx2(test_file: str, select: str) -> None:
+    """Runs the tests of ``test_file`` that ``-k select`` picks again in a process capped to AVX2
+    (``ATEN_CPU_CAPABILITY=avx2``: our C++ kernels are then compiled without AVX-512, quant/native.py), so CI on an
+    AVX-512 machine holds the kernels an AVX2-only CPU gets too; every test must run and pass there."""
+    import subprocess
+    import sys
+
+    from quant import native
+
+    if "avx512f" not in native.cpu_flags().split() or "avx2" not in native.cpu_flags().split():
+        pytest.skip("this CPU's own run covers its kernels; no AVX-512 to cap")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", select],
+                       cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    summary = p.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary

@@ -1,10 +1,12 @@
-"""The fused CPU glue ops (server/csrc/decode_ops.cpp) against their eager references (server/fastops.py)."""
+"""The fused CPU ops (server/csrc/decode_ops.cpp: the glue; attention_ops.cpp: decode and prefill attention over
+the paged cache) against their eager references (server/fastops.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import rerun_capped_to_avx2
 from server import fastops
 
 pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")
@@ -137,6 +139,68 @@ def test_decode_attention_reference_is_sdpa_over_the_gathered_keys():
         torch.testing.assert_close(got[b], want[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
+def prefill_case(dtype, C, start, H=9, Hkv=3, D=64, bs=16, seed=0):
+    """A chunk's q (C, H, D) strided like a slice of fused qkv rows, one layer's cache holding the request's keys at
+    positions [0, start + C) (and other requests' blocks), and its shuffled block table (blocks,)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(C, (H + 2 * Hkv) * D, generator=g).to(dtype)[:, : H * D].view(C, H, D)
+    nb = -(-(start + C) // bs)
+    kv = torch.randn(2, (nb + 5) * bs, Hkv, D, generator=g).to(dtype)
+    return q, kv, torch.randperm(nb + 5, generator=g)[:nb], bs
+
+
+# (C, start, H, Hkv, D): the default model's chunks (first, after a past, a short prompt), MHA, a D that is not a
+# multiple of the vector width (80: Phi's), a group of 4 and D 128 (Llama-3-8B's), a one-token chunk
+PREFILL_SHAPES = [(256, 0, 9, 3, 64), (100, 300, 9, 3, 64), (7, 0, 9, 3, 64), (33, 5, 4, 4, 80),
+                  (70, 64, 8, 2, 128), (1, 40, 9, 3, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "C{}-past{}-H{}-{}-D{}".format(*s))
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (20, 0.0), (0, 30.0), (64, 5.0)])
+def test_prefill_attention_matches_reference(dtype, shape, window, softcap):
+    C, start, H, Hkv, D = shape
+    q, kv, table, bs = prefill_case(dtype, C, start, H, Hkv, D)
+    got = FUSED.prefill_attention(q, kv, table, start, bs, window, D ** -0.5, softcap)
+    want = REF.prefill_attention(q, kv, table, start, bs, window, D ** -0.5, softcap)
+    # both run in fp32 and round once; exp differs in the last bits and the sums run in another order (tiles)
+    tol = dict(atol=5e-6, rtol=5e-5) if dtype == torch.float32 else dict(atol=torch.finfo(dtype).eps, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_prefill_attention_reference_is_sdpa_over_the_gathered_keys():
+    """The reference against PyTorch's SDPA over the request's keys gathered in order, with its causal mask
+    aligned to the chunk's positions (GQA, fp32), and against the decode reference for its last row."""
+    C, start = 40, 25
+    q, kv, table, bs = prefill_case(torch.float32, C, start)
+    got = REF.prefill_attention(q, kv, table, start, bs, 0, 0.125, 0.0)
+    pos = torch.arange(start + C)
+    slots = table[pos // bs] * bs + pos % bs
+    k, v = kv[0, slots].transpose(0, 1)[None], kv[1, slots].transpose(0, 1)[None]  # (1, Hkv, L, D)
+    mask = pos[None, :] <= torch.arange(start, start + C)[:, None]  # (C, L)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
+                                                            scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    last = REF.decode_attention(q[-1:], kv, table[None], torch.tensor([start + C]), bs, 0, 0.125, 0.0)
+    torch.testing.assert_close(got[-1:], last, atol=1e-6, rtol=1e-6)
+
+
+def test_prefill_attention_rows_do_not_depend_on_the_chunking():
+    """A prompt's attention computed as one chunk equals it computed in two chunks (the second after the first's
+    keys): the kernel reads the past through the block table as the chunk's own keys."""
+    q, kv, table, bs = prefill_case(torch.bfloat16, 300, 0)
+    whole = FUSED.prefill_attention(q, kv, table, 0, bs, 0, 0.125, 0.0)
+    parts = torch.cat([FUSED.prefill_attention(q[:130], kv, table, 0, bs, 0, 0.125, 0.0),
+                       FUSED.prefill_attention(q[130:], kv, table, 130, bs, 0, 0.125, 0.0)])
+    assert torch.equal(whole, parts)
+
+
+def test_the_attention_kernels_under_an_avx2_cap():
+    """A CPU without AVX-512 gets the prefill kernel's 8-wide register blocks (attention_ops.cpp): the attention
+    tests, run again under an AVX2 cap."""
+    rerun_capped_to_avx2(__file__, "attention and not under_an_avx2_cap")
+
+
 def test_bad_inputs_are_refused_with_the_argument_named():
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -168,6 +232,17 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         FUSED.decode_attention(q[:, :8], kv, tables, lens, bs, 0, 0.1, 0.0)
     with pytest.raises(RuntimeError, match="int64"):
         FUSED.decode_attention(q, kv, tables.int(), lens, bs, 0, 0.1, 0.0)
+    q, kv, table, bs = prefill_case(torch.float32, 20, 10)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        FUSED.prefill_attention(q, kv, table + 1000, 10, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        FUSED.prefill_attention(q, kv, table, 100, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of kv's"):
+        FUSED.prefill_attention(q[:, :8], kv, table, 10, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="of q's dtype"):
+        FUSED.prefill_attention(q, kv.double(), table, 10, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        FUSED.prefill_attention(q, kv, table.int(), 10, bs, 0, 0.1, 0.0)
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():

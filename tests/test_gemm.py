@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import rerun_capped_to_avx2
 from quant import gemm, int4
 from quant import gptq as G
 from quant.layers import Int8WeightLinear
@@ -174,24 +175,9 @@ def test_bf16_gemm_computes_the_fp32_product(bias, rows_):
 
 
 def test_the_avx2_kernels_under_an_avx2_cap():
-    """A CPU without AVX-512 gets the fp32-tile kernels (gemm_avx2.h): this file's tests, run again in a process
-    capped to AVX2 (the extension is then compiled without AVX-512), so CI on an AVX-512 machine holds them too."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from quant import native
-
-    if "avx512f" not in native.cpu_flags().split() or "avx2" not in native.cpu_flags().split():
-        pytest.skip("this CPU's own run covers its kernel; no AVX-512 to cap")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
-    root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "not under_an_avx2_cap"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    summary = p.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, summary  # every test ran there, the bf16 ones too
+    """A CPU without AVX-512 gets the fp32-tile kernels (gemm_avx2.h): this file's tests, bf16 ones included, run
+    again under an AVX2 cap."""
+    rerun_capped_to_avx2(__file__, "not under_an_avx2_cap")
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -10,7 +10,10 @@ KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat
 - Decode rows otherwise: one query each, so the g query heads sharing a KV head stand in for the query axis,
   (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
   row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
-- Prefill chunks: one call each, causal over the request's past plus the chunk (bottom-right aligned).
+- Prefill chunks: one call each, causal over the request's past plus the chunk (bottom-right aligned). With the
+  fused CPU ops, the ``prefill_attention`` kernel (server/csrc/attention_ops.cpp) reads the chunk's keys through
+  its block table in place, key tiles with an online softmax, windows and soft-capping included: no gather, mask
+  or score matrix (PyTorch's SDPA was 100 of the 263 ms of a 512-token prefill, bench/RESULTS.md session 19).
 - Sliding windows: the keys a window hides are cut from the view or masked; masks are built once per step per
   distinct window (Gemma alternates two).
 - Soft-capping: SDPA cannot express it, so those layers run the eager masked softmax of
@@ -49,7 +52,9 @@ def _as_range(table: list[int], lo: int, end: int, bs: int) -> slice | None:
 class _Chunk:
     t0: int
     length: int
-    keys: dict  # window -> (slots: slice | Tensor, mask: Tensor | None); mask None means square causal
+    start: int  # the position of the chunk's first token
+    table: Tensor | None  # fused: (blocks,) the request's block table, through the chunk's last position
+    keys: dict  # not fused: window -> (slots: slice | Tensor, mask: Tensor | None); mask None means square causal
 
 
 @dataclass
@@ -71,6 +76,9 @@ class SdpaBackend(AttentionBackend):
     # running on one thread (built without OpenMP, see quant/native.py). On all threads it is ahead at 1, 4, 8 and
     # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16).
     FUSED_DECODE_MAX_ROWS = 16
+    # Prefill chunks through the C++ kernel when the fused ops are on (False: SDPA, as before session 19; benches
+    # compare the two with it).
+    FUSED_PREFILL = True
 
     @staticmethod
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -111,6 +119,9 @@ class SdpaBackend(AttentionBackend):
                     m &= j > pos[:, None] - w
                 meta.decode_mask[w] = m[:, None, None, :]  # (Bd, 1, 1, Lmax)
         for t0, c, start, table in step.chunks:
+            if self.ops.fused and self.FUSED_PREFILL:
+                meta.chunks.append(_Chunk(t0, c, start, torch.tensor(table[: -(-(start + c) // bs)], **i64), {}))
+                continue
             keys = {}
             for w in self.windows:
                 lo = 0 if w is None else max(0, start - w + 1)  # the first query's window starts here
@@ -120,7 +131,7 @@ class SdpaBackend(AttentionBackend):
                 mask = None if square else visible(torch.arange(start, start + c, device=dev),
                                                    torch.arange(lo, start + c, device=dev), w)  # (C, past + C)
                 keys[w] = (sl, mask)
-            meta.chunks.append(_Chunk(t0, c, keys))
+            meta.chunks.append(_Chunk(t0, c, start, None, keys))
         return meta
 
     # ------------------------------------------------------------------------------------ per layer
@@ -149,6 +160,11 @@ class SdpaBackend(AttentionBackend):
             vd = vc[meta.decode_slots].transpose(1, 2)
             out[:bd] = _attend(qd, kd, vd, meta.decode_mask[w], False, spec).reshape(bd, H, D)
         for ch in meta.chunks:
+            if ch.table is not None:
+                out[ch.t0 : ch.t0 + ch.length] = self.ops.prefill_attention(
+                    q[ch.t0 : ch.t0 + ch.length], kv, ch.table, ch.start, self.block_size, w or 0, spec.scale,
+                    spec.softcap or 0.0)
+                continue
             sl, mask = ch.keys[w]
             qc = q[ch.t0 : ch.t0 + ch.length].transpose(0, 1)[None]  # (1, H, C, D)
             kk = kc[sl].transpose(0, 1)[None]  # (1, Hkv, past + C, D)

@@ -1,5 +1,6 @@
-// Fused CPU kernels for the engine's per-layer glue (server/layers and the sdpa attention backend use them) (server/fastops.py loads them; each has a PyTorch
-// reference there and tests hold one to the other).
+// Fused CPU kernels for the engine's per-layer glue (server/layers and the sdpa attention backend use them;
+// server/fastops.py loads them, with the attention kernels of attention_ops.cpp in the same library; each has a
+// PyTorch reference there and tests hold one to the other).
 //
 // Why: at batch 1 on a small model a decode step is ~40 small tensor ops per layer, and on CPU each op costs
 // a few microseconds of dispatch whatever its size, as much as the int4 matmuls' arithmetic. These kernels do
@@ -12,15 +13,16 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "vec_math.h"
 
 #include <cmath>
 #include <cstring>
-#include <vector>
 #include <tuple>
 
 using qs::Raw;
 using qs::raw;
 using qs::rnd;
+using qs::exp_approx;
 using qs::to_f;
 
 namespace {
@@ -180,29 +182,6 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv, const at:
   });
 }
 
-// exp(x) for the vectorised loops: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of
-// std::exp on [-87, 88] (inputs are clamped there), written branch-free so that the compiler vectorises the loop
-// around it; std::exp is a library call, which kept the activation loop scalar (1.6 ms for a 256-row chunk).
-inline float exp_approx(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  // n = round(x / ln2) by the 1.5 * 2^23 trick (a library rounding call would keep the loop scalar);
-  // x = n ln2 + r, |r| <= ln2 / 2
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // Activations of a gated MLP, computed in float.
 struct Silu {
   static float apply(float x) { return x / (1.0f + exp_approx(-x)); }
@@ -249,145 +228,6 @@ at::Tensor act_mul(const at::Tensor& gu) {
   return out;
 }
 
-constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
-
-// Asks for the cache lines of one D-element row.
-template <typename E>
-inline void prefetch_row(const E* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-
-// One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
-// paged cache (k, v: this head's element 0 of slot 0; a slot is `slot_stride` elements further), output o (g, D).
-// Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise.
-template <typename T>
-__attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q,
-                                            const typename Raw<T>::type* __restrict k,
-                                            const typename Raw<T>::type* __restrict v, int64_t slot_stride,
-                                            const int64_t* table, int64_t bs, int64_t lo, int64_t L, int64_t g,
-                                            int64_t D, float scale, float cap, typename Raw<T>::type* __restrict o,
-                                            std::vector<float>& work) {
-  const int64_t n = L - lo;
-  work.resize(g * D * 2 + D + g * n);
-  float* __restrict qf = work.data();  // (g, D)
-  float* __restrict acc = qf + g * D;  // (g, D)
-  float* __restrict row = acc + g * D;  // (D,)
-  float* __restrict s = row + D;  // (g, n) scores, then softmax numerators
-  for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
-  // Positions are walked block by block (an integer division per key cost more than its dot products).
-  int64_t blk = lo / bs, off = lo % bs;
-  // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
-  // layer's cache has been evicted by the weights streaming through; without it, each row's cache misses
-  // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
-  int64_t pblk = blk, poff = off;
-  const auto prefetch_next = [&]() {
-    const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
-    prefetch_row(k + slot, D);
-    prefetch_row(v + slot, D);
-    if (++poff == bs) poff = 0, ++pblk;
-  };
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
-  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
-    if (j + kAhead < n) prefetch_next();
-    const typename Raw<T>::type* kr = k + (table[blk] * bs + off) * slot_stride;
-    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(kr[d]);
-    for (int64_t i = 0; i < g; ++i) {
-      float dot = 0.f;
-      _Pragma("omp simd reduction(+ : dot)")
-      for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * row[d];
-      float x = dot * scale;
-      if (cap > 0.f) x = cap * (2.0f / (1.0f + exp_approx(-2.0f * x / cap)) - 1.0f);  // cap * tanh(x / cap)
-      s[i * n + j] = x;
-    }
-  }
-  for (int64_t i = 0; i < g; ++i) {  // softmax: numerators in place, then scale the weighted sum by 1 / sum
-    float* si = s + i * n;
-    float m = si[0];
-    for (int64_t j = 1; j < n; ++j) m = si[j] > m ? si[j] : m;
-    float sum = 0.f;
-    _Pragma("omp simd reduction(+ : sum)")
-    for (int64_t j = 0; j < n; ++j) {
-      si[j] = exp_approx(si[j] - m);
-      sum += si[j];
-    }
-    float* ai = acc + i * D;
-    for (int64_t d = 0; d < D; ++d) ai[d] = 0.f;
-    qf[i * D] = 1.0f / sum;  // q is no longer needed: keep the normaliser there
-  }
-  blk = lo / bs, off = lo % bs;
-  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {  // acc (g, D) += p_j * v_j
-    const typename Raw<T>::type* vr = v + (table[blk] * bs + off) * slot_stride;
-    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(vr[d]);
-    for (int64_t i = 0; i < g; ++i) {
-      const float p = s[i * n + j];
-      for (int64_t d = 0; d < D; ++d) acc[i * D + d] += p * row[d];
-    }
-  }
-  for (int64_t i = 0; i < g; ++i) {
-    const float r = qf[i * D];
-    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(acc[i * D + d] * r);
-  }
-}
-
-// Attention of decode rows (one query each) over the paged cache, for the sdpa backend's decode rows: one
-// call per layer instead of a gather, a mask and an SDPA call, whose fixed cost (~40 us) was a sixth of a
-// batch-1 step of the default model.
-// q (B, H, D): heads contiguous, rows may be strided (q is a slice of the fused qkv output). kv (2, slots, Hkv,
-// D): one layer's cache, contiguous; position p of request b is in slot block_table[b][p / bs] * bs + p % bs.
-// lens (B,): request b attends to its keys at positions [lo, lens[b]), lo = max(0, lens[b] - window) with a
-// window (window <= 0: none). softcap > 0: scores -> softcap * tanh(scores / softcap). Scores, softmax and the
-// weighted sum run in fp32 and the output is rounded once to q's dtype. The g = H / Hkv query heads of a KV
-// head share each K/V row read (GQA without repeating K/V).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                            const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
-                            double softcap) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be a CPU (B, H, D) tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
-              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
-  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "q's heads must be a multiple of kv's, with one head_dim");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
-                  block_table.scalar_type() == at::kLong,
-              "block_table must be a contiguous (B, blocks) int64 tensor");
-  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.is_contiguous() && lens.scalar_type() == at::kLong,
-              "lens must be a contiguous (B,) int64 tensor");
-  TORCH_CHECK(block_size > 0 && S % block_size == 0, "the cache's slots must be whole blocks");
-  const int64_t NB = block_table.size(1), nblocks = S / block_size, g = H / Hkv;
-  const int64_t* tp = block_table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  int64_t longest = 1;
-  for (int64_t b = 0; b < B; ++b) {  // every block a row reads is checked before anything is read
-    TORCH_CHECK(lp[b] > 0 && lp[b] <= NB * block_size, "lens[", b, "] = ", lp[b], " is outside its block table");
-    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
-      TORCH_CHECK(tp[b * NB + i] >= 0 && tp[b * NB + i] < nblocks, "block ", tp[b * NB + i], " is outside the cache");
-    longest = std::max(longest, lp[b]);
-  }
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  const float sc = to_f(scale), cap = to_f(softcap);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = kv.data_ptr<scalar_t>();
-    const scalar_t* vc = kc + S * Hkv * D;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t qs = q.stride(0);
-    // Work items are (row, KV head); a thread takes at least ~64K multiply-adds, so a short batch-1 step
-    // stays on one thread rather than paying for waking the other.
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * g * D));
-    at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> work;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / Hkv, h = item % Hkv, L = lp[b];
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        attend_group<scalar_t>(raw(qp + b * qs + h * g * D), raw(kc) + h * D, raw(vc) + h * D, Hkv * D,
-                               tp + b * NB, block_size, lo, L, g, D, sc, cap, raw(op + (b * H + h * g) * D), work);
-      }
-    });
-  });
-  return out;
-}
-
 TORCH_LIBRARY(quantserve, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor w, float eps) -> (Tensor, Tensor)");
@@ -395,8 +235,6 @@ TORCH_LIBRARY(quantserve, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) kv, Tensor slots) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor lens, int block_size, int window, "
-        "float scale, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
@@ -406,5 +244,4 @@ TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("silu_mul", &act_mul<Silu>);
   m.impl("gelu_tanh_mul", &act_mul<GeluTanh>);
-  m.impl("decode_attention", &decode_attention);
 }

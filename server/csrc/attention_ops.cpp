@@ -1,0 +1,596 @@
+// The sdpa backend's CPU attention kernels (server/attention/sdpa.py), reading K/V through a request's block table
+// in place: decode rows (one query each) and prefill chunks (causal over the request's past plus the chunk). One
+// library with the glue ops of decode_ops.cpp (server/fastops.py loads both and holds each op to its PyTorch
+// reference there).
+//
+// Scores, softmax and weighted sums run in fp32; outputs are rounded once to q's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "elements.h"
+#include "vec_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+using qs::Raw;
+using qs::exp_approx;
+using qs::raw;
+using qs::to_f;
+
+namespace {
+
+constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
+
+// Asks for the cache lines of one D-element row.
+template <typename E>
+inline void prefetch_row(const E* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
+// paged cache (k, v: this head's element 0 of slot 0; a slot is `slot_stride` elements further), output o (g, D).
+// Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise.
+template <typename T>
+__attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q,
+                                            const typename Raw<T>::type* __restrict k,
+                                            const typename Raw<T>::type* __restrict v, int64_t slot_stride,
+                                            const int64_t* table, int64_t bs, int64_t lo, int64_t L, int64_t g,
+                                            int64_t D, float scale, float cap, typename Raw<T>::type* __restrict o,
+                                            std::vector<float>& work) {
+  const int64_t n = L - lo;
+  work.resize(g * D * 2 + D + g * n);
+  float* __restrict qf = work.data();  // (g, D)
+  float* __restrict acc = qf + g * D;  // (g, D)
+  float* __restrict row = acc + g * D;  // (D,)
+  float* __restrict s = row + D;  // (g, n) scores, then softmax numerators
+  for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
+  // Positions are walked block by block (an integer division per key cost more than its dot products).
+  int64_t blk = lo / bs, off = lo % bs;
+  // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
+  // layer's cache has been evicted by the weights streaming through; without it, each row's cache misses
+  // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
+  int64_t pblk = blk, poff = off;
+  const auto prefetch_next = [&]() {
+    const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
+    prefetch_row(k + slot, D);
+    prefetch_row(v + slot, D);
+    if (++poff == bs) poff = 0, ++pblk;
+  };
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
+  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
+    if (j + kAhead < n) prefetch_next();
+    const typename Raw<T>::type* kr = k + (table[blk] * bs + off) * slot_stride;
+    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(kr[d]);
+    for (int64_t i = 0; i < g; ++i) {
+      float dot = 0.f;
+      _Pragma("omp simd reduction(+ : dot)")
+      for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * row[d];
+      float x = dot * scale;
+      if (cap > 0.f) x = qs::softcap(x, cap);
+      s[i * n + j] = x;
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) {  // softmax: numerators in place, then scale the weighted sum by 1 / sum
+    float* si = s + i * n;
+    float m = si[0];
+    for (int64_t j = 1; j < n; ++j) m = si[j] > m ? si[j] : m;
+    float sum = 0.f;
+    _Pragma("omp simd reduction(+ : sum)")
+    for (int64_t j = 0; j < n; ++j) {
+      si[j] = exp_approx(si[j] - m);
+      sum += si[j];
+    }
+    float* ai = acc + i * D;
+    for (int64_t d = 0; d < D; ++d) ai[d] = 0.f;
+    qf[i * D] = 1.0f / sum;  // q is no longer needed: keep the normaliser there
+  }
+  blk = lo / bs, off = lo % bs;
+  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {  // acc (g, D) += p_j * v_j
+    const typename Raw<T>::type* vr = v + (table[blk] * bs + off) * slot_stride;
+    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(vr[d]);
+    for (int64_t i = 0; i < g; ++i) {
+      const float p = s[i * n + j];
+      for (int64_t d = 0; d < D; ++d) acc[i * D + d] += p * row[d];
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    const float r = qf[i * D];
+    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(acc[i * D + d] * r);
+  }
+}
+
+}  // namespace
+
+// Attention of decode rows (one query each) over the paged cache, for the sdpa backend's decode rows: one
+// call per layer instead of a gather, a mask and an SDPA call, whose fixed cost (~40 us) was a sixth of a
+// batch-1 step of the default model.
+// q (B, H, D): heads contiguous, rows may be strided (q is a slice of the fused qkv output). kv (2, slots, Hkv,
+// D): one layer's cache, contiguous; position p of request b is in slot block_table[b][p / bs] * bs + p % bs.
+// lens (B,): request b attends to its keys at positions [lo, lens[b]), lo = max(0, lens[b] - window) with a
+// window (window <= 0: none). softcap > 0: scores -> softcap * tanh(scores / softcap). Scores, softmax and the
+// weighted sum run in fp32 and the output is rounded once to q's dtype. The g = H / Hkv query heads of a KV
+// head share each K/V row read (GQA without repeating K/V).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                            const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
+                            double softcap) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be a CPU (B, H, D) tensor with contiguous heads");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
+              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
+  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "q's heads must be a multiple of kv's, with one head_dim");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
+                  block_table.scalar_type() == at::kLong,
+              "block_table must be a contiguous (B, blocks) int64 tensor");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.is_contiguous() && lens.scalar_type() == at::kLong,
+              "lens must be a contiguous (B,) int64 tensor");
+  TORCH_CHECK(block_size > 0 && S % block_size == 0, "the cache's slots must be whole blocks");
+  const int64_t NB = block_table.size(1), nblocks = S / block_size, g = H / Hkv;
+  const int64_t* tp = block_table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) {  // every block a row reads is checked before anything is read
+    TORCH_CHECK(lp[b] > 0 && lp[b] <= NB * block_size, "lens[", b, "] = ", lp[b], " is outside its block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * NB + i] >= 0 && tp[b * NB + i] < nblocks, "block ", tp[b * NB + i], " is outside the cache");
+    longest = std::max(longest, lp[b]);
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const float sc = to_f(scale), cap = to_f(softcap);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = kv.data_ptr<scalar_t>();
+    const scalar_t* vc = kc + S * Hkv * D;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0);
+    // Work items are (row, KV head); a thread takes at least ~64K multiply-adds, so a short batch-1 step
+    // stays on one thread rather than paying for waking the other.
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * g * D));
+    at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> work;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / Hkv, h = item % Hkv, L = lp[b];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        attend_group<scalar_t>(raw(qp + b * qs + h * g * D), raw(kc) + h * D, raw(vc) + h * D, Hkv * D,
+                               tp + b * NB, block_size, lo, L, g, D, sc, cap, raw(op + (b * H + h * g) * D), work);
+      }
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------- prefill chunks
+//
+// A prefill chunk's C queries against the request's keys at positions [0, start + C), causal (query i sits at
+// position start + i), flash-style: key tiles of kKeys keys are read from the paged cache once per work item and
+// staged for the products, and each tile's scores, online-softmax update and weighted sum are done before the next, so no
+// (C, keys) score matrix and no gathered copy of the cache ever exist. A work item is one KV head and a run of
+// query positions, with the g query heads of that KV head among its rows (GQA without repeating K/V).
+//
+// The scores are computed transposed, S^T = K Q^T (keys, rows), with the item's rows along the vectors: the softmax
+// then runs down each column, a vector of rows at a time (maxima and sums lane-wise, no horizontal reductions),
+// and K needs no transpose. Both products are register-blocked rank-1 updates, C (MR rows, NV vectors) += a
+// broadcast element of A x a row of B, 24 accumulators on AVX-512 and 12 on AVX2. With AVX512-BF16 and a bf16
+// model, each step is a pair of bf16 products (vdpbf16ps, Bf16Pairs): the scores exact in fp32 (K read as the
+// cache's bytes), the numerators P rounded to bf16 for the weighted sum, as PyTorch's flash attention does; other
+// dtypes and CPUs multiply in fp32 (F32). Softmax, sums and the output's rounding are fp32 either way.
+//
+// Why: PyTorch's CPU SDPA took 100 of the 263 ms of a 512-token prefill of the default model (bench/RESULTS.md,
+// session 18); the chunk after the first (a mask over past + chunk) went through its unfused path. This kernel is
+// 2-3x faster on those chunks (bench/attention_cpu.py, session 19).
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+constexpr int kScoreMR = 4, kScoreNV = 6;  // S^T: 4 keys x 96 rows
+constexpr int kSumMR = 6, kSumNV = 4;      // O: 6 rows x 64 dims
+#else
+constexpr int kVecBytes = 32;
+constexpr int kScoreMR = 4, kScoreNV = 3;  // 4 keys x 24 rows
+constexpr int kSumMR = 6, kSumNV = 2;      // 6 rows x 16 dims
+#endif
+constexpr int64_t kW = kVecBytes / 4;  // floats per vector
+constexpr int64_t kKeys = 64;          // keys per tile
+constexpr int64_t kRows = 96;          // rows (query positions x heads of a group) per work item, at most
+typedef float Vec __attribute__((vector_size(kVecBytes)));
+typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
+typedef uint32_t UVec __attribute__((vector_size(kVecBytes)));
+
+inline Vec vload(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+inline IVec iload(const int32_t* p) {
+  IVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Vec vbcast(float x) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (Vec)_mm256_set1_ps(x);
+#else
+  Vec v;
+  for (int64_t i = 0; i < kW; ++i) v[i] = x;
+  return v;
+#endif
+}
+// a * b + c in one rounding (the library is built with -ffp-contract=off, for the glue ops' sake)
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+
+// qs::exp_approx lane-wise: the same reduction and polynomial, its steps fused multiply-adds (it is the softmax's
+// main cost; the scalar one keeps separate roundings only because the library is built without contraction).
+inline Vec vexp(Vec x) {
+  x = vmax(x, vbcast(-87.3f));
+  x = x > vbcast(88.3f) ? vbcast(88.3f) : x;
+  const Vec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const Vec r = fmadd(n, vbcast(2.12194440e-4f), fmadd(n, vbcast(-0.693359375f), x));
+  Vec p = fmadd(vbcast(1.9875691500e-4f), r, vbcast(1.3981999507e-3f));
+  p = fmadd(p, r, vbcast(8.3334519073e-3f));
+  p = fmadd(p, r, vbcast(4.1665795894e-2f));
+  p = fmadd(p, r, vbcast(1.6666665459e-1f));
+  p = fmadd(p, r, vbcast(5.0000001201e-1f));
+  p = fmadd(p * r, r, r + 1.0f);
+  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;  // 2^n
+  return p * (Vec)bits;
+}
+
+// How a product's elements are multiplied: E::A and E::B its operands' element types, E::bcast an A element to
+// every lane, E::load a vector of B, E::madd one step of a lane's sum.
+struct F32 {  // fp32 elements, one FMA each
+  using A = float;
+  using B = float;
+  static Vec bcast(float a) { return vbcast(a); }
+  static Vec load(const float* p) { return vload(p); }
+  static Vec madd(Vec acc, Vec a, Vec b) { return fmadd(a, b, acc); }
+};
+#if defined(__AVX512BF16__)
+// Pairs of bf16 along the sum as 32-bit elements (low half first): vdpbf16ps adds both products of a pair to a lane,
+// exactly (a product of two bf16 is exact in fp32), at twice the FMA's multiply-adds per instruction.
+struct Bf16Pairs {
+  using A = uint32_t;
+  using B = uint32_t;
+  static Vec bcast(uint32_t a) { return (Vec)_mm512_set1_epi32(static_cast<int>(a)); }
+  static Vec load(const uint32_t* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static Vec madd(Vec acc, Vec a, Vec b) { return (Vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b); }
+};
+#endif
+
+// C (MR, NV * kW) = A (MR, n) B (n, NV * kW), or += when `add`. A's element (i, p) is at A[i * sa + p * sp]; ldb,
+// ldc: row strides in elements.
+template <typename E, int MR, int NV>
+__attribute__((always_inline)) inline void rank_block(const typename E::A* __restrict A, int64_t sa, int64_t sp,
+                                                      const typename E::B* __restrict B, int64_t ldb, int64_t n,
+                                                      float* __restrict C, int64_t ldc, bool add) {
+  Vec acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = add ? vload(C + i * ldc + j * kW) : Vec{};
+  for (int64_t p = 0; p < n; ++p) {
+    Vec b[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) b[j] = E::load(B + p * ldb + j * kW);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const Vec a = E::bcast(A[i * sa + p * sp]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[i][j] = E::madd(acc[i][j], a, b[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) vstore(C + i * ldc + j * kW, acc[i][j]);
+}
+
+// rank_block over `vecs` column vectors: blocks of NV, then single vectors.
+template <typename E, int MR, int NV>
+void rows_block(const typename E::A* A, int64_t sa, int64_t sp, const typename E::B* B, int64_t ldb, int64_t n,
+                float* C, int64_t ldc, int64_t vecs, bool add) {
+  int64_t c = 0;
+  for (; c + NV <= vecs; c += NV) rank_block<E, MR, NV>(A, sa, sp, B + c * kW, ldb, n, C + c * kW, ldc, add);
+  for (; c < vecs; ++c) rank_block<E, MR, 1>(A, sa, sp, B + c * kW, ldb, n, C + c * kW, ldc, add);
+}
+
+// C (rows, vecs * kW) (+)= A (rows, n) B (n, vecs * kW): blocks of MR rows, then the rest.
+template <typename E, int MR, int NV>
+__attribute__((noinline)) void matmul(const typename E::A* A, int64_t sa, int64_t sp, const typename E::B* B,
+                                      int64_t ldb, int64_t n, float* C, int64_t ldc, int64_t rows, int64_t vecs,
+                                      bool add) {
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) rows_block<E, MR, NV>(A + r * sa, sa, sp, B, ldb, n, C + r * ldc, ldc, vecs, add);
+  const typename E::A* a = A + r * sa;
+  float* c = C + r * ldc;
+  switch (rows - r) {  // MR <= 6
+    case 5: rows_block<E, 5, NV>(a, sa, sp, B, ldb, n, c, ldc, vecs, add); break;
+    case 4: rows_block<E, 4, NV>(a, sa, sp, B, ldb, n, c, ldc, vecs, add); break;
+    case 3: rows_block<E, 3, NV>(a, sa, sp, B, ldb, n, c, ldc, vecs, add); break;
+    case 2: rows_block<E, 2, NV>(a, sa, sp, B, ldb, n, c, ldc, vecs, add); break;
+    case 1: rows_block<E, 1, NV>(a, sa, sp, B, ldb, n, c, ldc, vecs, add); break;
+    default: break;
+  }
+}
+
+// The online-softmax step of one key tile for one vector of rows: st points at that vector in the tile's first
+// key's raw scores q.k (S^T, row stride ld), nk keys at positions k0.. ; lane r sees keys [lo[r], pos[r]]. The
+// scores are scaled (and soft-capped), then become the numerators exp(s - m') (0 where not visible; what is not
+// visible may hold anything, it is selected away), m and l (the rows' running max and sum) are updated, and the
+// factor exp(m - m') that the rows' earlier weighted sums must be scaled by is returned (0 where m was -inf:
+// nothing was seen yet).
+inline Vec softmax_step(float* __restrict st, int64_t ld, int64_t nk, int64_t k0, IVec lo, IVec pos, float scale,
+                        float cap, Vec& m, Vec& l) {
+  const Vec ninf = vbcast(-std::numeric_limits<float>::infinity()), zero = Vec{};
+  Vec mx = ninf;
+  for (int64_t j = 0; j < nk; ++j) {
+    Vec s = vload(st + j * ld) * scale;
+    if (cap > 0.f) s = cap * (2.0f / (1.0f + vexp(s * (-2.0f / cap))) - 1.0f);  // cap * tanh(s / cap), as qs::softcap
+    vstore(st + j * ld, s);
+    const IVec kp = IVec{} + static_cast<int32_t>(k0 + j);
+    mx = vmax(mx, (kp >= lo) & (kp <= pos) ? s : ninf);
+  }
+  const Vec mnew = vmax(m, mx);
+  Vec sum = zero;
+  for (int64_t j = 0; j < nk; ++j) {
+    const IVec kp = IVec{} + static_cast<int32_t>(k0 + j);
+    const Vec e = (kp >= lo) & (kp <= pos) ? vexp(vload(st + j * ld) - mnew) : zero;
+    vstore(st + j * ld, e);
+    sum += e;
+  }
+  const Vec alpha = m == ninf ? zero : vexp(m - mnew);
+  m = mnew;
+  l = l * alpha + sum;
+  return alpha;
+}
+
+struct Prefill {
+  const int64_t* table;
+  int64_t bs, start, C, H, Hkv, D, Dp, g, window, qstride;
+  float scale, cap;
+
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  int64_t slot(int64_t pos) const { return table[pos / bs] * bs + pos % bs; }
+};
+
+// Scratch of one thread for up to `rows` rows (a multiple of the vector width), allocated once per call. q, k, v
+// hold the products' operands: fp32, or bf16 pairs (bits) for Bf16Pairs, whose P^T pairs are in p.
+struct Work {
+  std::vector<float> qt, k, v, st, p, o, m, l, alpha;
+  std::vector<int32_t> pos, lo;
+  Work(int64_t Dp, int64_t rows)
+      : qt(Dp * rows), k(kKeys * Dp), v(kKeys * Dp), st(kKeys * rows), p(kKeys / 2 * rows), o(rows * Dp), m(rows),
+        l(rows), alpha(rows), pos(rows), lo(rows) {}
+};
+
+// How a work item's operands are staged for E. F32: Q^T (Dp, rp), K (nk, Dp) and V (nk, Dp) in fp32, the
+// softmax's numerators P^T (nk, rp) read in place. Bf16Pairs: the same with pairs along each product's sum: Q^T
+// (Dp / 2, rp) and K (nk, Dp / 2) paired along the head dim (K's pairs are the cache's own bytes), V (nk / 2, Dp)
+// and P^T (nk / 2, rp) paired along the keys, P rounded to bf16 as PyTorch's flash attention rounds it.
+template <typename T, typename E>
+struct Stage;
+
+template <typename T>
+struct Stage<T, F32> {
+  using R = typename Raw<T>::type;
+  static constexpr int64_t kPair = 1;
+  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = Raw<T>::get(src[d]);
+  }
+  static void kv_tile(Work& w, const Prefill& a, const R* kc, const R* vc, int64_t h, int64_t k0, int64_t nk) {
+    const int64_t D = a.D, Dp = a.Dp;
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t at = a.slot(k0 + j) * a.Hkv * D + h * D;
+      float* kf = w.k.data() + j * Dp;
+      float* vf = w.v.data() + j * Dp;
+      for (int64_t d = 0; d < D; ++d) kf[d] = Raw<T>::get(kc[at + d]);
+      for (int64_t d = 0; d < D; ++d) vf[d] = Raw<T>::get(vc[at + d]);
+      for (int64_t d = D; d < Dp; ++d) kf[d] = vf[d] = 0.f;
+    }
+  }
+  static const float* p(Work& w, int64_t, int64_t) { return w.st.data(); }
+};
+
+#if defined(__AVX512BF16__)
+inline uint32_t pair(uint16_t lo, uint16_t hi) { return lo | (static_cast<uint32_t>(hi) << 16); }
+
+template <>
+struct Stage<c10::BFloat16, Bf16Pairs> {
+  using R = uint16_t;
+  static constexpr int64_t kPair = 2;
+  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D) {
+    auto* q2 = reinterpret_cast<uint32_t*>(qt);
+    for (int64_t t = 0; t < D / 2; ++t) q2[t * rp + r] = pair(src[2 * t], src[2 * t + 1]);
+  }
+  static void kv_tile(Work& w, const Prefill& a, const R* kc, const R* vc, int64_t h, int64_t k0, int64_t nk) {
+    const int64_t D = a.D, Dp = a.Dp;
+    auto* k2 = reinterpret_cast<uint32_t*>(w.k.data());
+    auto* v2 = reinterpret_cast<uint32_t*>(w.v.data());
+    for (int64_t u = 0; u < (nk + 1) / 2; ++u) {  // keys 2u, 2u + 1 (a missing last one: V 0)
+      const R* k0r = kc + a.slot(k0 + 2 * u) * a.Hkv * D + h * D;
+      const R* v0r = vc + (k0r - kc);
+      const bool two = 2 * u + 1 < nk;
+      const R* v1r = two ? vc + a.slot(k0 + 2 * u + 1) * a.Hkv * D + h * D : nullptr;
+      std::memcpy(k2 + 2 * u * (Dp / 2), k0r, D * sizeof(R));
+      if (two) std::memcpy(k2 + (2 * u + 1) * (Dp / 2), kc + (v1r - vc), D * sizeof(R));
+      uint32_t* row = v2 + u * Dp;
+      if (two)
+        for (int64_t d = 0; d < D; ++d) row[d] = pair(v0r[d], v1r[d]);
+      else
+        for (int64_t d = 0; d < D; ++d) row[d] = v0r[d];
+      for (int64_t d = D; d < Dp; ++d) row[d] = 0;
+    }
+  }
+  // P^T (nk, rp) fp32 -> (ceil(nk / 2), rp) pairs of bf16 along the keys (a missing last key weighs 0)
+  static const uint32_t* p(Work& w, int64_t nk, int64_t rp) {
+    const float* st = w.st.data();
+    auto* p2 = reinterpret_cast<uint32_t*>(w.p.data());
+    for (int64_t u = 0; u < (nk + 1) / 2; ++u)
+      for (int64_t c = 0; c < rp; c += kW) {
+        const UVec lo = round(vload(st + 2 * u * rp + c));
+        const UVec hi = 2 * u + 1 < nk ? round(vload(st + (2 * u + 1) * rp + c)) : UVec{};
+        const UVec both = lo | (hi << 16);
+        std::memcpy(p2 + u * rp + c, &both, sizeof(both));
+      }
+    return p2;
+  }
+  // fp32 -> bf16 bits (in the low half), to nearest even as c10 rounds; P has no NaN
+  static UVec round(Vec x) {
+    const UVec u = (UVec)x;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  }
+};
+#endif
+
+// KV head h, query positions [i0, i1) of the chunk: rows r = (i - i0) * g + e for query head h * g + e.
+template <typename T, typename E>
+void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const typename Raw<T>::type* kc,
+                  const typename Raw<T>::type* vc, typename Raw<T>::type* op, int64_t h, int64_t i0, int64_t i1,
+                  Work& w) {
+  using S = Stage<T, E>;
+  using EA = typename E::A;
+  const int64_t g = a.g, D = a.D, Dp = a.Dp, rows = (i1 - i0) * g, rp = (rows + kW - 1) / kW * kW;
+  const int64_t dsum = Dp / S::kPair;  // the scores' sum: over head dims, or pairs of them
+  float* O = w.o.data();    // (rows, Dp)
+  float* ST = w.st.data();  // (kKeys, rp): scores, then numerators
+  std::fill(w.qt.begin(), w.qt.begin() + Dp * rp, 0.f);  // padding rows and dims stay 0 (in either form)
+  for (int64_t r = 0; r < rp; ++r) {
+    const int64_t pos = a.start + i0 + r / g;
+    w.pos[r] = r < rows ? static_cast<int32_t>(pos) : -1;  // a padding row sees nothing
+    w.lo[r] = r < rows ? static_cast<int32_t>(a.first_key(pos)) : 0;
+    if (r < rows) S::q_elem(w.qt.data(), rp, r, qp + (i0 + r / g) * a.qstride + (h * g + r % g) * D, D);
+  }
+  std::fill(O, O + rows * Dp, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + rp, 0.f);
+  // Key tiles start at multiples of kKeys, whatever the item: a row meets the same tiles in the same order however
+  // the prompt was cut into chunks and the chunk into items, so its result does not depend on them (the engine's
+  // chunks depend on the other requests in flight). A tile is cut at the item's last key.
+  const int64_t kend = a.start + i1;
+  for (int64_t k0 = a.first_key(a.start + i0) / kKeys * kKeys; k0 < kend; k0 += kKeys) {
+    const int64_t nk = std::min(kKeys, kend - k0);
+    S::kv_tile(w, a, kc, vc, h, k0, nk);
+    // S^T = K Q^T: (nk, rp)
+    matmul<E, kScoreMR, kScoreNV>(reinterpret_cast<const EA*>(w.k.data()), dsum, 1,
+                                  reinterpret_cast<const EA*>(w.qt.data()), rp, dsum, ST, rp, nk, rp / kW, false);
+    for (int64_t c = 0; c < rp; c += kW) {
+      Vec m = vload(w.m.data() + c), l = vload(w.l.data() + c);
+      const Vec alpha = softmax_step(ST + c, rp, nk, k0, iload(w.lo.data() + c), iload(w.pos.data() + c), a.scale,
+                                     a.cap, m, l);
+      vstore(w.m.data() + c, m), vstore(w.l.data() + c, l), vstore(w.alpha.data() + c, alpha);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = w.alpha[r];
+      if (s != 1.f)
+        for (int64_t d = 0; d < Dp; ++d) O[r * Dp + d] *= s;
+    }
+    // O += P V: (rows, Dp), P's element (r, j) at P^T[j * rp + r]
+    matmul<E, kSumMR, kSumNV>(S::p(w, nk, rp), 1, rp, reinterpret_cast<const EA*>(w.v.data()), Dp,
+                              (nk + S::kPair - 1) / S::kPair, O, Dp, rows, Dp / kW, true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    typename Raw<T>::type* dst = op + (i0 + r / g) * a.H * D + (h * g + r % g) * D;
+    const float inv = w.l[r] > 0.f ? 1.0f / w.l[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = Raw<T>::put(O[r * Dp + d] * inv);
+  }
+}
+
+}  // namespace
+
+// Attention of one prefill chunk over the request's paged cache (its keys and values for positions
+// [0, start + C) already stored): q (C, H, D), heads contiguous, rows may be strided (a slice of the fused qkv
+// output); kv (2, slots, Hkv, D), one layer's cache, contiguous; block_table (blocks,): position p is in slot
+// block_table[p / bs] * bs + p % bs. Query i (position start + i) attends to the keys at positions
+// [max(0, start + i - window + 1), start + i] (window <= 0: from 0); softcap > 0: scores -> softcap *
+// tanh(scores / softcap). Returns (C, H, D) in q's dtype.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
+                             int64_t block_size, int64_t window, double scale, double softcap) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be a CPU (C, H, D) tensor with contiguous heads");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
+              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  const int64_t C = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
+  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "q's heads must be a multiple of kv's, with one head_dim");
+  TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.scalar_type() == at::kLong,
+              "block_table must be a contiguous (blocks,) int64 tensor");
+  TORCH_CHECK(block_size > 0 && S % block_size == 0, "the cache's slots must be whole blocks");
+  TORCH_CHECK(start >= 0 && start + C <= block_table.size(0) * block_size,
+              "positions [", start, ", ", start + C, ") are outside the block table");
+  const int64_t* tp = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (start + C + block_size - 1) / block_size; ++i)  // checked before anything is read
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < S / block_size, "block ", tp[i], " is outside the cache");
+  at::Tensor out = at::empty({C, H, D}, q.options());
+  if (C == 0) return out;
+  const int64_t g = H / Hkv, Dp = (D + kW - 1) / kW * kW;
+  const int64_t span = std::max<int64_t>(1, kRows / g);  // query positions per work item (rows: span * g)
+  const Prefill a{tp, block_size, start, C, H, Hkv, D, Dp, g, window, q.stride(0), to_f(scale), to_f(softcap)};
+  // Work items (KV head, positions [i0, i1)), the costliest (most keys) first, dealt to the threads in turn.
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> items;  // (-keys, h, i0, i1)
+  for (int64_t i0 = 0; i0 < C; i0 += span) {
+    const int64_t i1 = std::min(C, i0 + span), keys = start + i1 - a.first_key(start + i0);
+    for (int64_t h = 0; h < Hkv; ++h) items.emplace_back(-keys * (i1 - i0), h, i0, i1);
+  }
+  std::stable_sort(items.begin(), items.end());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+    const auto* qp = raw(q.data_ptr<scalar_t>());
+    const auto* kc = raw(kv.data_ptr<scalar_t>());
+    const auto* vc = kc + S * Hkv * D;
+    auto* op = raw(out.data_ptr<scalar_t>());
+    auto run = &prefill_item<scalar_t, F32>;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (D % 2 == 0) run = &prefill_item<scalar_t, Bf16Pairs>;
+    }
+#endif
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      Work w(Dp, (span * g + kW - 1) / kW * kW);
+      for (int64_t t = b; t < e; ++t)
+        for (size_t i = t; i < items.size(); i += threads) {
+          const auto& [cost, h, i0, i1] = items[i];
+          run(a, qp, kc, vc, op, h, i0, i1, w);
+        }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(quantserve, m) {
+  m.def("decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor lens, int block_size, int window, "
+        "float scale, float softcap) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor kv, Tensor block_table, int start, int block_size, int window, "
+        "float scale, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
+}
