@@ -111,6 +111,17 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   }
 }
 
+// q (rows, H, D) with contiguous heads and one layer's cache kv (2, slots, Hkv, D), contiguous, of q's dtype, with
+// H a multiple of Hkv.
+void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const char* q_shape) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be a CPU ",
+              q_shape, " tensor with contiguous heads");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
+              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  TORCH_CHECK(kv.size(3) == q.size(2) && kv.size(2) > 0 && q.size(1) % kv.size(2) == 0,
+              "q's heads must be a multiple of kv's, with one head_dim");
+}
+
 }  // namespace
 
 // Attention of decode rows (one query each) over the paged cache, for the sdpa backend's decode rows: one
@@ -125,12 +136,8 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                             const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
                             double softcap) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be a CPU (B, H, D) tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
-              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  check_q_kv(q, kv, "(B, H, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
-  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "q's heads must be a multiple of kv's, with one head_dim");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
                   block_table.scalar_type() == at::kLong,
               "block_table must be a contiguous (B, blocks) int64 tensor");
@@ -533,12 +540,8 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const typen
 // tanh(scores / softcap). Returns (C, H, D) in q's dtype.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
                              int64_t block_size, int64_t window, double scale, double softcap) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be a CPU (C, H, D) tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
-              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  check_q_kv(q, kv, "(C, H, D)");
   const int64_t C = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
-  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "q's heads must be a multiple of kv's, with one head_dim");
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.scalar_type() == at::kLong,
               "block_table must be a contiguous (blocks,) int64 tensor");
   TORCH_CHECK(block_size > 0 && S % block_size == 0, "the cache's slots must be whole blocks");
