@@ -6,8 +6,8 @@ through the engine (no transport), on the default model's w4a16 artifact.
 For each stream count, each variant runs in its own fresh process, alternated round by round: N concurrent greedy
 requests of 128 new tokens (EOS ignored) after a warm-up request; aggregate tokens/s; the median over rounds.
 Variants set ``SdpaBackend.FUSED_DECODE_MAX_ROWS``: ``kernel`` (every decode step through the C++ kernel, the rule
-before session 14) and ``gather`` (no step through it). The engine's rule (the kernel for one row only) is the
-``kernel`` figure at 1 stream and the ``gather`` figure above.
+before session 14, and again since session 19) and ``gather`` (no step through it, the path without the fused ops;
+sessions 14-18 took it above 1, then 16, rows).
 
 Also reports the resident memory that imports add to a process (``--imports``): triton, building the model
 classes on the meta device, ``AutoTokenizer`` after that, and the bare ``tokenizers`` object.

@@ -1,12 +1,12 @@
-"""The ``sdpa`` backend: PyTorch's scaled_dot_product_attention over the paged pool, gathering each request's
-slots (or taking a view of them when its blocks are consecutive). The CPU backend, and the reference path on
-any device.
+"""The ``sdpa`` backend, the CPU backend and the reference path on any device: with the fused CPU ops, C++ kernels
+that read the paged pool in place through the block tables; otherwise PyTorch's scaled_dot_product_attention over
+the pool, gathering each request's slots (or taking a view of them when its blocks are consecutive).
 
 KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat run of slots per layer.
 
-- A lone decode row with the fused CPU ops: one ``decode_attention`` call per layer over the block table
-  (server/csrc/decode_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step);
-  more rows take the gather path below, which the engine measured faster from 4 rows up (bench/decode_rows.py).
+- Decode rows with the fused CPU ops: one ``decode_attention`` call per layer over the block tables
+  (server/csrc/attention_ops.cpp), no gather, mask or SDPA call (whose fixed cost was a sixth of a batch-1 step);
+  measured ahead of the gather path below at every row count tried, 1 to 64 (bench/decode_rows.py).
 - Decode rows otherwise: one query each, so the g query heads sharing a KV head stand in for the query axis,
   (Bd, Hkv, g, D) against (Bd, Hkv, L, D): no K/V repetition for GQA, one SDPA call for every row. A lone
   row whose blocks are consecutive attends to a view of the cache (no gather, no mask).
@@ -74,8 +74,9 @@ class SdpaBackend(AttentionBackend):
     # The C++ decode kernel takes decode steps of at most this many rows. Session 14 measured it slower than the
     # SDPA path from 4 rows up (16 streams: 411.5 tok/s with it, 559.3 without) and kept it to 1 row; it was then
     # running on one thread (built without OpenMP, see quant/native.py). On all threads it is ahead at 1, 4, 8 and
-    # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16).
-    FUSED_DECODE_MAX_ROWS = 16
+    # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16),
+    # and at 32 and 64 too (session 19: 1.23x and 1.14x), so every decode step takes it; benches lower this.
+    FUSED_DECODE_MAX_ROWS = 1 << 30
     # Prefill chunks through the C++ kernel when the fused ops are on (False: SDPA, as before session 19; benches
     # compare the two with it).
     FUSED_PREFILL = True
