@@ -120,6 +120,6 @@ class Extension:
             if stale.exists():
                 log.warning("removing %s, left by a build that did not finish", stale)
                 stale.unlink()
-            build(name=where.name.split("-")[0], sources=[str(s) for s in self.sources], extra_cflags=list(CFLAGS + isa_cap()),
-                  extra_ldflags=list(LDFLAGS), extra_include_paths=[str(INCLUDE)], build_directory=str(where),
-                  is_python_module=False, verbose=False)
+            build(name=where.name.split("-")[0], sources=[str(s) for s in self.sources],
+                  extra_cflags=list(CFLAGS + isa_cap()), extra_ldflags=list(LDFLAGS),
+                  extra_include_paths=[str(INCLUDE)], build_directory=str(where), is_python_module=False, verbose=False)

@@ -150,9 +150,10 @@ def prefill_case(dtype, C, start, H=9, Hkv=3, D=64, bs=16, seed=0):
 
 
 # (C, start, H, Hkv, D): the default model's chunks (first, after a past, a short prompt), MHA, a D that is not a
-# multiple of the vector width (80: Phi's), a group of 4 and D 128 (Llama-3-8B's), a one-token chunk
+# multiple of the vector width (80: Phi's), a group of 4 and D 128 (Llama-3-8B's), a one-token chunk, and an odd D
+# (no bf16 pairs along it: bf16 takes the fp32 products)
 PREFILL_SHAPES = [(256, 0, 9, 3, 64), (100, 300, 9, 3, 64), (7, 0, 9, 3, 64), (33, 5, 4, 4, 80),
-                  (70, 64, 8, 2, 128), (1, 40, 9, 3, 64)]
+                  (70, 64, 8, 2, 128), (1, 40, 9, 3, 64), (20, 9, 4, 2, 33)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

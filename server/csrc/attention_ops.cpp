@@ -182,9 +182,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 //
 // A prefill chunk's C queries against the request's keys at positions [0, start + C), causal (query i sits at
 // position start + i), flash-style: key tiles of kKeys keys are read from the paged cache once per work item and
-// staged for the products, and each tile's scores, online-softmax update and weighted sum are done before the next, so no
-// (C, keys) score matrix and no gathered copy of the cache ever exist. A work item is one KV head and a run of
-// query positions, with the g query heads of that KV head among its rows (GQA without repeating K/V).
+// staged for the products, and each tile's scores, online-softmax update and weighted sum are done before the
+// next, so no (C, keys) score matrix and no gathered copy of the cache ever exist. A work item is one KV head and a
+// run of query positions, with the g query heads of that KV head among its rows (GQA without repeating K/V).
 //
 // The scores are computed transposed, S^T = K Q^T (keys, rows), with the item's rows along the vectors: the softmax
 // then runs down each column, a vector of rows at a time (maxima and sums lane-wise, no horizontal reductions),
@@ -381,15 +381,17 @@ inline Vec softmax_step(float* __restrict st, int64_t ld, int64_t nk, int64_t k0
 
 struct Prefill {
   const int64_t* table;
-  int64_t bs, start, C, H, Hkv, D, Dp, g, window, qstride;
+  int64_t bs, start, H, Hkv, D, Dp, g, window, qstride;
   float scale, cap;
 
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
-  int64_t slot(int64_t pos) const { return table[pos / bs] * bs + pos % bs; }
+  // where K (or V) of position pos, KV head h starts in the cache: its slot, then the head
+  int64_t at(int64_t pos, int64_t h) const { return (table[pos / bs] * bs + pos % bs) * Hkv * D + h * D; }
 };
 
 // Scratch of one thread for up to `rows` rows (a multiple of the vector width), allocated once per call. q, k, v
-// hold the products' operands: fp32, or bf16 pairs (bits) for Bf16Pairs, whose P^T pairs are in p.
+// hold the products' operands: fp32, or bf16 pairs (bits) for Bf16Pairs, whose P^T pairs are in p. The padding
+// head dims [D, Dp) of k's and v's rows are never written, so they stay the zeros they start as.
 struct Work {
   std::vector<float> qt, k, v, st, p, o, m, l, alpha;
   std::vector<int32_t> pos, lo;
@@ -415,12 +417,12 @@ struct Stage<T, F32> {
   static void kv_tile(Work& w, const Prefill& a, const R* kc, const R* vc, int64_t h, int64_t k0, int64_t nk) {
     const int64_t D = a.D, Dp = a.Dp;
     for (int64_t j = 0; j < nk; ++j) {
-      const int64_t at = a.slot(k0 + j) * a.Hkv * D + h * D;
+      const R* kr = kc + a.at(k0 + j, h);
+      const R* vr = vc + a.at(k0 + j, h);
       float* kf = w.k.data() + j * Dp;
       float* vf = w.v.data() + j * Dp;
-      for (int64_t d = 0; d < D; ++d) kf[d] = Raw<T>::get(kc[at + d]);
-      for (int64_t d = 0; d < D; ++d) vf[d] = Raw<T>::get(vc[at + d]);
-      for (int64_t d = D; d < Dp; ++d) kf[d] = vf[d] = 0.f;
+      for (int64_t d = 0; d < D; ++d) kf[d] = Raw<T>::get(kr[d]);
+      for (int64_t d = 0; d < D; ++d) vf[d] = Raw<T>::get(vr[d]);
     }
   }
   static const float* p(Work& w, int64_t, int64_t) { return w.st.data(); }
@@ -442,18 +444,15 @@ struct Stage<c10::BFloat16, Bf16Pairs> {
     auto* k2 = reinterpret_cast<uint32_t*>(w.k.data());
     auto* v2 = reinterpret_cast<uint32_t*>(w.v.data());
     for (int64_t u = 0; u < (nk + 1) / 2; ++u) {  // keys 2u, 2u + 1 (a missing last one: V 0)
-      const R* k0r = kc + a.slot(k0 + 2 * u) * a.Hkv * D + h * D;
-      const R* v0r = vc + (k0r - kc);
       const bool two = 2 * u + 1 < nk;
-      const R* v1r = two ? vc + a.slot(k0 + 2 * u + 1) * a.Hkv * D + h * D : nullptr;
-      std::memcpy(k2 + 2 * u * (Dp / 2), k0r, D * sizeof(R));
-      if (two) std::memcpy(k2 + (2 * u + 1) * (Dp / 2), kc + (v1r - vc), D * sizeof(R));
+      const int64_t at0 = a.at(k0 + 2 * u, h), at1 = two ? a.at(k0 + 2 * u + 1, h) : 0;
+      std::memcpy(k2 + 2 * u * (Dp / 2), kc + at0, D * sizeof(R));
+      if (two) std::memcpy(k2 + (2 * u + 1) * (Dp / 2), kc + at1, D * sizeof(R));
       uint32_t* row = v2 + u * Dp;
       if (two)
-        for (int64_t d = 0; d < D; ++d) row[d] = pair(v0r[d], v1r[d]);
+        for (int64_t d = 0; d < D; ++d) row[d] = pair(vc[at0 + d], vc[at1 + d]);
       else
-        for (int64_t d = 0; d < D; ++d) row[d] = v0r[d];
-      for (int64_t d = D; d < Dp; ++d) row[d] = 0;
+        for (int64_t d = 0; d < D; ++d) row[d] = vc[at0 + d];
     }
   }
   // P^T (nk, rp) fp32 -> (ceil(nk / 2), rp) pairs of bf16 along the keys (a missing last key weighs 0)
@@ -554,7 +553,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
   if (C == 0) return out;
   const int64_t g = H / Hkv, Dp = (D + kW - 1) / kW * kW;
   const int64_t span = std::max<int64_t>(1, kRows / g);  // query positions per work item (rows: span * g)
-  const Prefill a{tp, block_size, start, C, H, Hkv, D, Dp, g, window, q.stride(0), to_f(scale), to_f(softcap)};
+  const Prefill a{tp, block_size, start, H, Hkv, D, Dp, g, window, q.stride(0), to_f(scale), to_f(softcap)};
   // Work items (KV head, positions [i0, i1)), the costliest (most keys) first, dealt to the threads in turn.
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> items;  // (-keys, h, i0, i1)
   for (int64_t i0 = 0; i0 < C; i0 += span) {
