@@ -244,6 +244,10 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         FUSED.prefill_attention(q, kv.double(), table, 10, bs, 0, 0.1, 0.0)
     with pytest.raises(RuntimeError, match="int64"):
         FUSED.prefill_attention(q, kv, table.int(), 10, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        FUSED.prefill_attention(q.transpose(1, 2), kv, table, 10, bs, 0, 0.1, 0.0)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        FUSED.prefill_attention(q, kv, table, 10, 5, 0, 0.1, 0.0)  # 112 slots
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
