@@ -83,6 +83,28 @@ def test_each_row_is_computed_alone(scheme):
     assert path(x[:0]).shape == (0, 128)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_non_finite_sums_come_out_as_c10_rounds_them(scheme):
+    """The epilogue rounds fp32 sums to bf16 as c10 does (AVX2's in vector integer steps): a NaN in x makes its row
+    NaN, an infinity makes its row +-inf, or NaN where a weight is 0, as the dequantized product says, a sum past
+    bf16's largest finite value rounds to inf; every other row is untouched."""
+    m = _gptq(64, 128, False, False) if scheme == "int4" else _int8(64, 128, False, True)
+    path = _gemm_path(m)
+    w = m.dequantized(torch.float32)  # (N, K)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[3] = (3e38 * torch.sign(w[0])).bfloat16()  # output 0's products all positive and huge: +inf in any order
+    y = path(x)
+    want = F.linear(x.float(), w).bfloat16()
+    assert torch.isnan(y[1]).all()
+    assert torch.equal(torch.isnan(y[2]), torch.isnan(want[2])) and torch.equal(y[2][~torch.isnan(y[2])],
+                                                                                 want[2][~torch.isnan(want[2])])
+    assert torch.isinf(y[2]).sum() + torch.isnan(y[2]).sum() == 64
+    assert y[3, 0] == float("inf")
+    assert torch.equal(y[[0, 4]], path(x[[0, 4]]))
+
+
 def test_gemm_of_a_fused_module_is_its_parts_products():
     """Parts of 64 and 128 rows end on block boundaries, so each output's sums are the same."""
     fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])

@@ -52,24 +52,37 @@ void strips(const typename K::X* __restrict x, int64_t ldx, const typename K::Ti
   }
 }
 
+// 8 fp32 -> 8 bf16 bits (the low halves of the lanes), to nearest even and NaN as 0x7FC0, as c10 rounds.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
 // (rows, 16) sums (fp32, or int32 by their bits: converted as int_mm's .float()) -> bf16 columns of out (row stride
-// n) through the epilogue (its vectors at this block), to nearest even as c10 rounds.
+// n) through the epilogue (its vectors at this block), two vectors a row.
 template <bool kInt32>
 void finish16(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out, int64_t n) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < 16; ++j) {
-      float y;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 y[2];
+    for (int h = 0; h < 2; ++h) {
+      const float* a = acc + r * 16 + 8 * h;
       if constexpr (kInt32) {
-        int32_t sum;
-        std::memcpy(&sum, acc + r * 16 + j, sizeof(sum));
-        y = static_cast<float>(sum);
+        y[h] = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
       } else {
-        y = acc[r * 16 + j];
+        y[h] = _mm256_loadu_ps(a);
       }
-      if (e.col_scale) y = y * (e.row_scale[r] * e.col_scale[j]);  // as W8A8Linear._finish
-      if (e.bias) y = y + e.bias[j];
-      out[r * n + j] = qs::Raw<c10::BFloat16>::put(y);
+      if (e.col_scale) {
+        const __m256 cs = _mm256_loadu_ps(e.col_scale + 8 * h);
+        y[h] = _mm256_mul_ps(y[h], e.row_scale ? _mm256_mul_ps(_mm256_set1_ps(e.row_scale[r]), cs) : cs);
+      }
+      if (e.bias) y[h] = _mm256_add_ps(y[h], _mm256_loadu_ps(e.bias + 8 * h));
     }
+    // packus: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] (the bits are < 2^16); the permute puts the 64-bit quarters in order
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(y[0]), bf16_bits8(y[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
 }
 
 struct Avx2 {
@@ -183,9 +196,9 @@ struct RowTiles2 {
   }
 };
 
-struct Int8Row {  // (q - z) * s, as the int8 dequantizer
+struct Int8Row {  // q - z, exact in fp32: the rows' scales multiply the sums instead (Epilogue::col_scale), so a
+  // tile costs what the bf16 weights' widening does
   const int8_t* q;
-  const float* scale;  // null: 1 (the codes themselves)
   const int8_t* zero;  // null: symmetric
   int64_t k;
   const void* data() const { return q; }
@@ -197,8 +210,7 @@ struct Int8Row {  // (q - z) * s, as the int8 dequantizer
       std::memcpy(&word, q + r * k + c, cols);
     }
     const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(word)));
-    return _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(zero ? static_cast<float>(zero[r]) : 0.f)),
-                         _mm256_set1_ps(scale ? scale[r] : 1.f));
+    return zero ? _mm256_sub_ps(v, _mm256_set1_ps(static_cast<float>(zero[r]))) : v;
   }
 };
 

@@ -59,8 +59,10 @@ struct Avx512 {
     for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < 4; ++j) {
         __m512 v = _mm512_loadu_ps(acc + r * kBlock + 16 * j);
-        if (e.col_scale)  // (row scale * column scale) first, as W8A8Linear._finish
-          v = _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), _mm512_loadu_ps(e.col_scale + 16 * j)));
+        if (e.col_scale) {
+          const __m512 cs = _mm512_loadu_ps(e.col_scale + 16 * j);
+          v = _mm512_mul_ps(v, e.row_scale ? _mm512_mul_ps(_mm512_set1_ps(e.row_scale[r]), cs) : cs);
+        }
         if (e.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(e.bias + 16 * j));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * n + 16 * j), (__m256i)_mm512_cvtneps_pbh(v));
       }

@@ -8,10 +8,12 @@
 namespace qs::gemm {
 
 // What the driver does to a block's fp32 sums before rounding them to bf16: y = sum (* row_scale[r] *
-// col_scale[c], W8A8's rescale) (+ bias[c]). Pointers at the block's first row and column; null: not applied.
+// col_scale[c], W8A8's rescale, the product first as W8A8Linear._finish; * col_scale[c] without row_scale: an int8
+// weight's scales, kept out of AVX2's tiles) (+ bias[c]). Pointers at the block's first row and column; null: not
+// applied.
 struct Epilogue {
   const float* bias = nullptr;
-  const float* row_scale = nullptr;  // set together with col_scale
+  const float* row_scale = nullptr;  // only with col_scale
   const float* col_scale = nullptr;
   const int32_t* col_offset = nullptr;  // integer sums only: subtracted first (the VNNI kernel's 128 * sum(q))
 

@@ -13,8 +13,9 @@
 // Numerics: a tile holds the dequantizer's weights (quant/csrc/dequant_ops.cpp: int4 code * s + (z - 8 s), int8
 // (q - z) * s, in fp32 with its roundings; with AVX512-BF16 then rounded to bf16, to nearest even, as the bf16
 // dequantizer, up to NaNs and fp32 subnormals, which dequantized weights are not), so a call computes what the
-// dequantize + matmul path of that dtype does, with fp32 sums in another order, rounded once to bf16. A row's sums
-// do not depend on which other rows are in the call.
+// dequantize + matmul path of that dtype does, with fp32 sums in another order, rounded once to bf16. (AVX2's int8
+// tiles hold q - z, exact, and each output column's sums are multiplied by its row's s: the fp32 path's numbers up
+// to one more fp32 rounding.) A row's sums do not depend on which other rows are in the call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -241,12 +242,13 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(QS_GEMM)
   const int8_t* zp = affine ? zero.data_ptr<int8_t>() : nullptr;
-#if defined(QS_GEMM_DENSE)
-  const qs::gemm::RowTiles2<qs::gemm::Int8Row> expand{{q.data_ptr<int8_t>(), scale.data_ptr<float>(), zp, k}, k, 1};
+#if defined(QS_GEMM_DENSE)  // fp32 tiles of q - z, the scales applied to the sums
+  const qs::gemm::RowTiles2<qs::gemm::Int8Row> expand{{q.data_ptr<int8_t>(), zp, k}, k, 1};
+  tiled(bf16_bits(x), x.size(0), n, k, expand, {bp, nullptr, scale.data_ptr<float>()}, bf16_bits(out));
 #else
   const qs::gemm::Int8Tiles512 expand{q.data_ptr<int8_t>(), scale.data_ptr<float>(), zp, k};
-#endif
   tiled(bf16_bits(x), x.size(0), n, k, expand, {bp}, bf16_bits(out));
+#endif
 #endif
   return out;
 }
