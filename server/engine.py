@@ -206,7 +206,9 @@ class Engine:
                 pad = self.pool.try_reserve("__cuda_graph_padding__", 1)
                 self.cuda_graphs = self.runner.enable_cuda_graphs(
                     config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
-        # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set.
+        # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set, and what is held
+        # in place is copied out of the file (artifact.own_held_pages says why).
+        artifact.own_held_pages(self.runner.held_tensors())
         artifact.release_unheld_pages(self.runner.held_tensors())
         self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)

@@ -88,6 +88,54 @@ def test_release_unheld_pages_drops_only_what_is_not_held(tmp_path):
 
 
 @linux
+def test_own_held_pages_moves_held_tensors_out_of_the_file(tmp_path):
+    """A held tensor read in place would fault its released neighbours back (a whole page-cache folio per fault on
+    some kernels), so the engine copies it: the same tensor object, the same values, none of it in the file."""
+    from safetensors.torch import save_file
+
+    pages = 64
+    t = {n: torch.full((pages * 4096,), i + 1, dtype=torch.uint8) for i, n in enumerate(("a", "b", "c"))}
+    path = tmp_path / "w.safetensors"
+    save_file(t, str(path))
+    mapped = artifact.mmap_safetensors(path)
+    b, view = mapped["b"], mapped["b"].view(pages, 4096)  # a second tensor object on b's storage
+    assert int(b.sum()) == b.numel() * 2
+    assert artifact.own_held_pages([b, view, torch.zeros(3)]) == pages * 4096  # the file's tensor, once
+    assert not any(a <= b.data_ptr() < e for a, e, _ in _mappings(path))
+    assert view.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # still one storage
+    artifact.release_unheld_pages([b, view])
+    assert int(b.sum()) == b.numel() * 2 and int(view[-1].sum()) == 4096 * 2  # read: nothing comes back
+    assert _mapped_rss(path) <= 2 * 4096
+
+
+@linux
+def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
+    """An int8-sym artifact: o_proj and down_proj are not fused, so their codes would be read where the file maps
+    them; the engine holds copies, and a request leaves the file's mapping with nothing resident."""
+    from conftest import make_tiny_llama, run_cli
+
+    from server.engine import Engine, EngineConfig
+    from server.sampling import SamplingParams
+
+    model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2)
+    out = tmp_path / "int8"
+    assert run_cli("build", "--model", model_dir, "--scheme", "int8-sym", "--no-progress", "--out", out) == 0
+    engine = Engine.from_path(str(out), EngineConfig(memory_budget="8MiB", threads=1, dtype="bfloat16"),
+                              tmp_path / "cache")
+    try:
+        engine.complete("The history of the city", SamplingParams(temperature=0.0, max_new_tokens=4))
+        file_bytes = (out / "model.safetensors").stat().st_size
+        assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
+        maps = _mappings(out / "model.safetensors")
+        held = engine.runner.held_tensors()
+        assert not any(a <= t.data_ptr() < b for t in held for a, b, _ in maps)
+        assert sum(rss for _, _, rss in maps) <= 2 * 4096 * len(maps)
+    finally:
+        engine.close()
+
+
+@linux
 def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
     """Load, fuse and serve a w4a16 artifact: weight_bytes within 5% of the file, every projection in the kernel's
     layout only, and the weights file resident only where a held tensor lies."""
