@@ -108,10 +108,8 @@ def test_own_held_pages_moves_held_tensors_out_of_the_file(tmp_path):
     assert _mapped_rss(path) <= 2 * 4096
 
 
-@linux
-def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
-    """An int8-sym artifact: o_proj and down_proj are not fused, so their codes would be read where the file maps
-    them; the engine holds copies, and a request leaves the file's mapping with nothing resident."""
+def _served(tmp_path: Path, tokenizer, scheme: str):
+    """(an engine serving a tiny Llama built with `scheme`, after one request; the artifact's weights file)."""
     from conftest import make_tiny_llama, run_cli
 
     from server.engine import Engine, EngineConfig
@@ -119,15 +117,27 @@ def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
 
     model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
                                 num_attention_heads=4, num_key_value_heads=2)
-    out = tmp_path / "int8"
-    assert run_cli("build", "--model", model_dir, "--scheme", "int8-sym", "--no-progress", "--out", out) == 0
+    out = tmp_path / scheme
+    assert run_cli("build", "--model", model_dir, "--scheme", scheme, "--no-progress", "--out", out) == 0
     engine = Engine.from_path(str(out), EngineConfig(memory_budget="8MiB", threads=1, dtype="bfloat16"),
                               tmp_path / "cache")
     try:
         engine.complete("The history of the city", SamplingParams(temperature=0.0, max_new_tokens=4))
-        file_bytes = (out / "model.safetensors").stat().st_size
+    except BaseException:
+        engine.close()
+        raise
+    return engine, out / "model.safetensors"
+
+
+@linux
+def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
+    """An int8-sym artifact: o_proj and down_proj are not fused, so their codes would be read where the file maps
+    them; the engine holds copies, and a request leaves the file's mapping with nothing resident."""
+    engine, weights = _served(tmp_path, tokenizer, "int8-sym")
+    try:
+        file_bytes = weights.stat().st_size
         assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
-        maps = _mappings(out / "model.safetensors")
+        maps = _mappings(weights)
         held = engine.runner.held_tensors()
         assert not any(a <= t.data_ptr() < b for t in held for a, b, _ in maps)
         assert sum(rss for _, _, rss in maps) <= 2 * 4096 * len(maps)
@@ -139,28 +149,17 @@ def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
 def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
     """Load, fuse and serve a w4a16 artifact: weight_bytes within 5% of the file, every projection in the kernel's
     layout only, and the weights file resident only where a held tensor lies."""
-    from conftest import make_tiny_llama, run_cli
-
-    from server.engine import Engine, EngineConfig
-    from server.sampling import SamplingParams
-
-    model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
-                                num_attention_heads=4, num_key_value_heads=2)
-    out = tmp_path / "w4"
-    assert run_cli("build", "--model", model_dir, "--scheme", "rtn-w4", "--no-progress", "--out", out) == 0
-    engine = Engine.from_path(str(out), EngineConfig(memory_budget="8MiB", threads=1, dtype="bfloat16"),
-                              tmp_path / "cache")
+    engine, weights = _served(tmp_path, tokenizer, "rtn-w4")
     try:
-        engine.complete("The history of the city", SamplingParams(temperature=0.0, max_new_tokens=4))
         gptq = [m for m in engine.model.modules() if isinstance(m, GPTQLinear)]
         assert gptq and all(m.layout == "int4pack" and m.qweight is None for m in gptq)
         fused = [m for ms in engine.runner.model.projections.by_role.values() for m in ms if m not in gptq]
         assert fused and all(m.layout == "int4pack" for m in fused)  # q/k/v and gate/up, their parts hold nothing
         assert all(m.packed is None for m in gptq if m._whole is not None)
-        file_bytes = (out / "model.safetensors").stat().st_size
+        file_bytes = weights.stat().st_size
         assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
         held = engine.runner.held_tensors()
-        maps = _mappings(out / "model.safetensors")
+        maps = _mappings(weights)
         assert maps, "the artifact is served from its memory map"
         in_file = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
                    if any(a <= t.data_ptr() < b for a, b, _ in maps)}
@@ -168,7 +167,7 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
         # The embedding is held as int8 rows and the norms are copies (quant.loader.copy_small_params): nothing
         # held lies in the file, so after a request none of it is resident beyond partial pages.
         assert sum(in_file.values()) == 0
-        assert _mapped_rss(out / "model.safetensors") <= sum(in_file.values()) + slack
+        assert _mapped_rss(weights) <= sum(in_file.values()) + slack
     finally:
         engine.close()
 
