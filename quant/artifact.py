@@ -169,14 +169,9 @@ def own_held_pages(held: Iterable[torch.Tensor]) -> int:
     on a fault, neither MADV_NOHUGEPAGE nor MADV_RANDOM stopping it: one request on an int8-sym server made 96 MiB
     of a mapping resident where 37 MiB of tensors were held, its RSS growth 1.24x its file. Linux only."""
     libc = linux_libc()
-    maps = Path("/proc/self/maps")
-    if libc is None or not maps.is_file():
+    mapped = _weight_mappings()
+    if libc is None or not mapped:
         return 0
-    mapped = []
-    for line in maps.read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].endswith(".safetensors"):
-            mapped.append(tuple(int(x, 16) for x in fields[0].split("-")))
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in held:
         ptr = t.untyped_storage().data_ptr()
@@ -207,17 +202,13 @@ def release_unheld_pages(held: Iterable[torch.Tensor]) -> int:
     otherwise one fault on a held tensor maps a whole 2 MiB page-cache folio back in, neighbours included
     (measured: a third of the released int8 parts were resident again after one request). Linux only."""
     libc = linux_libc()
-    maps = Path("/proc/self/maps")
-    if libc is None or not maps.is_file():
+    mapped = _weight_mappings()
+    if libc is None or not mapped:
         return 0
     spans = sorted((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in held
                    if t.device.type == "cpu" and t.untyped_storage().nbytes())
     page, released = mmap.PAGESIZE, 0
-    for line in maps.read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not fields[5].endswith(".safetensors"):
-            continue
-        start, end = (int(x, 16) for x in fields[0].split("-"))
+    for start, end in mapped:
         libc.madvise(start, end - start, MADV_NOHUGEPAGE)
         cursor, gaps = start, []
         for a, n in spans:
@@ -232,6 +223,21 @@ def release_unheld_pages(held: Iterable[torch.Tensor]) -> int:
             if b > a and libc.madvise(a, b - a, MADV_DONTNEED) == 0:
                 released += b - a
     return released
+
+
+def _weight_mappings() -> list[tuple[int, int]]:
+    """(start, end) of each of this process's mappings of a weights file (``*.safetensors``), from /proc/self/maps
+    (none where there is no such file: not Linux)."""
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        return []
+    out = []
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end))
+    return out
 
 
 MADV_DONTNEED, MADV_NOHUGEPAGE = 4, 15  # <sys/mman.h> on Linux

@@ -1,7 +1,7 @@
 """The project's C++ CPU kernels: compiled on first use with torch's extension builder, per machine.
 
 An :class:`Extension` is one library of C++ sources registering ``torch.ops`` (``quant/csrc``: the weight dequantizers;
-``server/csrc``: the engine's glue ops). It is built once per source, CPU, Python and torch (~15 s, needs a C++
+``server/csrc``: the engine's glue ops). It is built once per set of sources, CPU, Python and torch (~15 s, needs a C++
 compiler) under torch's extensions root and loaded into the process; where it cannot be built, ``load`` says
 why (kept in ``unavailable_reason``) and the callers use their plain PyTorch references, which the tests hold
 the kernels to.

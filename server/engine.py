@@ -208,8 +208,9 @@ class Engine:
                     config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
         # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set, and what is held
         # in place is copied out of the file (artifact.own_held_pages says why).
-        artifact.own_held_pages(self.runner.held_tensors())
-        artifact.release_unheld_pages(self.runner.held_tensors())
+        held = self.runner.held_tensors()
+        artifact.own_held_pages(held)
+        artifact.release_unheld_pages(held)
         self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
         self.eos_ids = self._eos_ids(model, tokenizer)
