@@ -80,7 +80,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if not fastops.load():
         raise SystemExit(f"the fused ops cannot be built here: {fastops.unavailable_reason()}")
-    ops = fastops.Ops(fused=True)
+    ops = fastops.Ops("fused")
     bs = 16
     res = {"date": time.strftime("%Y-%m-%d"), "threads": a.threads, "cpu": torch.backends.cpu.get_cpu_capability(),
            "cases": {}}

@@ -180,7 +180,7 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
         step = StepInputs(torch.zeros(seqs, dtype=torch.int64, device=dev), torch.full((seqs,), ctx, device=dev),
                           torch.tensor([t[ctx // bs] * bs + ctx % bs for t in tables], device=dev),
                           torch.zeros(seqs, dtype=torch.int64, device=dev), [(ctx, t) for t in tables], [], bs)
-        ops = fastops.Ops(False)
+        ops = fastops.Ops("eager")
         tb = TritonBackend(storage, bs, [spec], ops)
         sb = SdpaBackend(storage.clone(), bs, [spec], ops)
         got = tb.forward(q, k, k, 0, tb.prepare(step))
@@ -214,8 +214,8 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
     slots_new = torch.tensor([table[p // bs] * bs + p % bs for p in range(past, past + c)], device=dev)
     step = StepInputs(torch.zeros(c, dtype=torch.int64, device=dev), torch.arange(past, past + c, device=dev),
                       slots_new, torch.tensor([c - 1], device=dev), [], [(0, c, past, table)], bs)
-    tb = TritonBackend(storage, bs, [spec], fastops.Ops(False))
-    sb = SdpaBackend(storage.clone(), bs, [spec], fastops.Ops(False))
+    tb = TritonBackend(storage, bs, [spec], fastops.Ops("eager"))
+    sb = SdpaBackend(storage.clone(), bs, [spec], fastops.Ops("eager"))
     got = tb.forward(q, k, k, 0, tb.prepare(step))
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(past + c)], device=dev)
     want = R.attention(q.float(), tb.kv[0, 0, slots].float(), tb.kv[0, 1, slots].float(),
@@ -284,11 +284,11 @@ def random_w4a16_model(shape: str, dev: str, gs: int = 128):
     return model.eval()
 
 
-def make_engine(model, tok, budget: str):
+def make_engine(model, tok, budget: str, fused_ops: bool = True):
     from server.engine import Engine, EngineConfig
 
     return Engine(model, tok, EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=64,
-                                           max_prefill_tokens=4096)).start()
+                                           max_prefill_tokens=4096, fused_ops=fused_ops)).start()
 
 
 def use_backend(eng, mode: str, saved: dict) -> None:
@@ -385,6 +385,17 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
             if mode == "triton":  # batch 1 without graphs, for the graphs' share
                 row["b1_eager_tok_s"] = 128 / run_requests(eng, [prompt(16)], 128)[0]
         use_backend(eng, "triton+graphs", saved)
+        row["glue_ops"] = eng.info.glue_ops
+    finally:
+        eng.close()
+    del model
+    torch.cuda.empty_cache()
+    # the same batch-1 decode with the eager glue ops (a fresh model: modules are fused once per engine)
+    model = random_w4a16_model(shape, dev)
+    eng = make_engine(model, tok, "4GiB", fused_ops=False)
+    try:
+        runs = [128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)]
+        row["b1_eager_glue_tok_s"] = statistics.median(runs)
     finally:
         eng.close()
     del model
@@ -494,7 +505,8 @@ def markdown(results: dict, failures: list) -> str:
                    f"text: {r.get('text', '')[:120]!r}")
     for r in results.get("engine", []):
         out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
-                   f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f})"
+                   f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f}; "
+                   f"glue {r.get('glue_ops')}, with the eager glue ops: {r.get('b1_eager_glue_tok_s', 0):.1f})"
                    + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"
                       " read per token)" if "b1_bandwidth_share" in r else "")
                    + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f}; "

@@ -15,17 +15,39 @@ def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def write(Y, acc, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K: tl.constexpr):
-    """The tile into Y: stored in Y's dtype, or added in fp32 when K is split across programs."""
-    at = Y + rm[:, None] * stride_ym + rn[None, :]
+def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr):
+    """A program's result tile into Y. Yt, Wt: the tile's pointers in Y and in split 0's plane of the fp32
+    workspace (SPLIT_K, ...) of ``plane`` elements per split; this program computed split ``split`` of K; LOCK:
+    the tile's counter (zero between products).
+
+    With K split across programs, each stores its fp32 partial tile; the last of the tile's programs to finish
+    (the counter says which) sums the partials in split order and writes Y in its dtype, then re-arms the counter.
+    So a split product is one kernel: no zeroed fp32 output before it, no cast after it (two more launches per
+    Linear at decode shapes, each a couple of microseconds of a CUDA graph's replay), and its sums do not depend on
+    which program finished first, as fp32 atomics' do."""
     if SPLIT_K == 1:
-        tl.store(at, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(Yt, acc.to(Yt.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(at, acc, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(Wt + split * plane, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
+        if tl.atomic_add(LOCK, 1) == SPLIT_K - 1:  # acq_rel: the other programs' partials are visible
+            total = tl.zeros_like(acc)
+            for i in tl.static_range(SPLIT_K):  # ".cg": read from L2, never a stale line of this SM's L1
+                total += tl.load(Wt + i * plane, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Yt, total.to(Yt.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(LOCK, 0)
 
 
 @triton.jit
-def w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
+def write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K: tl.constexpr):
+    """An (M, N) product's tile into Y (see store_or_reduce); the tiles' counters are LOCKS[pid_m * tiles_n + pid_n]."""
+    lock = LOCKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    store_or_reduce(Y + rm[:, None] * stride_ym + rn[None, :], WS + rm[:, None] * N + rn[None, :], acc,
+                    m_ok[:, None] & n_ok[None, :], lock, tl.program_id(2), M * N, SPLIT_K)
+
+
+@triton.jit
+def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
               GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SPLIT_K: tl.constexpr):
     pid_k = tl.program_id(2)
@@ -54,10 +76,10 @@ def w4_kernel(X, QW, SZ, Y, M, N, K, stride_xm, stride_ym,
             c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
             w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, w.to(x.dtype))
-    write(Y, acc, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K)
+    write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 @triton.jit
-def w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr):
     # One input row: FMAs and reductions in registers, no tl.dot (whose operand staging through shared memory
     # a 1-row product cannot repay). BLOCK_K lies within one group.
@@ -78,13 +100,10 @@ def w4_gemv_kernel(X, QW, SZ, Y, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, 
         s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)
         z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
         acc += s * t + z * tl.sum(tl.sum(x, 1), 0)
-    if SPLIT_K == 1:
-        tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
-    else:
-        tl.atomic_add(Y + rn, acc, mask=n_ok)
+    store_or_reduce(Y + rn, WS + rn, acc, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
 
 @triton.jit
-def int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def int8_kernel(X, W, S, ZP, Y, WS, LOCKS, M, N, K, stride_xm, stride_wn, stride_ym,
                 AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K: tl.constexpr):
     pid_k = tl.program_id(2)
@@ -104,7 +123,7 @@ def int8_kernel(X, W, S, ZP, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     if AFFINE:
         zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
         y -= xsum[:, None] * (s * zp)[None, :]
-    write(Y, y, rm, rn, m_ok, n_ok, stride_ym, SPLIT_K)
+    write(Y, WS, LOCKS, y, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 
 @triton.jit

@@ -10,8 +10,9 @@
   zero is folded out as s * (x.q - z * sum(x))), returning the activation dtype. PyTorch's CUDA
   ``_weight_int8pack_mm`` walks K serially per output (~7x slower than bf16 on Hopper, by others' figures).
 
-Both use fp32 accumulation and split K across programs (fp32 atomics into a zeroed buffer) when the (M, N) tiles
-alone would leave most of the GPU idle: the decode shapes (M <= 16).
+Both use fp32 accumulation and split K across programs when the (M, N) tiles alone would leave most of the GPU
+idle (the decode shapes): each program stores its fp32 partial and the last one of a tile sums them in a fixed
+order (``triton_kernels.store_or_reduce``), so a split product is one launch and deterministic.
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ def _config(m: int, n: int, k: int, bk: int) -> tuple[int, int, int, int, int]:
     return bm, bn, split, (4 if m <= 64 else 8), 3
 
 
+_LOCKS: dict[torch.device, Tensor] = {}
+
+
+def split_workspace(x: Tensor, split: int, m: int, n: int, tiles: int) -> tuple[Tensor, Tensor]:
+    """A split-K product's fp32 partials (split, m, n) and its tiles' counters (triton_kernels.store_or_reduce).
+    The counters are zeros held per device and shared by every product: the kernels of one stream run one after
+    another, and each leaves its counters at zero. (The first call on a device zeroes them, outside any CUDA graph:
+    the graphs are captured after warm-up runs of the same shapes.)"""
+    if split == 1:
+        return x, x  # unused
+    locks = _LOCKS.get(x.device)
+    if locks is None or locks.numel() < tiles:
+        locks = _LOCKS[x.device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device)
+    return torch.empty(split, m, n, dtype=torch.float32, device=x.device), locks
+
+
 def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:
     from quant import triton_kernels
 
@@ -69,10 +86,11 @@ def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) ->
     m = x.shape[0]
     bm, bn, split, warps, stages = _config(m, n, k, bk)
     grid = (_cdiv(m, bm), _cdiv(n, bn), split)
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x.new_empty(m, n)
-    kernel[grid](x, *args, y, m, n, k, x.stride(0), *consts.pop("strides", ()), y.stride(0),
+    y = x.new_empty(m, n)
+    ws, locks = split_workspace(x, split, m, n, grid[0] * grid[1])
+    kernel[grid](x, *args, y, ws, locks, m, n, k, x.stride(0), *consts.pop("strides", ()), y.stride(0),
                  **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
-    return y.to(x.dtype) if split > 1 else y
+    return y
 
 
 def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
@@ -110,10 +128,11 @@ def _w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int, 
     split = 1
     while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:  # >= 2 K tiles per program
         split *= 2
-    y = torch.zeros(1, n, dtype=torch.float32, device=x.device) if split > 1 else x.new_empty(1, n)
-    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, n, k, GS=group_size, BLOCK_N=bn, BLOCK_K=bk,
-                                    SPLIT_K=split, num_warps=4)
-    return y.to(x.dtype) if split > 1 else y
+    y = x.new_empty(1, n)
+    ws, locks = split_workspace(x, split, 1, n, tiles)
+    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, GS=group_size, BLOCK_N=bn,
+                                    BLOCK_K=bk, SPLIT_K=split, num_warps=4)
+    return y
 
 
 def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int) -> Tensor:

@@ -254,7 +254,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
 
     from quant import models
     from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
-    from server import attention
+    from server import attention, fastops
     from server.engine import EngineConfig
     from server.kv_pool import KVLayout, resolve_budget
     from server.runner import glue_ops_choice
@@ -274,7 +274,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     context = int(mcfg.max_position_embeddings)
     prompt_limit = min(limits.max_prompt_tokens or context, context)
     device = torch.device(cfg.device)
-    glue = "fused" if glue_ops_choice(torch_dtype, torch_dtype, device, cfg.fused_ops) == "fused" else "eager"
+    glue = fastops.MEMORY_KIND[fastops.kind_of(glue_ops_choice(torch_dtype, torch_dtype, device, cfg.fused_ops))]
 
     def check(n: int, m: int) -> Refusal | None:  # Service.refusal's order, less the drain
         try:

@@ -66,7 +66,7 @@ class EngineConfig:
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
     kernels: str = setting("kernels")  # quant/kernel_choice.py
     threads: int | None = setting("threads")  # None leaves torch's default
-    fused_ops: bool = True  # CPU: the fused glue kernels of server/fastops.py (False: the eager reference ops)
+    fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
 
     def validate(self) -> "EngineConfig":
@@ -97,7 +97,7 @@ class ModelInfo:
     kv_bytes_per_token: int
     kv_capacity_bytes: int
     kv_block_size: int
-    glue_ops: str  # "fused" (server/csrc kernels) or "eager" with the reason
+    glue_ops: str  # "fused" (server/csrc kernels), "triton" (server/glue_triton.py) or "eager" with the reason
     embeddings: str  # "float", or "int8" with the head's kernel (server/layers/embedding.py)
     kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count and why (measured)
 
@@ -493,7 +493,7 @@ class Engine:
         ones (quant.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
         dequantization transients of this model's projections)."""
         return engine_prefill_bytes(
-            self.shape, chunk_tokens, dtype_bytes(self.dtype), "fused" if self.runner.ops.fused else "eager",
+            self.shape, chunk_tokens, dtype_bytes(self.dtype), self.runner.ops.memory,
             past=past, transients=self.runner.projection_transients(chunk_tokens),
         )
 

@@ -117,12 +117,32 @@ def ref_prefill_attention(q: Tensor, kv: Tensor, block_table: Tensor, start: int
     return torch.einsum("hcl,lhd->chd", p, v).to(q.dtype)
 
 
-class Ops:
-    """The glue ops, fused or reference; the layers and the sdpa backend call these and do not care which."""
+# The activation model's glue kind per Ops kind: the Triton kernels allocate what the fused CPU ones do.
+MEMORY_KIND = {"fused": "fused", "triton": "fused", "eager": "eager"}
 
-    def __init__(self, fused: bool):
-        self.fused = fused
-        if fused:
+
+def kind_of(choice: str) -> str:
+    """The Ops kind of a glue choice (server.runner.glue_ops_choice: "fused", "triton" or "eager (why)")."""
+    return choice if choice in MEMORY_KIND else "eager"
+
+
+class Ops:
+    """The glue ops: "fused" (the C++ CPU kernels above), "triton" (server/glue_triton.py, the CUDA kernels) or
+    "eager" (the references); the layers and the attention backends call these and do not care which.
+
+    ``fused`` says the C++ library is loaded (the sdpa backend's CPU attention kernels come with it); ``memory``
+    is the glue's kind for the activation model (quant.memory.engine_prefill_bytes): the Triton kernels allocate
+    what the fused CPU ones do, the references keep temporaries."""
+
+    def __init__(self, kind: str):
+        if kind not in MEMORY_KIND:
+            raise ValueError(f"glue ops kind must be one of {', '.join(MEMORY_KIND)}, got {kind!r}")
+        self.kind = kind
+        self.fused = kind == "fused"
+        self.memory = MEMORY_KIND[kind]
+        self.decode_attention = ref_decode_attention
+        self.prefill_attention = ref_prefill_attention
+        if kind == "fused":
             ops = torch.ops.quantserve
             self.rms_norm = ops.rms_norm.default
             self.add_rms_norm = ops.add_rms_norm.default
@@ -132,6 +152,11 @@ class Ops:
             self.gelu_tanh_mul = ops.gelu_tanh_mul.default
             self.decode_attention = ops.decode_attention.default
             self.prefill_attention = ops.prefill_attention.default
+        elif kind == "triton":
+            from server import glue_triton as g
+
+            self.rms_norm, self.add_rms_norm, self.rope_ = g.rms_norm, g.add_rms_norm, g.rope_
+            self.store_kv, self.silu_mul, self.gelu_tanh_mul = g.store_kv, g.silu_mul, g.gelu_tanh_mul
         else:
             self.rms_norm = ref_rms_norm
             self.add_rms_norm = ref_add_rms_norm
@@ -139,5 +164,3 @@ class Ops:
             self.store_kv = ref_store_kv
             self.silu_mul = ref_silu_mul
             self.gelu_tanh_mul = ref_gelu_tanh_mul
-            self.decode_attention = ref_decode_attention
-            self.prefill_attention = ref_prefill_attention

@@ -52,13 +52,19 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
 
 
 def glue_ops_choice(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, wanted: bool) -> str:
-    """"fused" when the fused CPU glue kernels (server.fastops) can run this model, else "eager (why)"."""
+    """The glue ops this model runs with (server.fastops.Ops): "fused" (the C++ CPU kernels) or "triton" (the
+    Triton kernels, on CUDA) when they can run it, else "eager (why)"."""
     if not wanted:
         return "eager (fused ops turned off)"
-    if device.type != "cpu":
-        return "eager (the fused kernels are CPU kernels)"
     if dtype != kv_dtype:
         return "eager (activations and KV cache differ in dtype)"
+    if device.type == "cuda":
+        from server.attention.triton_paged import available
+
+        why = available()
+        return "triton" if why is None else f"eager ({why})"
+    if device.type != "cpu":
+        return f"eager (no fused kernels for {device.type})"
     if not fastops.load():
         return f"eager ({fastops.unavailable_reason()})"
     return "fused"
@@ -69,10 +75,11 @@ class ModelRunner:
     :class:`StepInputs` with K/V in a block pool's storage."""
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
-                 fused_ops: bool = True, embeddings: str = "float", chooser=None):
+                 fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None):
+        """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter)."""
         dtype = model.get_input_embeddings().weight.dtype
-        self.glue_ops = glue_ops_choice(dtype, kv_storage.dtype, kv_storage.device, fused_ops)
-        self.ops = fastops.Ops(self.glue_ops == "fused")
+        self.glue_ops = glue or glue_ops_choice(dtype, kv_storage.dtype, kv_storage.device, fused_ops)
+        self.ops = fastops.Ops(glue or fastops.kind_of(self.glue_ops))
         self.model = models.build(model, self.ops, embeddings, chooser)
         cls = attention.choose(kv_storage.device) if backend is None else attention.BACKENDS.get(backend)
         if cls is None:

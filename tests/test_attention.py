@@ -31,7 +31,7 @@ def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: 
     cls = BACKENDS[backend_name]
     bs, blocks = (16, 64) if backend_name == "triton" else (4, 64)  # triton reads whole pages of >= 16
     storage = torch.zeros(cls.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim))
-    backend = cls(storage, bs, [spec], fastops.Ops(ops == "fused"))
+    backend = cls(storage, bs, [spec], fastops.Ops("fused" if ops == "fused" else "eager"))
     free = list(range(blocks)) if contiguous else torch.randperm(blocks, generator=g).tolist()
     reqs = []  # (past, new, table, k_all, v_all)
     for past, new in [(p, 1) for p in decode] + chunks:
@@ -134,7 +134,7 @@ def test_triton_prepare_splits_only_decode_steps():
 
     spec = SPECS["plain"]
     storage = torch.zeros(TritonBackend.kv_shape(1, 64, 16, spec.kv_heads, spec.head_dim))
-    backend = TritonBackend(storage, 16, [spec], fastops.Ops(False))
+    backend = TritonBackend(storage, 16, [spec], fastops.Ops("eager"))
     table = list(range(40))
     dec = StepInputs(torch.zeros(1, dtype=torch.int64), torch.tensor([600]), torch.tensor([600]),
                      torch.tensor([0]), [(600, table)], [], 16)
@@ -160,7 +160,7 @@ def test_triton_long_prefill_with_past_and_wide_groups(dtype):
         bs, past, c = 16, 45, 40
         table = torch.randperm(16, generator=g)[:6].tolist()
         storage = torch.randn(TritonBackend.kv_shape(1, 16, bs, 2, 24), generator=g).half()
-        backend = TritonBackend(storage, bs, [spec], fastops.Ops(False))
+        backend = TritonBackend(storage, bs, [spec], fastops.Ops("eager"))
         q = torch.randn(c, 16, 24, generator=g).half()
         step = StepInputs(torch.zeros(c, dtype=torch.int64), torch.arange(past, past + c), torch.zeros(c),
                           torch.tensor([0]), [], [(0, c, past, table)], bs)
@@ -178,7 +178,7 @@ def test_triton_refuses_block_sizes_it_cannot_page():
 
     spec = SPECS["plain"]
     with pytest.raises(UnsupportedModelError, match="block size 8 must be a power of two >= 16"):
-        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 8, 2, 16)), 8, [spec], fastops.Ops(False))
+        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 8, 2, 16)), 8, [spec], fastops.Ops("eager"))
 
 
 def test_choose_prefers_triton_on_cuda_only():
@@ -194,7 +194,7 @@ def test_triton_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(UnsupportedModelError, match="runs on CUDA tensors .* not on cpu"):
-        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 16, 2, 16)), 16, [SPECS["plain"]], fastops.Ops(False))
+        TritonBackend(torch.zeros(TritonBackend.kv_shape(1, 4, 16, 2, 16)), 16, [SPECS["plain"]], fastops.Ops("eager"))
 
 
 def test_triton_graph_metadata_matches_a_step_of_its_own():
@@ -206,7 +206,7 @@ def test_triton_graph_metadata_matches_a_step_of_its_own():
     g = torch.Generator().manual_seed(9)
     bs, pad = 16, 63
     storage = torch.randn(TritonBackend.kv_shape(1, 64, bs, spec.kv_heads, spec.head_dim), generator=g)
-    backend = TritonBackend(storage, bs, [spec], fastops.Ops(False))
+    backend = TritonBackend(storage, bs, [spec], fastops.Ops("eager"))
     tables = [[5, 9, 2], [7], [11, 12, 13, 14, 20]]
     lens = [40, 3, 70]
     step = StepInputs(torch.zeros(3, dtype=torch.int64), torch.tensor(lens), torch.zeros(3, dtype=torch.int64),

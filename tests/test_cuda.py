@@ -182,3 +182,65 @@ def test_fractional_budget_on_cuda_is_taken_after_the_runner_and_serves():
         assert len(out.token_ids) == 8
     finally:
         eng.close()
+
+
+def test_triton_glue_in_bf16_matches_the_eager_ops():
+    """The CUDA glue kernels (server/glue_triton.py) in bf16, which the interpreter cannot round faithfully: each
+    against its eager reference, and the engine on CUDA chooses them."""
+    from server import fastops
+
+    tri, ref = fastops.Ops("triton"), fastops.Ops("eager")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, n, H, Hkv, D = 5, 4096, 32, 8, 128
+    x = torch.randn(T, n, device="cuda", generator=g).bfloat16() * 3
+    d = torch.randn(T, n, device="cuda", generator=g).bfloat16()
+    w = (torch.rand(n, device="cuda", generator=g) + 0.5).bfloat16()
+    xt, ht = tri.add_rms_norm(x, d, w, 1e-5)
+    xr, hr = ref.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(xt, xr)
+    assert (ht != hr).float().mean() < 0.01
+    torch.testing.assert_close(ht.float(), hr.float(), atol=0, rtol=2 * 2**-8)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device="cuda", generator=g).bfloat16()
+    ang = torch.rand(T, D // 2, device="cuda", generator=g) * 50
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16() for f in (torch.cos, torch.sin))
+    outs = []
+    for ops in (tri, ref):
+        y = qkv.clone()
+        q, k, _ = y.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        ops.rope_(q.view(T, H, D), k.view(T, Hkv, D), cos, sin)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    gu = torch.randn(T, 2 * 14336, device="cuda", generator=g).bfloat16() * 4
+    for name in ("silu_mul", "gelu_tanh_mul"):
+        a, b = getattr(tri, name)(gu), getattr(ref, name)(gu)
+        assert (a != b).float().mean() < 0.01, name
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=2 * 2**-8)
+    eng = _tiny_engine(False)
+    try:
+        assert eng.info.glue_ops == "triton" and eng.runner.ops.kind == "triton"
+    finally:
+        eng.close()
+
+
+def test_engine_step_on_cuda_triton_glue_matches_eager_glue():
+    """The same mixed step on CUDA through the Triton glue and through the eager ops gives the same logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from server.kv_pool import BlockPool, KVLayout
+    from server.runner import ModelRunner, build_step
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    logits = {}
+    for glue in ("triton", "eager"):
+        pool = BlockPool(KVLayout.from_config(cfg, torch.bfloat16), 64 * 2**20, "cuda")
+        runner = ModelRunner(model, pool.storage, 16, backend="triton", glue=glue)
+        a = pool.try_reserve("a", 300)
+        b = pool.try_reserve("b", 40)
+        ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+        runner.forward(build_step([], [(ids[:200], 0, a, False), (ids[:30], 0, b, False)], 16, torch.device("cuda")))
+        step = build_step([(ids[30], 30, b)], [(ids[200:260], 200, a, True)], 16, torch.device("cuda"))
+        logits[glue] = runner.forward(step)
+    torch.testing.assert_close(logits["triton"], logits["eager"], atol=5e-2, rtol=5e-2)

@@ -12,8 +12,8 @@ from server import fastops
 pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-FUSED = fastops.Ops(fused=True)
-REF = fastops.Ops(fused=False)
+FUSED = fastops.Ops("fused")
+REF = fastops.Ops("eager")
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

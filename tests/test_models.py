@@ -30,10 +30,11 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()  # (T, V)
 
 
-def runner_for(model, blocks: int = 64, block_size: int = 16, fused_ops: bool = True):
+def runner_for(model, blocks: int = 64, block_size: int = 16, fused_ops: bool = True, backend: str = "sdpa",
+               glue: str | None = None):
     lay = KVLayout.from_config(model.config, torch.float32, block_size=block_size)
     pool = BlockPool(lay, lay.bytes_per_block * blocks)
-    return ModelRunner(model, pool.storage, block_size, "sdpa", fused_ops=fused_ops), pool
+    return ModelRunner(model, pool.storage, block_size, backend, fused_ops=fused_ops, glue=glue), pool
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -76,6 +77,29 @@ def test_mixed_steps_with_chunks_across_the_window_and_fragmented_blocks(arch, a
     l4 = runner.forward(build_step([(5, 70, ta), (6, 45, tc)], [], 4, CPU))
     torch.testing.assert_close(l4[0], hf_logits(model, a + [5])[-1], **tol)
     torch.testing.assert_close(l4[1], hf_logits(model, c + [6])[-1], **tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3", "phi3-partial-window", "olmo2"])
+def test_the_cuda_path_on_cpu_matches_transformers(arch, arch_dirs):
+    """What CUDA runs, the triton attention backend and the Triton glue kernels, here under Triton's interpreter:
+    a prefill chunk, a second chunk after it and a decode row, against transformers' logits. The architectures
+    cover GELU (Gemma 2) and SiLU, head and projection q/k norms (Qwen3, OLMo 2), partial rotary and windows."""
+    from server.attention.triton_paged import available
+
+    if available() is not None:
+        pytest.skip(available())
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    runner, pool = runner_for(model, backend="triton", glue="triton")
+    assert runner.ops.kind == "triton" and runner.attention == "triton"
+    a = prompt_ids(40, 4)
+    ta = pool.try_reserve("a", 48)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    l1 = runner.forward(build_step([], [(a[:24], 0, ta, True)], 16, CPU))
+    torch.testing.assert_close(l1[0], hf_logits(model, a[:24])[-1], **tol)
+    l2 = runner.forward(build_step([], [(a[24:], 24, ta, True)], 16, CPU))
+    torch.testing.assert_close(l2[0], hf_logits(model, a)[-1], **tol)
+    l3 = runner.forward(build_step([(9, 40, ta)], [], 16, CPU))
+    torch.testing.assert_close(l3[0], hf_logits(model, a + [9])[-1], **tol)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -43,6 +43,24 @@ def test_w4_splits_k_for_decode_shapes_and_not_for_prefill():
     assert T._config(512, 4096, 4096, 64)[2] == 1
 
 
+def test_split_k_products_are_one_launch_deterministic_and_rearm_their_counters():
+    """A split product's last program per tile sums the fp32 partials in split order and resets the tile's counter:
+    the same inputs give the same bits, and the shared counters are zero after every product."""
+    qw, sz, *_ = _w4(192, 1024, 64, seed=7)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(2))
+    w = torch.randint(-128, 128, (80, 768), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    xs = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
+    scale = torch.rand(80, generator=torch.Generator().manual_seed(5)) * 0.01
+    assert T._config(3, 80, 768, 64)[2] > 1  # both products below do split K
+    first = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))
+    locks = T._LOCKS[torch.device("cpu")]
+    assert locks.numel() >= 4096 and not locks.any()
+    again = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and not locks.any()
+    torch.testing.assert_close(first[0], T.w4_reference(x, qw, sz, 64), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1], T.int8_reference(xs, w, scale, None), atol=1e-4, rtol=1e-4)
+
+
 def test_w4_refuses_groups_without_a_k_tile():
     qw, sz, *_ = _w4(16, 48, 24, seed=0)
     assert T.w4_block_k(24) is None and T.w4_block_k(4) is None and T.w4_block_k(256, rows=100) == 64
