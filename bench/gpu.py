@@ -80,7 +80,8 @@ def cuda_time(fn, reps: int = 20, warm: int = 3, inner: int = 10) -> float:
 def linear_shapes(name: str) -> list[tuple[str, int, int]]:
     s = SHAPES[name]
     qkv = (s["heads"] + 2 * s["kv"]) * (s["hidden"] // s["heads"])
-    return [("qkv", qkv, s["hidden"]), ("gate_up", 2 * s["inter"], s["hidden"]), ("down", s["hidden"], s["inter"])]
+    return [("qkv", qkv, s["hidden"]), ("o", s["hidden"], s["hidden"]), ("gate_up", 2 * s["inter"], s["hidden"]),
+            ("down", s["hidden"], s["inter"])]
 
 
 def random_w4(n: int, k: int, gs: int, dtype, dev):
@@ -152,6 +153,46 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
                 row["dequant_cublas_us"] = cuda_time(lambda: x @ dequantize_weight(w8, sc, None, x.dtype).t()) * 1e6
                 rows.append(row)
     results["linear"] = rows
+
+
+GEMV_SWEEP = [(bn, bk, split, warps) for bn in (64, 128, 256) for bk in (64, 128) for split in (1, 2, 4, 8)
+              for warps in (2, 4, 8)]
+
+
+def gemv_sweep(results: dict, failures: list) -> None:
+    """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
+    against tinygemm in the same run: per layer the rule's config (quant.triton_ops.w4_gemv_config), the fastest,
+    and each one's share of the bandwidth limit (the codes and the scale/zero table read once)."""
+    from quant import triton_ops as T
+    from quant.int4 import _pack_for_kernel
+
+    dev, gs, dtype = "cuda", 128, torch.bfloat16
+    bw = next((v for k, v in PEAK_BW.items() if k in torch.cuda.get_device_name()), None)
+    rows = []
+    for name, n, k in linear_shapes("8B"):
+        qw, sz, codes = random_w4(n, k, gs, dtype, dev)
+        packed = _pack_for_kernel(codes.to(torch.int32))
+        x = torch.randn(1, k, device=dev, dtype=dtype)
+        want = T.w4_reference(x, qw, sz, gs)
+        nbytes = qw.nbytes + sz.nbytes
+        rule = T.w4_gemv_config(n, k, gs)
+        row = {"layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
+               "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
+               "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6}
+        times = {}
+        for cfg in GEMV_SWEEP:
+            err = rel_err(T.w4_gemv(x, qw, sz, gs, cfg), want)
+            if err > 2e-2:
+                failures.append(f"w4 gemv {name} config {cfg}: relative error {err:.3g}")
+                continue
+            times[cfg] = cuda_time(lambda: T.w4_gemv(x, qw, sz, gs, cfg)) * 1e6
+        best = min(times, key=times.get)
+        row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
+        if bw:
+            for key in ("rule", "best", "tinygemm"):
+                row[f"{key}_bw_share"] = nbytes / (row[f"{key}_us"] * 1e-6) / bw
+        rows.append(row)
+    results["gemv_sweep"] = rows
 
 
 def attention_checks(results: dict, failures: list, quick: bool) -> None:
@@ -492,6 +533,17 @@ def markdown(results: dict, failures: list) -> str:
             peer = r.get("sdpa_gather_us", r.get("sdpa_us"))
             out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
+    if results.get("gemv_sweep"):
+        out += ["One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the sweep's fastest (BLOCK_N, "
+                "BLOCK_K, SPLIT_K, warps), tinygemm; us and share of the bandwidth limit (codes + table read once).",
+                "", "| layer | N x K | rule | rule us | best | best us | tinygemm us | BW share rule / best / tinygemm |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in results["gemv_sweep"]:
+            share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "tinygemm")
+                               if f"{key}_bw_share" in r)
+            out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
+                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['tinygemm_us']:.1f} | {share or '-'} |")
+        out.append("")
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")
     if results.get("default_model"):
@@ -522,7 +574,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
     ap.add_argument("--quick", action="store_true", help="fewer row counts and shorter streams")
-    ap.add_argument("--only", choices=["kernels", "engine", "default"], default=None)
+    ap.add_argument("--only", choices=["kernels", "gemv", "engine", "default"], default=None)
     ap.add_argument("--default-model", type=Path, default=None, help="the default model's GGUF: build + serve it")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2")
     args = ap.parse_args(argv)
@@ -545,6 +597,10 @@ def main(argv=None) -> int:
     if args.only in (None, "kernels"):
         steps += [("linear", lambda: kernel_checks(results, failures, args.quick)),
                   ("attention", lambda: attention_checks(results, failures, args.quick))]
+        if not args.quick:
+            steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
+    if args.only == "gemv":
+        steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
     if args.default_model is None:  # the embedded default model, where its package is installed
         try:
             from quant.models import default_gguf_path

@@ -81,26 +81,41 @@ def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
 @triton.jit
 def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr):
-    # One input row: FMAs and reductions in registers, no tl.dot (whose operand staging through shared memory
-    # a 1-row product cannot repay). BLOCK_K lies within one group.
+    # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
+    # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group. Per weight: a shift, a mask,
+    # an OR and an add turn the 4-bit code into the float (code - 8) exactly (the code in the mantissa of 2^23,
+    # then 2^23 + 8 subtracted: no int-to-float conversion, which issues at a fraction of the FMA rate), then one
+    # FMA with x. The sums stay per word row, (BLOCK_K / 8, BLOCK_N), until after the loop: nothing crosses
+    # threads inside it. The next tile's words are loaded before this one is used, so two are in flight.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     j = tl.arange(0, 8)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w_ok = rw < K // 8
-        words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
-        codes = ((words[:, None, :] >> (j * 4)[None, :, None]) & 0xF).to(tl.float32) - 8.0  # (BK/8, 8, BN)
-        x = tl.load(X + rw[:, None] * 8 + j[None, :], mask=w_ok[:, None], other=0.0).to(tl.float32)  # (BK/8, 8)
-        t = tl.sum(tl.sum(codes * x[:, :, None], 1), 0)  # (BN,) sum_k x_k (code_k - 8)
-        g = k0 // GS
-        s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)
+    r = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # sum over the rows' words of s * x (code - 8)
+    acc_z = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # and of z * x
+    k0 = pid_k * BLOCK_K
+    w_ok = (k0 // 8 + r < K // 8)[:, None] & n_ok[None, :]
+    words = tl.load(QW + (k0 // 8 + r)[:, None] * N + rn[None, :], mask=w_ok, other=0)  # (BK/8, BN)
+    for k in range(k0, K, BLOCK_K * SPLIT_K):
+        rw = k // 8 + r
+        kn = k + BLOCK_K * SPLIT_K  # the next tile's words, in flight while this one is used
+        nxt = tl.load(QW + (kn // 8 + r)[:, None] * N + rn[None, :],
+                      mask=(kn // 8 + r < K // 8)[:, None] & n_ok[None, :], other=0)
+        x = tl.load(X + rw[:, None] * 8 + j[None, :], mask=(rw < K // 8)[:, None], other=0.0).to(tl.float32)
+        q = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # (BK/8, 8, BN) codes
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + q - (2^23 + 8) = q - 8, exact
+        t = tl.sum(f * x[:, :, None], 1)  # (BK/8, BN): each word's 8 codes, in the thread holding the word
+        g = k // GS
+        s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
         z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-        acc += s * t + z * tl.sum(tl.sum(x, 1), 0)
-    store_or_reduce(Y + rn, WS + rn, acc, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+        acc += t * s[None, :]
+        acc_z += tl.sum(x, 1)[:, None] * z[None, :]
+        words = nxt
+    y = tl.sum(acc + acc_z, 0)  # (BN,)
+    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+
 
 @triton.jit
 def int8_kernel(X, W, S, ZP, Y, WS, LOCKS, M, N, K, stride_xm, stride_wn, stride_ym,

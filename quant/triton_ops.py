@@ -113,25 +113,40 @@ def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int)
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
-        return _w4_gemv(x, qweight, scales_zeros, group_size, n, k)
+        return w4_gemv(x, qweight, scales_zeros, group_size)
     return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
 GEMV_TARGET_PROGRAMS = 528  # four per multiprocessor of an H100: enough weight bytes in flight for its bandwidth
 
 
-def _w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int, n: int, k: int) -> Tensor:
-    from quant.triton_kernels import w4_gemv_kernel
-
-    bn, bk = 128, min(group_size, 256)
+def w4_gemv_config(n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row kernel: K split until the programs reach
+    GEMV_TARGET_PROGRAMS, each keeping >= 2 K tiles. (bench/gpu.py sweeps these on a GPU.)"""
+    bn, bk = 128, min(group_size, 128)
     tiles, steps = _cdiv(n, bn), _cdiv(k, bk)
     split = 1
-    while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:  # >= 2 K tiles per program
+    while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:
         split *= 2
+    return bn, bk, split, 4
+
+
+def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
+            config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """x (1, K) @ W^T -> (1, N) in x's dtype through the one-row kernel; ``config`` overrides
+    :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two)."""
+    from quant.triton_kernels import w4_gemv_kernel
+
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    bn, bk, split, warps = config or w4_gemv_config(n, k, group_size)
+    if x.shape != (1, k) or bk < 8 or group_size % bk or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"w4_gemv: x must be (1, {k}) and BLOCK_K a power of two dividing the group size "
+                         f"{group_size}; got x {tuple(x.shape)}, config {(bn, bk, split, warps)}")
+    tiles = _cdiv(n, bn)
     y = x.new_empty(1, n)
     ws, locks = split_workspace(x, split, 1, n, tiles)
     w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, GS=group_size, BLOCK_N=bn,
-                                    BLOCK_K=bk, SPLIT_K=split, num_warps=4)
+                                    BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
     return y
 
 

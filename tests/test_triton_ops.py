@@ -137,6 +137,23 @@ def test_w4_gemv_matches_reference(n, k, gs):
                                    rtol=2e-2 if dtype == torch.float16 else 1e-4)
 
 
+@pytest.mark.parametrize("config", [(32, 8, 1, 1), (64, 32, 4, 2), (256, 64, 2, 8), (16, 64, 16, 4)])
+def test_w4_gemv_configs_the_gpu_sweep_tries_match_reference(config):
+    """bench/gpu.py times the one-row kernel over tile shapes, splits and warps: each computes the same product
+    (16 splits of 4 tiles leave some programs without a tile: they store zeros and still count)."""
+    n, k, gs = 200, 512, 64
+    qw, sz, *_ = _w4(n, k, gs, seed=9)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    got = T.w4_gemv(x, qw, sz, gs, config)
+    torch.testing.assert_close(got, T.w4_reference(x, qw, sz, gs), atol=1e-4, rtol=1e-4)
+
+
+def test_w4_gemv_refuses_a_tile_across_groups():
+    qw, sz, *_ = _w4(64, 256, 32, seed=1)
+    with pytest.raises(ValueError, match="BLOCK_K a power of two dividing the group size 32"):
+        T.w4_gemv(torch.randn(1, 256), qw, sz, 32, (64, 64, 1, 4))
+
+
 def test_the_server_does_not_import_triton_until_a_kernel_runs():
     """Importing triton costs ~50 MiB of RSS: a CPU server, which never launches a Triton kernel, must not."""
     import subprocess
