@@ -1,6 +1,7 @@
-"""Where a batch-1 decode step goes, through the engine (no transport): the step, the model forward, the sampler and
-the C++ decode attention per layer, each timed by wrapping the engine's own calls (no profiler: its hooks cost more
-than these ops), on the default model's w4a16 artifact.
+"""Where a batch-1 decode step goes, through the engine (no transport): the step (its launch, then the read of its
+samples and the requests advanced), the model forward, the sampler and the C++ decode attention per layer, each
+timed by wrapping the engine's own calls (no profiler: its hooks cost more than these ops), on the default
+model's w4a16 artifact.
 
     python bench/decode_step.py [--artifact bench/out/quality/w4a16] [--rounds 3] [--threads 2]
 
@@ -42,6 +43,8 @@ def main() -> None:
         f = getattr(obj, name)
 
         def timed(*a, **k):
+            if a and a[0] is None:  # the engine's read of no step in flight
+                return f(*a, **k)
             t = time.perf_counter()
             r = f(*a, **k)
             total[key] += time.perf_counter() - t
@@ -53,7 +56,8 @@ def main() -> None:
     eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB"),
                            default_cache_dir())
     try:
-        wrap(eng, "_step", "step")
+        wrap(eng, "_launch", "step: launch (forward, sampling)")
+        wrap(eng, "_read", "step: samples read, requests advanced")
         wrap(eng.runner, "forward", "model forward")
         wrap(se, "sample", "sampling")
         wrap(eng.runner.backend.ops, "decode_attention", "decode attention (one layer)")

@@ -388,6 +388,9 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
             dt, outs = run_requests(eng, [prompt(16)], 128)
             runs.append(128 / dt)
         row["b1_tok_s"] = statistics.median(runs)
+        eng.overlap = False  # the same with serial steps (each step's samples read before the next is launched)
+        row["b1_serial_tok_s"] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
+        eng.overlap = True
         # bytes a decode step reads: every weight but an untied input embedding (one row of it is looked up)
         emb = model.model.embed_tokens.weight
         row["read_bytes"] = eng.weight_bytes - (0 if model.lm_head.weight is emb else emb.nbytes)
@@ -558,10 +561,12 @@ def markdown(results: dict, failures: list) -> str:
     for r in results.get("engine", []):
         out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
                    f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f}; "
-                   f"glue {r.get('glue_ops')}, with the eager glue ops: {r.get('b1_eager_glue_tok_s', 0):.1f})"
+                   f"glue {r.get('glue_ops')}, with the eager glue ops: {r.get('b1_eager_glue_tok_s', 0):.1f}; serial steps "
+                   f"instead of overlapped: {r.get('b1_serial_tok_s', 0):.1f})"
                    + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"
                       " read per token)" if "b1_bandwidth_share" in r else "")
-                   + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f}; "
+                   + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f} (plus the "
+                   "wait on each step's samples' event, which sync debug mode does not count); "
                    + ", ".join(f"{k} {v:.0f}" for k, v in r.items() if k.startswith("streams"))
                    + f"; weights {r['weight_bytes'] / 2**20:.1f} MiB counted vs {r['allocated_after_load'] / 2**20:.1f}"
                    f" MiB allocated; KV pool {r['kv_pool_bytes'] / 2**20:.0f} MiB vs {r['kv_pool_alloc'] / 2**20:.0f}"

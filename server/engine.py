@@ -9,7 +9,9 @@ back in the pool by the next step.
 
 Each step of the engine thread: apply commands, admit what fits (FIFO), plan decode rows and bounded prefill
 chunks (``server.scheduler``), run one forward over all of them (``server.runner``), sample every row in one
-batched call (``server.sampling``), then per request: detokenize, check EOS / stop strings / length, emit.
+batched call (``server.sampling``), then per request: detokenize, check EOS / stop strings / length, emit. With
+overlapped steps (CUDA's default, ``EngineConfig.overlap``) the per-request part of a step runs after the next
+step is launched, its decode rows fed their tokens on the device, so the host's work hides behind the device's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
 from server.runner import ModelRunner, build_step
+from server.batch import stage
 from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
 from server.scheduler import Scheduler, Sequence
 from server.settings import setting
@@ -68,6 +71,9 @@ class EngineConfig:
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
+    # Launch each step before reading the previous one's samples back (decode rows take their tokens on the device),
+    # so the host's per-token work overlaps the device's; None: on CUDA, where the device runs asynchronously.
+    overlap: bool | None = None
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
@@ -213,6 +219,7 @@ class Engine:
         artifact.release_unheld_pages(held)
         self.attention = self.runner.attention  # the backend's name (server.attention)
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
@@ -500,7 +507,7 @@ class Engine:
     # ------------------------------------------------------------------------------------ engine thread
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
-        if self._deferred is not None:  # inside a step's tokenizer section: deliver after it (see _step)
+        if self._deferred is not None:  # inside a step's tokenizer section: deliver after it (see _read)
             self._deferred.append((seq, ev))
             return
         try:
@@ -554,10 +561,15 @@ class Engine:
             wait = None
 
     def _loop(self) -> None:
+        """Steps until closed. With ``overlap`` a launched step's samples are read (and the requests advanced)
+        after the next step is launched: on CUDA the host's work for one token runs while the device computes the
+        next. A step's plan needs nothing read back but the finished requests, which stay in one step more (their
+        extra row is dropped) and the repetition penalty's history (a plan with a penalised row waits)."""
+        inflight: _Launched | None = None
         with torch.inference_mode():
             dirty = False  # steps ran since the heap was last trimmed
             while True:
-                idle = not self.scheduler.has_work and self._stop_at is None
+                idle = not self.scheduler.has_work and self._stop_at is None and inflight is None
                 if idle and dirty:
                     # Steps free their activations into glibc's arenas (one per thread touching them); given
                     # back when idle, resident memory tracks what is in use, not the busiest moment so far.
@@ -565,31 +577,58 @@ class Engine:
                     dirty = False
                 self._drain_inbox(block=idle)
                 if self._stop_at is not None and (not self.scheduler.has_work or time.monotonic() >= self._stop_at):
+                    inflight = self._read(inflight)
                     self._cancel_all("the engine shut down before the request finished")
                     return
                 for _ in self.scheduler.admit():
                     self._dequeued()
                 plan = self.scheduler.plan()
+                if inflight is not None and (plan.empty or not self._overlappable(plan)):
+                    inflight = self._read(inflight)  # then plan again with its samples in
+                    continue
                 if plan.empty:
                     continue
                 dirty = True
                 try:
-                    self._step(plan)
+                    launched = self._launch(plan, inflight)
                 except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
                     log.error("engine step failed:\n%s", traceback.format_exc())
-                    for seq in plan.decode + [s for s, _, _ in plan.prefill]:
-                        if seq in self.scheduler.running:
-                            self.scheduler.finish(seq)
-                            self._final(seq, out.ERROR, error=f"internal error: {type(e).__name__}")
+                    inflight = self._read(inflight)
+                    self._fail(plan.decode + [s for s, _, _ in plan.prefill], e)
+                    continue
+                inflight = self._read(inflight)
+                if launched is not None and not self.overlap:
+                    launched = self._read(launched)
+                inflight = launched
+
+    def _fail(self, seqs: list[Sequence], e: Exception) -> None:
+        for seq in seqs:
+            if not seq.done:
+                self.scheduler.finish(seq)
+                self._final(seq, out.ERROR, error=f"internal error: {type(e).__name__}")
 
     def _cancel_all(self, why: str) -> None:
         self._drain_inbox(block=False)  # commands that arrived meanwhile: adds must still get their final event
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._cancel(seq.id, error=why)
 
-    def _step(self, plan) -> None:
+    @staticmethod
+    def _overlappable(plan) -> bool:
+        """Whether ``plan`` can launch before the step in flight is read: a penalised row needs its whole history
+        on the host."""
+        return not any(s.pending and s.params.repetition_penalty != 1.0 for s in plan.decode)
+
+    def _launch(self, plan, prev: "_Launched | None") -> "_Launched | None":
+        """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
+        last token ``prev`` sampled takes it from ``prev``'s device tensor."""
         bs = self.layout.block_size
-        decode = [(seq.generated[-1], len(seq.prompt) + len(seq.generated) - 1, seq.blocks) for seq in plan.decode]
+        decode, rows, index = [], [], []
+        for i, seq in enumerate(plan.decode):
+            if seq.pending:  # its token is prev's sample, still on the device
+                rows.append(i)
+                index.append(prev.row[seq])
+            decode.append((0 if seq.pending else seq.generated[-1],
+                           len(seq.prompt) + len(seq.generated) + seq.pending - 1, seq.blocks))
         prefill, sampled = [], list(plan.decode)
         for seq, start, n in plan.prefill:
             last = start + n == len(seq.prompt)
@@ -597,41 +636,55 @@ class Engine:
             seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n, start))
             if last:
                 sampled.append(seq)
-        step = build_step(decode, prefill, bs, self.device)
+        step = build_step(decode, prefill, bs, self.device, (prev.tokens, rows, index) if rows else None)
         logits = self.runner.forward(step)  # (S, V) fp32
         for seq, start, n in plan.prefill:
             seq.prefilled = start + n
         if not sampled:
-            return
+            return None
         params = [s.params for s in sampled]
-        suppress = [i for i, s in enumerate(sampled) if len(s.generated) < s.params.min_tokens]
+        counts = [len(s.generated) + s.pending for s in sampled]  # this draw's index in each request
+        suppress = [i for i, s in enumerate(sampled) if counts[i] < s.params.min_tokens]
         if suppress and self.eos_ids:
-            rows = torch.tensor(suppress, device=self.device)
-            logits[rows[:, None], self._eos_tensor[None, :]] = -float("inf")
+            rows_t = stage(suppress, torch.int64, self.device)
+            logits[rows_t[:, None], self._eos_tensor[None, :]] = -float("inf")
         batch = SamplingBatch.build(
-            params, [p.seed for p in params], [len(s.generated) for s in sampled],
+            params, [p.seed for p in params], counts,
             [s.prompt + s.generated for s in sampled] if any(p.repetition_penalty != 1.0 for p in params) else None,
             device=self.device,
         )
         res = sample(logits, batch)
-        tokens = res.tokens.tolist()  # the one host synchronisation per step
-        # logprobs=0 asks for the chosen token's logprob alone: batch.logprobs_n (the widest top list) is 0 then.
-        lp = res.logprob.tolist() if any(p.logprobs is not None for p in params) else None
-        top = (res.top_logprobs[0].tolist(), res.top_logprobs[1].tolist()) if res.top_logprobs else None
-        trace = {k: (ids.tolist(), pr.tolist()) for k, (ids, pr) in res.trace.items()} if res.trace else None
-        if trace is not None:
-            trace["stats"] = res.trace_stats.tolist()
+        for s in sampled:
+            s.pending += 1
+        return _Launched(sampled, res, any(p.logprobs is not None for p in params))
+
+    def _read(self, launched: "_Launched | None") -> None:
+        """Wait for a launched step's samples and advance its requests (those finished or cancelled meanwhile
+        drop theirs). Returns None, for ``inflight = self._read(inflight)``."""
+        if launched is None:
+            return None
+        try:
+            tokens, lp, top, trace = launched.results()  # the one wait on the device per step
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            for s in launched.sampled:
+                s.pending -= 1
+            self._fail(launched.sampled, e)
+            return None
         now = time.monotonic()
         # Sinks run after the tokenizer lock is released: a slow sink must not hold up tokenization elsewhere.
         self._deferred = []
         try:
             with self._tok_lock:
-                for i, (seq, tok) in enumerate(zip(sampled, tokens)):
-                    self._advance(seq, tok, i, lp, top, trace, now)
+                for i, (seq, tok) in enumerate(zip(launched.sampled, tokens)):
+                    seq.pending -= 1
+                    if not seq.done:
+                        self._advance(seq, tok, i, lp, top, trace, now)
         finally:
             deferred, self._deferred = self._deferred, None
             for seq, ev in deferred:
                 self._emit(seq, ev)
+        return None
 
     def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> None:
         p = seq.params
@@ -674,3 +727,43 @@ class Engine:
                 text += matcher.flush()
         self.scheduler.finish(seq)
         self._final(seq, reason, text, (tok,), logprobs, steps, stop)
+
+
+class _Launched:
+    """A step whose forward and sampling are queued on the device: its sampled requests in row order, the
+    samples, and their copies to the host queued behind them (pinned buffers and an event on CUDA), so reading
+    them waits for this step only, never for a step launched after it."""
+
+    def __init__(self, sampled: list[Sequence], res, want_logprob: bool):
+        self.sampled = sampled
+        self.row = {s: i for i, s in enumerate(sampled)}
+        self.tokens = res.tokens  # (S,) int64 on the device: the next step's decode rows read theirs from here
+        parts = {"tokens": res.tokens}
+        if want_logprob:  # logprobs=0 asks for the chosen token's logprob alone (no top list then)
+            parts["logprob"] = res.logprob
+        if res.top_logprobs:
+            parts["top_ids"], parts["top_lp"] = res.top_logprobs
+        for k, (ids, pr) in (res.trace or {}).items():
+            parts[f"trace_{k}_ids"], parts[f"trace_{k}_p"] = ids, pr
+        if res.trace:
+            parts["trace_stats"] = res.trace_stats
+        self.event = None
+        if res.tokens.is_cuda:
+            parts = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for k, t in parts.items()}
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.parts = parts
+        self.trace_keys = tuple((res.trace or {}).keys())
+
+    def results(self):
+        """(tokens, logprobs or None, (top ids, top logprobs) or None, trace or None) as lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        p = {k: t.tolist() for k, t in self.parts.items()}
+        top = (p["top_ids"], p["top_lp"]) if "top_ids" in p else None
+        trace = None
+        if self.trace_keys:
+            trace = {k: (p[f"trace_{k}_ids"], p[f"trace_{k}_p"]) for k in self.trace_keys}
+            trace["stats"] = p["trace_stats"]
+        return p["tokens"], p.get("logprob"), top, trace

@@ -21,9 +21,12 @@ from server.batch import StepInputs, stage
 
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
-               block_size: int, device: torch.device) -> StepInputs:
+               block_size: int, device: torch.device,
+               feed: tuple[Tensor, list[int], list[int]] | None = None) -> StepInputs:
     """decode: (token, position, block table) per decoding request (it attends to positions 0..position).
     prefill: (chunk tokens, first position, block table, sample last?) per prefilling request.
+    feed: (tokens, rows, index): decode rows ``rows`` take their token from the device tensor ``tokens`` (the
+    previous step's samples, not read back yet) at ``index``, in place of the token given for them.
     Sampled rows are returned in this order: every decode row, then each prefill chunk with sample=True."""
     ids: list[int] = []
     pos: list[int] = []
@@ -43,10 +46,14 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         chunks.append((t0, len(tokens), start, table))
         if want:
             sample.append(len(ids) - 1)
-    t = len(ids)
-    flat = stage(ids + pos + slots + sample, torch.int64, device)  # one copy for the step's four index vectors
+    t, s = len(ids), len(sample)
+    rows, index = ([], []) if feed is None else feed[1:]
+    flat = stage(ids + pos + slots + sample + rows + index, torch.int64, device)  # one copy for all index vectors
+    if rows:  # on the device: nothing waits for the previous step's samples to be read back
+        f = 3 * t + s
+        flat[:t].index_copy_(0, flat[f: f + len(rows)], feed[0].index_select(0, flat[f + len(rows):]))
     return StepInputs(
-        input_ids=flat[:t], positions=flat[t: 2 * t], slots=flat[2 * t: 3 * t], sample_index=flat[3 * t:],
+        input_ids=flat[:t], positions=flat[t: 2 * t], slots=flat[2 * t: 3 * t], sample_index=flat[3 * t: 3 * t + s],
         decode=[(p, table) for _, p, table in decode], chunks=chunks, block_size=block_size,
     )
 

@@ -5,7 +5,8 @@ rounded up to blocks) and the batch has a free slot; strict FIFO, so a large req
 starved by small ones behind it. Every step:
 
 1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing);
-2. every running request that has finished its prompt decodes one token;
+2. every running request that has finished its prompt decodes one token (the token sampled for it last may still
+   be on the device: with the engine's overlapped steps it is fed from there, ``Sequence.pending``);
 3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
    tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
    the running requests stays bounded by one chunk, not by the longest prompt that arrives.
@@ -39,6 +40,8 @@ class Sequence:
     first_token_at: float | None = None
     activation_peak: int = 0  # the largest estimate among this request's prefill chunks
     state: dict = field(default_factory=dict)  # the engine's per-request helpers (detokenizer, stop matcher)
+    pending: int = 0  # tokens sampled by a launched step whose results the engine has not read yet (0 or 1)
+    done: bool = False  # finished or cancelled: a launched step's sample for it is dropped
 
     @property
     def reserve_tokens(self) -> int:
@@ -84,6 +87,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.id == request_id:
                 self.waiting.remove(seq)
+                seq.done = True
                 return seq, True
         for seq in self.running:
             if seq.id == request_id:
@@ -92,6 +96,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
+        seq.done = True
         self.running.remove(seq)
         self.pool.release(seq.id)
 
@@ -109,7 +114,9 @@ class Scheduler:
         return admitted
 
     def plan(self) -> Plan:
-        decode = [s for s in self.running if not s.in_prompt]
+        # A request whose last token is already sampled (by a launched step not read yet) has nothing to decode.
+        decode = [s for s in self.running
+                  if not s.in_prompt and len(s.generated) + s.pending < s.params.max_new_tokens]
         prefill = []
         budget = self.max_prefill_tokens
         for seq in self.running:

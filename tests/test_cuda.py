@@ -244,3 +244,33 @@ def test_engine_step_on_cuda_triton_glue_matches_eager_glue():
         step = build_step([(ids[30], 30, b)], [(ids[200:260], 200, a, True)], 16, torch.device("cuda"))
         logits[glue] = runner.forward(step)
     torch.testing.assert_close(logits["triton"], logits["eager"], atol=5e-2, rtol=5e-2)
+
+
+def test_overlapped_steps_on_cuda_give_the_serial_tokens():
+    """On CUDA the engine launches each step before reading the previous one's samples (decode rows fed on the
+    device): four concurrent greedy requests of different lengths give the same tokens as with serial steps."""
+    import threading
+
+    from server.sampling import SamplingParams
+
+    prompts = [torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 21, 40, 9)]
+    got = {}
+    for overlap in (True, False):
+        eng = _tiny_engine(True)
+        eng.overlap = overlap
+        try:
+            out = {}
+
+            def run(i):
+                out[i] = eng.complete(prompts[i], SamplingParams(temperature=0.0, max_new_tokens=10 + 7 * i,
+                                                                 ignore_eos=True)).token_ids
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got[overlap] = out
+        finally:
+            eng.close()
+    assert got[True] == got[False] and [len(got[True][i]) for i in range(4)] == [10, 17, 24, 31]

@@ -58,9 +58,12 @@ def make_engine(tiny_model_dir, cache_dir, **kw) -> Engine:
     return Engine.from_path(str(tiny_model_dir), EngineConfig(**cfg), cache_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, cache_dir):
-    eng = make_engine(tiny_model_dir, cache_dir)
+@pytest.fixture(scope="module", params=["serial", "overlap"])
+def engine(request, tiny_model_dir, cache_dir):
+    """Every engine test runs with serial steps (the CPU default) and with overlapped ones (CUDA's: a step launched
+    before the previous one's samples are read), which must behave the same in every respect."""
+    eng = make_engine(tiny_model_dir, cache_dir, overlap=request.param == "overlap")
+    assert eng.overlap == (request.param == "overlap")
     yield eng
     eng.close()
 
@@ -316,12 +319,13 @@ def test_stop_string_cuts_text_before_it(engine):
     assert len(r.token_ids) < 40
 
 
-def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model, overlap):
     g = hf_greedy(hf_model, tok, "The old bridge", 12)
     j = next(i for i in range(2, 12) if g[i] not in g[:i])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = [g[j]]
-    eng = Engine(model, tok, EngineConfig(memory_budget="1MiB", dtype="float32")).start()
+    eng = Engine(model, tok, EngineConfig(memory_budget="1MiB", dtype="float32", overlap=overlap)).start()
     try:
         r = eng.complete("The old bridge", greedy(12))
         assert list(r.token_ids) == g[: j + 1]
@@ -335,6 +339,72 @@ def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model):
         assert_idle(eng)
     finally:
         eng.close()
+
+
+def _split_event(ev) -> tuple[tuple, list[float]]:
+    """(what must be equal, the floats that are equal up to rounding): a step's logits depend, in their last bits,
+    on which rows share the step, and overlapped steps batch requests at other moments than serial ones."""
+    floats = [x for lp in ev.logprobs for x in (lp.logprob, *(v for _, v in lp.top))]
+    floats += [x for st in ev.trace for stage in (st.temperature, st.top_k, st.top_p) for _, x in stage]
+    floats += [x for st in ev.trace for x in (st.mass_top_k, st.mass_top_p, st.entropy)]
+    exact = (ev.text, ev.token_ids, tuple(lp.token_id for lp in ev.logprobs),
+             tuple((st.kept_top_k, st.kept_top_p) for st in ev.trace), ev.finished, ev.finish_reason, ev.stop,
+             None if ev.accounting is None else (ev.accounting.generated_tokens, ev.accounting.kv_bytes_used))
+    return exact, floats
+
+
+def test_overlapped_steps_give_every_event_the_serial_ones_do(tiny_model_dir, cache_dir, monkeypatch):
+    """Concurrent requests of every kind (greedy, seeded sampling, a repetition penalty, a stop string, logprobs and
+    a trace, EOS suppressed by min_tokens, different lengths, joining while others decode) through an engine with
+    overlapped steps and one with serial steps: the same events, token by token, text and accounting included."""
+    kinds = [
+        ("The old bridge", greedy(30)),
+        ("A seeded one", SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_new_tokens=25)),
+        ("With a penalty", SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3, max_new_tokens=20)),
+        ("Once upon a time", greedy(40, stop=("e",))),
+        ("Logprobs please", SamplingParams(temperature=1.0, seed=5, max_new_tokens=9, logprobs=3, trace=4)),
+        ("Short", greedy(1)),
+        ("At least", greedy(14, min_tokens=14)),
+        ("A long prompt " * 12, greedy(17)),
+    ]
+    import server.engine as engine_module
+
+    fed = {False: 0, True: 0}
+    real_build = engine_module.build_step
+
+    def counting_build(*a, **kw):
+        fed[overlap] += a[4] is not None  # decode rows fed from the previous step's samples on the device
+        return real_build(*a, **kw)
+
+    monkeypatch.setattr(engine_module, "build_step", counting_build)
+    got = {}
+    for overlap in (False, True):
+        eng = make_engine(tiny_model_dir, cache_dir, overlap=overlap, max_prefill_tokens=16)
+        try:
+            results: dict = {}
+
+            def run(i, prompt, params, delay):
+                time.sleep(delay)
+                results[i] = [_split_event(ev) for ev in eng.stream(prompt, params, request_id=f"r{i}")[1]]
+
+            threads = [threading.Thread(target=run, args=(i, pr, pa, 0.02 * (i % 3))) for i, (pr, pa) in
+                       enumerate(kinds)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert_idle(eng)
+            got[overlap] = results
+        finally:
+            eng.close()
+    for i in got[False]:
+        serial, overlapped = got[False][i], got[True][i]
+        assert [e for e, _ in serial] == [e for e, _ in overlapped], i
+        for (_, a), (_, b) in zip(serial, overlapped):
+            assert len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a, b)), i
+    assert got[False][3][-1][0][5] == "stop" and got[False][0][-1][0][5] == "length"
+    assert any(f for _, f in got[False][4])  # the logprobs and trace were compared
+    assert fed[False] == 0 and fed[True] > 20  # the overlapped engine did feed tokens on the device
 
 
 def test_logprobs_and_trace(engine, hf_model, tok):
