@@ -191,6 +191,12 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         timings["quantize_s"] = time.perf_counter() - t
         measured_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         log(f"peak memory: {measured_peak / 2**30:.2f} GiB (estimated {estimate['total'] / 2**30:.2f} GiB)")
+        device_peak = {}
+        if sm.device.type == "cuda":  # what the build took of the GPU, by its allocator
+            device_peak = {"build_peak_device_allocated_bytes": torch.cuda.max_memory_allocated(sm.device),
+                           "build_peak_device_reserved_bytes": torch.cuda.max_memory_reserved(sm.device)}
+            log(f"peak {sm.device} memory: {device_peak['build_peak_device_allocated_bytes'] / 2**30:.2f} GiB "
+                f"allocated, {device_peak['build_peak_device_reserved_bytes'] / 2**30:.2f} GiB reserved")
         weights = memory.weight_report(model)
         mem = {
             "weights": weights,
@@ -202,6 +208,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
                 "float32": memory.kv_bytes_per_token(model.config, torch.float32),
             },
             "build_peak_rss_bytes": measured_peak,
+            **device_peak,
             "build_peak_estimate_bytes": estimate,
         }
         params = {

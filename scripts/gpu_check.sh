@@ -4,6 +4,8 @@
 # run's dated section (with the device name) to bench/RESULTS.md.
 #   scripts/gpu_check.sh [--quick] [--default-model GGUF] [--data WIKITEXT_DIR]   (bench/gpu.py --help)
 # Needs torch with CUDA and triton (both in the GPU images); nothing here needs torch 2.13-only APIs.
+# Beside it, on the same machine (a command of its own: the models take a few GiB of disk):
+#   python bench/build_memory.py --device cuda --tokenizer word   (an 8B-shaped streamed build: time, GPU peak)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

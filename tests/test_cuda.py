@@ -274,3 +274,20 @@ def test_overlapped_steps_on_cuda_give_the_serial_tokens():
         finally:
             eng.close()
     assert got[True] == got[False] and [len(got[True][i]) for i in range(4)] == [10, 17, 24, 31]
+
+
+def test_a_cuda_build_records_the_allocators_peak(tiny_model_dir, text_file, tmp_path, cache_dir):
+    """`quant build --device cuda`: the manifest has the CUDA allocator's peak beside the RSS peak (#14's record of
+    a GPU build's memory), and GPTQ ran there."""
+    import json
+
+    from quant.build import build
+    from quant.config import BuildConfig, CalibConfig
+
+    cfg = BuildConfig(scheme="w4a16", model=str(tiny_model_dir), out=str(tmp_path / "a"), device="cuda",
+                      calib=CalibConfig(source=str(text_file), samples=4, seqlen=64))
+    out = build(cfg, cache_dir, progress=False, log=lambda *_: None)
+    m = json.loads((out / "quant_manifest.json").read_text())
+    assert m["build"]["device"].startswith("cuda")
+    mem = m["memory"]
+    assert 0 < mem["build_peak_device_allocated_bytes"] <= mem["build_peak_device_reserved_bytes"]
