@@ -563,8 +563,9 @@ class Engine:
     def _loop(self) -> None:
         """Steps until closed. With ``overlap`` a launched step's samples are read (and the requests advanced)
         after the next step is launched: on CUDA the host's work for one token runs while the device computes the
-        next. A step's plan needs nothing read back but the finished requests, which stay in one step more (their
-        extra row is dropped) and the repetition penalty's history (a plan with a penalised row waits)."""
+        next. A step's plan needs nothing read back: a decode row's token, and its place in the repetition penalty's
+        history, are filled from the previous step's samples on the device; a request that finished there (EOS, a
+        stop string) stays in one step more, and that row's sample is dropped."""
         inflight: _Launched | None = None
         with torch.inference_mode():
             dirty = False  # steps ran since the heap was last trimmed
@@ -583,7 +584,7 @@ class Engine:
                 for _ in self.scheduler.admit():
                     self._dequeued()
                 plan = self.scheduler.plan()
-                if inflight is not None and (plan.empty or not self._overlappable(plan)):
+                if inflight is not None and plan.empty:
                     inflight = self._read(inflight)  # then plan again with its samples in
                     continue
                 if plan.empty:
@@ -611,12 +612,6 @@ class Engine:
         self._drain_inbox(block=False)  # commands that arrived meanwhile: adds must still get their final event
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             self._cancel(seq.id, error=why)
-
-    @staticmethod
-    def _overlappable(plan) -> bool:
-        """Whether ``plan`` can launch before the step in flight is read: a penalised row needs its whole history
-        on the host."""
-        return not any(s.pending and s.params.repetition_penalty != 1.0 for s in plan.decode)
 
     def _launch(self, plan, prev: "_Launched | None") -> "_Launched | None":
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
@@ -648,11 +643,15 @@ class Engine:
         if suppress and self.eos_ids:
             rows_t = stage(suppress, torch.int64, self.device)
             logits[rows_t[:, None], self._eos_tensor[None, :]] = -float("inf")
-        batch = SamplingBatch.build(
-            params, [p.seed for p in params], counts,
-            [s.prompt + s.generated for s in sampled] if any(p.repetition_penalty != 1.0 for p in params) else None,
-            device=self.device,
-        )
+        histories = None
+        if any(p.repetition_penalty != 1.0 for p in params):  # a pending token's place is filled on the device
+            histories = [s.prompt + s.generated + [-1] * s.pending for s in sampled]
+        batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device)
+        if histories is not None and rows:
+            at = [i for i, s in enumerate(sampled) if s.pending]  # (the decode rows come first in both orders)
+            idx = stage(at + [len(histories[i]) - 1 for i in at] + [prev.row[sampled[i]] for i in at], torch.int64,
+                        self.device).view(3, len(at))
+            batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
         res = sample(logits, batch)
         for s in sampled:
             s.pending += 1
