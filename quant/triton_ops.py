@@ -63,20 +63,23 @@ def _config(m: int, n: int, k: int, bk: int) -> tuple[int, int, int, int, int]:
     return bm, bn, split, (4 if m <= 64 else 8), 3
 
 
-_LOCKS: dict[torch.device, Tensor] = {}
+_LOCKS: dict[torch.device, list[Tensor]] = {}
 
 
 def split_workspace(x: Tensor, split: int, m: int, n: int, tiles: int) -> tuple[Tensor, Tensor]:
     """A split-K product's fp32 partials (split, m, n) and its tiles' counters (triton_kernels.store_or_reduce).
-    The counters are zeros held per device and shared by every product: the kernels of one stream run one after
-    another, and each leaves its counters at zero. (The first call on a device zeroes them, outside any CUDA graph:
-    the graphs are captured after warm-up runs of the same shapes.)"""
+
+    The counters are zeros held per device and shared by every product, which assumes the products on a device run
+    one after another (the engine launches everything on one stream): each leaves its counters at zero. The first
+    call on a device zeroes them, outside any CUDA graph (graphs are captured after warm-up runs of the same
+    shapes). A larger set, should a product need one, is added beside the old, which stays allocated: captured
+    graphs hold its address. (The split rules keep tiles far below the first set's 4096.)"""
     if split == 1:
         return x, x  # unused
-    locks = _LOCKS.get(x.device)
-    if locks is None or locks.numel() < tiles:
-        locks = _LOCKS[x.device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device)
-    return torch.empty(split, m, n, dtype=torch.float32, device=x.device), locks
+    held = _LOCKS.setdefault(x.device, [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device))
+    return torch.empty(split, m, n, dtype=torch.float32, device=x.device), held[-1]
 
 
 def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:

@@ -242,10 +242,10 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         log.info(
-            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, cuda graphs %s, embeddings %s, weights %.1f MiB, "
-            "KV pool %.1f MiB (%d tokens)",
+            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, cuda graphs %s, %s steps, embeddings %s, "
+            "weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
             model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops, self.cuda_graphs,
-            self.embeddings,
+            "overlapped" if self.overlap else "serial", self.embeddings,
             self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )
@@ -677,8 +677,13 @@ class Engine:
             with self._tok_lock:
                 for i, (seq, tok) in enumerate(zip(launched.sampled, tokens)):
                     seq.pending -= 1
-                    if not seq.done:
+                    if seq.done:
+                        continue
+                    try:
                         self._advance(seq, tok, i, lp, top, trace, now)
+                    except Exception as e:  # noqa: BLE001 - fail this request, advance the others
+                        log.error("request %s: advancing it failed:\n%s", seq.id, traceback.format_exc())
+                        self._fail([seq], e)
         finally:
             deferred, self._deferred = self._deferred, None
             for seq, ev in deferred:

@@ -40,7 +40,7 @@ class Sequence:
     first_token_at: float | None = None
     activation_peak: int = 0  # the largest estimate among this request's prefill chunks
     state: dict = field(default_factory=dict)  # the engine's per-request helpers (detokenizer, stop matcher)
-    pending: int = 0  # tokens sampled by a launched step whose results the engine has not read yet (0 or 1)
+    pending: int = 0  # tokens sampled by launched steps not read yet: 0 or 1 when planning (2 while launching the next)
     done: bool = False  # finished or cancelled: a launched step's sample for it is dropped
 
     @property

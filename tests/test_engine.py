@@ -614,6 +614,36 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
     assert engine.complete("after the fault", greedy(4, min_tokens=4)).finish_reason == "length"
 
 
+def test_a_request_that_fails_to_advance_fails_alone_and_the_engine_keeps_serving(engine, monkeypatch):
+    """An error while a step's samples are applied to one request (detokenizing, stop matching) ends that request
+    with an error event; the others in the step and later requests are served."""
+    real = engine._advance
+    hit = {"n": 0}
+
+    def flaky(seq, *a):
+        if seq.id == "doomed":
+            hit["n"] += 1
+            if hit["n"] == 3:
+                raise RuntimeError("boom")
+        return real(seq, *a)
+
+    monkeypatch.setattr(engine, "_advance", flaky)
+    results = {}
+
+    def run(rid):
+        results[rid] = engine.complete(f"prompt of {rid}", greedy(8, min_tokens=8), request_id=rid)
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in ("doomed", "bystander")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results["doomed"].finish_reason == "error" and "RuntimeError" in results["doomed"].error
+    assert results["bystander"].finish_reason == "length" and len(results["bystander"].token_ids) == 8
+    assert_idle(engine)
+    assert engine.complete("after it", greedy(3, min_tokens=3)).finish_reason == "length"
+
+
 def test_a_broken_sink_cancels_only_its_request(engine):
     def bad(ev):
         raise RuntimeError("client gone")
