@@ -361,6 +361,28 @@ def run_requests(eng, prompts: list[list[int]], new: int) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
+def decode_profile(run, steps: int, top: int = 12) -> dict:
+    """Where a batch-1 decode step's time goes on the device: ``run`` (one request of ``steps`` decode steps after
+    its prefill) under torch.profiler, the device kernels it launched (those replayed inside CUDA graphs included)
+    summed by name. Returns the wall time per step, the device's busy time per step (the rest is the device waiting
+    on the host), kernels per step, and the ``top`` kernels by time (us per step, calls per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:  # a kernel or copy on the device
+            by_name.setdefault(ev.name, []).append(ev.time_range.elapsed_us())
+    busy = sum(sum(v) for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_us_per_step": wall * 1e6 / (steps + 1), "device_busy_us_per_step": busy / (steps + 1),
+            "kernels_per_step": sum(len(v) for v in by_name.values()) / (steps + 1),
+            "top": [(name[:60], sum(v) / (steps + 1), len(v) / (steps + 1)) for name, v in ranked]}
+
+
 def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None:
     dev = "cuda"
     torch.cuda.reset_peak_memory_stats()
@@ -391,6 +413,7 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
         eng.overlap = False  # the same with serial steps (each step's samples read before the next is launched)
         row["b1_serial_tok_s"] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
         eng.overlap = True
+        row["b1_profile"] = decode_profile(lambda: run_requests(eng, [prompt(16)], 65), 64)
         # bytes a decode step reads: every weight but an untied input embedding (one row of it is looked up)
         emb = model.model.embed_tokens.weight
         row["read_bytes"] = eng.weight_bytes - (0 if model.lm_head.weight is emb else emb.nbytes)
@@ -572,6 +595,14 @@ def markdown(results: dict, failures: list) -> str:
                    f" MiB allocated; KV pool {r['kv_pool_bytes'] / 2**20:.0f} MiB vs {r['kv_pool_alloc'] / 2**20:.0f}"
                    f" MiB; 512-token prefill activations estimated {r['prefill512_estimate'] / 2**20:.1f} MiB vs"
                    f" allocator peak {r['prefill512_peak_over_base'] / 2**20:.1f} MiB")
+    for r in results.get("engine", []):
+        p = r.get("b1_profile")
+        if p:
+            out += ["", f"Batch-1 decode step of the {r['shape']} engine under torch.profiler (64 steps after a "
+                        f"16-token prompt): {p['wall_us_per_step']:.0f} us per step wall, the device busy "
+                        f"{p['device_busy_us_per_step']:.0f} us of it, {p['kernels_per_step']:.0f} kernels per step.",
+                    "", "| kernel | us per step | calls per step |", "|---|---|---|"]
+            out += [f"| `{name}` | {us:.1f} | {calls:.1f} |" for name, us, calls in p["top"]]
     return "\n".join(out) + "\n"
 
 
