@@ -163,6 +163,8 @@ def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm in the same run: per layer the rule's config (quant.triton_ops.w4_gemv_config), the fastest,
     and each one's share of the bandwidth limit (the codes and the scale/zero table read once)."""
+    from gemv_v1 import w4_gemv_v1  # bench/: session 14's kernel, for the same-run comparison
+
     from quant import triton_ops as T
     from quant.int4 import _pack_for_kernel
 
@@ -178,7 +180,10 @@ def gemv_sweep(results: dict, failures: list) -> None:
         rule = T.w4_gemv_config(n, k, gs)
         row = {"layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
                "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
-               "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6}
+               "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
+               "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
+        if rel_err(w4_gemv_v1(x, qw, sz, gs), want) > 2e-2:
+            failures.append(f"w4 gemv v1 {name}: relative error past 2e-2")
         times = {}
         for cfg in GEMV_SWEEP:
             err = rel_err(T.w4_gemv(x, qw, sz, gs, cfg), want)
@@ -561,14 +566,16 @@ def markdown(results: dict, failures: list) -> str:
         out.append("")
     if results.get("gemv_sweep"):
         out += ["One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the sweep's fastest (BLOCK_N, "
-                "BLOCK_K, SPLIT_K, warps), tinygemm; us and share of the bandwidth limit (codes + table read once).",
-                "", "| layer | N x K | rule | rule us | best | best us | tinygemm us | BW share rule / best / tinygemm |",
-                "|---|---|---|---|---|---|---|---|"]
+                "BLOCK_K, SPLIT_K, warps), session 14's kernel (bench/gemv_v1.py), tinygemm; us and share of the "
+                "bandwidth limit (codes + table read once).",
+                "", "| layer | N x K | rule | rule us | best | best us | v1 us | tinygemm us | BW share rule / best / "
+                "tinygemm |", "|---|---|---|---|---|---|---|---|---|"]
         for r in results["gemv_sweep"]:
             share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "tinygemm")
                                if f"{key}_bw_share" in r)
             out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
-                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['tinygemm_us']:.1f} | {share or '-'} |")
+                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['v1_us']:.1f} | {r['tinygemm_us']:.1f} | "
+                       f"{share or '-'} |")
         out.append("")
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")
