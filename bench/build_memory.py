@@ -37,16 +37,6 @@ SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, 
 LLAMA3_VOCAB = 128256
 
 
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer over ``vocab`` words 't<i>' (random-weight models have no text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t2", eos_token="t1", unk_token="t0")
-
-
 def random_words(path: Path, vocab: int, words: int = 200_000, seed: int = 0) -> Path:
     """Calibration text of random words of the word tokenizer, one paragraph per 500 words."""
     if not path.is_file():
@@ -66,6 +56,8 @@ def make_model(path: Path, layers: int, seed: int = 0, tokenizer: str = "default
     if (path / "config.json").is_file():
         return path
     if tokenizer == "word":
+        from gpu import word_tokenizer  # bench/gpu.py: token i is the word 't<i>'
+
         tok = word_tokenizer(LLAMA3_VOCAB)
     else:
         from transformers import AutoTokenizer

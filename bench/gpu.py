@@ -284,7 +284,7 @@ def word_tokenizer(vocab: int):
 
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t1", unk_token="t0")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t2", eos_token="t1", unk_token="t0")
 
 
 def random_w4a16_model(shape: str, dev: str, gs: int = 128):
