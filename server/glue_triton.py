@@ -13,7 +13,9 @@ one kernel:
 - ``rope_``: q and k rotated in place in one launch (one program per token and head), rotate-half convention,
   partial rotary (the first R dims of a head), each product and the sum rounded like the eager ops;
 - ``store_kv``: one program per token writes its k and v rows to their slot of the paged cache;
-- ``silu_mul`` / ``gelu_tanh_mul``: act(gate) rounded to the dtype, times up.
+- ``silu_mul`` / ``gelu_tanh_mul``: act(gate) rounded to the dtype, times up. GELU-tanh is computed as
+  x·sigmoid(2u), the same function as 0.5·x·(1 + tanh u) without its cancellation for negative x, so it is closer
+  to the exact value than the eager op, which it then differs from by more than a rounding near zero.
 
 The arithmetic follows the eager ops' roundings; exp, rsqrt and the order of a row's sum are the GPU's own, so
 16-bit results can differ from the eager ones by a rounding at a few elements (the fused CPU ops' bound).
@@ -25,8 +27,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from server.attention.triton_kernels import tanh_exp
 
 
 def _pow2(n: int) -> int:
@@ -174,8 +174,8 @@ def _act_mul_kernel(GU, O, inter, sg, so, GELU: tl.constexpr, BLOCK: tl.constexp
     g = tl.load(GU + t * sg + c, mask=ok, other=0.0)
     u = tl.load(GU + t * sg + inter + c, mask=ok, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
-    if GELU:  # GELU, tanh approximation
-        act = 0.5 * gf * (1.0 + tanh_exp(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)))
+    if GELU:  # GELU, tanh approximation: 0.5 x (1 + tanh u) = x sigmoid(2u), which has no 1 + tanh to cancel
+        act = gf / (1.0 + tl.exp(-1.5957691216057308 * (gf + 0.044715 * gf * gf * gf)))
     else:  # SiLU
         act = gf / (1.0 + tl.exp(-gf))
     act = act.to(g.dtype).to(tl.float32)  # rounded before the product, as the eager ops

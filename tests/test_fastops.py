@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import rerun_capped_to_avx2
+from glue_cases import check_activations, check_norms, check_rope, check_store_kv
 from server import fastops
 
 pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")
@@ -16,90 +17,29 @@ FUSED = fastops.Ops("fused")
 REF = fastops.Ops("eager")
 
 
-def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Largest difference in units of the dtype's resolution at b's magnitude."""
-    eps = torch.finfo(b.dtype).eps
-    return ((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1e-3) * eps)).max()
-
-
-def assert_close_ulps(a, b):
-    """Equal up to rounding: sums run in another order and exp/rsqrt differ in the last bit. In 16-bit dtypes
-    that flips a rounding at only a few elements; in fp32 many elements differ, each by a few ulps."""
-    assert a.shape == b.shape and a.dtype == b.dtype
-    if a.dtype != torch.float32:
-        differ = (a != b).float().mean().item()
-        assert differ <= 0.01, f"{differ:.3%} of elements differ"
-    # A 16-bit result can flip one rounding before the weight product and one after; fp32 accumulates more.
-    assert ulps(a, b) <= (8.0 if a.dtype == torch.float32 else 2.0), ulps(a, b)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 7, 300])  # 300 rows crosses the grain, so the parallel loop splits them
 def test_norms_match_reference(dtype, T):
-    g = torch.Generator().manual_seed(T)
-    x = (torch.randn(T, 576, generator=g) * 3).to(dtype)
-    d = torch.randn(T, 576, generator=g).to(dtype)
-    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    assert_close_ulps(FUSED.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5))
-    xf, hf = FUSED.add_rms_norm(x, d, w, 1e-6)
-    xr, hr = REF.add_rms_norm(x, d, w, 1e-6)
-    assert torch.equal(xf, xr)  # the residual add rounds once, exactly as the eager add
-    assert_close_ulps(hf, hr)
+    check_norms(FUSED, REF, dtype, T, 576)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5, 200])
 @pytest.mark.parametrize("R", [64, 48])  # full and partial rotary (Phi-4-mini, GPT-NeoX rotate part of a head)
 def test_rope_in_place_matches_reference_on_strided_views(dtype, T, R):
-    H, Hkv, D = 9, 3, 64
-    g = torch.Generator().manual_seed(T)
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
-    ang = torch.rand(T, R // 2, generator=g) * 50
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)  # (T, R), the layout of HF's rotary_emb
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
-    outs = []
-    for ops in (FUSED, REF):
-        x = qkv.clone()
-        q, k, _ = x.split([H * D, Hkv * D, Hkv * D], dim=-1)  # strided views, as the models pass them
-        ops.rope_(q.view(T, H, D), k.view(T, Hkv, D), cos, sin)
-        outs.append(x)
-    assert torch.equal(outs[0], outs[1])  # same roundings in the same order: bit-identical
-    assert torch.equal(outs[0][:, (H + Hkv) * D :], qkv[:, (H + Hkv) * D :])  # v untouched
-    if R < D:  # the dims past R are left as they were
-        heads = outs[0][:, : (H + Hkv) * D].view(T, H + Hkv, D)
-        assert torch.equal(heads[..., R:], qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)[..., R:])
+    check_rope(FUSED, REF, dtype, T, R, H=9, Hkv=3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 200])
 def test_store_kv_matches_reference(dtype, T):
-    Hkv, D, nslots = 3, 64, 512
-    g = torch.Generator().manual_seed(T)
-    kvv = torch.randn(T, 4 * Hkv * D, generator=g).to(dtype)
-    k, v = kvv[:, : Hkv * D].view(T, Hkv, D), kvv[:, 2 * Hkv * D : 3 * Hkv * D].view(T, Hkv, D)  # strided rows
-    slots = torch.randperm(nslots, generator=g)[:T]
-    kv_f = torch.zeros(2, nslots, Hkv, D, dtype=dtype)
-    kv_r = torch.zeros_like(kv_f)
-    FUSED.store_kv(k, v, kv_f, slots)
-    REF.store_kv(k, v, kv_r, slots)
-    assert torch.equal(kv_f, kv_r)
-    untouched = torch.ones(nslots, dtype=torch.bool)
-    untouched[slots] = False
-    assert kv_f[:, untouched].abs().sum() == 0  # nothing written outside the given slots
+    check_store_kv(FUSED, REF, dtype, T, Hkv=3, D=64, nslots=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 40])
 def test_gated_activations_match_reference(dtype, T):
-    g = torch.Generator().manual_seed(T)
-    gu = (torch.randn(T, 2 * 1536, generator=g) * 4).to(dtype)
-    assert_close_ulps(FUSED.silu_mul(gu), REF.silu_mul(gu))
-    if dtype == torch.float32:
-        # 1 + tanh(u) cancels for very negative inputs, so a last-bit tanh difference is a large relative one on
-        # values near zero: compare those absolutely.
-        torch.testing.assert_close(FUSED.gelu_tanh_mul(gu), REF.gelu_tanh_mul(gu), rtol=1e-5, atol=1e-5)
-    else:
-        assert_close_ulps(FUSED.gelu_tanh_mul(gu), REF.gelu_tanh_mul(gu))
+    check_activations(FUSED, REF, dtype, T, 1536)
 
 
 def paged_case(dtype, B=3, H=9, Hkv=3, D=64, bs=16, blocks=40, seed=0):
