@@ -157,12 +157,15 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
 
 GEMV_SWEEP = [(bn, bk, split, warps) for bn in (64, 128, 256) for bk in (64, 128) for split in (1, 2, 4, 8)
               for warps in (4, 8)]  # 48 compiled variants, each timed at the four shapes
+INT8_GEMV_SWEEP = [(bn, bk, split, warps) for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8)
+                   for warps in (4, 8)]
 
 
 def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
-    against tinygemm in the same run: per layer the rule's config (quant.triton_ops.w4_gemv_config), the fastest,
-    and each one's share of the bandwidth limit (the codes and the scale/zero table read once)."""
+    against tinygemm and session 14's kernel in the same run: per layer the rule's config
+    (quant.triton_ops.w4_gemv_config), the fastest, and each one's share of the bandwidth limit (the codes and the
+    scale/zero table read once). Then the one-row int8 kernel over INT8_GEMV_SWEEP against the tiled int8 GEMM."""
     from gemv_v1 import w4_gemv_v1  # bench/: session 14's kernel, for the same-run comparison
 
     from quant import triton_ops as T
@@ -195,6 +198,28 @@ def gemv_sweep(results: dict, failures: list) -> None:
         row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
         if bw:
             for key in ("rule", "best", "tinygemm"):
+                row[f"{key}_bw_share"] = nbytes / (row[f"{key}_us"] * 1e-6) / bw
+        rows.append(row)
+    for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
+        w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
+        sc = torch.rand(n, device=dev) * 0.01
+        x = torch.randn(1, k, device=dev, dtype=dtype)
+        want = T.int8_reference(x, w8, sc, None)
+        nbytes = w8.nbytes + sc.nbytes
+        row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": nbytes, "rule": T.int8_gemv_config(n, k),
+               "rule_us": cuda_time(lambda: T.int8_gemv(x, w8, sc, None)) * 1e6,
+               "gemm_us": cuda_time(lambda: T.int8_gemm(x, w8, sc, None)) * 1e6}
+        times = {}
+        for cfg in INT8_GEMV_SWEEP:
+            err = rel_err(T.int8_gemv(x, w8, sc, None, cfg), want)
+            if err > 2e-2:
+                failures.append(f"int8 gemv {name} config {cfg}: relative error {err:.3g}")
+                continue
+            times[cfg] = cuda_time(lambda: T.int8_gemv(x, w8, sc, None, cfg)) * 1e6
+        best = min(times, key=times.get)
+        row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
+        if bw:
+            for key in ("rule", "best", "gemm"):
                 row[f"{key}_bw_share"] = nbytes / (row[f"{key}_us"] * 1e-6) / bw
         rows.append(row)
     results["gemv_sweep"] = rows
@@ -571,11 +596,24 @@ def markdown(results: dict, failures: list) -> str:
                 "", "| layer | N x K | rule | rule us | best | best us | v1 us | tinygemm us | BW share rule / best / "
                 "tinygemm |", "|---|---|---|---|---|---|---|---|---|"]
         for r in results["gemv_sweep"]:
+            if r.get("op") == "int8":
+                continue
             share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "tinygemm")
                                if f"{key}_bw_share" in r)
             out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
                        f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['v1_us']:.1f} | {r['tinygemm_us']:.1f} | "
                        f"{share or '-'} |")
+        out += ["", "One-row int8 weight-only at the 8B shapes (bf16 activations): the GEMV's rule and fastest config, "
+                "the tiled GEMM at one row (what ran before); us and share of the bandwidth limit.", "",
+                "| layer | N x K | rule | rule us | best | best us | GEMM us | BW share rule / best / GEMM |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in results["gemv_sweep"]:
+            if r.get("op") != "int8":
+                continue
+            share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "gemm")
+                               if f"{key}_bw_share" in r)
+            out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
+                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['gemm_us']:.1f} | {share or '-'} |")
         out.append("")
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")

@@ -282,7 +282,8 @@ class Int8WeightLinear(WeightOnlyLinear):
 
     def kernel(self, dtype: torch.dtype) -> str:
         if self.has_kernel(dtype) and self.weight.is_cuda:
-            return "Triton int8 weight-only GEMM (quant.triton_ops.int8_matmul), every row count"
+            return ("Triton int8 weight-only kernels (quant.triton_ops.int8_matmul): a GEMV at one row, a tiled GEMM "
+                    "above, every row count")
         if self.has_kernel(dtype):
             corr = " - rowsum(x)*s*z" if self.affine else ""
             return (f"aten._weight_int8pack_mm{corr}, one C++ pass (quant.rows), a tiled C++ product (quant.gemm, "

@@ -118,6 +118,39 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, GS: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # One input row against W (N, K) int8, rows of W contiguous along K. Per weight: its sign-extended value + 128 in
+    # the mantissa of 2^23, then 2^23 + 128 subtracted (exact; no int-to-float conversion), and one FMA with x. The
+    # products stay in a (BLOCK_N, BLOCK_K) accumulator until after the K loop; the next tile is loaded ahead.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    c = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    xs = tl.zeros((BLOCK_K,), tl.float32)  # sum of x over this program's K range, for the zero-points
+    k0 = pid_k * BLOCK_K
+    w = tl.load(W + rn[:, None] * stride_wn + (k0 + c)[None, :], mask=n_ok[:, None] & (k0 + c < K)[None, :], other=0)
+    for k in range(k0, K, BLOCK_K * SPLIT_K):
+        kn = k + BLOCK_K * SPLIT_K
+        nxt = tl.load(W + rn[:, None] * stride_wn + (kn + c)[None, :], mask=n_ok[:, None] & (kn + c < K)[None, :],
+                      other=0)
+        x = tl.load(X + k + c, mask=k + c < K, other=0.0).to(tl.float32)  # (BK,)
+        f = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # exact int8 value
+        acc += f * x[None, :]
+        if AFFINE:
+            xs += x
+        w = nxt
+    s = tl.load(S + rn, mask=n_ok, other=0.0)  # (BN,) fp32
+    y = tl.sum(acc, 1) * s
+    if AFFINE:
+        zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
+        y -= tl.sum(xs, 0) * (s * zp)
+    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+
+
+@triton.jit
 def int8_kernel(X, W, S, ZP, Y, WS, LOCKS, M, N, K, stride_xm, stride_wn, stride_ym,
                 AFFINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K: tl.constexpr):

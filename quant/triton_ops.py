@@ -163,11 +163,49 @@ def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: i
 
 
 def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
-    """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype."""
+    """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype.
+    One row (batch-1 decode) takes the GEMV kernel, more the tiled GEMM."""
+    if x.shape[0] == 1:
+        return int8_gemv(x, weight, scale, zero)
+    return int8_gemm(x, weight, scale, zero)
+
+
+def int8_gemm(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
+    """The tiled int8 kernel (tl.dot on 16-bit tiles) at any row count."""
     n, k = weight.shape
     affine = zero is not None
     return _launch("int8_kernel", x, n, k, 64, weight, scale, zero if affine else scale, strides=(weight.stride(0),),
                    AFFINE=affine)
+
+
+def int8_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row int8 kernel: as :func:`w4_gemv_config`'s rule, over
+    (BLOCK_N, BLOCK_K) int8 tiles of 8 KiB. (bench/gpu.py sweeps these on a GPU.)"""
+    bn, bk = 64, 128
+    tiles, steps = _cdiv(n, bn), _cdiv(k, bk)
+    split = 1
+    while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:
+        split *= 2
+    return bn, bk, split, 4
+
+
+def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
+              config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`."""
+    from quant.triton_kernels import int8_gemv_kernel
+
+    n, k = weight.shape
+    bn, bk, split, warps = config or int8_gemv_config(n, k)
+    if x.shape != (1, k) or weight.stride(1) != 1 or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"int8_gemv: x must be (1, {k}), W's rows contiguous, tiles powers of two; got x "
+                         f"{tuple(x.shape)}, config {(bn, bk, split, warps)}")
+    tiles = _cdiv(n, bn)
+    y = x.new_empty(1, n)
+    ws, locks = split_workspace(x, split, 1, n, tiles)
+    affine = zero is not None
+    int8_gemv_kernel[(tiles, split)](x, weight, scale, zero if affine else scale, y, ws, locks, n, k, weight.stride(0),
+                                     AFFINE=affine, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
+    return y
 
 
 def int8_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:

@@ -52,7 +52,7 @@ def test_split_k_products_are_one_launch_deterministic_and_rearm_their_counters(
     xs = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
     scale = torch.rand(80, generator=torch.Generator().manual_seed(5)) * 0.01
     assert T._config(3, 80, 768, 64)[2] > 1  # both products below do split K
-    first = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))
+    first = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))  # 1 row: GEMV; 3 rows: GEMM
     locks = T._LOCKS[torch.device("cpu")][-1]
     assert locks.numel() >= 4096 and not locks.any()
     again = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))
@@ -82,6 +82,25 @@ def test_int8_matmul_matches_reference(affine, dtype, m, n, k):
     assert got.dtype == dtype and got.shape == (m, n)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("config", [None, (32, 64, 1, 4), (16, 32, 8, 2), (128, 128, 2, 8)])
+def test_int8_gemv_matches_reference(affine, config):
+    """One row takes the int8 GEMV kernel (split K where the rows of W alone are few programs); the configurations
+    bench/gpu.py sweeps compute the same product, K not a multiple of the tile included."""
+    n, k = 200, 1000
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    zero = torch.randint(-20, 20, (n,), generator=g, dtype=torch.int8) if affine else None
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(1, k, generator=g).to(dtype)
+        got = T.int8_gemv(x, w, scale, zero, config) if config else T.int8_matmul(x, w, scale, zero)
+        want = T.int8_reference(x, w, scale, zero)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert got.dtype == dtype and got.shape == (1, n)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
