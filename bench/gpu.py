@@ -180,7 +180,7 @@ def gemv_sweep(results: dict, failures: list) -> None:
         x = torch.randn(1, k, device=dev, dtype=dtype)
         want = T.w4_reference(x, qw, sz, gs)
         nbytes = qw.nbytes + sz.nbytes
-        rule = T.w4_gemv_config(n, k, gs)
+        rule = T.w4_gemv_config(n, k, gs, T.multiprocessors(x.device))
         row = {"layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
                "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
                "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
@@ -206,7 +206,8 @@ def gemv_sweep(results: dict, failures: list) -> None:
         x = torch.randn(1, k, device=dev, dtype=dtype)
         want = T.int8_reference(x, w8, sc, None)
         nbytes = w8.nbytes + sc.nbytes
-        row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": nbytes, "rule": T.int8_gemv_config(n, k),
+        rule = T.int8_gemv_config(n, k, T.multiprocessors(x.device))
+        row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
                "rule_us": cuda_time(lambda: T.int8_gemv(x, w8, sc, None)) * 1e6,
                "gemm_us": cuda_time(lambda: T.int8_gemm(x, w8, sc, None)) * 1e6}
         times = {}

@@ -17,6 +17,7 @@ order (``triton_kernels.store_or_reduce``), so a split product is one launch and
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,8 +33,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The split-K rule aims for this many programs on a decode-shaped product (an H100 has 132 multiprocessors).
-TARGET_PROGRAMS = 264
+# The split-K rules aim for this many programs per multiprocessor on a decode-shaped product: two for the tiled
+# kernels, four for the one-row kernels (enough weight bytes in flight for the memory's bandwidth).
+PROGRAMS_PER_SM = 2
+GEMV_PROGRAMS_PER_SM = 4
+H100_SMS = 132  # what the rules assume off a GPU (the interpreter runs the GPU's rules)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (CUDA), else an H100's."""
+    if device.type != "cuda":
+        return H100_SMS
+    return torch.cuda.get_device_properties(device.index if device.index is not None else
+                                            torch.cuda.current_device()).multi_processor_count
 # Above this many rows the int4 Linears dequantize on CUDA (one Triton pass into the activation dtype) and
 # multiply with cuBLAS, which measured faster there than the fused kernel (bench/gpu.py measures both sides;
 # the int8 kernel stays ahead of dequantizing at every row count measured, so int8 takes it throughout).
@@ -49,7 +62,7 @@ def w4_block_k(group_size: int, rows: int = 1) -> int | None:
     return 128 if rows <= 64 else 64
 
 
-def _config(m: int, n: int, k: int, bk: int) -> tuple[int, int, int, int, int]:
+def _config(m: int, n: int, k: int, bk: int, sms: int = H100_SMS) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for an (m x k) @ (k x n) product (no autotuning: it
     does not run under the interpreter, and a fixed rule keeps the first call's latency flat)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
@@ -58,7 +71,7 @@ def _config(m: int, n: int, k: int, bk: int) -> tuple[int, int, int, int, int]:
     split = 1
     if m <= 64:
         steps = -(-k // bk)
-        while tiles * split * 2 <= TARGET_PROGRAMS and steps >= split * 2 * 4:  # >= 4 K tiles per program
+        while tiles * split * 2 <= PROGRAMS_PER_SM * sms and steps >= split * 2 * 4:  # >= 4 K tiles per program
             split *= 2
     return bm, bn, split, (4 if m <= 64 else 8), 3
 
@@ -87,7 +100,7 @@ def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) ->
 
     kernel = getattr(triton_kernels, kernel)
     m = x.shape[0]
-    bm, bn, split, warps, stages = _config(m, n, k, bk)
+    bm, bn, split, warps, stages = _config(m, n, k, bk, multiprocessors(x.device))
     grid = (_cdiv(m, bm), _cdiv(n, bn), split)
     y = x.new_empty(m, n)
     ws, locks = split_workspace(x, split, m, n, grid[0] * grid[1])
@@ -120,18 +133,19 @@ def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int)
     return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
-GEMV_TARGET_PROGRAMS = 528  # four per multiprocessor of an H100: enough weight bytes in flight for its bandwidth
-
-
-def w4_gemv_config(n: int, k: int, group_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row kernel: K split until the programs reach
-    GEMV_TARGET_PROGRAMS, each keeping >= 2 K tiles. (bench/gpu.py sweeps these on a GPU.)"""
-    bn, bk = 128, min(group_size, 128)
-    tiles, steps = _cdiv(n, bn), _cdiv(k, bk)
+def _gemv_split(tiles: int, steps: int, sms: int) -> int:
+    """K split (a power of two) until the programs reach GEMV_PROGRAMS_PER_SM per multiprocessor, each keeping >= 2
+    K tiles."""
     split = 1
-    while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:
+    while tiles * split * 2 <= GEMV_PROGRAMS_PER_SM * sms and steps >= split * 2 * 2:
         split *= 2
-    return bn, bk, split, 4
+    return split
+
+
+def w4_gemv_config(n: int, k: int, group_size: int, sms: int = H100_SMS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row kernel. (bench/gpu.py sweeps these on a GPU.)"""
+    bn, bk = 128, min(group_size, 128)
+    return bn, bk, _gemv_split(_cdiv(n, bn), _cdiv(k, bk), sms), 4
 
 
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
@@ -141,7 +155,7 @@ def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
     from quant.triton_kernels import w4_gemv_kernel
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    bn, bk, split, warps = config or w4_gemv_config(n, k, group_size)
+    bn, bk, split, warps = config or w4_gemv_config(n, k, group_size, multiprocessors(x.device))
     if x.shape != (1, k) or bk < 8 or group_size % bk or bn & (bn - 1) or bk & (bk - 1):
         raise ValueError(f"w4_gemv: x must be (1, {k}) and BLOCK_K a power of two dividing the group size "
                          f"{group_size}; got x {tuple(x.shape)}, config {(bn, bk, split, warps)}")
@@ -178,15 +192,11 @@ def int8_gemm(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> 
                    AFFINE=affine)
 
 
-def int8_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row int8 kernel: as :func:`w4_gemv_config`'s rule, over
-    (BLOCK_N, BLOCK_K) int8 tiles of 8 KiB. (bench/gpu.py sweeps these on a GPU.)"""
+def int8_gemv_config(n: int, k: int, sms: int = H100_SMS) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row int8 kernel, over (BLOCK_N, BLOCK_K) int8 tiles of 8 KiB.
+    (bench/gpu.py sweeps these on a GPU.)"""
     bn, bk = 64, 128
-    tiles, steps = _cdiv(n, bn), _cdiv(k, bk)
-    split = 1
-    while tiles * split * 2 <= GEMV_TARGET_PROGRAMS and steps >= split * 2 * 2:
-        split *= 2
-    return bn, bk, split, 4
+    return bn, bk, _gemv_split(_cdiv(n, bn), _cdiv(k, bk), sms), 4
 
 
 def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -195,7 +205,7 @@ def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
     from quant.triton_kernels import int8_gemv_kernel
 
     n, k = weight.shape
-    bn, bk, split, warps = config or int8_gemv_config(n, k)
+    bn, bk, split, warps = config or int8_gemv_config(n, k, multiprocessors(x.device))
     if x.shape != (1, k) or weight.stride(1) != 1 or bn & (bn - 1) or bk & (bk - 1):
         raise ValueError(f"int8_gemv: x must be (1, {k}), W's rows contiguous, tiles powers of two; got x "
                          f"{tuple(x.shape)}, config {(bn, bk, split, warps)}")
