@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from quant.errors import UnsupportedModelError
+from quant.triton_ops import multiprocessors
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.batch import StepInputs, stage
 
@@ -67,9 +68,9 @@ def _flat(rows: list[tuple[int, int, int, list[int]]], width: int, fill: int) ->
 class TritonBackend(AttentionBackend):
     name = "triton"
     features = frozenset({"window", "softcap"})
-    # A decode-only step splits each sequence's keys into up to this many parts when it has fewer sequences x KV
-    # heads than this many programs' worth of work, and at least MIN_SPLIT_KEYS keys per part.
-    TARGET_PROGRAMS = 256
+    # A decode-only step splits each sequence's keys when it has fewer sequences x KV heads than PROGRAMS_PER_SM
+    # programs per multiprocessor of the device, keeping at least MIN_SPLIT_KEYS keys per part.
+    PROGRAMS_PER_SM = 2
     MIN_SPLIT_KEYS = 256
 
     @staticmethod
@@ -105,9 +106,10 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------------------------ per step
 
     def _splits(self, seqs: int, most: int) -> int:
-        """The split-K factor: enough programs for TARGET_PROGRAMS with ``seqs`` sequences, at most ``most``, a
-        power of two (tl.arange in the merge)."""
-        splits = max(1, min(self.TARGET_PROGRAMS // max(1, seqs * self.specs[0].kv_heads), most))
+        """The split-K factor: enough programs for the device with ``seqs`` sequences, at most ``most``, a power of
+        two (tl.arange in the merge)."""
+        target = self.PROGRAMS_PER_SM * multiprocessors(self.device)
+        splits = max(1, min(target // max(1, seqs * self.specs[0].kv_heads), most))
         return 1 << (splits.bit_length() - 1)
 
     def _staged(self, rows, width: int, fill: int) -> tuple[Tensor, Tensor]:
