@@ -157,6 +157,7 @@ class Ops:
 
             self.rms_norm, self.add_rms_norm, self.rope_ = g.rms_norm, g.add_rms_norm, g.rope_
             self.store_kv, self.silu_mul, self.gelu_tanh_mul = g.store_kv, g.silu_mul, g.gelu_tanh_mul
+            self.rope_store_kv_ = g.rope_store_kv_  # the triton attention backend's fused rotary + cache write
         else:
             self.rms_norm = ref_rms_norm
             self.add_rms_norm = ref_add_rms_norm

@@ -13,6 +13,8 @@ one kernel:
 - ``rope_``: q and k rotated in place in one launch (one program per token and head), rotate-half convention,
   partial rotary (the first R dims of a head), each product and the sum rounded like the eager ops;
 - ``store_kv``: one program per token writes its k and v rows to their slot of the paged cache;
+- ``rope_store_kv_``: the two above in one launch (the triton attention backend's; a k head's program writes its
+  rotated k and its v head to the cache);
 - ``silu_mul`` / ``gelu_tanh_mul``: act(gate) rounded to the dtype, times up. GELU-tanh is computed as
   x·sigmoid(2u), the same function as 0.5·x·(1 + tanh u) without its cancellation for negative x, so it is closer
   to the exact value than the eager op, which it then differs from by more than a rounding near zero.
@@ -91,10 +93,32 @@ def add_rms_norm(x: Tensor, delta: Tensor, w: Tensor, eps: float) -> tuple[Tenso
 
 # ----------------------------------------------------------------------------------------------- rotary
 
+def _check_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != cos.dtype:
+            raise ValueError(f"rope_: {name} must be (T, heads, D) with contiguous heads in {cos.dtype}")
+    T, _, D = q.shape
+    R = cos.shape[1]
+    if k.shape[0] != T or k.shape[2] != D or R % 2 or R > D or cos.shape != (T, R) or sin.shape != cos.shape \
+            or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"rope_: cos and sin must be (T, R) rows with an even R <= {D}, got {tuple(cos.shape)}")
+
+
+def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place: q (T, H, D), k (T, Hkv, D) with contiguous heads (rows may be strided: slices of a fused qkv
+    output); cos, sin (T, R), R <= D even: the first R dims of each head are rotated."""
+    _check_rope(q, k, cos, sin)
+    _launch_rope(q, k, None, cos, sin, None, None)
+
+
 @triton.jit
-def _rope_kernel(Q, K, COS, SIN, H, sq, sk, sc, HALF: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_kernel(Q, K, V, COS, SIN, KV, SLOTS, H, nslots, sq, sk, sv, sc, HKV: tl.constexpr, HALF: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr,
+                 STORE: tl.constexpr):
+    # One program per (token, head of q then k): the head's first 2 HALF dims rotated in place. With STORE, a k head's
+    # program then writes the rotated k and its v head to the token's cache slot.
     t = tl.program_id(0)
-    head = tl.program_id(1)  # 0..H-1: q's heads, then k's
+    head = tl.program_id(1)
     if head < H:
         X = Q + t * sq + head * D
     else:
@@ -109,28 +133,43 @@ def _rope_kernel(Q, K, COS, SIN, H, sq, sk, sc, HALF: tl.constexpr, D: tl.conste
     s_hi = tl.load(SIN + t * sc + HALF + j, mask=ok, other=0.0).to(tl.float32)
     dt = a.dtype
     af, bf = a.to(tl.float32), b.to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = [-b, a]: each product and the sum rounded as the eager ops
-    lo = (af * c_lo).to(dt).to(tl.float32) + (-bf * s_lo).to(dt).to(tl.float32)
-    hi = (bf * c_hi).to(dt).to(tl.float32) + (af * s_hi).to(dt).to(tl.float32)
-    tl.store(X + j, lo.to(dt), mask=ok)
-    tl.store(X + HALF + j, hi.to(dt), mask=ok)
+    lo = ((af * c_lo).to(dt).to(tl.float32) + (-bf * s_lo).to(dt).to(tl.float32)).to(dt)
+    hi = ((bf * c_hi).to(dt).to(tl.float32) + (af * s_hi).to(dt).to(tl.float32)).to(dt)
+    tl.store(X + j, lo, mask=ok)
+    tl.store(X + HALF + j, hi, mask=ok)
+    if STORE and head >= H:
+        kvh = head - H
+        slot = tl.load(SLOTS + t)
+        in_cache = (slot >= 0) & (slot < nslots)  # a slot outside the cache writes nothing
+        kc = KV + (slot * HKV + kvh) * D
+        tl.store(kc + j, lo, mask=ok & in_cache)
+        tl.store(kc + HALF + j, hi, mask=ok & in_cache)
+        p = 2 * HALF + tl.arange(0, PASS_BLOCK)  # the dims past the rotary ones (partial rotary), as they are
+        p_ok = (p < D) & in_cache
+        tl.store(kc + p, tl.load(X + p, mask=p_ok, other=0.0), mask=p_ok)
+        d = tl.arange(0, V_BLOCK)
+        d_ok = (d < D) & in_cache
+        tl.store(KV + ((nslots + slot) * HKV + kvh) * D + d, tl.load(V + t * sv + kvh * D + d, mask=d_ok), mask=d_ok)
 
 
-def rope_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """In place: q (T, H, D), k (T, Hkv, D) with contiguous heads (rows may be strided: slices of a fused qkv
-    output); cos, sin (T, R), R <= D even: the first R dims of each head are rotated."""
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != cos.dtype:
-            raise ValueError(f"rope_: {name} must be (T, heads, D) with contiguous heads in {cos.dtype}")
+def rope_store_kv_(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, slots: Tensor) -> None:
+    """:func:`rope_` then :func:`store_kv` in one launch: q and k rotated in place, the rotated k and v written to
+    their slots of one layer's cache kv (2, slots, Hkv, D)."""
+    _check_rope(q, k, cos, sin)
+    _check_store(k, v, kv, slots)
+    _launch_rope(q, k, v, cos, sin, kv, slots)
+
+
+def _launch_rope(q, k, v, cos, sin, kv, slots) -> None:
     T, H, D = q.shape
     R = cos.shape[1]
-    if k.shape[0] != T or k.shape[2] != D or R % 2 or R > D or cos.shape != (T, R) or sin.shape != cos.shape \
-            or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"rope_: cos and sin must be (T, R) rows with an even R <= {D}, got {tuple(cos.shape)}")
+    store = kv is not None
     if T:
-        block = _pow2(R // 2)
-        _rope_kernel[(T, H + k.shape[1])](q, k, cos, sin, H, q.stride(0), k.stride(0), cos.stride(0),
-                                          HALF=R // 2, D=D, BLOCK=block, num_warps=_warps(block))
+        _rope_kernel[(T, H + k.shape[1])](
+            q, k, v if store else k, cos, sin, kv if store else k, slots if store else cos, H,
+            kv.shape[1] if store else 0, q.stride(0), k.stride(0), v.stride(0) if store else 0, cos.stride(0),
+            HKV=k.shape[1], HALF=R // 2, D=D, BLOCK=_pow2(R // 2), PASS_BLOCK=_pow2(max(1, D - R)),
+            V_BLOCK=_pow2(D), STORE=store, num_warps=_warps(_pow2(D) if store else _pow2(R // 2)))
 
 
 # ----------------------------------------------------------------------------------------------- K/V cache write
@@ -145,10 +184,7 @@ def _store_kv_kernel(Kin, Vin, KV, SLOTS, nslots, sk, sv, ROW: tl.constexpr, BLO
     tl.store(KV + (nslots + slot) * ROW + c, tl.load(Vin + t * sv + c, mask=ok), mask=ok)
 
 
-def store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
-    """k, v (T, Hkv, D), heads contiguous, into their slots of one layer's cache kv (2, slots, Hkv, D). Slots come
-    from the block pool (server/kv_pool.py); one outside the cache is not written (checking it here would cost a
-    device-to-host read per layer)."""
+def _check_store(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
     if kv.dim() != 4 or kv.shape[0] != 2 or not kv.is_contiguous():
         raise ValueError("store_kv: kv must be a contiguous (2, slots, Hkv, D) tensor")
     _, nslots, hkv, d = kv.shape
@@ -158,6 +194,15 @@ def store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
             raise ValueError(f"store_kv: {name} must be (T, {hkv}, {d}) with contiguous heads in {kv.dtype}")
     if slots.shape != (T,) or not slots.is_contiguous():
         raise ValueError("store_kv: slots must be a contiguous (T,) tensor")
+
+
+def store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
+    """k, v (T, Hkv, D), heads contiguous, into their slots of one layer's cache kv (2, slots, Hkv, D). Slots come
+    from the block pool (server/kv_pool.py); one outside the cache is not written (checking it here would cost a
+    device-to-host read per layer)."""
+    _check_store(k, v, kv, slots)
+    _, nslots, hkv, d = kv.shape
+    T = k.shape[0]
     if T:
         block = _pow2(hkv * d)
         _store_kv_kernel[(T,)](k, v, kv, slots, nslots, k.stride(0), v.stride(0), ROW=hkv * d, BLOCK=block,

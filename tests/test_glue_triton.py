@@ -50,6 +50,33 @@ def test_store_kv_matches_reference_and_writes_nothing_else(tri, dtype, T):
     check_store_kv(tri, REF, dtype, T, Hkv=2, D=64, nslots=96)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R", [64, 48])  # partial rotary: the k dims past R reach the cache as they are
+def test_rope_and_store_in_one_launch_equal_the_two_references(tri, dtype, R):
+    """The triton backend's fused op: q and k rotated in place and k (rotated) and v in the cache, bit for bit what
+    rope_ then store_kv give; a slot outside the cache writes nothing."""
+    T, H, Hkv, D, nslots = 5, 6, 2, 64, 40
+    g = torch.Generator().manual_seed(R)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    ang = torch.rand(T, R // 2, generator=g) * 50
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    slots = torch.tensor([3, 17, 39, 40, 0])  # 40: outside the cache
+    outs = []
+    for fused in (True, False):
+        x = qkv.clone()
+        q, k, v = (t.view(T, -1, D) for t in x.split([H * D, Hkv * D, Hkv * D], dim=-1))
+        kv = torch.zeros(2, nslots, Hkv, D, dtype=dtype)
+        if fused:
+            tri.rope_store_kv_(q, k, v, cos, sin, kv, slots)
+        else:
+            REF.rope_(q, k, cos, sin)
+            REF.store_kv(k[slots < nslots], v[slots < nslots], kv, slots[slots < nslots])
+        outs.append((x, kv))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][1].abs().sum() > 0
+
+
 def test_store_kv_outside_the_cache_writes_nothing(tri):
     k = torch.randn(2, 2, 16)
     kv = torch.zeros(2, 8, 2, 16)

@@ -2,8 +2,9 @@
 implements.
 
 Per step the backend prepares its metadata once (``prepare``: gathers, masks, block tables on the device,
-whatever it reads), then each layer calls ``forward(q, k, v, layer, meta)`` with rotated q and k: the backend
-writes k and v into its cache at the step's slots and returns the attention output. The cache is the KV
+whatever it reads), then each layer calls ``forward(q, k, v, layer, meta)`` with rotated q and k (the models call
+``forward_rotary``, which rotates them first, or fuses that with the cache write): the backend writes k and v into
+its cache at the step's slots and returns the attention output. The cache is the KV
 pool's storage; the backend states the layout it reads (``kv_shape``), so the models never see it.
 """
 
@@ -53,6 +54,12 @@ class AttentionBackend(ABC):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta) -> Tensor:
         """q (T, H, D), k and v (T, Hkv, D), rotated: store k/v at the step's slots in layer ``layer``'s cache
         and return the attention output (T, H, D)."""
+
+    def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int, meta) -> Tensor:
+        """:meth:`forward` on q and k before their rotary embedding (cos, sin: (T, R)), which is applied first, in
+        place, by the glue ops; a backend may fuse it with its K/V write."""
+        self.ops.rope_(q, k, cos, sin)
+        return self.forward(q, k, v, layer, meta)
 
     @classmethod
     def unsupported(cls, specs: list[AttentionSpec]) -> str | None:

@@ -154,6 +154,14 @@ class TritonBackend(AttentionBackend):
         self.ops.store_kv(k, v, kv, meta.slots)
         return paged_attention(q, kv[0], kv[1], meta, spec, self.block_size)
 
+    def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int,
+                       meta: TritonMeta) -> Tensor:
+        if self.ops.kind != "triton":
+            return super().forward_rotary(q, k, v, cos, sin, layer, meta)
+        kv = self.kv[layer]  # (2, slots, Hkv, D)
+        self.ops.rope_store_kv_(q, k, v, cos, sin, kv, meta.slots)  # the rotary and the cache write: one launch
+        return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size)
+
 
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
                     block_size: int) -> Tensor:

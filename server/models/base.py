@@ -276,6 +276,5 @@ class CausalLM:
         if self.qk_norm == "head":
             q, k = layer.q_norm(q), layer.k_norm(k)
         cos, sin = cos_sin
-        self.ops.rope_(q, k, cos, sin)  # in place
-        o = backend.forward(q, k, v, i, meta)  # (T, H, D)
+        o = backend.forward_rotary(q, k, v, cos, sin, i, meta)  # (T, H, D); q and k rotated in place
         return layer.o(o.reshape(T, H * D))
