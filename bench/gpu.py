@@ -161,6 +161,24 @@ INT8_GEMV_SWEEP = [(bn, bk, split, warps) for bn in (32, 64, 128) for bk in (128
                    for warps in (4, 8)]
 
 
+def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...], bw: float | None) -> dict:
+    """Time ``gemv(config)`` over ``configs`` (each first held to ``want``), add the fastest to ``row`` and each
+    timing's share of the bandwidth limit (``row["bytes"]`` read once) for the rule, the fastest and ``peers``."""
+    times = {}
+    for cfg in configs:
+        err = rel_err(gemv(cfg), want)
+        if err > 2e-2:
+            failures.append(f"{row['op']} gemv {row['layer']} config {cfg}: relative error {err:.3g}")
+            continue
+        times[cfg] = cuda_time(lambda: gemv(cfg)) * 1e6
+    best = min(times, key=times.get)
+    row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
+    if bw:
+        for key in ("rule", "best", *peers):
+            row[f"{key}_bw_share"] = row["bytes"] / (row[f"{key}_us"] * 1e-6) / bw
+    return row
+
+
 def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm and session 14's kernel in the same run: per layer the rule's config
@@ -173,56 +191,30 @@ def gemv_sweep(results: dict, failures: list) -> None:
 
     dev, gs, dtype = "cuda", 128, torch.bfloat16
     bw = next((v for k, v in PEAK_BW.items() if k in torch.cuda.get_device_name()), None)
+    sms = T.multiprocessors(torch.device(dev))
     rows = []
     for name, n, k in linear_shapes("8B"):
         qw, sz, codes = random_w4(n, k, gs, dtype, dev)
         packed = _pack_for_kernel(codes.to(torch.int32))
         x = torch.randn(1, k, device=dev, dtype=dtype)
         want = T.w4_reference(x, qw, sz, gs)
-        nbytes = qw.nbytes + sz.nbytes
-        rule = T.w4_gemv_config(n, k, gs, T.multiprocessors(x.device))
-        row = {"layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
-               "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
-               "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
-               "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
         if rel_err(w4_gemv_v1(x, qw, sz, gs), want) > 2e-2:
             failures.append(f"w4 gemv v1 {name}: relative error past 2e-2")
-        times = {}
-        for cfg in GEMV_SWEEP:
-            err = rel_err(T.w4_gemv(x, qw, sz, gs, cfg), want)
-            if err > 2e-2:
-                failures.append(f"w4 gemv {name} config {cfg}: relative error {err:.3g}")
-                continue
-            times[cfg] = cuda_time(lambda: T.w4_gemv(x, qw, sz, gs, cfg)) * 1e6
-        best = min(times, key=times.get)
-        row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
-        if bw:
-            for key in ("rule", "best", "tinygemm"):
-                row[f"{key}_bw_share"] = nbytes / (row[f"{key}_us"] * 1e-6) / bw
-        rows.append(row)
+        row = {"op": "w4", "layer": name, "n": n, "k": k, "bytes": qw.nbytes + sz.nbytes,
+               "rule": T.w4_gemv_config(n, k, gs, sms), "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
+               "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
+               "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
+        rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
+                           ("tinygemm",), bw))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
         w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         sc = torch.rand(n, device=dev) * 0.01
         x = torch.randn(1, k, device=dev, dtype=dtype)
-        want = T.int8_reference(x, w8, sc, None)
-        nbytes = w8.nbytes + sc.nbytes
-        rule = T.int8_gemv_config(n, k, T.multiprocessors(x.device))
-        row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": nbytes, "rule": rule,
-               "rule_us": cuda_time(lambda: T.int8_gemv(x, w8, sc, None)) * 1e6,
+        row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": w8.nbytes + sc.nbytes,
+               "rule": T.int8_gemv_config(n, k, sms), "rule_us": cuda_time(lambda: T.int8_gemv(x, w8, sc, None)) * 1e6,
                "gemm_us": cuda_time(lambda: T.int8_gemm(x, w8, sc, None)) * 1e6}
-        times = {}
-        for cfg in INT8_GEMV_SWEEP:
-            err = rel_err(T.int8_gemv(x, w8, sc, None, cfg), want)
-            if err > 2e-2:
-                failures.append(f"int8 gemv {name} config {cfg}: relative error {err:.3g}")
-                continue
-            times[cfg] = cuda_time(lambda: T.int8_gemv(x, w8, sc, None, cfg)) * 1e6
-        best = min(times, key=times.get)
-        row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
-        if bw:
-            for key in ("rule", "best", "gemm"):
-                row[f"{key}_bw_share"] = nbytes / (row[f"{key}_us"] * 1e-6) / bw
-        rows.append(row)
+        rows.append(_sweep(row, lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), INT8_GEMV_SWEEP,
+                           T.int8_reference(x, w8, sc, None), failures, ("gemm",), bw))
     results["gemv_sweep"] = rows
 
 
@@ -597,7 +589,7 @@ def markdown(results: dict, failures: list) -> str:
                 "", "| layer | N x K | rule | rule us | best | best us | v1 us | tinygemm us | BW share rule / best / "
                 "tinygemm |", "|---|---|---|---|---|---|---|---|---|"]
         for r in results["gemv_sweep"]:
-            if r.get("op") == "int8":
+            if r["op"] != "w4":
                 continue
             share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "tinygemm")
                                if f"{key}_bw_share" in r)
@@ -609,7 +601,7 @@ def markdown(results: dict, failures: list) -> str:
                 "| layer | N x K | rule | rule us | best | best us | GEMM us | BW share rule / best / GEMM |",
                 "|---|---|---|---|---|---|---|---|"]
         for r in results["gemv_sweep"]:
-            if r.get("op") != "int8":
+            if r["op"] != "int8":
                 continue
             share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "gemm")
                                if f"{key}_bw_share" in r)
