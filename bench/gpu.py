@@ -205,7 +205,7 @@ def gemv_sweep(results: dict, failures: list) -> None:
                "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
                "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
-                           ("tinygemm",), bw))
+                           ("v1", "tinygemm"), bw))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
         w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         sc = torch.rand(n, device=dev) * 0.01
@@ -583,31 +583,22 @@ def markdown(results: dict, failures: list) -> str:
             out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
     if results.get("gemv_sweep"):
-        out += ["One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the sweep's fastest (BLOCK_N, "
-                "BLOCK_K, SPLIT_K, warps), session 14's kernel (bench/gemv_v1.py), tinygemm; us and share of the "
-                "bandwidth limit (codes + table read once).",
-                "", "| layer | N x K | rule | rule us | best | best us | v1 us | tinygemm us | BW share rule / best / "
-                "tinygemm |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in results["gemv_sweep"]:
-            if r["op"] != "w4":
-                continue
-            share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "tinygemm")
-                               if f"{key}_bw_share" in r)
-            out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
-                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['v1_us']:.1f} | {r['tinygemm_us']:.1f} | "
-                       f"{share or '-'} |")
-        out += ["", "One-row int8 weight-only at the 8B shapes (bf16 activations): the GEMV's rule and fastest config, "
-                "the tiled GEMM at one row (what ran before); us and share of the bandwidth limit.", "",
-                "| layer | N x K | rule | rule us | best | best us | GEMM us | BW share rule / best / GEMM |",
-                "|---|---|---|---|---|---|---|---|"]
-        for r in results["gemv_sweep"]:
-            if r["op"] != "int8":
-                continue
-            share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" for key in ("rule", "best", "gemm")
-                               if f"{key}_bw_share" in r)
-            out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {r['rule_us']:.1f} | "
-                       f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['gemm_us']:.1f} | {share or '-'} |")
-        out.append("")
+        tables = [("w4", ("v1", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the "
+                   "sweep's fastest (BLOCK_N, BLOCK_K, SPLIT_K, warps), session 14's kernel (bench/gemv_v1.py), "
+                   "tinygemm; us and share of the bandwidth limit (codes + table read once)."),
+                  ("int8", ("gemm",), "One-row int8 weight-only at the 8B shapes (bf16 activations): the GEMV's rule "
+                   "and fastest config, the tiled GEMM at one row (what ran before); us and share of the bandwidth "
+                   "limit.")]
+        for op, peers, title in tables:
+            keys = ("rule", "best", *peers)
+            out += [title, "", "| layer | N x K | rule | best | " + " | ".join(f"{key} us" for key in keys)
+                    + " | BW share " + " / ".join(keys) + " |", "|---" * (5 + len(keys)) + "|"]
+            for r in (r for r in results["gemv_sweep"] if r["op"] == op):
+                share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" if f"{key}_bw_share" in r else "-"
+                                   for key in keys)
+                out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {tuple(r['best'])} | "
+                           + " | ".join(f"{r[f'{key}_us']:.1f}" for key in keys) + f" | {share} |")
+            out.append("")
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")
     if results.get("default_model"):
