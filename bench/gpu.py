@@ -662,7 +662,7 @@ def main(argv=None) -> int:
     if args.only in (None, "kernels"):
         steps += [("linear", lambda: kernel_checks(results, failures, args.quick)),
                   ("attention", lambda: attention_checks(results, failures, args.quick))]
-        if not args.quick:
+        if args.only is None and not args.quick:  # the full run; alone: --only gemv
             steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
     if args.only == "gemv":
         steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
