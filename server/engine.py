@@ -37,6 +37,7 @@ from quant.kernel_choice import Chooser
 from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
 from server import capacity, models
 from server import outputs as out
+from server.batch import stage
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.kv_pool import BlockPool, KVBudgetError, KVLayout, budget_fraction, free_memory, resolve_budget
 from server.layers.embedding import check_mode as check_embeddings
@@ -46,7 +47,6 @@ from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
 from server.runner import ModelRunner, build_step
-from server.batch import stage
 from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
 from server.scheduler import Scheduler, Sequence
 from server.settings import setting
@@ -647,10 +647,8 @@ class Engine:
         if any(p.repetition_penalty != 1.0 for p in params):  # a pending token's place is filled on the device
             histories = [s.prompt + s.generated + [-1] * s.pending for s in sampled]
         batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device)
-        if histories is not None and rows:
-            at = [i for i, s in enumerate(sampled) if s.pending]  # (the decode rows come first in both orders)
-            idx = stage(at + [len(histories[i]) - 1 for i in at] + [prev.row[sampled[i]] for i in at], torch.int64,
-                        self.device).view(3, len(at))
+        if histories is not None and rows:  # the fed decode rows are the same rows of ``sampled``
+            idx = stage(rows + [len(histories[i]) - 1 for i in rows] + index, torch.int64, self.device).view(3, -1)
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
         res = sample(logits, batch)
         for s in sampled:
