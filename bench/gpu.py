@@ -41,38 +41,11 @@ SHAPES = {
 
 
 def cuda_time(fn, reps: int = 20, warm: int = 3, inner: int = 10) -> float:
-    """Median seconds of one fn() on the GPU: ``inner`` calls captured in a CUDA graph and replayed between CUDA
-    events, so host launch latency is not counted (the decode step replays graphs the same way); eager calls
-    when the capture fails."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                fn()
-        run = graph.replay
-    except Exception:  # noqa: BLE001 - e.g. an op that synchronises: time it eagerly
-        torch.cuda.synchronize()
+    """Median seconds of one fn() on the GPU (quant.timing.cuda_time_us: calls captured in a CUDA graph and
+    replayed, as the decode step's graphs replay them)."""
+    from quant.timing import cuda_time_us
 
-        def run():
-            for _ in range(inner):
-                fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / inner)
-    return statistics.median(times)
+    return cuda_time_us(fn, reps, warm, inner) / 1e6
 
 
 # ----------------------------------------------------------------------------------------------- 1 + 2: kernels
@@ -161,9 +134,24 @@ INT8_GEMV_SWEEP = [(bn, bk, split, warps) for bn in (32, 64, 128) for bk in (128
                    for warps in (4, 8)]
 
 
+def _searched(row: dict, space_of, gemv, x, want, k: int) -> None:
+    """What the server's search (quant.kernel_choice.search, from the rule's config) picks for this layer, how many
+    launches it measured and how long it took, and the pick's time measured as the sweep measures: in ``row``."""
+    from quant.kernel_choice import LaunchSpace, search
+    from quant.triton_ops import GEMV_AXES
+
+    start, axes = space_of
+    t = time.perf_counter()
+    cfg, timed = search(LaunchSpace(start, axes, GEMV_AXES, lambda c: (lambda xx: gemv(c)), lambda xx: want), k,
+                        x.dtype, x.device)
+    row.update(searched=cfg, searched_measured=len(timed), search_s=time.perf_counter() - t,
+               searched_us=cuda_time(lambda: gemv(cfg)) * 1e6)
+
+
 def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...], bw: float | None) -> dict:
     """Time ``gemv(config)`` over ``configs`` (each first held to ``want``), add the fastest to ``row`` and each
-    timing's share of the bandwidth limit (``row["bytes"]`` read once) for the rule, the fastest and ``peers``."""
+    timing's share of the bandwidth limit (``row["bytes"]`` read once) for the rule, the fastest, the search's
+    pick and ``peers``."""
     times = {}
     for cfg in configs:
         err = rel_err(gemv(cfg), want)
@@ -174,7 +162,7 @@ def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...
     best = min(times, key=times.get)
     row.update(best=best, best_us=times[best], top5=sorted(times.items(), key=lambda kv: kv[1])[:5])
     if bw:
-        for key in ("rule", "best", *peers):
+        for key in ("rule", "best", "searched", *peers):
             row[f"{key}_bw_share"] = row["bytes"] / (row[f"{key}_us"] * 1e-6) / bw
     return row
 
@@ -204,6 +192,7 @@ def gemv_sweep(results: dict, failures: list) -> None:
                "rule": T.w4_gemv_config(n, k, gs, sms), "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
                "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
                "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
+        _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
                            ("v1", "tinygemm"), bw))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
@@ -213,8 +202,10 @@ def gemv_sweep(results: dict, failures: list) -> None:
         row = {"op": "int8", "layer": name, "n": n, "k": k, "bytes": w8.nbytes + sc.nbytes,
                "rule": T.int8_gemv_config(n, k, sms), "rule_us": cuda_time(lambda: T.int8_gemv(x, w8, sc, None)) * 1e6,
                "gemm_us": cuda_time(lambda: T.int8_gemm(x, w8, sc, None)) * 1e6}
-        rows.append(_sweep(row, lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), INT8_GEMV_SWEEP,
-                           T.int8_reference(x, w8, sc, None), failures, ("gemm",), bw))
+        want = T.int8_reference(x, w8, sc, None)
+        _searched(row, T.int8_gemv_space(n, k, sms), lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), x, want, k)
+        rows.append(_sweep(row, lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), INT8_GEMV_SWEEP, want, failures,
+                           ("gemm",), bw))
     results["gemv_sweep"] = rows
 
 
@@ -348,11 +339,11 @@ def random_w4a16_model(shape: str, dev: str, gs: int = 128):
     return model.eval()
 
 
-def make_engine(model, tok, budget: str, fused_ops: bool = True):
+def make_engine(model, tok, budget: str, fused_ops: bool = True, kernels: str = "measure"):
     from server.engine import Engine, EngineConfig
 
     return Engine(model, tok, EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=64,
-                                           max_prefill_tokens=4096, fused_ops=fused_ops)).start()
+                                           max_prefill_tokens=4096, fused_ops=fused_ops, kernels=kernels)).start()
 
 
 def use_backend(eng, mode: str, saved: dict) -> None:
@@ -417,8 +408,11 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
     prompt = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
     row: dict = {"shape": shape}
     loaded = torch.cuda.memory_allocated()
-    eng = make_engine(model, tok, "16GiB")
+    t = time.perf_counter()
+    eng = make_engine(model, tok, "16GiB")  # kernels measured: one-row launches searched, plans per row count
+    row["engine_start_s"] = time.perf_counter() - t
     try:
+        row["kernels"] = list(eng.info.kernels)
         row["attention"] = eng.attention
         row["cuda_graphs"] = eng.cuda_graphs
         row["weight_bytes"] = eng.weight_bytes
@@ -480,16 +474,17 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
         eng.close()
     del model
     torch.cuda.empty_cache()
-    # the same batch-1 decode with the eager glue ops (a fresh model: modules are fused once per engine)
-    model = random_w4a16_model(shape, dev)
-    eng = make_engine(model, tok, "4GiB", fused_ops=False)
-    try:
-        runs = [128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)]
-        row["b1_eager_glue_tok_s"] = statistics.median(runs)
-    finally:
-        eng.close()
-    del model
-    torch.cuda.empty_cache()
+    # the same batch-1 decode with the eager glue ops, then with the kernels' built-in rules (no launch searched,
+    # no plan measured); a fresh model each: modules are fused once per engine
+    for key, kw in (("b1_eager_glue_tok_s", dict(fused_ops=False)), ("b1_static_kernels_tok_s", dict(kernels="static"))):
+        model = random_w4a16_model(shape, dev)
+        eng = make_engine(model, tok, "4GiB", **kw)
+        try:
+            row[key] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
+        finally:
+            eng.close()
+        del model
+        torch.cuda.empty_cache()
 
 
 def default_model_check(results: dict, failures: list, gguf: Path, data: Path, work: Path) -> None:
@@ -590,13 +585,16 @@ def markdown(results: dict, failures: list) -> str:
                    "and fastest config, the tiled GEMM at one row (what ran before); us and share of the bandwidth "
                    "limit.")]
         for op, peers, title in tables:
-            keys = ("rule", "best", *peers)
-            out += [title, "", "| layer | N x K | rule | best | " + " | ".join(f"{key} us" for key in keys)
-                    + " | BW share " + " / ".join(keys) + " |", "|---" * (5 + len(keys)) + "|"]
+            keys = ("rule", "best", "searched", *peers)
+            out += [title + " `searched`: the server's search from the rule's config (launches measured, "
+                    "seconds).", "",
+                    "| layer | N x K | rule | best | searched | " + " | ".join(f"{key} us" for key in keys)
+                    + " | BW share " + " / ".join(keys) + " |", "|---" * (6 + len(keys)) + "|"]
             for r in (r for r in results["gemv_sweep"] if r["op"] == op):
                 share = " / ".join(f"{100 * r[f'{key}_bw_share']:.0f}%" if f"{key}_bw_share" in r else "-"
                                    for key in keys)
                 out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {tuple(r['best'])} | "
+                           f"{tuple(r['searched'])} ({r['searched_measured']}, {r['search_s']:.1f} s) | "
                            + " | ".join(f"{r[f'{key}_us']:.1f}" for key in keys) + f" | {share} |")
             out.append("")
     if results.get("default_model_skipped"):
@@ -614,7 +612,9 @@ def markdown(results: dict, failures: list) -> str:
         out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
                    f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f}; "
                    f"glue {r.get('glue_ops')}, with the eager glue ops: {r.get('b1_eager_glue_tok_s', 0):.1f}; serial steps "
-                   f"instead of overlapped: {r.get('b1_serial_tok_s', 0):.1f})"
+                   f"instead of overlapped: {r.get('b1_serial_tok_s', 0):.1f}; with the kernels' built-in rules instead "
+                   f"of measured launches and plans: {r.get('b1_static_kernels_tok_s', 0):.1f}; engine start "
+                   f"{r.get('engine_start_s', 0):.1f} s with the measuring)"
                    + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"
                       " read per token)" if "b1_bandwidth_share" in r else "")
                    + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f} (plus the "
@@ -624,6 +624,10 @@ def markdown(results: dict, failures: list) -> str:
                    f" MiB allocated; KV pool {r['kv_pool_bytes'] / 2**20:.0f} MiB vs {r['kv_pool_alloc'] / 2**20:.0f}"
                    f" MiB; 512-token prefill activations estimated {r['prefill512_estimate'] / 2**20:.1f} MiB vs"
                    f" allocator peak {r['prefill512_peak_over_base'] / 2**20:.1f} MiB")
+    for r in results.get("engine", []):
+        if r.get("kernels"):
+            out += ["", f"Kernels the {r['shape']} engine measured (`ModelInfo.kernels`):", ""]
+            out += [f"- {line}" for line in r["kernels"]]
     for r in results.get("engine", []):
         p = r.get("b1_profile")
         if p:

@@ -290,17 +290,23 @@ class GPTQLinear(WeightOnlyLinear):
                 out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
         return out
 
-    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def _gemv_space(self, dtype: torch.dtype):
+        if self._whole is not None or self.layout != "w4triton":
+            return None
+        return triton_ops.w4_gemv_space(self.out_features, self.in_features, self.group_size,
+                                        triton_ops.multiprocessors(self.qweight.device))
+
+    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None) -> torch.Tensor:
         if self._whole is not None:  # a part of a fused module: its rows of the fused product
             fused, a, b = self._whole
-            return fused._kernel_matmul(x2)[:, a:b]
+            return fused._kernel_matmul(x2, gemv_config)[:, a:b]
         sz = self.scales_zeros
         if sz.dtype != x2.dtype:  # another 16-bit dtype than the one prepared for
             sz = sz.to(x2.dtype)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # (M, K) in the repacked column order
         if self.packed is None:  # w4triton
-            return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size)
+            return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size, gemv_config or self.gemv_config)
         return _int4_mm(x2, self.packed, self.group_size, sz)
 
     def _kernel_codes(self) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which kernel computes a Linear, chosen on the CPU it runs on, per row count.
+"""Which kernel computes a Linear, chosen on the device it runs on (a CPU or a GPU), per row count.
 
 A runtime Linear can be computed several ways, and which is fastest depends on the CPU far more than on the
 model: on an AVX2-only CPU a 512-row bf16 matmul is 8x slower than fp32 and ``torch._int_mm`` 25x slower, while
@@ -13,8 +13,14 @@ callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :cla
    the same at any row count, so those paths lose at 1 row and win at 512;
 2. per bucket, the fastest path; a call of M rows uses the plan of the smallest bucket >= M (the last above it);
 3. the plan is kept per computation (the module's ``plan_key``: class, options, shape, dtype) in a JSON file per
-   CPU (model name, vector capability, threads, torch version) under the cache dir, so a CPU measures a shape
-   once; a file that cannot be read is measured again, never trusted half-way.
+   device (a CPU: model name, vector capability, threads, torch version; a GPU: name, compute capability,
+   multiprocessors, torch and triton versions) under the cache dir, so a device measures a shape once; a file
+   that cannot be read is measured again, never trusted half-way.
+
+A module whose one-row kernel has launch parameters (the Triton GEMVs on CUDA: tile shape, K split, warps) also
+offers a :class:`LaunchSpace`; :meth:`Chooser.tune` searches it on the device before the plan is measured (see
+:func:`search`), since the best tile and split differ by GPU and shape far more than a rule can say, and batch-1
+decode is one such call per Linear. The chosen launch is kept in the same file.
 
 ``mode="static"`` skips measuring and uses each module's built-in rule (``static_path``), which is what every
 path falls back to without a plan. Every path computes the same function (the tests hold each to the module's
@@ -28,8 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 
 from quant import gemm
 from quant import rows as rowops
+from quant.timing import PathFn, cpu_key, device_key, time_paths_us  # noqa: F401 - cpu_key: for callers
 
 log = logging.getLogger("quantserve.kernels")
 
@@ -47,14 +52,12 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # 16: a common decode batch; 256: a pref
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 10  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 11  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
 # and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too; 8:
 # bf16 int4 rows two columns per instruction with AVX512-BF16; 9: int4 and int8 Linears have a `gemm` path, and
 # the paths are timed in turn; with AVX2, bf16 Linears have one too; 10: AVX2's gemm rounds its sums in vector
-# steps, and its int8 tiles leave the scales to the sums)
-
-PathFn = Callable[[torch.Tensor], torch.Tensor]
+# steps, and its int8 tiles leave the scales to the sums; 11: a file per device, a GPU's too, with one-row launches)
 
 
 def bucket_index(rows: int) -> int:
@@ -131,44 +134,6 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return paths
 
 
-def cpu_key(threads: int | None = None) -> str:
-    """What makes timings on this CPU comparable: its model name, the vector capability PyTorch dispatches to
-    (``ATEN_CPU_CAPABILITY`` can lower it, as ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` lower oneDNN's
-    and MKL's), the thread count and the torch version."""
-    name = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability()
-    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):  # read per call: a process may be started with them
-        if os.environ.get(var):
-            cap += f" {var}={os.environ[var]}"
-    return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
-
-
-def _time_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
-    """Median µs of each path's calls on ``x`` after a warm-up call each. The paths are called in turn, a round at
-    a time, so that a change in the machine's speed while measuring (another process, a clock step) falls on all
-    of them alike: timed one after the other, two paths within 5% of each other were ranked by the drift (the
-    plans picked dequantizing over the tiled product that beat it by 20% when interleaved). At least 3 rounds,
-    then up to 15 within ``budget_s`` per path (fewer when one is slow: a 512-row bf16 product on an AVX2 CPU takes
-    a tenth of a second)."""
-    for fn in paths.values():
-        fn(x)
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    t_end = time.perf_counter() + budget_s * len(paths)
-    rounds = 0
-    while rounds < 3 or (time.perf_counter() < t_end and rounds < 15):
-        for name, fn in paths.items():
-            t = time.perf_counter()
-            fn(x)
-            samples[name].append(time.perf_counter() - t)
-        rounds += 1
-    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
-
-
 @torch.inference_mode()
 def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, device="cpu",
             max_rows: int | None = None) -> RowPlan:
@@ -186,7 +151,7 @@ def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, devi
                 us[name].append(None)
             continue
         x = torch.randn(rows, in_features, generator=g, device=device).to(dtype)  # (M, K)
-        here = _time_us(live, x)
+        here = time_paths_us(live, x)
         best = min(here, key=here.__getitem__)
         chosen.append(best)
         for name in us:
@@ -195,24 +160,105 @@ def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, devi
     return RowPlan(tuple(chosen), {k: tuple(v) for k, v in us.items()})
 
 
+AGREE = 2e-2  # a launch whose one-row result differs from the reference by more (of the largest |output|) is refused
+
+
+@dataclass(frozen=True)
+class LaunchSpace:
+    """The launch configurations worth measuring for one computation's one-row kernel.
+
+    ``start``: the configuration the kernel's built-in rule gives; ``axes``: per position of the configuration
+    tuple (named by ``names``), the values to try; ``make(config)``: the computation of a (1, K) input launched so;
+    ``reference``: what every configuration must agree with (within :data:`AGREE`), the module's dequantized
+    product."""
+
+    start: tuple[int, ...]
+    axes: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]
+    make: Callable[[tuple[int, ...]], PathFn]
+    reference: PathFn
+
+    def describe(self, config: tuple[int, ...]) -> str:
+        return ", ".join(f"{n}={v}" for n, v in zip(self.names, config))
+
+    def holds(self, config) -> bool:
+        """Whether ``config`` (as read back from a file) is one of this space's."""
+        return (isinstance(config, (list, tuple)) and len(config) == len(self.axes)
+                and all(v in vals for v, vals in zip(config, self.axes)))
+
+
+@torch.inference_mode()
+def search(space: LaunchSpace, in_features: int, dtype: torch.dtype, device="cpu",
+           passes: int = 3) -> tuple[tuple[int, ...], dict[tuple[int, ...], float]]:
+    """The fastest configuration found by a coordinate search from ``space.start``, and every one measured (µs).
+
+    1. the start is measured;
+    2. one axis at a time, every value of that axis with the others at the best so far is measured; the best is
+       then the fastest measured so far;
+    3. passes over the axes repeat until one changes nothing (at most ``passes``).
+
+    Each configuration is first run on a random (1, K) input and held to ``space.reference``: one that disagrees
+    (a tile shape a compiler got wrong on this device) is logged and never chosen; if none agrees, ValueError.
+    A full grid of 4 axes is a few hundred compiled variants; the search measures a few dozen, and the tests
+    hold it to the grid's best on cost functions with a single minimum per axis."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, in_features, generator=g, device=device).to(dtype)  # (1, K)
+    want = space.reference(x).float()  # (1, N)
+    scale = float(want.abs().max()) or 1.0
+    timed: dict[tuple[int, ...], float] = {}
+    refused: set[tuple[int, ...]] = set()
+
+    def visit(cfg: tuple[int, ...]) -> None:
+        if cfg in timed or cfg in refused:
+            return
+        fn = space.make(cfg)
+        err = float((fn(x).float() - want).abs().max()) / scale
+        if not err <= AGREE:  # NaN included
+            refused.add(cfg)
+            log.warning("launch %s disagrees with the reference (relative error %.3g): not used",
+                        space.describe(cfg), err)
+            return
+        timed[cfg] = time_paths_us({"launch": fn}, x)["launch"]
+
+    best = tuple(space.start)
+    visit(best)
+    for _ in range(passes):
+        before = best
+        for axis, values in enumerate(space.axes):
+            for v in values:
+                visit(best[:axis] + (v,) + best[axis + 1:])
+            if timed:
+                best = min(timed, key=timed.__getitem__)
+        if best == before:
+            break
+    if not timed:
+        raise ValueError(f"no launch of the one-row kernel agrees with its reference on {device} (tried "
+                         f"{len(refused)}, from {space.describe(space.start)})")
+    return best, timed
+
+
 class Chooser:
-    """Plans for the Linears of one engine: measured (and cached per CPU) or static."""
+    """Plans for the Linears of one engine on one device (a CPU or a CUDA GPU): measured (and cached per device)
+    or static."""
 
     def __init__(self, mode: str = "static", cache_dir: Path | None = None, threads: int | None = None,
-                 head_rows: int | None = None):
+                 head_rows: int | None = None, device: torch.device | str = "cpu"):
         if mode not in MODES:
             raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         # The most rows the output head gets in one call (an engine's max_batch: it sees only the sampled rows),
         # so its plan is not measured at prefill sizes (a 49152 x 576 head at 512 rows took seconds per path).
         self.head_rows = head_rows
-        self.key = cpu_key(threads)
+        self.device = torch.device(device)
+        self.measures = mode == "measure" and self.device.type in ("cpu", "cuda")
+        self.key = device_key(self.device, threads) if self.measures else ""
         self.file = None
-        if cache_dir is not None:
+        if cache_dir is not None and self.measures:
             digest = hashlib.sha256(self.key.encode()).hexdigest()[:16]
             self.file = Path(cache_dir) / "kernel-plans" / f"{digest}.json"
         self._plans: dict[str, dict] | None = None
         self.chosen: dict[str, RowPlan] = {}  # plan_key -> plan, for what the engine reports
+        self.launches: dict[str, str] = {}  # plan_key -> its one-row launch, described
 
     def _load(self) -> dict[str, dict]:
         if self._plans is None:
@@ -220,7 +266,7 @@ class Chooser:
             if self.file is not None and self.file.is_file():
                 try:
                     d = json.loads(self.file.read_text())
-                    if d.get("version") == _CACHE_VERSION and d.get("cpu") == self.key:
+                    if d.get("version") == _CACHE_VERSION and d.get("device") == self.key:
                         self._plans = dict(d["plans"])
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     log.warning("kernel plans in %s unreadable (%s); measuring again", self.file, e)
@@ -232,16 +278,22 @@ class Chooser:
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "cpu": self.key, "plans": self._plans}, indent=1))
+            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "device": self.key, "plans": self._plans},
+                                      indent=1))
             tmp.replace(self.file)  # atomic: a concurrent reader sees the old file or the new one
         except OSError as e:
             log.warning("could not keep kernel plans in %s (%s)", self.file, e)
 
+    def _here(self, device) -> bool:
+        """Whether this chooser measures computations on ``device`` (its own device type, in measure mode)."""
+        return self.measures and torch.device(device).type == self.device.type
+
     def plan(self, key: str, paths: dict[str, PathFn], in_features: int, dtype: torch.dtype,
              device: torch.device, max_rows: int | None = None) -> RowPlan | None:
-        """The plan for one computation, or None (static mode, one path only, or not a CPU). ``max_rows``: the
-        most rows a call will have (the head's: the sampled rows of a step), measured no further."""
-        if self.mode == "static" or len(paths) < 2 or torch.device(device).type != "cpu":
+        """The plan for one computation, or None (static mode, one path only, or not this chooser's device).
+        ``max_rows``: the most rows a call will have (the head's: the sampled rows of a step), measured no
+        further."""
+        if len(paths) < 2 or not self._here(device):
             return None
         plans = self._load()
         if max_rows is not None:  # a plan measured up to fewer rows must not serve a computation with more
@@ -256,6 +308,32 @@ class Chooser:
         self.chosen[key] = got
         return got
 
+    def tune(self, key: str, space: LaunchSpace, in_features: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[int, ...] | None:
+        """The one-row launch for one computation (:func:`search`, kept per device), or None (static mode, not
+        this chooser's device)."""
+        if not self._here(device):
+            return None
+        plans = self._load()
+        entry = f"{key} one-row launch"
+        stored = plans.get(entry)
+        config = tuple(stored["config"]) if isinstance(stored, dict) and space.holds(stored.get("config")) else None
+        if config is None:
+            t = time.perf_counter()
+            config, timed = search(space, in_features, dtype, device)
+            log.info("one-row launch for %s: %s, %.1f us (the rule's: %s; %d measured in %.2f s)", key,
+                     space.describe(config), timed[config], space.describe(space.start), len(timed),
+                     time.perf_counter() - t)
+            plans[entry] = {"config": list(config),
+                            "us": {",".join(map(str, c)): round(us, 2) for c, us in sorted(timed.items())}}
+            self._save()
+        self.launches[key] = space.describe(config)
+        return config
+
     def table(self) -> list[str]:
-        """One line per planned computation: what runs at which row counts."""
-        return [f"{k}: {p.describe()}" for k, p in sorted(self.chosen.items())]
+        """One line per planned computation: what runs at which row counts (and its one-row launch, if tuned)."""
+        keys = sorted({*self.chosen, *self.launches})
+        return [f"{k}: " + "; ".join(p for p in (self.chosen[k].describe() if k in self.chosen else None,
+                                                 f"one row launched with {self.launches[k]}" if k in self.launches
+                                                 else None) if p)
+                for k in keys]

@@ -17,7 +17,7 @@ from torch import nn
 from quant import dequant, gemm, triton_ops
 from quant import primitives as P
 from quant import rows as rowops
-from quant.kernel_choice import computation_key
+from quant.kernel_choice import LaunchSpace, computation_key
 
 # Up to this many rows (tokens) the weight-only int8 kernel wins; at 512 rows a dequantized dense
 # matmul is faster on CPU (bench/kernels.py, bench/RESULTS.md: kernel ahead at 64 rows, behind at 512).
@@ -95,6 +95,10 @@ class QuantizedLinear(nn.Module):
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.spec().items()) if k not in ("type", "bias"))
         return computation_key(f"{self.SPEC_TYPE}[{opts}]", self.out_features, self.in_features, dtype)
 
+    def launch_space(self, dtype: torch.dtype) -> LaunchSpace | None:
+        """The launch configurations of this module's one-row kernel worth measuring on its device, or None."""
+        return None
+
     def use_plan(self, plan, dtype: torch.dtype, paths: dict | None = None) -> None:
         """Compute inputs of ``dtype`` by ``plan`` (a ``quant.kernel_choice.RowPlan`` over ``paths(dtype)``, which
         the caller may pass when it has them already)."""
@@ -171,9 +175,29 @@ class WeightOnlyLinear(QuantizedLinear):
     def static_path(self, rows: int, dtype: torch.dtype) -> str:
         return "kernel" if self.has_kernel(dtype) and rows <= self.max_kernel_rows else "dequant"
 
-    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when has_kernel)."""
+    # The one-row kernel's launch configuration as measured on its device (quant.kernel_choice.Chooser.tune), or
+    # None: the kernel's own rule.
+    gemv_config: tuple[int, ...] | None = None
+
+    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when has_kernel); ``gemv_config``: the
+        one-row kernel's launch, where it has one (default: ``self.gemv_config``)."""
         raise NotImplementedError
+
+    def _gemv_space(self, dtype: torch.dtype):
+        """(start, values per axis of triton_ops.GEMV_AXES) of the one-row kernel's launch, where it has one."""
+        return None
+
+    def launch_space(self, dtype: torch.dtype) -> LaunchSpace | None:
+        """The one-row kernel's launch configurations to measure on this device (``Chooser.tune``), held to the
+        dequantized product; None where the kernel has no launch to choose (the CPU's)."""
+        got = self._gemv_space(dtype) if self.has_kernel(dtype) else None
+        if got is None:
+            return None
+        start, axes = got
+        return LaunchSpace(tuple(start), axes, triton_ops.GEMV_AXES,
+                           lambda cfg: (lambda x: self._kernel_matmul(x, cfg)),
+                           lambda x: F.linear(x, self.dequantized(x.dtype)))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -188,10 +212,14 @@ class WeightOnlyLinear(QuantizedLinear):
             kern = self._kernel_matmul
             out["kernel"] = kern if b is None else (lambda x: kern(x) + b)
         out["dequant"] = lambda x: F.linear(x, self.dequantized(dtype), b)
-        if dtype != torch.float32:
+        if dtype != torch.float32 and self._device().type == "cpu":  # a GPU's fp32 GEMM is never the faster
             b32 = None if self.bias is None else self.bias.float()
             out["dequant-fp32"] = lambda x: F.linear(x.float(), self.dequantized(torch.float32), b32).to(dtype)
         return out
+
+    def _device(self) -> torch.device:
+        t = next(iter([*self.buffers(), *self.parameters()]), None)
+        return torch.device("cpu") if t is None else t.device
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.float()
@@ -310,9 +338,16 @@ class Int8WeightLinear(WeightOnlyLinear):
             out["gemm"] = gemm.int8(self.weight, self.weight_scale, self.weight_zero_point, bias)
         return out
 
-    def _kernel_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def _gemv_space(self, dtype: torch.dtype):
+        if not self.weight.is_cuda:
+            return None
+        return triton_ops.int8_gemv_space(self.out_features, self.in_features,
+                                          triton_ops.multiprocessors(self.weight.device))
+
+    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None) -> torch.Tensor:
         if x2.is_cuda:
-            return triton_ops.int8_matmul(x2, self.weight, self.weight_scale, self.weight_zero_point)
+            return triton_ops.int8_matmul(x2, self.weight, self.weight_scale, self.weight_zero_point,
+                                          gemv_config or self.gemv_config)
         s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call
         if s is None or s.dtype != x2.dtype:
             s = self.weight_scale.to(x2.dtype)

@@ -121,15 +121,17 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
     return wt
 
 
-def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int) -> Tensor:
+def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
+              gemv_config: tuple[int, int, int, int] | None = None) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel, more the tiled GEMM."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the
+    tiled GEMM."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
-        return w4_gemv(x, qweight, scales_zeros, group_size)
+        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config)
     return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
@@ -146,6 +148,29 @@ def w4_gemv_config(n: int, k: int, group_size: int, sms: int = H100_SMS) -> tupl
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps) of the one-row kernel. (bench/gpu.py sweeps these on a GPU.)"""
     bn, bk = 128, min(group_size, 128)
     return bn, bk, _gemv_split(_cdiv(n, bn), _cdiv(k, bk), sms), 4
+
+
+# The values a device's search tries per position of a one-row kernel's config (quant.kernel_choice.search, from
+# the rule's config, one axis at a time): what bench/gpu.py's sweep spans, plus the neighbours it left out.
+GEMV_AXES = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
+_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def _space(start: tuple[int, ...], axes: tuple[tuple[int, ...], ...]):
+    """(start, axes), each axis holding the start's value too (a rule's split can exceed the axis's largest)."""
+    return start, tuple(tuple(sorted({*vals, v})) for vals, v in zip(axes, start))
+
+
+def w4_gemv_space(n: int, k: int, group_size: int, sms: int = H100_SMS):
+    """(start, values per axis of GEMV_AXES) for the one-row W4A16 kernel: BLOCK_K a power of two from 32 that
+    divides the group size (a tile lies in one group)."""
+    bks = tuple(b for b in (32, 64, 128, 256) if b <= group_size and group_size % b == 0)
+    return _space(w4_gemv_config(n, k, group_size, sms), ((32, 64, 128, 256), bks, _SPLITS, (2, 4, 8)))
+
+
+def int8_gemv_space(n: int, k: int, sms: int = H100_SMS):
+    """(start, values per axis of GEMV_AXES) for the one-row int8 kernel."""
+    return _space(int8_gemv_config(n, k, sms), ((16, 32, 64, 128), (64, 128, 256), _SPLITS, (2, 4, 8)))
 
 
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
@@ -176,11 +201,13 @@ def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: i
     return (x.float() @ w.t()).to(x.dtype)
 
 
-def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
+def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
+                gemv_config: tuple[int, int, int, int] | None = None) -> Tensor:
     """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel, more the tiled GEMM."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the
+    tiled GEMM."""
     if x.shape[0] == 1:
-        return int8_gemv(x, weight, scale, zero)
+        return int8_gemv(x, weight, scale, zero, gemv_config)
     return int8_gemm(x, weight, scale, zero)
 
 

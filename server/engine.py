@@ -197,7 +197,8 @@ class Engine:
         self.pool = BlockPool(self.layout, self.layout.bytes_per_block if fraction else
                               resolve_budget(config.memory_budget, self.device), self.device)
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
-        chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch)  # per-CPU plans
+        chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
+                          device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser)
         if fraction:

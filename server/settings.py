@@ -142,7 +142,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16 only); auto: "
       "int8 for a quantized artifact served in bfloat16, else float", "engine", choices=("auto", "float", "int8")),
     S("kernels", str, "measure", "how each projection's kernel is chosen per row count: measure (the fastest on "
-      "this CPU, timed once per CPU and shape, cached) or static (built-in rules)", "engine",
+      "this device, timed once per CPU or GPU model and shape, cached; on a GPU also the one-row kernels' launch) "
+      "or static (built-in rules)", "engine",
       choices=("measure", "static")),
     S("threads", int, None, "CPU threads for the engine (default: torch's)", "engine"),
     S("grace", float, 30.0, "drain: seconds in-flight requests get after SIGTERM", "serve", field="grace_s",

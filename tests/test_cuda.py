@@ -67,6 +67,35 @@ def test_int8_weight_linear_on_cuda_uses_triton(affine):
         torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)
 
 
+def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
+    """Bound with a measuring chooser on CUDA, W4A16 and int8 modules search their one-row launch and measure
+    their paths per row count on the GPU (graph-replayed timings), keep both in the GPU's plan file, and compute
+    the reference product at every row count through what was chosen."""
+    import json
+
+    from quant.kernel_choice import Chooser
+    from quant.layers import Int8WeightLinear
+    from server.layers.linear import bind
+
+    dtype = torch.bfloat16
+    mods = {"w4": _gptq(1536, 576, 64, False, "cuda"),
+            "int8": Int8WeightLinear.from_float(torch.nn.Linear(576, 1536), affine=True).to("cuda")}
+    chooser = Chooser("measure", tmp_path, device="cuda")
+    for name, m in mods.items():
+        m.prepare(dtype)
+        call = bind(m, dtype, chooser)
+        assert m.gemv_config is not None and m.launch_space(dtype).holds(m.gemv_config), name
+        x = torch.randn(300, 576, device="cuda").to(dtype)
+        want = m.reference_forward(x)
+        for rows in (1, 4, 64, 300):
+            torch.testing.assert_close(call(x[:rows]).float(), want[:rows], atol=3e-2, rtol=3e-2)
+    table = chooser.table()
+    assert len(table) == 2 and all("one row launched with BLOCK_N=" in line for line in table), table
+    stored = json.loads(next((tmp_path / "kernel-plans").glob("*.json")).read_text())
+    assert torch.cuda.get_device_name() in stored["device"]
+    assert sum(key.endswith("one-row launch") for key in stored["plans"]) == 2
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
 def test_w8a8_linear_on_cuda_int_mm(rows):
     from quant.layers import W8A8Linear

@@ -127,7 +127,7 @@ def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path,
     paths = {"a": lambda x: x, "b": lambda x: x + 0}
     first = KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))
     files = list((tmp_path / "kernel-plans").glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["cpu"] == KC.cpu_key()
+    assert len(files) == 1 and json.loads(files[0].read_text())["device"] == KC.cpu_key()
 
     def no_measuring(*a, **k):
         raise AssertionError("measured although the plan was cached")
@@ -250,3 +250,73 @@ def greedy_params(n):
     from server.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, seed=0)
+
+
+def _space(axes, start, cost, wrong=()):
+    """A LaunchSpace over ``axes`` whose launch ``cfg`` computes x (or x + 1 for a config in ``wrong``) and costs
+    ``cost(cfg)`` µs under the fake timer below."""
+    def make(cfg):
+        fn = (lambda x: x + 1) if cfg in wrong else (lambda x: x.clone())
+        fn.cfg = cfg
+        return fn
+
+    return KC.LaunchSpace(start, axes, ("A", "B", "C"), make, lambda x: x)
+
+
+def _fake_timer(cost):
+    return lambda paths, x, *a, **k: {name: cost(fn.cfg) for name, fn in paths.items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_launch_search_finds_the_grid_best_on_separable_costs(seed, monkeypatch):
+    """Costs with one minimum per axis (tile, split and warps act roughly so): the coordinate search reaches the
+    best of the whole grid from any start, and measures far fewer configurations than the grid holds."""
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    axes = ((16, 32, 64, 128), (1, 2, 4, 8, 16, 32), (2, 4, 8))
+    centre = [float(torch.rand(1, generator=g)) * (len(a) - 1) for a in axes]
+    weight = [float(torch.rand(1, generator=g)) + 0.1 for _ in axes]
+
+    def cost(cfg):
+        return 10 + sum(w * (a.index(v) - c) ** 2 for w, a, v, c in zip(weight, axes, cfg, centre))
+
+    monkeypatch.setattr(KC, "time_paths_us", _fake_timer(cost))
+    start = tuple(a[int(torch.randint(len(a), (1,), generator=g))] for a in axes)
+    best, timed = KC.search(_space(axes, start, cost), 8, torch.float32)
+    grid = list(itertools.product(*axes))
+    assert best == min(grid, key=cost)
+    assert timed[best] == cost(best) and start in timed
+    assert len(timed) < len(grid) / 3
+
+
+def test_a_launch_that_disagrees_with_the_reference_is_never_chosen(monkeypatch, caplog):
+    axes = ((1, 2, 3), (1, 2), (1,))
+    cost = lambda cfg: float(sum(cfg))  # noqa: E731 - the smallest values are the fastest
+    monkeypatch.setattr(KC, "time_paths_us", _fake_timer(cost))
+    best, timed = KC.search(_space(axes, (3, 2, 1), cost, wrong={(1, 1, 1), (1, 2, 1)}), 8, torch.float32)
+    assert best == (2, 1, 1) and (1, 1, 1) not in timed
+    assert "disagrees with the reference" in caplog.text
+    every = {(a, b, 1) for a in axes[0] for b in axes[1]}
+    with pytest.raises(ValueError, match="no launch of the one-row kernel agrees with its reference"):
+        KC.search(_space(axes, (3, 2, 1), cost, wrong=every), 8, torch.float32)
+
+
+def test_a_tuned_launch_is_kept_per_device_and_reported(tmp_path, monkeypatch):
+    axes = ((1, 2, 3), (1, 2), (1,))
+    cost = lambda cfg: float(abs(cfg[0] - 2) + cfg[1])  # noqa: E731
+    monkeypatch.setattr(KC, "time_paths_us", _fake_timer(cost))
+    space = _space(axes, (3, 2, 1), cost)
+    c = KC.Chooser("measure", tmp_path)
+    assert c.tune("k", space, 8, torch.float32, "cpu") == (2, 1, 1)
+    assert c.table() == ["k: one row launched with A=2, B=1, C=1"]
+    stored = json.loads(next((tmp_path / "kernel-plans").glob("*.json")).read_text())
+    assert stored["plans"]["k one-row launch"]["config"] == [2, 1, 1]
+    monkeypatch.setattr(KC, "search", lambda *a, **k: pytest.fail("searched although the launch was kept"))
+    assert KC.Chooser("measure", tmp_path).tune("k", space, 8, torch.float32, "cpu") == (2, 1, 1)
+    # A launch the space no longer holds is searched again; static mode and another device search nothing.
+    narrower = _space(((1, 3), (1, 2), (1,)), (3, 2, 1), cost)
+    with pytest.raises(pytest.fail.Exception, match="searched"):
+        KC.Chooser("measure", tmp_path).tune("k", narrower, 8, torch.float32, "cpu")
+    assert KC.Chooser("static", tmp_path).tune("k", space, 8, torch.float32, "cpu") is None
+    assert KC.Chooser("measure", tmp_path).tune("k", space, 8, torch.float32, "meta") is None

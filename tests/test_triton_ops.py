@@ -184,3 +184,60 @@ def test_the_server_does_not_import_triton_until_a_kernel_runs():
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "clean", r.stderr[-2000:]
+
+
+def _neighbours(start, axes):
+    """The configurations one axis away from ``start``: every value the search tries in its first pass."""
+    return {start[:i] + (v,) + start[i + 1:] for i, vals in enumerate(axes) for v in vals}
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+def test_every_one_row_launch_the_search_starts_with_computes_the_product(gs):
+    """The launches a device's search tries first (quant.kernel_choice.search, from the rule's config): each W4A16
+    and int8 one computes the reference product (the search also holds each to it on the device itself)."""
+    n, k = 96, 512
+    qw, sz, *_ = _w4(n, k, gs, seed=4)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    start, axes = T.w4_gemv_space(n, k, gs)
+    assert start in _neighbours(start, axes) and all(gs % bk == 0 for bk in axes[1])
+    few_columns, axes_far = T.w4_gemv_space(32, 1 << 16, gs)  # one column tile: the rule splits K past the axis's
+    assert few_columns[2] > 32 and all(v in a for v, a in zip(few_columns, axes_far))  # values, which then hold it
+    want = T.w4_reference(x, qw, sz, gs)
+    for cfg in sorted(_neighbours(start, axes)):
+        torch.testing.assert_close(T.w4_gemv(x, qw, sz, gs, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
+    w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    scale, zero = torch.rand(n) * 0.01 + 0.001, torch.randint(-20, 20, (n,), dtype=torch.int8)
+    start, axes = T.int8_gemv_space(n, k)
+    want = T.int8_reference(x, w, scale, zero)
+    for cfg in sorted(_neighbours(start, axes)):
+        torch.testing.assert_close(T.int8_gemv(x, w, scale, zero, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
+
+
+def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, monkeypatch):
+    """Bound through the server's projections with a measuring chooser, a W4A16 module in the layout CUDA takes
+    searches its one-row launch (here on the interpreter's CPU tensors), keeps it, reports it, and its one-row
+    kernel calls then take that launch and still equal the reference."""
+    from quant.int4 import GPTQLinear
+    from quant.kernel_choice import Chooser
+    from server.layers.linear import bind
+
+    n, k, gs = 64, 256, 64
+    qw, sz, codes, s, zero = _w4(n, k, gs, seed=7)
+    m = GPTQLinear(k, n, False, gs, v2=True)
+    m.qweight, m.scales, m.g_idx = qw, s.half(), (torch.arange(k) // gs).to(torch.int32)
+    m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
+    m._prepare_as("w4triton", torch.float16)
+    space = m.launch_space(torch.float16)
+    assert space is not None and space.start == T.w4_gemv_config(n, k, gs)
+    chooser = Chooser("measure", tmp_path)
+    call = bind(m, torch.float16, chooser, max_rows=4)
+    assert m.gemv_config is not None and space.holds(m.gemv_config)
+    assert any("one row launched with BLOCK_N=" in line for line in chooser.table())
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).half()
+    torch.testing.assert_close(call(x).float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)
+    calls = []  # the plan may take another path at one row (the interpreter is slow): the kernel's, called alone
+    real = T.w4_gemv
+    monkeypatch.setattr(T, "w4_gemv", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    y = m.paths(torch.float16)["kernel"](x)
+    assert calls == [m.gemv_config]
+    torch.testing.assert_close(y.float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)

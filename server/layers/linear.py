@@ -40,7 +40,8 @@ def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
 def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
          upcast: bool = True, max_rows: int | None = None) -> Callable[[Tensor], Tensor]:
     """The call of one projection for inputs of ``dtype``: by the path the chooser planned per row count (one
-    path for every row count: that path itself), else the module's own rule. ``upcast``: whether a 16-bit dense
+    path for every row count: that path itself), else the module's own rule; a one-row kernel with launch
+    parameters (a GPU's) is launched as the chooser measured best on the device. ``upcast``: whether a 16-bit dense
     Linear may take its fp32-upcast path (a transient fp32 copy of W). ``max_rows``: the most rows a call has,
     where that is known (the head's), so the plan is measured no further."""
     if chooser is None:
@@ -51,6 +52,10 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
         paths = mod.paths(dtype)
     else:
         return mod
+    if isinstance(mod, QuantizedLinear):  # the one-row kernel's launch first: the plan then times the kernel so
+        space = mod.launch_space(dtype)
+        if space is not None:
+            mod.gemv_config = chooser.tune(computation(mod, dtype), space, mod.in_features, dtype, _device(mod))
     plan = chooser.plan(computation(mod, dtype), paths, mod.in_features, dtype, _device(mod), max_rows)
     if plan is None:
         return _plain_call(mod)

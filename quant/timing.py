@@ -1,0 +1,119 @@
+"""How long a computation takes on the device it runs on, and what makes two such timings comparable (the device's
+key), for quant.kernel_choice's plans and the GPU benches.
+
+- A CPU: paths called in turn, a round at a time, wall-clock medians (:func:`time_paths_us`).
+- A GPU: calls captured in a CUDA graph and replayed between CUDA events (:func:`cuda_time_us`), as the engine's
+  decode step replays its graphs, so host launch latency is not counted.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+PathFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def cpu_key(threads: int | None = None) -> str:
+    """What makes timings on this CPU comparable: its model name, the vector capability PyTorch dispatches to
+    (``ATEN_CPU_CAPABILITY`` can lower it, as ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` lower oneDNN's
+    and MKL's), the thread count and the torch version."""
+    name = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    for var in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):  # read per call: a process may be started with them
+        if os.environ.get(var):
+            cap += f" {var}={os.environ[var]}"
+    return f"{name} | {cap} | {threads or torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def gpu_key(device: torch.device) -> str:
+    """What makes timings on this GPU comparable: its name, compute capability, multiprocessors and memory, and
+    the torch and triton versions (triton's looked up without importing it)."""
+    p = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "none"
+    return (f"{p.name} | sm_{p.major}{p.minor} | {p.multi_processor_count} SMs | {p.total_memory >> 20} MiB | "
+            f"torch {torch.__version__} | triton {triton}")
+
+
+def device_key(device: torch.device | str, threads: int | None = None) -> str:
+    device = torch.device(device)
+    return gpu_key(device) if device.type == "cuda" else cpu_key(threads)
+
+
+def time_paths_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
+    """Median µs of each path's call on ``x``: on a GPU by :func:`cuda_time_us`, on a CPU by :func:`cpu_time_us`."""
+    if x.is_cuda:
+        return {name: cuda_time_us(lambda fn=fn: fn(x)) for name, fn in paths.items()}
+    return cpu_time_us(paths, x, budget_s)
+
+
+def cpu_time_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
+    """Median µs of each path's calls on ``x`` after a warm-up call each. The paths are called in turn, a round at
+    a time, so that a change in the machine's speed while measuring (another process, a clock step) falls on all
+    of them alike: timed one after the other, two paths within 5% of each other were ranked by the drift (the
+    plans picked dequantizing over the tiled product that beat it by 20% when interleaved). At least 3 rounds,
+    then up to 15 within ``budget_s`` per path (fewer when one is slow: a 512-row bf16 product on an AVX2 CPU takes
+    a tenth of a second)."""
+    for fn in paths.values():
+        fn(x)
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    t_end = time.perf_counter() + budget_s * len(paths)
+    rounds = 0
+    while rounds < 3 or (time.perf_counter() < t_end and rounds < 15):
+        for name, fn in paths.items():
+            t = time.perf_counter()
+            fn(x)
+            samples[name].append(time.perf_counter() - t)
+        rounds += 1
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
+
+
+def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner: int = 10) -> float:
+    """Median µs of one ``fn()`` on the GPU: ``inner`` calls captured in a CUDA graph and replayed between CUDA
+    events, so host launch latency is not counted (the decode step replays graphs the same way); eager calls when
+    the capture fails. The warm-up calls come first, outside the capture: they compile the kernels and allocate
+    what the kernels keep (the split-K counters)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - e.g. an op that synchronises: time it eagerly
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(inner):
+                fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / inner)  # ms -> µs per call
+    del graph
+    return statistics.median(times)
