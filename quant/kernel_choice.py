@@ -30,6 +30,7 @@ reference); they differ in where they round.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -134,6 +135,13 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
     return paths
 
 
+def on_device(device) -> contextlib.AbstractContextManager:
+    """``device`` made the current CUDA device while measuring on it (kernels launch on the current device's
+    stream; an engine on cuda:1 must not measure on cuda:0)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @torch.inference_mode()
 def measure(paths: dict[str, PathFn], in_features: int, dtype: torch.dtype, device="cpu",
             max_rows: int | None = None) -> RowPlan:
@@ -170,13 +178,15 @@ class LaunchSpace:
     ``start``: the configuration the kernel's built-in rule gives; ``axes``: per position of the configuration
     tuple (named by ``names``), the values to try; ``make(config)``: the computation of a (1, K) input launched so;
     ``reference``: what every configuration must agree with (within :data:`AGREE`), the module's dequantized
-    product."""
+    product; ``reset``: restores what the kernel keeps between calls (the split-K counters) after a launch that
+    failed or disagreed, which may not have left it as it found it."""
 
     start: tuple[int, ...]
     axes: tuple[tuple[int, ...], ...]
     names: tuple[str, ...]
     make: Callable[[tuple[int, ...]], PathFn]
     reference: PathFn
+    reset: Callable[[], None] | None = None  # run after a refused launch: what the kernel keeps between calls
 
     def describe(self, config: tuple[int, ...]) -> str:
         return ", ".join(f"{n}={v}" for n, v in zip(self.names, config))
@@ -198,7 +208,8 @@ def search(space: LaunchSpace, in_features: int, dtype: torch.dtype, device="cpu
     3. passes over the axes repeat until one changes nothing (at most ``passes``).
 
     Each configuration is first run on a random (1, K) input and held to ``space.reference``: one that disagrees
-    (a tile shape a compiler got wrong on this device) is logged and never chosen; if none agrees, ValueError.
+    (a tile shape a compiler got wrong on this device) or fails (one it refuses) is logged and never chosen; if
+    none agrees, ValueError.
     A full grid of 4 axes is a few hundred compiled variants; the search measures a few dozen, and the tests
     hold it to the grid's best on cost functions with a single minimum per axis."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -212,11 +223,16 @@ def search(space: LaunchSpace, in_features: int, dtype: torch.dtype, device="cpu
         if cfg in timed or cfg in refused:
             return
         fn = space.make(cfg)
-        err = float((fn(x).float() - want).abs().max()) / scale
-        if not err <= AGREE:  # NaN included
+        try:
+            err = float((fn(x).float() - want).abs().max()) / scale
+            why = None if err <= AGREE else f"disagrees with the reference (relative error {err:.3g})"  # NaN too
+        except Exception as e:  # noqa: BLE001 - a launch the compiler refuses (out of registers, shared memory)
+            why = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if why is not None:
             refused.add(cfg)
-            log.warning("launch %s disagrees with the reference (relative error %.3g): not used",
-                        space.describe(cfg), err)
+            log.warning("launch %s %s: not used", space.describe(cfg), why)
+            if space.reset is not None:
+                space.reset()
             return
         timed[cfg] = time_paths_us({"launch": fn}, x)["launch"]
 
@@ -301,7 +317,8 @@ class Chooser:
         got = RowPlan.from_json(plans[key], set(paths)) if key in plans else None
         if got is None:
             t = time.perf_counter()
-            got = measure(paths, in_features, dtype, device, max_rows)
+            with on_device(device):
+                got = measure(paths, in_features, dtype, device, max_rows)
             log.info("kernel plan for %s: %s (measured in %.2f s)", key, got.describe(), time.perf_counter() - t)
             plans[key] = got.to_json()
             self._save()
@@ -320,7 +337,8 @@ class Chooser:
         config = tuple(stored["config"]) if isinstance(stored, dict) and space.holds(stored.get("config")) else None
         if config is None:
             t = time.perf_counter()
-            config, timed = search(space, in_features, dtype, device)
+            with on_device(device):
+                config, timed = search(space, in_features, dtype, device)
             log.info("one-row launch for %s: %s, %.1f us (the rule's: %s; %d measured in %.2f s)", key,
                      space.describe(config), timed[config], space.describe(space.start), len(timed),
                      time.perf_counter() - t)

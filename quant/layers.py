@@ -195,9 +195,11 @@ class WeightOnlyLinear(QuantizedLinear):
         if got is None:
             return None
         start, axes = got
+        dev = self._device()
         return LaunchSpace(tuple(start), axes, triton_ops.GEMV_AXES,
                            lambda cfg: (lambda x: self._kernel_matmul(x, cfg)),
-                           lambda x: F.linear(x, self.dequantized(x.dtype)))
+                           lambda x: F.linear(x, self.dequantized(x.dtype)),
+                           lambda: triton_ops.reset_split_counters(dev))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

@@ -57,7 +57,7 @@ def device_key(device: torch.device | str, threads: int | None = None) -> str:
 def time_paths_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
     """Median µs of each path's call on ``x``: on a GPU by :func:`cuda_time_us`, on a CPU by :func:`cpu_time_us`."""
     if x.is_cuda:
-        return {name: cuda_time_us(lambda fn=fn: fn(x)) for name, fn in paths.items()}
+        return {name: cuda_time_us(lambda fn=fn: fn(x), device=x.device) for name, fn in paths.items()}
     return cpu_time_us(paths, x, budget_s)
 
 
@@ -82,38 +82,84 @@ def cpu_time_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.0
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
-def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner: int = 10) -> float:
-    """Median µs of one ``fn()`` on the GPU: ``inner`` calls captured in a CUDA graph and replayed between CUDA
-    events, so host launch latency is not counted (the decode step replays graphs the same way); eager calls when
-    the capture fails. The warm-up calls come first, outside the capture: they compile the kernels and allocate
-    what the kernels keep (the split-K counters)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(inner):
-                fn()
-        run = graph.replay
-    except Exception:  # noqa: BLE001 - e.g. an op that synchronises: time it eagerly
-        torch.cuda.synchronize()
+_SIDE: dict[int, tuple] = {}  # CUDA device index -> (the timing stream, the timing graphs' memory pool)
 
-        def run():
-            for _ in range(inner):
+
+def _side(index: int) -> tuple:
+    """One stream and one graph memory pool per device for every timing: the warm-up and the capture run on the
+    same stream (cuBLAS keeps a workspace per stream; a new stream per timing would leave one behind each time),
+    never on the stream the engine's decode graphs are captured on."""
+    if index not in _SIDE:
+        _SIDE[index] = (torch.cuda.Stream(index), torch.cuda.graph_pool_handle())
+    return _SIDE[index]
+
+
+def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner: int = 10,
+                 device: torch.device | str | None = None, cold: bool = True, graph: bool = True) -> float:
+    """Median µs of one ``fn()`` on the GPU, as the engine's decode step runs it: ``inner`` calls captured in a CUDA
+    graph and replayed between CUDA events, so host launch latency is not counted.
+
+    ``cold``: each call is preceded in the graph by a write over twice the L2 cache, so that it reads its weights
+    from memory, as a decode step does (the whole model's weights pass through L2 once per step; replaying one
+    call on the same weights would time a 13 MB projection out of an H100's 50 MB L2). The writes are timed in a
+    graph of their own, replayed in turn with the first, and subtracted.
+
+    The warm-up calls come first, outside the capture: they compile the kernels and allocate what the kernels keep
+    (the split-K counters). A call that cannot be captured (one that synchronises) raises: a failed capture may
+    leave the allocator mid-capture, so no eager fallback is tried after it. ``graph=False`` times eager calls
+    instead (host launch latency included), for a call known not to be capturable."""
+    dev = torch.device(device if device is not None else "cuda")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        stream, pool = _side(index)
+        stream.wait_stream(torch.cuda.current_stream())
+        flush = None
+        if cold:
+            l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 64 << 20
+            flush = torch.empty(2 * l2, dtype=torch.uint8, device=dev)
+        with torch.cuda.stream(stream):
+            for _ in range(warm):
                 fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)  # ms -> µs per call
-    del graph
-    return statistics.median(times)
+        stream.synchronize()
+        if graph:
+            runs = [_capture(fn, inner, stream, pool, flush).replay]
+            if flush is not None:
+                runs.append(_capture(None, inner, stream, pool, flush).replay)
+        else:
+            runs = [lambda: _rounds(fn, inner, flush)] + ([lambda: _rounds(None, inner, flush)] if cold else [])
+        torch.cuda.current_stream().wait_stream(stream)
+        times: list[list[float]] = [[] for _ in runs]
+        for _ in range(reps):
+            for run, t in zip(runs, times):  # in turn: a clock change falls on both
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run()
+                b.record()
+                b.synchronize()
+                t.append(a.elapsed_time(b) * 1e3 / inner)  # ms -> µs per call
+        us = statistics.median(times[0]) - (statistics.median(times[1]) if flush is not None else 0.0)
+        del runs
+    return max(us, 0.0)
+
+
+def _rounds(fn, inner: int, flush) -> None:
+    """``inner`` rounds of (``flush`` written over, where given; ``fn()``, where given)."""
+    for _ in range(inner):
+        if flush is not None:
+            flush.fill_(1)
+        if fn is not None:
+            fn()
+
+
+def _capture(fn, inner: int, stream, pool, flush) -> "torch.cuda.CUDAGraph":
+    """A graph of ``inner`` rounds of (``flush`` written over, where given; ``fn()``, where given), captured on
+    ``stream`` into ``pool`` (torch.cuda.graph's context would also collect garbage and empty the allocator's cache
+    at each capture: hundreds of times in an engine's start)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            _rounds(fn, inner, flush)
+        finally:
+            g.capture_end()
+    return g

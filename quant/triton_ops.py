@@ -95,6 +95,13 @@ def split_workspace(x: Tensor, split: int, m: int, n: int, tiles: int) -> tuple[
     return torch.empty(split, m, n, dtype=torch.float32, device=x.device), held[-1]
 
 
+def reset_split_counters(device: torch.device) -> None:
+    """Zero the split-K counters held for ``device``: after a launch that failed or computed wrong sums
+    (quant.kernel_choice.search refuses it), which may have left a tile's counter mid-count."""
+    for held in _LOCKS.get(torch.device(device), []):
+        held.zero_()
+
+
 def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:
     from quant import triton_kernels
 

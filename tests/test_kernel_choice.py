@@ -252,15 +252,20 @@ def greedy_params(n):
     return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, seed=0)
 
 
-def _space(axes, start, cost, wrong=()):
-    """A LaunchSpace over ``axes`` whose launch ``cfg`` computes x (or x + 1 for a config in ``wrong``) and costs
-    ``cost(cfg)`` µs under the fake timer below."""
+def _space(axes, start, cost, wrong=(), failing=(), resets=None):
+    """A LaunchSpace over ``axes`` whose launch ``cfg`` computes x (x + 1 for a config in ``wrong``; raises for one
+    in ``failing``, as a launch the compiler refuses) and costs ``cost(cfg)`` µs under the fake timer below."""
     def make(cfg):
-        fn = (lambda x: x + 1) if cfg in wrong else (lambda x: x.clone())
+        def fn(x):
+            if cfg in failing:
+                raise RuntimeError("out of resources: shared memory, Required: 300000, Hardware limit: 232448")
+            return x + 1 if cfg in wrong else x.clone()
+
         fn.cfg = cfg
         return fn
 
-    return KC.LaunchSpace(start, axes, ("A", "B", "C"), make, lambda x: x)
+    reset = None if resets is None else (lambda: resets.append(1))
+    return KC.LaunchSpace(start, axes, ("A", "B", "C"), make, lambda x: x, reset)
 
 
 def _fake_timer(cost):
@@ -290,13 +295,16 @@ def test_launch_search_finds_the_grid_best_on_separable_costs(seed, monkeypatch)
     assert len(timed) < len(grid) / 3
 
 
-def test_a_launch_that_disagrees_with_the_reference_is_never_chosen(monkeypatch, caplog):
+def test_a_launch_that_disagrees_or_fails_is_never_chosen(monkeypatch, caplog):
     axes = ((1, 2, 3), (1, 2), (1,))
     cost = lambda cfg: float(sum(cfg))  # noqa: E731 - the smallest values are the fastest
     monkeypatch.setattr(KC, "time_paths_us", _fake_timer(cost))
-    best, timed = KC.search(_space(axes, (3, 2, 1), cost, wrong={(1, 1, 1), (1, 2, 1)}), 8, torch.float32)
-    assert best == (2, 1, 1) and (1, 1, 1) not in timed
-    assert "disagrees with the reference" in caplog.text
+    resets = []
+    best, timed = KC.search(_space(axes, (3, 2, 1), cost, wrong={(1, 1, 1)}, failing={(1, 2, 1)}, resets=resets),
+                            8, torch.float32)
+    assert best == (2, 1, 1) and (1, 1, 1) not in timed and (1, 2, 1) not in timed
+    assert "disagrees with the reference" in caplog.text and "failed: RuntimeError: out of resources" in caplog.text
+    assert len(resets) == 2  # the kernel's state restored after each refused launch
     every = {(a, b, 1) for a in axes[0] for b in axes[1]}
     with pytest.raises(ValueError, match="no launch of the one-row kernel agrees with its reference"):
         KC.search(_space(axes, (3, 2, 1), cost, wrong=every), 8, torch.float32)

@@ -241,3 +241,18 @@ def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, mon
     y = m.paths(torch.float16)["kernel"](x)
     assert calls == [m.gemv_config]
     torch.testing.assert_close(y.float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)
+
+
+def test_split_counters_reset_after_a_refused_launch():
+    """quant.kernel_choice.search resets the split-K counters after a launch it refuses: a counter left mid-count
+    would make the next split product reduce too early."""
+    qw, sz, *_ = _w4(64, 1024, 64, seed=11)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(12))
+    want = T.w4_reference(x, qw, sz, 64)
+    cfg = (64, 64, 4, 4)
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, 64, cfg), want, atol=1e-4, rtol=1e-4)
+    held = T._LOCKS[x.device][-1]
+    held[0] = 2  # as a launch that stopped after two of four programs counted
+    T.reset_split_counters(x.device)
+    assert int(held.abs().sum()) == 0
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, 64, cfg), want, atol=1e-4, rtol=1e-4)
