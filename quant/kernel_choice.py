@@ -350,8 +350,10 @@ class Chooser:
 
     def table(self) -> list[str]:
         """One line per planned computation: what runs at which row counts (and its one-row launch, if tuned)."""
-        keys = sorted({*self.chosen, *self.launches})
-        return [f"{k}: " + "; ".join(p for p in (self.chosen[k].describe() if k in self.chosen else None,
-                                                 f"one row launched with {self.launches[k]}" if k in self.launches
-                                                 else None) if p)
-                for k in keys]
+        lines = []
+        for k in sorted({*self.chosen, *self.launches}):
+            parts = [self.chosen[k].describe()] if k in self.chosen else []
+            if k in self.launches:
+                parts.append(f"one row launched with {self.launches[k]}")
+            lines.append(f"{k}: " + "; ".join(parts))
+        return lines

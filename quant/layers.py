@@ -121,6 +121,12 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def module_device(mod: nn.Module) -> torch.device:
+    """Where a module's tensors are (its first buffer or parameter; the CPU for a module holding none)."""
+    t = next(iter([*mod.buffers(), *mod.parameters()]), None)
+    return torch.device("cpu") if t is None else t.device
+
+
 def fused_offsets(mods) -> list[tuple[int, int]]:
     """The row range of each part in the fused output."""
     spans, a = [], 0
@@ -195,7 +201,7 @@ class WeightOnlyLinear(QuantizedLinear):
         if got is None:
             return None
         start, axes = got
-        dev = self._device()
+        dev = module_device(self)
         return LaunchSpace(tuple(start), axes, triton_ops.GEMV_AXES,
                            lambda cfg: (lambda x: self._kernel_matmul(x, cfg)),
                            lambda x: F.linear(x, self.dequantized(x.dtype)),
@@ -214,14 +220,10 @@ class WeightOnlyLinear(QuantizedLinear):
             kern = self._kernel_matmul
             out["kernel"] = kern if b is None else (lambda x: kern(x) + b)
         out["dequant"] = lambda x: F.linear(x, self.dequantized(dtype), b)
-        if dtype != torch.float32 and self._device().type == "cpu":  # a GPU's fp32 GEMM is never the faster
+        if dtype != torch.float32 and module_device(self).type == "cpu":  # a GPU's fp32 GEMM is never the faster
             b32 = None if self.bias is None else self.bias.float()
             out["dequant-fp32"] = lambda x: F.linear(x.float(), self.dequantized(torch.float32), b32).to(dtype)
         return out
-
-    def _device(self) -> torch.device:
-        t = next(iter([*self.buffers(), *self.parameters()]), None)
-        return torch.device("cpu") if t is None else t.device
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.float()

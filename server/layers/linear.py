@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from quant import gemm, rows as rowops
 from quant.kernel_choice import Chooser, dense_key, dense_paths
-from quant.layers import QuantizedLinear
+from quant.layers import QuantizedLinear, module_device
 from server.fuse import fuse_linears
 
 ROLES = ("qkv", "o", "gate_up", "down")  # quant.memory.engine_prefill_bytes keys its transients by these
@@ -52,11 +52,12 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
         paths = mod.paths(dtype)
     else:
         return mod
+    key, dev = computation(mod, dtype), module_device(mod)
     if isinstance(mod, QuantizedLinear):  # the one-row kernel's launch first: the plan then times the kernel so
         space = mod.launch_space(dtype)
         if space is not None:
-            mod.gemv_config = chooser.tune(computation(mod, dtype), space, mod.in_features, dtype, _device(mod))
-    plan = chooser.plan(computation(mod, dtype), paths, mod.in_features, dtype, _device(mod), max_rows)
+            mod.gemv_config = chooser.tune(key, space, mod.in_features, dtype, dev)
+    plan = chooser.plan(key, paths, mod.in_features, dtype, dev, max_rows)
     if plan is None:
         return _plain_call(mod)
     if isinstance(mod, QuantizedLinear):
@@ -69,10 +70,6 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
 def computation(mod: nn.Module, dtype: torch.dtype) -> str:
     """The key a projection's plan is kept under (quant.kernel_choice.computation_key)."""
     return mod.plan_key(dtype) if isinstance(mod, QuantizedLinear) else dense_key(mod.weight, mod.bias, dtype)
-
-
-def _device(mod: nn.Module) -> torch.device:
-    return next(iter([*mod.buffers(), *mod.parameters()])).device
 
 
 class Projections:
@@ -137,7 +134,7 @@ class Projections:
         if key not in self._peak_cache:
             from quant.memory import MemoryTracker
 
-            x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=_device(m))  # (M, K)
+            x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=module_device(m))  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:
                 y = call(x)  # (M, N)
             staged = _STAGING.get(key[1], lambda *_: 0)(rows, m.in_features)  # inside a C++ op
