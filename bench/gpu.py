@@ -130,7 +130,7 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
 
 
 GEMV_SWEEP = [(bn, bk, split, warps) for bn in (64, 128, 256) for bk in (64, 128) for split in (1, 2, 4, 8)
-              for warps in (4, 8)]  # 48 compiled variants, each timed at the four shapes
+              for warps in (4, 8)] + [(512, 32, split, 4) for split in (1, 2, 4, 8)]  # 52 variants, at four shapes
 INT8_GEMV_SWEEP = [(bn, bk, split, warps) for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8)
                    for warps in (4, 8)]
 
@@ -170,10 +170,11 @@ def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...
 
 def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
-    against tinygemm and session 14's kernel in the same run: per layer the rule's config
-    (quant.triton_ops.w4_gemv_config), the fastest, and each one's share of the bandwidth limit (the codes and the
-    scale/zero table read once). Then the one-row int8 kernel over INT8_GEMV_SWEEP against the tiled int8 GEMM."""
+    against tinygemm and the two kernels before it (bench/gemv_v1.py, gemv_v2.py) in the same run: per layer the
+    rule's config (quant.triton_ops.w4_gemv_config), the fastest, and each one's share of the bandwidth limit (the
+    codes and the scale/zero table read once). Then the one-row int8 kernel over INT8_GEMV_SWEEP against the tiled int8 GEMM."""
     from gemv_v1 import w4_gemv_v1  # bench/: session 14's kernel, for the same-run comparison
+    from gemv_v2 import w4_gemv_v2  # bench/: sessions 21-22's, which the present kernel replaced unmeasured
 
     from quant import triton_ops as T
     from quant.int4 import _pack_for_kernel
@@ -187,15 +188,22 @@ def gemv_sweep(results: dict, failures: list) -> None:
         packed = _pack_for_kernel(codes.to(torch.int32))
         x = torch.randn(1, k, device=dev, dtype=dtype)
         want = T.w4_reference(x, qw, sz, gs)
-        if rel_err(w4_gemv_v1(x, qw, sz, gs), want) > 2e-2:
-            failures.append(f"w4 gemv v1 {name}: relative error past 2e-2")
+        for label, prior in (("v1", w4_gemv_v1), ("v2", w4_gemv_v2)):
+            if rel_err(prior(x, qw, sz, gs), want) > 2e-2:
+                failures.append(f"w4 gemv {label} {name}: relative error past 2e-2")
         row = {"op": "w4", "layer": name, "n": n, "k": k, "bytes": qw.nbytes + sz.nbytes,
                "rule": T.w4_gemv_config(n, k, gs, sms), "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
                "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6,
-               "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6}
+               "v1_us": cuda_time(lambda: w4_gemv_v1(x, qw, sz, gs)) * 1e6,
+               "v2_us": cuda_time(lambda: w4_gemv_v2(x, qw, sz, gs)) * 1e6}
+        sym = sz.clone()
+        sym[..., 1] = 0  # a symmetric checkpoint's table: the rule's launch told its zeros are all 0
+        if rel_err(T.w4_gemv(x, qw, sym, gs, None, True), T.w4_reference(x, qw, sym, gs)) > 2e-2:
+            failures.append(f"w4 gemv symmetric {name}: relative error past 2e-2")
+        row["sym_us"] = cuda_time(lambda: T.w4_gemv(x, qw, sym, gs, None, True)) * 1e6
         _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
-                           ("v1", "tinygemm"), bw))
+                           ("sym", "v1", "v2", "tinygemm"), bw))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
         w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         sc = torch.rand(n, device=dev) * 0.01
@@ -486,7 +494,8 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
     torch.cuda.empty_cache()
     # the same batch-1 decode with the eager glue ops, then with the kernels' built-in rules (no launch searched,
     # no plan measured); a fresh model each: modules are fused once per engine
-    for key, kw in (("b1_eager_glue_tok_s", dict(fused_ops=False)), ("b1_static_kernels_tok_s", dict(kernels="static"))):
+    for key, kw in (("b1_eager_glue_tok_s", dict(fused_ops=False)),
+                    ("b1_static_kernels_tok_s", dict(kernels="static"))):
         model = random_w4a16_model(shape, dev)
         eng = make_engine(model, tok, "4GiB", **kw)
         try:
@@ -590,9 +599,10 @@ def markdown(results: dict, failures: list) -> str:
             out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
     if results.get("gemv_sweep"):
-        tables = [("w4", ("v1", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the "
-                   "sweep's fastest (BLOCK_N, BLOCK_K, SPLIT_K, warps), session 14's kernel (bench/gemv_v1.py), "
-                   "tinygemm; us and share of the bandwidth limit (codes + table read once)."),
+        tables = [("w4", ("sym", "v1", "v2", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's "
+                   "config, the sweep's fastest (BLOCK_N, BLOCK_K, SPLIT_K, warps), the rule's on a symmetric table "
+                   "(zeros skipped), session 14's kernel (bench/gemv_v1.py), sessions 21-22's at the rule's config "
+                   "(bench/gemv_v2.py), tinygemm; us and share of the bandwidth limit (codes + table read once)."),
                   ("int8", ("gemm",), "One-row int8 weight-only at the 8B shapes (bf16 activations): the GEMV's rule "
                    "and fastest config, the tiled GEMM at one row (what ran before); us and share of the bandwidth "
                    "limit.")]

@@ -138,6 +138,7 @@ class GPTQLinear(WeightOnlyLinear):
         self.register_buffer("scales_zeros", None)
         self.register_buffer("perm", None)
         self._whole: tuple[GPTQLinear, int, int] | None = None  # a fused part: (fused module, first row, end row)
+        self.zero_free = False  # set by prepare(): every zero of scales_zeros is 0 (a symmetric checkpoint)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -205,6 +206,7 @@ class GPTQLinear(WeightOnlyLinear):
         elif perm is not None:  # w4triton: the GPTQ words, repacked only when the column order changed
             self.qweight = pack_rows(codes.t().contiguous())  # (K/8, N)
         self.scales_zeros = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
+        self.zero_free = bool((zeros == 8).all())  # z = s (8 - 8) = 0: the CUDA one-row kernel skips the zeros
         self.perm = perm
         self.qzeros = self.scales = self.g_idx = None
 
@@ -237,6 +239,7 @@ class GPTQLinear(WeightOnlyLinear):
                 fused.packed = _pack_for_kernel(torch.cat([m._kernel_codes() for m in mods]))
                 fused.qweight = None
             fused.scales_zeros = torch.cat([m.scales_zeros for m in mods], dim=1)  # (G, N, 2)
+            fused.zero_free = all(m.zero_free for m in mods)
             fused.perm = first.perm
             fused.qzeros = fused.scales = fused.g_idx = None
             for m, span in zip(mods, spans):
@@ -306,7 +309,8 @@ class GPTQLinear(WeightOnlyLinear):
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # (M, K) in the repacked column order
         if self.packed is None:  # w4triton
-            return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size, gemv_config or self.gemv_config)
+            return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size, gemv_config or self.gemv_config,
+                                        self.zero_free)
         return _int4_mm(x2, self.packed, self.group_size, sz)
 
     def _kernel_codes(self) -> torch.Tensor:

@@ -79,41 +79,56 @@ def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
     write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 @triton.jit
-def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
-    # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group. Per weight: a shift, a mask,
-    # an OR and an add turn the 4-bit code into the float (code - 8) exactly (the code in the mantissa of 2^23,
-    # then 2^23 + 8 subtracted: no int-to-float conversion, which issues at a fraction of the FMA rate), then one
-    # FMA with x. The sums stay per word row, (BLOCK_K / 8, BLOCK_N), until after the loop: nothing crosses
-    # threads inside it. The next tile's words are loaded before this one is used, so two are in flight.
+    # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group, and every operation of the K
+    # loop stays in the words' own layout: nothing crosses threads inside it but the scales' broadcast.
+    #
+    # A weight costs three instructions: one LOP3 puts its 4-bit code q, where it lies in the word (bits p..p+3:
+    # p = 4j for codes j = 0..4, p = 4j - 12 for codes 5..7 of the word shifted right by 12, one shift for three),
+    # into the mantissa of 1.0: f = 1 + q 2^(p-23), exact. ONE holds 1.0's bits: passed at run time, it stays in a
+    # register and the mask-and-set is one instruction (as two immediates it is two). Then one FMA gives
+    # f 2^(23-p) - (2^(23-p) + 8) = q - 8, exact (a power of two times f, then integers below 2^24), and one FMA
+    # adds (q - 8) x to the tile's sum. The zero-points need sum(x): one add per x value, which a thread shares
+    # across its columns, as it does each x's load and conversion; a symmetric checkpoint's table has none
+    # (HAS_ZERO false: z = s (8 - 8) = 0 throughout, known at load). (The kernel this replaces spent ~7.5
+    # instructions per weight, bench/sass.py.) The next tile's words are loaded before this one is used.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    j = tl.arange(0, 8)
     r = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # sum over the rows' words of s * x (code - 8)
-    acc_z = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # and of z * x
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # per (word row, column): sum of s (q - 8) x + z x
     k0 = pid_k * BLOCK_K
     w_ok = (k0 // 8 + r < K // 8)[:, None] & n_ok[None, :]
     words = tl.load(QW + (k0 // 8 + r)[:, None] * N + rn[None, :], mask=w_ok, other=0)  # (BK/8, BN)
     for k in range(k0, K, BLOCK_K * SPLIT_K):
-        rw = k // 8 + r
         kn = k + BLOCK_K * SPLIT_K  # the next tile's words, in flight while this one is used
         nxt = tl.load(QW + (kn // 8 + r)[:, None] * N + rn[None, :],
                       mask=(kn // 8 + r < K // 8)[:, None] & n_ok[None, :], other=0)
-        x = tl.load(X + rw[:, None] * 8 + j[None, :], mask=(rw < K // 8)[:, None], other=0.0).to(tl.float32)
-        q = (words[:, None, :] >> (j * 4)[None, :, None]) & 0xF  # (BK/8, 8, BN) codes
-        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2^23 + q - (2^23 + 8) = q - 8, exact
-        t = tl.sum(f * x[:, :, None], 1)  # (BK/8, BN): each word's 8 codes, in the thread holding the word
+        r_ok = k // 8 + r < K // 8
+        t = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # this tile's sum of (q - 8) x
+        xs = tl.zeros((BLOCK_K // 8,), tl.float32)  # and of x, per word row
+        hi = words >> 12  # codes 5..7 at bits 8..19
+        for j in tl.static_range(8):
+            xj = tl.load(X + k + r * 8 + j, mask=r_ok, other=0.0).to(tl.float32)  # (BK/8,): x of code j
+            if j < 5:
+                f = ((words & (15 << (4 * j))) | ONE).to(tl.float32, bitcast=True)  # (BK/8, BN)
+                t += (f * float(1 << (23 - 4 * j)) - float((1 << (23 - 4 * j)) + 8)) * xj[:, None]
+            else:
+                f = ((hi & (15 << (4 * j - 12))) | ONE).to(tl.float32, bitcast=True)
+                t += (f * float(1 << (35 - 4 * j)) - float((1 << (35 - 4 * j)) + 8)) * xj[:, None]
+            if HAS_ZERO:
+                xs += xj
         g = k // GS
         s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
-        z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
         acc += t * s[None, :]
-        acc_z += tl.sum(x, 1)[:, None] * z[None, :]
+        if HAS_ZERO:
+            z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+            acc += xs[:, None] * z[None, :]
         words = nxt
-    y = tl.sum(acc + acc_z, 0)  # (BN,)
+    y = tl.sum(acc, 0)  # (BN,)
     store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
 
 

@@ -129,16 +129,16 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
 
 
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
-              gemv_config: tuple[int, int, int, int] | None = None) -> Tensor:
+              gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the
-    tiled GEMM."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``zero_free``:
+    the table's zeros are all 0, a symmetric checkpoint's), more the tiled GEMM."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
-        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config)
+        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free)
     return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
@@ -170,9 +170,10 @@ def _space(start: tuple[int, ...], axes: tuple[tuple[int, ...], ...]):
 
 def w4_gemv_space(n: int, k: int, group_size: int, sms: int = H100_SMS):
     """(start, values per axis of GEMV_AXES) for the one-row W4A16 kernel: BLOCK_K a power of two from 32 that
-    divides the group size (a tile lies in one group)."""
+    divides the group size (a tile lies in one group). BLOCK_N up to 512: at (512, 32) with 4 warps the warps split
+    the columns, and the K loop has no barrier (bench/sass.py)."""
     bks = tuple(b for b in (32, 64, 128, 256) if b <= group_size and group_size % b == 0)
-    return _space(w4_gemv_config(n, k, group_size, sms), ((32, 64, 128, 256), bks, _SPLITS, (2, 4, 8)))
+    return _space(w4_gemv_config(n, k, group_size, sms), ((32, 64, 128, 256, 512), bks, _SPLITS, (2, 4, 8)))
 
 
 def int8_gemv_space(n: int, k: int, sms: int = H100_SMS):
@@ -180,10 +181,23 @@ def int8_gemv_space(n: int, k: int, sms: int = H100_SMS):
     return _space(int8_gemv_config(n, k, sms), ((16, 32, 64, 128), (64, 128, 256), _SPLITS, (2, 4, 8)))
 
 
+ONE_BITS = 0x3F800000  # 1.0f: the one-row W4A16 kernel sets each code's bits in its mantissa
+# A thread holds this many words of a tile, its next tile's and two fp32 sums per word: past 32 (at 32, 255
+# registers on sm_90) the kernel spills, so the wrapper refuses such a launch and a device's search skips it.
+GEMV_MAX_WORDS_PER_THREAD = 32
+
+
+def w4_gemv_words_per_thread(config: tuple[int, int, int, int]) -> float:
+    bn, bk, _, warps = config
+    return bn * bk / 8 / (32 * warps)
+
+
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
-            config: tuple[int, int, int, int] | None = None) -> Tensor:
+            config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
     """x (1, K) @ W^T -> (1, N) in x's dtype through the one-row kernel; ``config`` overrides
-    :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two)."""
+    :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two). ``zero_free``: the caller
+    knows every zero of the table is 0 (a symmetric checkpoint), and the kernel skips them and the sums of x they
+    need; wrong if any is not."""
     from quant.triton_kernels import w4_gemv_kernel
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
@@ -191,11 +205,14 @@ def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
     if x.shape != (1, k) or bk < 8 or group_size % bk or bn & (bn - 1) or bk & (bk - 1):
         raise ValueError(f"w4_gemv: x must be (1, {k}) and BLOCK_K a power of two dividing the group size "
                          f"{group_size}; got x {tuple(x.shape)}, config {(bn, bk, split, warps)}")
+    if w4_gemv_words_per_thread((bn, bk, split, warps)) > GEMV_MAX_WORDS_PER_THREAD:
+        raise ValueError(f"w4_gemv: a ({bk} x {bn}) tile over {warps} warps is more than "
+                         f"{GEMV_MAX_WORDS_PER_THREAD} words per thread, which spill (bench/sass.py)")
     tiles = _cdiv(n, bn)
     y = x.new_empty(1, n)
     ws, locks = split_workspace(x, split, 1, n, tiles)
-    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, GS=group_size, BLOCK_N=bn,
-                                    BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
+    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, ONE_BITS, GS=group_size,
+                                    BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_ZERO=not zero_free, num_warps=warps)
     return y
 
 

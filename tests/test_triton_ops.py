@@ -131,9 +131,38 @@ def test_gptq_linear_in_the_triton_layout_computes_its_weights(act_order):
         torch.testing.assert_close(m.dequantized(torch.float32), wt, atol=1e-3, rtol=1e-3)  # fp16 table
     fused = GPTQLinear.fuse(mods)
     assert fused is not None and fused.layout == "w4triton" and all(m.qweight is None for m in mods)
+    assert not fused.zero_free  # random zero-points: the one-row kernel reads them
     y = fused.paths(torch.float16)["kernel"](x)
     torch.testing.assert_close(y.float(), torch.cat(want, dim=1), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(mods[1].dequantized(torch.float32), weights[1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_a_symmetric_gptq_linear_in_the_triton_layout_is_zero_free(v2):
+    """Zero-points all 8 (symmetric GPTQ, in either format): the table's zeros are 0 and the module says so, fused
+    too, and its one-row kernel path (which then skips them) equals the reference; one asymmetric part makes the
+    fused module read them."""
+    from quant.int4 import GPTQLinear
+
+    k, gs = 256, 64
+    mods = []
+    for i, n in enumerate((64, 32, 32)):
+        qw, sz, codes, s, zero = _w4(n, k, gs, seed=30 + i)
+        zero = torch.full_like(zero, 8) if i < 2 else zero
+        m = GPTQLinear(k, n, False, gs, v2=v2)
+        m.qweight, m.scales, m.g_idx = qw, s.half(), (torch.arange(k) // gs).to(torch.int32)
+        stored = zero.to(torch.int64) if v2 else (zero.to(torch.int64) - 1) & 0xF  # v1 stores zero - 1
+        m.qzeros = pack_rows(stored.t().contiguous()).t().contiguous()
+        mods.append(m)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(15)).half()
+    want = [m.reference_forward(x) for m in mods]
+    for m in mods:
+        m._prepare_as("w4triton", torch.float16)
+    assert [m.zero_free for m in mods] == [True, True, False]
+    assert not mods[0].scales_zeros[..., 1].any()
+    torch.testing.assert_close(mods[0].paths(torch.float16)["kernel"](x).float(), want[0], atol=2e-2, rtol=2e-2)
+    assert GPTQLinear.fuse(mods[:2]).zero_free
+    assert not GPTQLinear.fuse([mods[2]]).zero_free
 
 
 def test_w4_dequant_matches_the_codes():
@@ -165,6 +194,39 @@ def test_w4_gemv_configs_the_gpu_sweep_tries_match_reference(config):
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
     got = T.w4_gemv(x, qw, sz, gs, config)
     torch.testing.assert_close(got, T.w4_reference(x, qw, sz, gs), atol=1e-4, rtol=1e-4)
+
+
+def test_w4_gemv_turns_every_code_at_every_place_in_a_word_into_its_value_exactly():
+    """The one-row kernel makes q - 8 from each code's bits with no rounding, whatever nibble of its word the code
+    is in: with every code at every place, integer x, unit scales and zero zero-points, the product is the exact
+    integer sum."""
+    k, n, gs = 256, 64, 128
+    g = torch.Generator().manual_seed(5)
+    codes = (torch.arange(k)[:, None] + torch.arange(n)[None, :] * 3) % 16  # (K, N): each place sees all 16 codes
+    codes = codes[torch.randperm(k, generator=g)]
+    qw = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        qw |= codes[j::8].long() << (4 * j)
+    qw = qw.to(torch.int32)  # (K/8, N), words with bit 31 set wrap to negative int32s as GPTQ stores them
+    sz = torch.zeros(k // gs, n, 2)
+    sz[..., 0] = 1.0
+    x = torch.randint(-8, 9, (1, k), generator=g).float()
+    want = x @ (codes - 8).float()  # (1, N), integers far below 2^24
+    for cfg in ((64, 32, 1, 4), (32, 128, 2, 2)):
+        assert torch.equal(T.w4_gemv(x, qw, sz, gs, cfg), want), cfg
+
+
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 2), (512, 32, 2, 4)])
+def test_w4_gemv_of_a_symmetric_table_skips_its_zeros_and_computes_the_same(config):
+    """A symmetric checkpoint's zeros are all 0 (z = s (8 - 8)): the kernel told so skips them and their sums of x
+    and gives the reference's product."""
+    n, k, gs = 200, 512, 64
+    qw, sz, *_ = _w4(n, k, gs, seed=13)
+    sz[..., 1] = 0
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(14))
+    want = T.w4_reference(x, qw, sz, gs)
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, gs, config, zero_free=True), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(T.w4_matmul(x, qw, sz, gs, config, zero_free=True), want, atol=1e-4, rtol=1e-4)
 
 
 def test_w4_gemv_refuses_a_tile_across_groups():
@@ -204,6 +266,10 @@ def test_every_one_row_launch_the_search_starts_with_computes_the_product(gs):
     assert few_columns[2] > 32 and all(v in a for v, a in zip(few_columns, axes_far))  # values, which then hold it
     want = T.w4_reference(x, qw, sz, gs)
     for cfg in sorted(_neighbours(start, axes)):
+        if T.w4_gemv_words_per_thread(cfg) > T.GEMV_MAX_WORDS_PER_THREAD:  # refused: the search skips it
+            with pytest.raises(ValueError, match="words per thread, which spill"):
+                T.w4_gemv(x, qw, sz, gs, cfg)
+            continue
         torch.testing.assert_close(T.w4_gemv(x, qw, sz, gs, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
     w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
     scale, zero = torch.rand(n) * 0.01 + 0.001, torch.randint(-20, 20, (n,), dtype=torch.int8)

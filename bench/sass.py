@@ -1,0 +1,384 @@
+"""The project's Triton kernels compiled for a GPU on a machine without one, and what the compiler made of them.
+
+Triton's interpreter (the CPU tests) checks what a kernel computes, not whether it compiles for a GPU, how many
+registers it takes, whether it spills, or what its inner loop issues. Triton's compiler needs no GPU for any of
+that: it lowers a kernel to PTX and assembles it with the ptxas of its own wheel for any target. So here every
+launch the engine makes goes through the project's own wrappers with CPU tensors, under a compile-only Triton
+driver: a launch compiles its kernel for the target (sm_90, an H100, unless told) with the specialisation a GPU
+launch would get (the same arguments: dtypes, values, 16-byte alignment) and returns without running it.
+
+For each compiled kernel: registers, spilled bytes (local memory), shared memory against the target's limit,
+and the innermost loop of its SASS (instructions per iteration and by opcode). For the one-row kernels of the
+int4 and int8 Linears that loop is a static figure of merit: instructions issued per weight, which bound the
+kernel's speed when they exceed what the memory's bandwidth leaves time for. It is not a timing.
+
+    python bench/sass.py                      # every case, sm_90: a table
+    python bench/sass.py --arch 80 --check    # exit 1 if any kernel fails to compile, spills or overflows shared
+    python bench/sass.py --only gemv --json out.json
+
+tests/test_triton_compile.py runs ``--check`` for sm_90 and sm_80 in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Shared memory one block may use (opt-in maximum), by compute capability: what Triton's launcher checks a
+# kernel's shared memory against on that GPU.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+@dataclass
+class Compiled:
+    case: str  # what was launched (wrapper, shape, dtype)
+    kernel: str
+    arch: int
+    constants: dict
+    num_warps: int
+    registers: int = 0
+    spilled_bytes: int = 0  # local memory per thread: registers spilled (or arrays the compiler could not keep)
+    shared_bytes: int = 0
+    loop_instructions: int = 0  # the innermost loop's instructions per iteration (0: no loop)
+    loop_ops: dict = field(default_factory=dict)
+    error: str = ""
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.error:
+            out.append(f"does not compile: {self.error}")
+        if self.spilled_bytes:
+            out.append(f"spills {self.spilled_bytes} bytes per thread to local memory")
+        limit = SHARED_LIMIT.get(self.arch)
+        if limit is not None and self.shared_bytes > limit:
+            out.append(f"needs {self.shared_bytes} bytes of shared memory, sm_{self.arch} allows {limit}")
+        return out
+
+
+# --------------------------------------------------------------------------------------------- compile-only driver
+
+class _CompileOnlyDriver:
+    """What Triton's JIT asks of the active driver before it compiles: the target, a device and a stream."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty):  # the launcher's (never built here)
+        return ty
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90):
+    """Within: a Triton launch compiles its kernel for sm_``arch`` and returns without running it; yields the list
+    the compiled kernels are appended to, as (kernel name, CompiledKernel)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_only needs Triton's compiler: unset TRITON_INTERPRET")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    compiled: list = []
+    run = JITFunction.run
+
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    saved = driver._active
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+    JITFunction.run = compile_launch
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = run
+        driver._active = saved  # None here: no GPU driver to fall back to
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def inspect(kernel, case: str, name: str, arch: int) -> Compiled:
+    """Registers, spills and shared memory of a compiled kernel (cuobjdump), and its innermost loop (nvdisasm)."""
+    md = kernel.metadata
+    src = getattr(kernel, "src", None)
+    consts = {}
+    for key, val in (getattr(src, "constants", None) or {}).items():
+        label = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+        if isinstance(val, (int, float, bool, str)):
+            consts[str(label)] = val
+    c = Compiled(case, name, arch, consts, md.num_warps, shared_bytes=md.shared)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage for {name}")
+    c.registers, stack, _, local = (int(g) for g in m.groups())
+    c.spilled_bytes = stack + local
+    loop = innermost_loop(sass)
+    if loop is not None:
+        c.loop_instructions = sum(loop.values())
+        c.loop_ops = dict(loop.most_common())
+    return c
+
+
+def innermost_loop(sass: str) -> collections.Counter | None:
+    """Opcodes of the shortest backward-branch loop in nvdisasm's listing, or None without one."""
+    labels: dict[str, int] = {}
+    ops: list[str] = []
+    best = None
+    for line in sass.splitlines():
+        lab = re.match(r"^\s*(\.L_x_\d+):", line)
+        if lab:
+            labels[lab.group(1)] = len(ops)
+            continue
+        if "/*" not in line or ";" not in line:
+            continue
+        body = line.split("*/", 1)[1].split(";")[0].strip()
+        if not body:
+            continue
+        toks = body.split()
+        ops.append(toks[1] if toks[0].startswith("@") else toks[0])
+        br = re.search(r"BRA `\((\.L_x_\d+)\)", body)
+        if br and labels.get(br.group(1), len(ops)) < len(ops) - 1:
+            start = labels[br.group(1)]
+            if best is None or len(ops) - start < best[1] - best[0]:
+                best = (start, len(ops))
+    return None if best is None else collections.Counter(ops[best[0]:best[1]])
+
+
+# --------------------------------------------------------------------------------------------------- the launches
+
+# (name, N, K, group size) of the one-row products: the default model's (SmolLM2-135M, g64) and Llama-3-8B's (g128)
+LINEARS = (("135M qkv", 960, 576, 64), ("135M gate_up", 3072, 576, 64), ("135M down", 576, 1536, 64),
+           ("8B qkv", 6144, 4096, 128), ("8B o", 4096, 4096, 128), ("8B gate_up", 28672, 4096, 128),
+           ("8B down", 4096, 14336, 128))
+
+
+def _w4(n, k, g, dtype):
+    import torch
+
+    return torch.zeros(k // 8, n, dtype=torch.int32), torch.zeros(k // g, n, 2, dtype=dtype)
+
+
+def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[str, Callable[[], object], dict]]:
+    """The one-row W4A16 and int8 kernels: each Linear at its rule's launch, and (``axes``) the 8B gate_up at every
+    value of each axis a GPU's launch search tries from there. The dict says how many weights a thread takes per
+    iteration of the K loop (for instructions per weight)."""
+    import torch
+
+    from quant import triton_ops as T
+
+    dt = getattr(torch, dtype_name)
+    cases = []
+
+    def add(label, n, k, g, cfg, kind):
+        bn, bk, split, warps = cfg
+        per_thread = {"weights_per_thread": bn * bk / (32 * warps)}
+        if kind.startswith("w4"):
+            qw, sz = _w4(n, k, g, dt)
+            sym = kind.endswith("symmetric")  # zeros all 0: the kernel skips them
+            cases.append((f"w4_gemv{' symmetric' if sym else ''} {label} {cfg} {dtype_name}",
+                          lambda: T.w4_gemv(torch.zeros(1, k, dtype=dt), qw, sz, g, cfg, sym), per_thread))
+        else:
+            w = torch.zeros(n, k, dtype=torch.int8)
+            s = torch.zeros(n, dtype=torch.float32)
+            cases.append((f"int8_gemv {label} {cfg} {dtype_name}",
+                          lambda: T.int8_gemv(torch.zeros(1, k, dtype=dt), w, s, None, cfg), per_thread))
+
+    for label, n, k, g in LINEARS:
+        add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4")
+        add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric")
+        add(label, n, k, g, T.int8_gemv_config(n, k), "int8")
+    if axes:
+        label, n, k, g = LINEARS[5]
+        for kind, (start, values) in (("w4", T.w4_gemv_space(n, k, g)), ("int8", T.int8_gemv_space(n, k))):
+            seen = {start}
+            for i, vals in enumerate(values):
+                for v in vals:
+                    cfg = start[:i] + (v,) + start[i + 1:]
+                    if kind == "w4" and T.w4_gemv_words_per_thread(cfg) > T.GEMV_MAX_WORDS_PER_THREAD:
+                        continue  # the wrapper refuses it (it spills), so the search never times it
+                    if cfg not in seen:
+                        seen.add(cfg)
+                        add(label, n, k, g, cfg, kind)
+    return cases
+
+
+def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
+    """The tiled int4 and int8 kernels at the row counts the engine sends them, and the int4 dequantizer."""
+    import torch
+
+    from quant import triton_ops as T
+
+    dt = getattr(torch, dtype_name)
+    cases = []
+    for label, n, k, g in (LINEARS[1], LINEARS[5], LINEARS[6]):
+        qw, sz = _w4(n, k, g, dt)
+        w = torch.zeros(n, k, dtype=torch.int8)
+        s, z = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int8)
+        for rows in (16, 64):
+            cases.append((f"w4_matmul {label} {rows} rows {dtype_name}",
+                          lambda rows=rows, qw=qw, sz=sz, k=k, g=g:
+                          T.w4_matmul(torch.zeros(rows, k, dtype=dt), qw, sz, g), {}))
+        for rows in (16, 256):
+            cases.append((f"int8_gemm affine {label} {rows} rows {dtype_name}",
+                          lambda rows=rows, w=w, s=s, z=z, k=k: T.int8_gemm(torch.zeros(rows, k, dtype=dt), w, s, z),
+                          {}))
+        cases.append((f"w4_dequant {label} {dtype_name}", lambda qw=qw, sz=sz, g=g: T.w4_dequant(qw, sz, g, dt), {}))
+    return cases
+
+
+def attention_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
+    """The paged attention kernel (decode with and without split keys, a prefill chunk; soft-capping and a window)
+    and the splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
+    (8/4 x 256)."""
+    import torch
+
+    from server.attention.base import AttentionSpec
+    from server.attention.triton_paged import TritonMeta, paged_attention
+
+    dt = getattr(torch, dtype_name)
+    cases = []
+    block = 16
+    for label, h, hkv, d, softcap, window in (("135M", 9, 3, 64, None, None), ("8B", 32, 8, 128, None, None),
+                                              ("gemma2", 8, 4, 256, 50.0, 4096)):
+        spec = AttentionSpec(h, hkv, d, d ** -0.5, window, softcap)
+        kc = torch.zeros(64 * block, hkv, d, dtype=dt)
+        for what, seqs, q_len, splits in (("decode", 1, 1, 16), ("decode", 64, 1, 1), ("prefill", 1, 512, 1)):
+            t = seqs * q_len
+            meta = TritonMeta(slots=torch.zeros(t, dtype=torch.int64), meta=torch.zeros(3, seqs, dtype=torch.int32),
+                              tables=torch.zeros(seqs, 64, dtype=torch.int32), seqs=seqs, max_q=q_len,
+                              max_ctx=64 * block, splits=splits)
+            cases.append((f"paged_attention {what} {label} {seqs} seqs x {q_len} splits {splits} {dtype_name}",
+                          lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d:
+                          paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block), {}))
+    return cases
+
+
+def glue_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
+    """The per-layer glue: (add +) RMSNorm, the rotary (with the K/V write, and partial), the K/V write, the gated
+    activations."""
+    import torch
+
+    from server import glue_triton as G
+
+    dt = getattr(torch, dtype_name)
+    cases = []
+    for label, hidden, inter, h, hkv, d, rot in (("135M", 576, 1536, 9, 3, 64, 64),
+                                                 ("8B", 4096, 14336, 32, 8, 128, 128),
+                                                 ("phi partial", 3072, 8192, 32, 32, 96, 32)):
+        t = 4
+        x = torch.zeros(t, hidden, dtype=dt)
+        w = torch.zeros(hidden, dtype=dt)
+        q, k, v = (torch.zeros(t, n, d, dtype=dt) for n in (h, hkv, hkv))
+        cos = torch.zeros(t, rot, dtype=dt)
+        kv = torch.zeros(2, 64, hkv, d, dtype=dt)
+        slots = torch.zeros(t, dtype=torch.int64)
+        gu = torch.zeros(t, 2 * inter, dtype=dt)
+        cases += [
+            (f"rms_norm {label} {dtype_name}", lambda x=x, w=w: G.rms_norm(x, w, 1e-6), {}),
+            (f"add_rms_norm {label} {dtype_name}", lambda x=x, w=w: G.add_rms_norm(x, x, w, 1e-6), {}),
+            (f"rope_ {label} {dtype_name}", lambda q=q, k=k, cos=cos: G.rope_(q, k, cos, cos), {}),
+            (f"rope_store_kv_ {label} {dtype_name}",
+             lambda q=q, k=k, v=v, cos=cos, kv=kv, slots=slots: G.rope_store_kv_(q, k, v, cos, cos, kv, slots), {}),
+            (f"store_kv {label} {dtype_name}", lambda k=k, v=v, kv=kv, slots=slots: G.store_kv(k, v, kv, slots), {}),
+            (f"silu_mul {label} {dtype_name}", lambda gu=gu: G.silu_mul(gu), {}),
+            (f"gelu_tanh_mul {label} {dtype_name}", lambda gu=gu: G.gelu_tanh_mul(gu), {}),
+        ]
+    return cases
+
+
+GROUPS = {"gemv": gemv_cases, "products": product_cases, "attention": attention_cases, "glue": glue_cases}
+
+
+def compile_cases(cases, arch: int) -> list[Compiled]:
+    out = []
+    for case, launch, extra in cases:
+        with compile_only(arch) as compiled:
+            try:
+                launch()
+            except Exception as e:  # a kernel the compiler refuses: reported as such, the rest go on
+                out.append(Compiled(case, "?", arch, {}, 0, error=f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+                continue
+        for name, kernel in compiled:
+            c = inspect(kernel, case, name, arch)
+            if extra.get("weights_per_thread") and c.loop_instructions:
+                c.loop_ops["per_weight"] = round(c.loop_instructions / extra["weights_per_thread"], 2)
+            out.append(c)
+    return out
+
+
+def table(results: list[Compiled]) -> str:
+    lines = ["| case | kernel | sm | warps | registers | spilled B | shared B | loop instr | per weight | loop BAR |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in results:
+        lines.append(f"| {c.case} | {c.kernel} | {c.arch} | {c.num_warps} | {c.registers} | {c.spilled_bytes} | "
+                     f"{c.shared_bytes} | {c.loop_instructions or ''} | {c.loop_ops.get('per_weight', '')} | "
+                     f"{c.loop_ops.get('BAR.SYNC.DEFER_BLOCKING', '') if c.loop_instructions else ''} |"
+                     + (f" {c.error}" if c.error else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities (90: H100, 80: A100)")
+    ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=sorted(GROUPS))
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
+    ap.add_argument("--no-axes", action="store_true", help="the one-row kernels at their rules' launches only")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile, spills or overflows")
+    ap.add_argument("--json", help="write every result here")
+    args = ap.parse_args(argv)
+    results = []
+    for arch in args.arch:
+        for dtype in args.dtype:
+            for group in args.only:
+                cases = gemv_cases(dtype, not args.no_axes) if group == "gemv" else GROUPS[group](dtype)
+                results += compile_cases(cases, arch)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    bad = [(r, p) for r in results for p in r.problems()]
+    for r, p in bad:
+        print(f"PROBLEM sm_{r.arch} {r.case} ({r.kernel}): {p}")
+    print(f"{len(results)} kernels compiled for sm_{'/'.join(map(str, args.arch))}; {len(bad)} problems")
+    return 1 if args.check and bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
