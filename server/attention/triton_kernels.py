@@ -19,8 +19,11 @@ def paged_attention(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh,
     scale, softcap, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):
+    # A step of the key loop takes BLOCK_N keys, BLOCK_N / PAGE pages of the block table: each key's slot is its
+    # page's block times PAGE plus its place in the page, so a step's K and V are each one gather load whatever
+    # the pages are, and a 4096-key context is 32 steps (16 per split-K program), not 256 of one page each.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     mblk = tl.program_id(2) // SPLITS
@@ -46,8 +49,8 @@ def paged_attention(
     lo = 0
     if WINDOW:
         lo = tl.maximum(first - window + 1, 0)
-    lo = lo // BLOCK_N * BLOCK_N
-    if SPLITS > 1:  # this program's share of the pages
+    lo = lo // BLOCK_N * BLOCK_N  # (the keys below the window's start in the first step are masked out)
+    if SPLITS > 1:  # this program's share of the steps
         pages = tl.cdiv(hi - lo, BLOCK_N)
         per = tl.cdiv(pages, SPLITS)
         lo_s = lo + split * per * BLOCK_N
@@ -58,10 +61,10 @@ def paged_attention(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        blk = tl.load(tables + seq * width + start // BLOCK_N)
         n = start + tl.arange(0, BLOCK_N)  # (BN,) key positions
-        slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) their slots: one page
         k_ok = n < hi
+        blk = tl.load(tables + seq * width + n // PAGE, mask=k_ok, other=0)  # (BN,) each key's page's block
+        slot = blk * PAGE + n % PAGE  # (BN,) their slots
         k = tl.load(K + slot[None, :] * stride_kn + kvh * stride_kh + d[:, None],
                     mask=d_ok[:, None] & k_ok[None, :], other=0.0)  # (BD, BN)
         s = tl.dot(q, k) * scale  # (BM, BN) fp32

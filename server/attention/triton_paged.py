@@ -8,9 +8,10 @@ The kernel (vLLM's unified Triton attention has the same shape): a step is S seq
 tokens at the end of its ctx_len keys (a decode row: q_len 1; a prefill chunk: its length, after its past).
 One program takes one sequence, one KV head and BLOCK_M query rows, where a row is (token, query head of the
 group): the g query heads sharing a KV head share every K/V load (GQA without repetition) and fill the rows a
-lone decode token would leave empty. It walks the sequence's pages [lo, hi), one page of block_size keys per
-iteration: causal (key position <= the row's position), a sliding window (> position - window) and
-soft-capping are applied to the fp32 scores, then an online softmax (fp32) accumulates P·V.
+lone decode token would leave empty. It walks the sequence's keys [lo, hi), BLOCK_N keys (several pages of
+block_size, each key's slot read from the block table) per iteration: causal (key position <= the row's
+position), a sliding window (> position - window) and soft-capping are applied to the fp32 scores, then an
+online softmax (fp32) accumulates P·V.
 
 Decode steps over long contexts with few sequences also split the key range (``splits`` programs per sequence
 and head; each writes its partial max, sum and output, and a second kernel merges them), so that a batch-1 step
@@ -84,7 +85,7 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def unsupported_block_size(block_size: int) -> str | None:
         if block_size < 16 or block_size & (block_size - 1):
-            return f"the triton backend reads one page per step of its loop: block size {block_size} must be a " \
+            return f"the triton backend reads whole pages per step of its loop: block size {block_size} must be a " \
                    "power of two >= 16"
         return None
 
@@ -163,6 +164,13 @@ class TritonBackend(AttentionBackend):
         return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size)
 
 
+def keys_per_step(block_size: int, head_dim: int, rows: int) -> int:
+    """Keys per iteration of the kernel's loop: whole pages, 128 keys for decode rows (few query rows: the (rows,
+    keys) scores are small) and 64 for prefill chunks, halved for heads over 128 (bench/sass.py: none spills)."""
+    keys = (128 if rows <= 16 else 64) // (2 if head_dim > 128 else 1)
+    return max(block_size, keys)
+
+
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
                     block_size: int) -> Tensor:
     """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D)."""
@@ -187,7 +195,8 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
         spec.scale, spec.softcap or 0.0, spec.window or 0,
-        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_size, SPLITS=splits,
+        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys_per_step(block_size, D, rows), PAGE=block_size,
+        SPLITS=splits,
         SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
     )
     if splits > 1:
