@@ -264,6 +264,7 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
                # the metadata staged once, as a decode graph holds it (its copies are the step's, not the kernel's)
                "triton_us": cuda_time(lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m)) * 1e6,
                "sdpa_gather_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step)), graph=False) * 1e6}
+        row["triton_page_us"] = _one_page_per_step(tb, lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m))
         rows.append(row)
     # prefill with past: a 512-token chunk after 1024 cached tokens
     s = SHAPES["8B"]
@@ -290,8 +291,18 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
         failures.append(f"paged prefill 8B {c} after {past}: max error {err:.3g}")
     rows.append({"op": "prefill_attention", "shape": "8B", "chunk": c, "past": past, "max_err": err,
                  "triton_us": cuda_time(lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m)) * 1e6,
-                 "sdpa_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step)), graph=False) * 1e6})
+                 "sdpa_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step)), graph=False) * 1e6,
+                 "triton_page_us": _one_page_per_step(tb, lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m))})
     results["attention"] = rows
+
+
+def _one_page_per_step(backend, call) -> float:
+    """µs of ``call`` with the backend's kernel stepping one page of keys at a time, as it did before session 23."""
+    backend.keys_per_step = backend.block_size
+    try:
+        return cuda_time(call) * 1e6
+    finally:
+        backend.keys_per_step = None
 
 
 # ----------------------------------------------------------------------------------------------- 3: the engine
@@ -592,11 +603,13 @@ def markdown(results: dict, failures: list) -> str:
                        f"{r['rel_err']:.1e} |")
         out.append("")
     if results.get("attention"):
-        out += ["| attention | shape | batch | triton us | sdpa us | max err |", "|---|---|---|---|---|---|"]
+        out += ["| attention | shape | batch | triton us | triton, one page per step us | sdpa us | max err |",
+                "|---|---|---|---|---|---|---|"]
         for r in results["attention"]:
             b = f"{r['seqs']} x {r['ctx']} (splits {r['splits']})" if "seqs" in r else f"{r['chunk']} after {r['past']}"
             peer = r.get("sdpa_gather_us", r.get("sdpa_us"))
-            out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {peer:.1f} | {r['max_err']:.1e} |")
+            out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {r['triton_page_us']:.1f} | "
+                       f"{peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
     if results.get("gemv_sweep"):
         tables = [("w4", ("sym", "v1", "v2", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's "

@@ -172,6 +172,32 @@ def test_triton_long_prefill_with_past_and_wide_groups(dtype):
         torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("keys", [16, 32])
+def test_triton_steps_of_any_whole_pages_compute_the_same(keys):
+    """The kernel's key loop takes keys_per_step() keys a step (128 for decode rows); one or two pages a step (what
+    bench/gpu.py times beside it) give the same attention, and a step that is not whole pages is refused."""
+    from server.attention.triton_paged import TritonBackend
+
+    spec = SPECS["window"]
+    TritonBackend.keys_per_step = keys
+    try:
+        got, want = _triton_case(spec, decode=[200, 37], chunks=[(40, 23)], seed=7)
+    finally:
+        TritonBackend.keys_per_step = None
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_refuses_a_key_step_of_part_pages():
+    from server.attention.triton_paged import TritonMeta, paged_attention
+
+    spec = SPECS["plain"]
+    meta = TritonMeta(torch.zeros(1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int32),
+                      torch.zeros(1, 4, dtype=torch.int32), 1, 1, 64, 1)
+    kc = torch.zeros(64, spec.kv_heads, spec.head_dim)
+    with pytest.raises(ValueError, match="keys per step must be whole pages of 16"):
+        paged_attention(torch.zeros(1, spec.heads, spec.head_dim), kc, kc, meta, spec, 16, keys=24)
+
+
 def test_triton_refuses_block_sizes_it_cannot_page():
     from quant.errors import UnsupportedModelError
     from server.attention.triton_paged import TritonBackend

@@ -73,6 +73,7 @@ class TritonBackend(AttentionBackend):
     # programs per multiprocessor of the device, keeping at least MIN_SPLIT_KEYS keys per part.
     PROGRAMS_PER_SM = 2
     MIN_SPLIT_KEYS = 256
+    keys_per_step: int | None = None  # keys per iteration of the kernel's loop; None: keys_per_step()'s rule
 
     @staticmethod
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -153,7 +154,7 @@ class TritonBackend(AttentionBackend):
         spec = self.specs[layer]
         kv = self.kv[layer]  # (2, slots, Hkv, D)
         self.ops.store_kv(k, v, kv, meta.slots)
-        return paged_attention(q, kv[0], kv[1], meta, spec, self.block_size)
+        return paged_attention(q, kv[0], kv[1], meta, spec, self.block_size, self.keys_per_step)
 
     def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int,
                        meta: TritonMeta) -> Tensor:
@@ -161,7 +162,7 @@ class TritonBackend(AttentionBackend):
             return super().forward_rotary(q, k, v, cos, sin, layer, meta)
         kv = self.kv[layer]  # (2, slots, Hkv, D)
         self.ops.rope_store_kv_(q, k, v, cos, sin, kv, meta.slots)  # the rotary and the cache write: one launch
-        return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size)
+        return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step)
 
 
 def keys_per_step(block_size: int, head_dim: int, rows: int) -> int:
@@ -172,11 +173,15 @@ def keys_per_step(block_size: int, head_dim: int, rows: int) -> int:
 
 
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
-                    block_size: int) -> Tensor:
-    """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D)."""
+                    block_size: int, keys: int | None = None) -> Tensor:
+    """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D); ``keys`` per
+    step of the key loop (whole pages, a power of two) overrides :func:`keys_per_step`."""
     from server.attention.triton_kernels import merge_splits, paged_attention as kernel
 
     T, H, D = q.shape
+    if keys is not None and (keys % block_size or keys & (keys - 1)):
+        raise ValueError(f"paged_attention: keys per step must be whole pages of {block_size}, a power of two; "
+                         f"got {keys}")
     g = spec.group
     out = q.new_empty(T, H, D)
     rows = meta.max_q * g
@@ -195,7 +200,7 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
         spec.scale, spec.softcap or 0.0, spec.window or 0,
-        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys_per_step(block_size, D, rows), PAGE=block_size,
+        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or keys_per_step(block_size, D, rows), PAGE=block_size,
         SPLITS=splits,
         SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
     )
