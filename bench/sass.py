@@ -15,6 +15,7 @@ kernel's speed when they exceed what the memory's bandwidth leaves time for. It 
     python bench/sass.py                      # every case, sm_90: a table
     python bench/sass.py --arch 80 --check    # exit 1 if any kernel fails to compile, spills or overflows shared
     python bench/sass.py --only gemv --json out.json
+    python bench/sass.py --only gemv attention prior --no-axes   # beside what the present kernels replaced
 
 tests/test_triton_compile.py runs ``--check`` for sm_90 and sm_80 in CI.
 """
@@ -240,6 +241,27 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
     return cases
 
 
+def prior_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
+    """What the present kernels replaced, for a same-run comparison: the one-row W4A16 kernel of sessions 21-22
+    (bench/gemv_v2.py) at the 8B shapes, and the attention kernel stepping one page of keys at a time."""
+    import torch
+
+    from quant import triton_ops as T
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gemv_v2 import w4_gemv_v2
+
+    dt = getattr(torch, dtype_name)
+    cases = []
+    for label, n, k, g in LINEARS:
+        qw, sz = _w4(n, k, g, dt)
+        bn, bk, _, warps = T.w4_gemv_config(n, k, g)
+        cases.append((f"w4_gemv_v2 {label} {dtype_name}",
+                      lambda qw=qw, sz=sz, k=k, g=g: w4_gemv_v2(torch.zeros(1, k, dtype=dt), qw, sz, g),
+                      {"weights_per_thread": bn * bk / (32 * warps)}))
+    return cases + attention_cases(dtype_name, keys_per_step=16)
+
+
 def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
     """The tiled int4 and int8 kernels at the row counts the engine sends them, and the int4 dequantizer."""
     import torch
@@ -264,10 +286,13 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
     return cases
 
 
-def attention_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
+def attention_cases(dtype_name: str = "bfloat16",
+                    keys_per_step: int | None = None) -> list[tuple[str, Callable[[], object], dict]]:
     """The paged attention kernel (decode with and without split keys, a prefill chunk; soft-capping and a window)
     and the splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
-    (8/4 x 256)."""
+    (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
+    step of the key loop takes (for instructions per key)."""
+    from server.attention.triton_paged import keys_per_step as rule
     import torch
 
     from server.attention.base import AttentionSpec
@@ -285,9 +310,11 @@ def attention_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[]
             meta = TritonMeta(slots=torch.zeros(t, dtype=torch.int64), meta=torch.zeros(3, seqs, dtype=torch.int32),
                               tables=torch.zeros(seqs, 64, dtype=torch.int32), seqs=seqs, max_q=q_len,
                               max_ctx=64 * block, splits=splits)
-            cases.append((f"paged_attention {what} {label} {seqs} seqs x {q_len} splits {splits} {dtype_name}",
-                          lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d:
-                          paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block), {}))
+            keys = keys_per_step or rule(block, d, q_len * (h // hkv))
+            cases.append((f"paged_attention {what} {label} {seqs} seqs x {q_len} splits {splits} {keys} keys a step "
+                          f"{dtype_name}", lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys:
+                          paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys),
+                          {"keys_per_step": keys}))
     return cases
 
 
@@ -324,7 +351,9 @@ def glue_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], obj
     return cases
 
 
-GROUPS = {"gemv": gemv_cases, "products": product_cases, "attention": attention_cases, "glue": glue_cases}
+GROUPS = {"gemv": gemv_cases, "products": product_cases, "attention": attention_cases, "glue": glue_cases,
+          "prior": prior_cases}
+DEFAULT_GROUPS = ("attention", "gemv", "glue", "products")  # "prior": what the present kernels replaced
 
 
 def compile_cases(cases, arch: int) -> list[Compiled]:
@@ -340,16 +369,19 @@ def compile_cases(cases, arch: int) -> list[Compiled]:
             c = inspect(kernel, case, name, arch)
             if extra.get("weights_per_thread") and c.loop_instructions:
                 c.loop_ops["per_weight"] = round(c.loop_instructions / extra["weights_per_thread"], 2)
+            if extra.get("keys_per_step") and c.loop_instructions and name == "paged_attention":
+                c.loop_ops["per_key"] = round(c.loop_instructions / extra["keys_per_step"], 2)
             out.append(c)
     return out
 
 
 def table(results: list[Compiled]) -> str:
-    lines = ["| case | kernel | sm | warps | registers | spilled B | shared B | loop instr | per weight | loop BAR |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | kernel | sm | warps | registers | spilled B | shared B | loop instr | per weight or key | "
+             "loop BAR |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in results:
+        per = c.loop_ops.get("per_weight", c.loop_ops.get("per_key", ""))
         lines.append(f"| {c.case} | {c.kernel} | {c.arch} | {c.num_warps} | {c.registers} | {c.spilled_bytes} | "
-                     f"{c.shared_bytes} | {c.loop_instructions or ''} | {c.loop_ops.get('per_weight', '')} | "
+                     f"{c.shared_bytes} | {c.loop_instructions or ''} | {per} | "
                      f"{c.loop_ops.get('BAR.SYNC.DEFER_BLOCKING', '') if c.loop_instructions else ''} |"
                      + (f" {c.error}" if c.error else ""))
     return "\n".join(lines)
@@ -358,7 +390,7 @@ def table(results: list[Compiled]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capabilities (90: H100, 80: A100)")
-    ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=sorted(GROUPS))
+    ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=list(DEFAULT_GROUPS))
     ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"])
     ap.add_argument("--no-axes", action="store_true", help="the one-row kernels at their rules' launches only")
     ap.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile, spills or overflows")
