@@ -31,21 +31,33 @@ def _launched_kernels() -> set[str]:
     return {n for n in names if not re.search(rf"(?<![\w.]){n}\(", calls)}
 
 
-def _sass(tmp_path, *args) -> list[dict]:
+def _sass(tmp_path, *runs: list[str]) -> list[dict]:
+    """bench/sass.py --check once per argument list, the runs side by side (each compiles on one core)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "sass.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "--check", "--json", str(out), *args],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
-    return json.loads(out.read_text())
+    procs = []
+    for i, args in enumerate(runs):
+        out = tmp_path / f"sass{i}.json"
+        procs.append((out, subprocess.Popen([sys.executable, str(ROOT / "bench" / "sass.py"), "--check", "--json",
+                                             str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, env=env, cwd=ROOT)))
+    results = []
+    for out, p in procs:
+        stdout, stderr = p.communicate(timeout=1200)
+        assert p.returncode == 0, (stdout[-3000:], stderr[-3000:])
+        results += json.loads(out.read_text())
+    return results
 
 
 def test_every_launched_kernel_compiles_for_an_h100_and_an_a100(tmp_path):
-    results = _sass(tmp_path, "--arch", "90", "80", "--no-axes")
+    """Every kernel for sm_90; for sm_80 all but the per-layer glue (one program per row, no tl.dot, no shared
+    memory to speak of: what differs between the two targets does not reach them)."""
+    results = _sass(tmp_path, ["--arch", "90", "--no-axes"],
+                    ["--arch", "80", "--no-axes", "--only", "gemv", "products", "attention"])
     assert not [r for r in results if r["error"] or r["spilled_bytes"]]  # --check's exit code says so too
-    for arch in (90, 80):
-        compiled = {r["kernel"] for r in results if r["arch"] == arch}
-        assert compiled == _launched_kernels(), f"sm_{arch}: bench/sass.py's cases miss a kernel, or name one gone"
+    assert {r["kernel"] for r in results if r["arch"] == 90} == _launched_kernels(), \
+        "bench/sass.py's cases miss a kernel, or name one gone"
+    assert {r["kernel"] for r in results if r["arch"] == 80} == _launched_kernels() - {
+        "_norm_kernel", "_rope_kernel", "_store_kv_kernel", "_act_mul_kernel"}
 
 
 def test_the_one_row_int4_kernel_issues_few_instructions_per_weight(tmp_path):
@@ -53,7 +65,7 @@ def test_the_one_row_int4_kernel_issues_few_instructions_per_weight(tmp_path):
     An H100 issues 132 x 4 warp instructions per clock; while its 3.35 TB/s bring in a g128 weight (0.53 bytes with
     its share of the table) a 1.98 GHz clock leaves ~5.3 instructions per weight. The kernel this one replaced
     issued 7.5 at its rule's launch. And none of those launches spills."""
-    results = [r for r in _sass(tmp_path, "--arch", "90", "--only", "gemv") if r["kernel"] == "w4_gemv_kernel"]
+    results = [r for r in _sass(tmp_path, ["--arch", "90", "--only", "gemv"]) if r["kernel"] == "w4_gemv_kernel"]
     assert len(results) > 10
     rule = next(r for r in results if r["case"].startswith("w4_gemv 8B gate_up (128, 128, 2, 4)"))
     sym = next(r for r in results if r["case"].startswith("w4_gemv symmetric 8B gate_up (128, 128, 2, 4)"))

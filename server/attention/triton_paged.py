@@ -200,9 +200,10 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
         spec.scale, spec.softcap or 0.0, spec.window or 0,
-        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or keys_per_step(block_size, D, rows), PAGE=block_size,
-        SPLITS=splits,
-        SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
+        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or keys_per_step(block_size, D, rows),
+        PAGE=block_size, SPLITS=splits, SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
+        # 64 query rows by a head of 128 or more in 4 warps spill on an A100 (bench/sass.py --arch 80): 8 warps
+        num_warps=8 if block_m == 64 and block_d >= 128 else 4,
     )
     if splits > 1:
         merge_splits[(meta.seqs, H)](out, m_part, l_part, o_part, meta.meta, out.stride(0), out.stride(1),
