@@ -65,6 +65,17 @@ def default_gguf_path() -> Path:
     return ggufs[0]
 
 
+def agree_special_tokens(tok, config) -> None:
+    """Give the tokenizer the BOS and EOS tokens the model's config names (the GGUF's own ids). transformers 5.17
+    (the GPU images') converts SmolLM2's GGUF tokenizer with <|im_start|> as its EOS while the config says
+    <|im_end|>; 5.24 agrees with the config. The engine stops on the tokenizer's EOS, so a conversion must not
+    depend on which transformers made it."""
+    for name in ("bos", "eos"):
+        want = getattr(config, f"{name}_token_id", None)
+        if isinstance(want, int) and 0 <= want < len(tok) and getattr(tok, f"{name}_token_id") != want:
+            setattr(tok, f"{name}_token", tok.convert_ids_to_tokens(want))
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF once into `cache_dir/models/<stem>-<sha12>` (fp32 safetensors + tokenizer).
 
@@ -82,6 +93,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        agree_special_tokens(tok, model.config)
         # A GGUF-loaded model carries the GGUF quantizer marker and transformers refuses to save it
         # until the marker is cleared; the weights are already plain float tensors by now.
         model.hf_quantizer = None

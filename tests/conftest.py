@@ -35,13 +35,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
-    """The default model's tokenizer, read straight from its GGUF (no model conversion needed)."""
-    from transformers import AutoTokenizer
+    """The default model's tokenizer, read straight from its GGUF (no model conversion needed), with the special
+    tokens its config names, as the conversion gives it (quant.models.agree_special_tokens)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    from quant.models import default_gguf_path
+    from quant.models import agree_special_tokens, default_gguf_path
 
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    agree_special_tokens(tok, AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
     return tok
 
 

@@ -138,6 +138,23 @@ def test_stream_matches_decode_hypothesis(tokenizer, text, use_prompt):
     check_stream(tokenizer, ids, prompt)
 
 
+def test_the_default_tokenizer_ends_on_the_eos_its_config_names(tokenizer):
+    """SmolLM2's GGUF names <|im_end|> (2) its EOS. transformers 5.17 (the GPU images') converts its tokenizer with
+    <|im_start|> (1) instead; the conversion gives the tokenizer the config's tokens whichever made it."""
+    import copy
+    from types import SimpleNamespace
+
+    from quant.models import agree_special_tokens
+
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.bos_token_id) == ("<|im_end|>", 2, 1)
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = "<|im_start|>"  # as 5.17 leaves it
+    agree_special_tokens(tok, SimpleNamespace(bos_token_id=1, eos_token_id=2))
+    assert (tok.eos_token, tok.eos_token_id, tok.bos_token_id) == ("<|im_end|>", 2, 1)
+    agree_special_tokens(tok, SimpleNamespace(bos_token_id=None, eos_token_id=[2, 1]))  # a list: left as it is
+    assert tok.eos_token_id == 2
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_special_tokens(tokenizer, prompt_ids, skip):
     eos, im_start = tokenizer.eos_token_id, 1
