@@ -31,12 +31,19 @@ def _launched_kernels() -> set[str]:
     return {n for n in names if not re.search(rf"(?<![\w.]){n}\(", calls)}
 
 
-def _sass(tmp_path, *runs: list[str]) -> list[dict]:
-    """bench/sass.py --check once per argument list, the runs side by side (each compiles on one core)."""
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[dict]:
+    """bench/sass.py --check in three processes side by side (each compiles on one core): every kernel for sm_90,
+    the one-row kernels at every launch a GPU's search tries first; for sm_80 all but the per-layer glue (one
+    program per row, no tl.dot, no shared memory to speak of: what differs between the targets does not reach
+    them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tmp = tmp_path_factory.mktemp("sass")
     procs = []
+    runs = (["--arch", "90", "--only", "gemv"], ["--arch", "90", "--only", "products", "attention", "glue"],
+            ["--arch", "80", "--no-axes", "--only", "gemv", "products", "attention"])
     for i, args in enumerate(runs):
-        out = tmp_path / f"sass{i}.json"
+        out = tmp / f"sass{i}.json"
         procs.append((out, subprocess.Popen([sys.executable, str(ROOT / "bench" / "sass.py"), "--check", "--json",
                                              str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, env=env, cwd=ROOT)))
@@ -48,24 +55,20 @@ def _sass(tmp_path, *runs: list[str]) -> list[dict]:
     return results
 
 
-def test_every_launched_kernel_compiles_for_an_h100_and_an_a100(tmp_path):
-    """Every kernel for sm_90; for sm_80 all but the per-layer glue (one program per row, no tl.dot, no shared
-    memory to speak of: what differs between the two targets does not reach them)."""
-    results = _sass(tmp_path, ["--arch", "90", "--no-axes"],
-                    ["--arch", "80", "--no-axes", "--only", "gemv", "products", "attention"])
-    assert not [r for r in results if r["error"] or r["spilled_bytes"]]  # --check's exit code says so too
-    assert {r["kernel"] for r in results if r["arch"] == 90} == _launched_kernels(), \
+def test_every_launched_kernel_compiles_for_an_h100_and_an_a100(compiled):
+    assert not [r for r in compiled if r["error"] or r["spilled_bytes"]]  # --check's exit code says so too
+    assert {r["kernel"] for r in compiled if r["arch"] == 90} == _launched_kernels(), \
         "bench/sass.py's cases miss a kernel, or name one gone"
-    assert {r["kernel"] for r in results if r["arch"] == 80} == _launched_kernels() - {
+    assert {r["kernel"] for r in compiled if r["arch"] == 80} == _launched_kernels() - {
         "_norm_kernel", "_rope_kernel", "_store_kv_kernel", "_act_mul_kernel"}
 
 
-def test_the_one_row_int4_kernel_issues_few_instructions_per_weight(tmp_path):
+def test_the_one_row_int4_kernel_issues_few_instructions_per_weight(compiled):
     """The one-row W4A16 kernel's K loop, at every launch a GPU's search tries first: a static bound on its speed.
     An H100 issues 132 x 4 warp instructions per clock; while its 3.35 TB/s bring in a g128 weight (0.53 bytes with
     its share of the table) a 1.98 GHz clock leaves ~5.3 instructions per weight. The kernel this one replaced
     issued 7.5 at its rule's launch. And none of those launches spills."""
-    results = [r for r in _sass(tmp_path, ["--arch", "90", "--only", "gemv"]) if r["kernel"] == "w4_gemv_kernel"]
+    results = [r for r in compiled if r["kernel"] == "w4_gemv_kernel" and r["arch"] == 90]
     assert len(results) > 10
     rule = next(r for r in results if r["case"].startswith("w4_gemv 8B gate_up (128, 128, 2, 4)"))
     sym = next(r for r in results if r["case"].startswith("w4_gemv symmetric 8B gate_up (128, 128, 2, 4)"))
