@@ -172,7 +172,8 @@ def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm and the two kernels before it (bench/gemv_v1.py, gemv_v2.py) in the same run: per layer the
     rule's config (quant.triton_ops.w4_gemv_config), the fastest, and each one's share of the bandwidth limit (the
-    codes and the scale/zero table read once). Then the one-row int8 kernel over INT8_GEMV_SWEEP against the tiled int8 GEMM."""
+    codes and the scale/zero table read once). Then the one-row int8 kernel over INT8_GEMV_SWEEP against the tiled
+    int8 GEMM."""
     from gemv_v1 import w4_gemv_v1  # bench/: session 14's kernel, for the same-run comparison
     from gemv_v2 import w4_gemv_v2  # bench/: sessions 21-22's, which the present kernel replaced unmeasured
 
