@@ -133,11 +133,12 @@ def inspect(kernel, case: str, name: str, arch: int) -> Compiled:
     """Registers, spills and shared memory of a compiled kernel (cuobjdump), and its innermost loop (nvdisasm)."""
     md = kernel.metadata
     src = getattr(kernel, "src", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", [])
     consts = {}
-    for key, val in (getattr(src, "constants", None) or {}).items():
-        label = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    for key, val in (getattr(src, "constants", None) or {}).items():  # keyed by (argument index,)
+        i = key[0] if isinstance(key, tuple) and len(key) == 1 else None
         if isinstance(val, (int, float, bool, str)):
-            consts[str(label)] = val
+            consts[names[i] if i is not None and i < len(names) else str(key)] = val
     c = Compiled(case, name, arch, consts, md.num_warps, shared_bytes=md.shared)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
@@ -292,7 +293,7 @@ def attention_cases(dtype_name: str = "bfloat16",
     and the splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
     (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
     step of the key loop takes (for instructions per key)."""
-    from server.attention.triton_paged import keys_per_step as rule
+    from server.attention.triton_paged import step_keys
     import torch
 
     from server.attention.base import AttentionSpec
@@ -310,7 +311,7 @@ def attention_cases(dtype_name: str = "bfloat16",
             meta = TritonMeta(slots=torch.zeros(t, dtype=torch.int64), meta=torch.zeros(3, seqs, dtype=torch.int32),
                               tables=torch.zeros(seqs, 64, dtype=torch.int32), seqs=seqs, max_q=q_len,
                               max_ctx=64 * block, splits=splits)
-            keys = keys_per_step or rule(block, d, q_len * (h // hkv))
+            keys = keys_per_step or step_keys(block, d, q_len * (h // hkv))
             cases.append((f"paged_attention {what} {label} {seqs} seqs x {q_len} splits {splits} {keys} keys a step "
                           f"{dtype_name}", lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys:
                           paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys),

@@ -79,6 +79,14 @@ def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
     write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 @triton.jit
+def code_minus_8(words, P: tl.constexpr, ONE):
+    """q - 8, exact, for the 4-bit codes q at bits P..P+3 of ``words`` (P <= 19): one LOP3 sets them into the
+    mantissa of 1.0 (ONE holds its bits), f = 1 + q 2^(P-23); one FMA gives f 2^(23-P) - (2^(23-P) + 8)."""
+    f = ((words & (15 << P)) | ONE).to(tl.float32, bitcast=True)
+    return f * float(1 << (23 - P)) - float((1 << (23 - P)) + 8)
+
+
+@triton.jit
 def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
@@ -114,11 +122,9 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N
         for j in tl.static_range(8):
             xj = tl.load(X + k + r * 8 + j, mask=r_ok, other=0.0).to(tl.float32)  # (BK/8,): x of code j
             if j < 5:
-                f = ((words & (15 << (4 * j))) | ONE).to(tl.float32, bitcast=True)  # (BK/8, BN)
-                t += (f * float(1 << (23 - 4 * j)) - float((1 << (23 - 4 * j)) + 8)) * xj[:, None]
+                t += code_minus_8(words, 4 * j, ONE) * xj[:, None]  # (BK/8, BN)
             else:
-                f = ((hi & (15 << (4 * j - 12))) | ONE).to(tl.float32, bitcast=True)
-                t += (f * float(1 << (35 - 4 * j)) - float((1 << (35 - 4 * j)) + 8)) * xj[:, None]
+                t += code_minus_8(hi, 4 * j - 12, ONE) * xj[:, None]
             if HAS_ZERO:
                 xs += xj
         g = k // GS

@@ -51,8 +51,8 @@ def paged_attention(
         lo = tl.maximum(first - window + 1, 0)
     lo = lo // BLOCK_N * BLOCK_N  # (the keys below the window's start in the first step are masked out)
     if SPLITS > 1:  # this program's share of the steps
-        pages = tl.cdiv(hi - lo, BLOCK_N)
-        per = tl.cdiv(pages, SPLITS)
+        steps = tl.cdiv(hi - lo, BLOCK_N)
+        per = tl.cdiv(steps, SPLITS)
         lo_s = lo + split * per * BLOCK_N
         hi = tl.minimum(hi, lo_s + per * BLOCK_N)
         lo = lo_s

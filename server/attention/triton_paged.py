@@ -73,7 +73,7 @@ class TritonBackend(AttentionBackend):
     # programs per multiprocessor of the device, keeping at least MIN_SPLIT_KEYS keys per part.
     PROGRAMS_PER_SM = 2
     MIN_SPLIT_KEYS = 256
-    keys_per_step: int | None = None  # keys per iteration of the kernel's loop; None: keys_per_step()'s rule
+    keys_per_step: int | None = None  # keys per iteration of the kernel's loop; None: step_keys()'s rule
 
     @staticmethod
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -165,7 +165,7 @@ class TritonBackend(AttentionBackend):
         return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step)
 
 
-def keys_per_step(block_size: int, head_dim: int, rows: int) -> int:
+def step_keys(block_size: int, head_dim: int, rows: int) -> int:
     """Keys per iteration of the kernel's loop: whole pages, 128 keys for decode rows (few query rows: the (rows,
     keys) scores are small) and 64 for prefill chunks, halved for heads over 128 (bench/sass.py: none spills)."""
     keys = (128 if rows <= 16 else 64) // (2 if head_dim > 128 else 1)
@@ -175,7 +175,7 @@ def keys_per_step(block_size: int, head_dim: int, rows: int) -> int:
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
                     block_size: int, keys: int | None = None) -> Tensor:
     """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D); ``keys`` per
-    step of the key loop (whole pages, a power of two) overrides :func:`keys_per_step`."""
+    step of the key loop (whole pages, a power of two) overrides :func:`step_keys`."""
     from server.attention.triton_kernels import merge_splits, paged_attention as kernel
 
     T, H, D = q.shape
@@ -200,7 +200,7 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
         spec.scale, spec.softcap or 0.0, spec.window or 0,
-        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or keys_per_step(block_size, D, rows),
+        G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or step_keys(block_size, D, rows),
         PAGE=block_size, SPLITS=splits, SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
         # 64 query rows by a head of 128 or more in 4 warps spill on an A100 (bench/sass.py --arch 80): 8 warps
         num_warps=8 if block_m == 64 and block_d >= 128 else 4,
