@@ -427,7 +427,9 @@ def decode_profile(run, steps: int, top: int = 12) -> dict:
             "top": [(name[:60], sum(v) / (steps + 1), len(v) / (steps + 1)) for name, v in ranked]}
 
 
-def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None:
+def engine_bench(results: dict, failures: list, shape: str, quick: bool, headline: bool = False) -> None:
+    """headline: batch 1 (overlapped and serial steps, its profile), TTFT, host syncs and the accounting only; not
+    the 64 streams on three backends nor the engines with the eager glue and the built-in kernel rules."""
     dev = "cuda"
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -436,7 +438,7 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape]["vocab"]
     prompt = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
-    row: dict = {"shape": shape}
+    row: dict = {"shape": shape + (" (headline rows)" if headline else "")}
     loaded = torch.cuda.memory_allocated()
     t = time.perf_counter()
     eng = make_engine(model, tok, "16GiB")  # kernels measured (this shape's first engine): launches, plans
@@ -444,6 +446,7 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
     try:
         row["kernels"] = list(eng.info.kernels)
         row["attention"] = eng.attention
+        row["glue_ops"] = eng.info.glue_ops
         row["cuda_graphs"] = eng.cuda_graphs
         row["weight_bytes"] = eng.weight_bytes
         row["allocated_after_load"] = loaded - before
@@ -488,6 +491,8 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
         row["prefill512_peak_over_base"] = torch.cuda.max_memory_allocated() - base
         row["prefill512_estimate"] = eng.activation_estimate(512, 0)
         results.setdefault("engine", []).append(row)
+        if headline:
+            return
         # 64 streams x 512 new tokens, the triton backend vs the sdpa backend's gather path, same run
         streams, new = (64, 128) if quick else (64, 512)
         saved: dict = {}
@@ -499,7 +504,6 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool) -> None
             if mode == "triton":  # batch 1 without graphs, for the graphs' share
                 row["b1_eager_tok_s"] = 128 / run_requests(eng, [prompt(16)], 128)[0]
         use_backend(eng, "triton+graphs", saved)
-        row["glue_ops"] = eng.info.glue_ops
     finally:
         eng.close()
     del model
@@ -585,7 +589,7 @@ def markdown(results: dict, failures: list) -> str:
     env = results["env"]
     out = [f"## GPU check {env['date']} on {env['device']} (bench/gpu.py via scripts/gpu_check.sh)", "",
            f"torch {env['torch']}, triton {env['triton']}. Correctness: "
-           + ("all kernels within tolerance of their references." if not failures else
+           + ("every check that ran was within tolerance of its reference." if not failures else
               "FAILED: " + "; ".join(failures)),
            "Kernel timings (quant.timing.cuda_time_us): the median per call of 10 calls captured in one CUDA graph "
            "and replayed (no host launch latency, as the decode step's graphs replay them), 20 replays, each call "
@@ -633,6 +637,8 @@ def markdown(results: dict, failures: list) -> str:
                            f"{tuple(r['searched'])} ({r['searched_measured']}, {r['search_s']:.1f} s) | "
                            + " | ".join(f"{r[f'{key}_us']:.1f}" for key in keys) + f" | {share} |")
             out.append("")
+    if results.get("skipped"):
+        out.append(f"- not run, past the run's deadline: {', '.join(results['skipped'])}")
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")
     if results.get("default_model"):
@@ -675,11 +681,27 @@ def markdown(results: dict, failures: list) -> str:
     return "\n".join(out) + "\n"
 
 
+PARTS = ("headline", "kernels", "gemv", "default", "engine")
+
+
+def parts(text: str) -> list[str]:
+    """--only's value: known part names, in the order given."""
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in chosen if p not in PARTS]
+    if bad or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(bad) or '(none)'}; parts: {', '.join(PARTS)}")
+    return chosen
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
     ap.add_argument("--quick", action="store_true", help="fewer row counts and shorter streams")
-    ap.add_argument("--only", choices=["kernels", "gemv", "engine", "default"], default=None)
+    ap.add_argument("--only", default=None, type=parts,
+                    help=f"comma-separated parts, run in the order given: {', '.join(PARTS)} (default: all but "
+                         "headline, which is the 8B engine's batch-1 rows alone)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds: start no part after this many (a lease's budget); what ran is written")
     ap.add_argument("--default-model", type=Path, default=None, help="the default model's GGUF: build + serve it")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2")
     args = ap.parse_args(argv)
@@ -698,14 +720,6 @@ def main(argv=None) -> int:
         (out / "gpu.json").write_text(json.dumps({"results": results, "failures": failures}, indent=1))
         (out / "gpu.md").write_text(markdown(results, failures))
 
-    steps = []
-    if args.only in (None, "kernels"):
-        steps += [("linear", lambda: kernel_checks(results, failures, args.quick)),
-                  ("attention", lambda: attention_checks(results, failures, args.quick))]
-        if args.only is None and not args.quick:  # the full run; alone: --only gemv
-            steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
-    if args.only == "gemv":
-        steps.append(("gemv sweep", lambda: gemv_sweep(results, failures)))
     if args.default_model is None:  # the embedded default model, where its package is installed
         try:
             from quant.models import default_gguf_path
@@ -713,12 +727,23 @@ def main(argv=None) -> int:
             args.default_model = default_gguf_path()
         except Exception as e:  # noqa: BLE001 - said in the report, not a failure of the GPU path
             results["default_model_skipped"] = f"{e} (pass --default-model GGUF)"
-    if args.only in (None, "default") and args.default_model is not None:
-        steps.append(("default model", lambda: default_model_check(results, failures, args.default_model, args.data,
-                                                                   out / "work")))
-    if args.only in (None, "engine"):
-        steps += [(f"engine {s}", lambda s=s: engine_bench(results, failures, s, args.quick)) for s in ("135M", "8B")]
-    for name, fn in steps:
+    run = {
+        "headline": [("engine 8B, headline", lambda: engine_bench(results, failures, "8B", args.quick, headline=True))],
+        "kernels": [("linear", lambda: kernel_checks(results, failures, args.quick)),
+                    ("attention", lambda: attention_checks(results, failures, args.quick))],
+        "gemv": [("gemv sweep", lambda: gemv_sweep(results, failures))],
+        "default": [("default model", lambda: default_model_check(results, failures, args.default_model, args.data,
+                                                                  out / "work"))] if args.default_model else [],
+        "engine": [(f"engine {s}", lambda s=s: engine_bench(results, failures, s, args.quick)) for s in ("135M", "8B")],
+    }
+    chosen = args.only or [p for p in PARTS if p != "headline" and not (p == "gemv" and args.quick)]
+    t_start = time.perf_counter()
+    for name, fn in (step for part in chosen for step in run[part]):
+        if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
+            results.setdefault("skipped", []).append(name)
+            print(f"[gpu] {name}: skipped, past the {args.deadline:.0f} s deadline", flush=True)
+            save()
+            continue
         t0 = time.perf_counter()
         try:
             fn()
