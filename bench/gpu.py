@@ -97,6 +97,15 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
                            "rel_err": err}
                     if err > 2e-2:
                         failures.append(f"w4 {shape} {name} m={m} {dtype}: relative error {err:.3g}")
+                    if 1 < m <= T.PLANES_MAX_ROWS and gs % 128 == 0:  # the code planes: a symmetric table too
+                        sym = sz.clone()
+                        sym[..., 1] = 0
+                        if rel_err(T.w4_matmul(x, qw, sym, gs, zero_free=True), T.w4_reference(x, qw, sym, gs)) > 2e-2:
+                            failures.append(f"w4 symmetric {shape} {name} m={m} {dtype}: relative error past 2e-2")
+                        if dtype == torch.bfloat16:  # beside the kernel's whole-weight path, which they replace here
+                            row["sym_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sym, gs, zero_free=True)) * 1e6
+                            row["whole_us"] = cuda_time(lambda: T._launch("w4_kernel", x, n, k, T.w4_block_k(gs, m),
+                                                                          qw, sz, GS=gs)) * 1e6
                     if dtype == torch.bfloat16:
                         row["triton_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sz, gs)) * 1e6
                         if packed is not None:
@@ -596,14 +605,18 @@ def markdown(results: dict, failures: list) -> str:
            "after a write over twice the L2 cache (timed apart and subtracted), so weights come from memory as in a "
            "decode step; session 14's tables were timed without that write.", ""]
     if results.get("linear"):
-        out += ["| op | shape | layer | N x K | M | triton us | tinygemm / int8pack us | dequant + cuBLAS us "
-                "| bf16 cuBLAS us | rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["W4A16 rows of 2-32 with groups of 128 run the tiled kernel over code planes; beside it the kernel's "
+                "whole-weight path (what ran before) and the planes on a symmetric table (zeros skipped).", "",
+                "| op | shape | layer | N x K | M | triton us | whole-weight / symmetric us | tinygemm / int8pack us "
+                "| dequant + cuBLAS us | bf16 cuBLAS us | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["linear"]:
             if "triton_us" not in r:
                 continue
             peer = r.get("tinygemm_us", r.get("int8pack_us"))
+            planes = f"{r['whole_us']:.1f} / {r['sym_us']:.1f}" if "whole_us" in r else "-"
             out.append(f"| {r['op']} | {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['m']} | "
-                       f"{r['triton_us']:.1f} | {'-' if peer is None else f'{peer:.1f}'} | {r['dequant_cublas_us']:.1f} | "
+                       f"{r['triton_us']:.1f} | {planes} | {'-' if peer is None else f'{peer:.1f}'} | "
+                       f"{r['dequant_cublas_us']:.1f} | "
                        f"{r['bf16_us']:.1f} | "
                        f"{r['rel_err']:.1e} |")
         out.append("")

@@ -275,10 +275,12 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
         qw, sz = _w4(n, k, g, dt)
         w = torch.zeros(n, k, dtype=torch.int8)
         s, z = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int8)
-        for rows in (16, 64):
-            cases.append((f"w4_matmul {label} {rows} rows {dtype_name}",
-                          lambda rows=rows, qw=qw, sz=sz, k=k, g=g:
-                          T.w4_matmul(torch.zeros(rows, k, dtype=dt), qw, sz, g), {}))
+        for rows, zero_free in ((16, False), (16, True), (32, False), (64, False)):
+            sym = " symmetric" if zero_free else ""
+            cases.append((f"w4_matmul{sym} {label} {rows} rows {dtype_name}",
+                          lambda rows=rows, qw=qw, sz=sz, k=k, g=g, zf=zero_free:
+                          T.w4_matmul(torch.zeros(rows, k, dtype=dt), qw, sz, g, zero_free=zf),
+                          {"tile_weights": True}))
         for rows in (16, 256):
             cases.append((f"int8_gemm affine {label} {rows} rows {dtype_name}",
                           lambda rows=rows, w=w, s=s, z=z, k=k: T.int8_gemm(torch.zeros(rows, k, dtype=dt), w, s, z),
@@ -368,8 +370,11 @@ def compile_cases(cases, arch: int) -> list[Compiled]:
                 continue
         for name, kernel in compiled:
             c = inspect(kernel, case, name, arch)
-            if extra.get("weights_per_thread") and c.loop_instructions:
-                c.loop_ops["per_weight"] = round(c.loop_instructions / extra["weights_per_thread"], 2)
+            per_thread = extra.get("weights_per_thread")
+            if extra.get("tile_weights") and "BLOCK_K" in c.constants:  # a tiled kernel's: its tile over its threads
+                per_thread = c.constants["BLOCK_N"] * c.constants["BLOCK_K"] / (32 * c.num_warps)
+            if per_thread and c.loop_instructions:
+                c.loop_ops["per_weight"] = round(c.loop_instructions / per_thread, 2)
             if extra.get("keys_per_step") and c.loop_instructions and name == "paged_attention":
                 c.loop_ops["per_key"] = round(c.loop_instructions / extra["keys_per_step"], 2)
             out.append(c)

@@ -206,7 +206,7 @@ class GPTQLinear(WeightOnlyLinear):
         elif perm is not None:  # w4triton: the GPTQ words, repacked only when the column order changed
             self.qweight = pack_rows(codes.t().contiguous())  # (K/8, N)
         self.scales_zeros = torch.stack([s, s * (8 - zeros.float())], dim=-1).to(dtype).contiguous()  # (G, N, 2)
-        self.zero_free = bool((zeros == 8).all())  # z = s (8 - 8) = 0: the CUDA one-row kernel skips the zeros
+        self.zero_free = bool((zeros == 8).all())  # z = s (8 - 8) = 0: the CUDA kernels skip the zeros
         self.perm = perm
         self.qzeros = self.scales = self.g_idx = None
 

@@ -128,18 +128,32 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
     return wt
 
 
+# The tiled W4A16 kernel's code planes (triton_kernels.w4_planes), per 16-bit activation dtype: the bits of 2^7
+# (bf16) or 2^10 (fp16), whose mantissa unit is 1, and that power plus 8, so that (code | bits) - bias = q - 8.
+CODE_PLANE_BITS = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}
+# Up to this many rows (tiles of 16 or 32) the tensor cores take the code planes from registers (mma.sync); at 64
+# rows Hopper's wgmma reads that operand from shared memory, and the planes measured no fewer instructions there
+# (bench/sass.py), so 64-row tiles dequantize each weight whole.
+PLANES_MAX_ROWS = 32
+
+
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
               gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``zero_free``:
-    the table's zeros are all 0, a symmetric checkpoint's), more the tiled GEMM."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the tiled
+    GEMM (up to PLANES_MAX_ROWS rows of 16-bit x in groups of 128 or more, over code planes). ``zero_free``: the
+    table's zeros are all 0, a symmetric checkpoint's, and the kernels skip them."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
         return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free)
-    return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
+    planes = {}
+    if x.dtype in CODE_PLANE_BITS and bk == 128 and group_size % bk == 0 and x.shape[0] <= PLANES_MAX_ROWS:
+        bits, bias = CODE_PLANE_BITS[x.dtype]
+        planes = dict(PLANES=True, HAS_ZERO=not zero_free, CODE_BITS=bits, CODE_BIAS=bias)
+    return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size, **planes)
 
 
 def _gemv_split(tiles: int, steps: int, sms: int) -> int:

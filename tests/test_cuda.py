@@ -10,13 +10,14 @@ import torch
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
-def _gptq(n, k, gs, act_order, device):
+def _gptq(n, k, gs, act_order, device, symmetric=False):
     from quant.int4 import GPTQLinear, pack_rows
 
     g = torch.Generator().manual_seed(n + k)
     m = GPTQLinear(k, n, True, gs, v2=False)
     m.qweight = pack_rows(torch.randint(0, 16, (k, n), generator=g))
-    m.qzeros = pack_rows(torch.randint(0, 15, (n, k // gs), generator=g)).t().contiguous()
+    zeros = torch.full((n, k // gs), 7) if symmetric else torch.randint(0, 15, (n, k // gs), generator=g)
+    m.qzeros = pack_rows(zeros).t().contiguous()  # v1 stores zero - 1: 7 is a symmetric checkpoint's 8
     m.scales = (torch.rand(k // gs, n, generator=g) * 0.01).half()
     order = torch.randperm(k, generator=g) if act_order else torch.arange(k)
     m.g_idx = (order // gs).to(torch.int32)
@@ -26,15 +27,19 @@ def _gptq(n, k, gs, act_order, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("n,k,gs", [(576, 576, 64), (1536, 576, 64), (576, 1536, 128)])  # the default model's
-def test_gptq_linear_on_cuda_matches_reference(dtype, act_order, n, k, gs):
-    m = _gptq(n, k, gs, act_order, "cuda")
+@pytest.mark.parametrize("n,k,gs,symmetric", [(576, 576, 64, False), (1536, 576, 64, False), (576, 1536, 128, False),
+                                              (576, 1536, 128, True)])  # the default model's; groups of 128
+def test_gptq_linear_on_cuda_matches_reference(dtype, act_order, n, k, gs, symmetric):
+    """Every path on the GPU, bf16 included (which the interpreter cannot run): the one-row kernel, the tiled
+    kernel (over code planes at 16 and 32 rows in groups of 128, a symmetric table's zeros skipped), and
+    dequantize + cuBLAS."""
+    m = _gptq(n, k, gs, act_order, "cuda", symmetric)
     x = torch.randn(100, k, device="cuda").to(dtype)
     want = m.reference_forward(x)
     m.prepare(dtype)
-    assert m.layout == "w4triton" and m.qzeros is None
+    assert m.layout == "w4triton" and m.qzeros is None and m.zero_free == symmetric
     assert (m.path_for(64, dtype), m.path_for(65, dtype)) == ("kernel", "dequant")
-    for rows in (1, 37, 100):  # the kernel, and dequantize + cuBLAS
+    for rows in (1, 16, 32, 37, 100):  # the kernel, and dequantize + cuBLAS
         got = m(x[:rows])
         assert got.dtype == dtype and got.device.type == "cuda"
         torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)

@@ -38,6 +38,48 @@ def test_w4_matmul_matches_reference(dtype, m, n, k, gs):
     torch.testing.assert_close(T.w4_reference(x.float(), qw, sz, gs), x.float() @ w.t(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("zero_free", [False, True])
+@pytest.mark.parametrize("m,n,k,gs", [(2, 80, 256, 128), (17, 144, 512, 256), (32, 64, 384, 128)])
+def test_w4_code_planes_compute_the_product(m, n, k, gs, zero_free, monkeypatch):
+    """Up to 32 rows of 16-bit x in groups of >= 128, the tiled kernel multiplies x by the codes' eight planes, q - 8
+    made from bits (no conversion), and scales the sums per group: the launch takes that path, and equals the
+    reference, with a symmetric table's zeros skipped or an asymmetric one's added through x's row sums. Rows of the
+    identity read single weights back: every code 0..15 through the bit trick."""
+    qw, sz, codes, s, zero = _w4(n, k, gs, seed=m * 3 + n)
+    if zero_free:
+        sz[..., 1] = 0  # a symmetric checkpoint's table
+    sz = sz.half()
+    launched = []
+    real = T._launch
+    monkeypatch.setattr(T, "_launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half()
+    got = T.w4_matmul(x, qw, sz, gs, zero_free=zero_free)
+    eye = torch.eye(k)[torch.randperm(k, generator=torch.Generator().manual_seed(5))[:m]].half()  # (m, K)
+    read = T.w4_matmul(eye, qw, sz, gs, zero_free=zero_free)
+    assert [kw.get("PLANES") for kw in launched] == [True, True]
+    assert launched[0]["HAS_ZERO"] is (not zero_free)
+    torch.testing.assert_close(got.float(), T.w4_reference(x, qw, sz, gs).float(), atol=2e-2, rtol=2e-2)
+    # a single weight back, to the fp16 rounding of (q - 8) s + z
+    torch.testing.assert_close(read.float(), T.w4_reference(eye, qw, sz, gs).float(), atol=0, rtol=2 ** -10)
+
+
+def test_w4_code_planes_are_taken_only_where_they_hold(monkeypatch):
+    """fp32 x, groups under 128 and tiles of 64 rows dequantize each weight whole."""
+    qw, sz, *_ = _w4(64, 256, 64, seed=3)
+    qw2, sz2, *_ = _w4(64, 256, 128, seed=4)
+    launched = []
+    real = T._launch
+    monkeypatch.setattr(T, "_launch", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    g = torch.Generator().manual_seed(6)
+    for x, q, t, gs in ((torch.randn(4, 256, generator=g).half(), qw, sz.half(), 64),
+                        (torch.randn(4, 256, generator=g), qw2, sz2, 128),
+                        (torch.randn(33, 256, generator=g).half(), qw2, sz2.half(), 128),
+                        (torch.randn(4, 256, generator=g).half(), qw2, sz2.half(), 128)):
+        torch.testing.assert_close(T.w4_matmul(x, q, t, gs).float(), T.w4_reference(x, q, t, gs).float(),
+                                   atol=2e-2, rtol=2e-2)
+    assert [kw.get("PLANES", False) for kw in launched] == [False, False, False, True]
+
+
 def test_w4_splits_k_for_decode_shapes_and_not_for_prefill():
     assert T._config(1, 4096, 4096, 64)[2] > 1
     assert T._config(512, 4096, 4096, 64)[2] == 1
