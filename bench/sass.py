@@ -113,13 +113,18 @@ def compile_only(arch: int = 90):
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
+    from quant import triton_ops
+
     saved = driver._active
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = compile_launch
+    rules = triton_ops.capability
+    triton_ops.capability = lambda device: divmod(arch, 10)  # the wrappers choose tiles by the target's capability
     try:
         yield compiled
     finally:
         JITFunction.run = run
+        triton_ops.capability = rules
         driver._active = saved  # None here: no GPU driver to fall back to
 
 
@@ -244,7 +249,8 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
 
 def prior_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
     """What the present kernels replaced, for a same-run comparison: the one-row W4A16 kernel of sessions 21-22
-    (bench/gemv_v2.py) at the 8B shapes, and the attention kernel stepping one page of keys at a time."""
+    (bench/gemv_v2.py) at the 8B shapes, the tiled W4A16 kernel over whole weights at the row counts the code planes
+    took over, and the attention kernel stepping one page of keys at a time."""
     import torch
 
     from quant import triton_ops as T
@@ -260,6 +266,13 @@ def prior_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], ob
         cases.append((f"w4_gemv_v2 {label} {dtype_name}",
                       lambda qw=qw, sz=sz, k=k, g=g: w4_gemv_v2(torch.zeros(1, k, dtype=dt), qw, sz, g),
                       {"weights_per_thread": bn * bk / (32 * warps)}))
+    for label, n, k, g in (LINEARS[5], LINEARS[6]):  # the tiled kernel over whole weights, where planes now run
+        qw, sz = _w4(n, k, g, dt)
+        for rows in (16, 32, 64):
+            cases.append((f"w4_matmul whole weights {label} {rows} rows {dtype_name}",
+                          lambda rows=rows, qw=qw, sz=sz, n=n, k=k, g=g:
+                          T._launch("w4_kernel", torch.zeros(rows, k, dtype=dt), n, k, 128, qw, sz, GS=g),
+                          {"tile_weights": True}))
     return cases + attention_cases(dtype_name, keys_per_step=16)
 
 
@@ -275,7 +288,7 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
         qw, sz = _w4(n, k, g, dt)
         w = torch.zeros(n, k, dtype=torch.int8)
         s, z = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int8)
-        for rows, zero_free in ((16, False), (16, True), (32, False), (64, False)):
+        for rows, zero_free in ((16, False), (16, True), (32, False), (32, True), (64, False), (64, True)):
             sym = " symmetric" if zero_free else ""
             cases.append((f"w4_matmul{sym} {label} {rows} rows {dtype_name}",
                           lambda rows=rows, qw=qw, sz=sz, k=k, g=g, zf=zero_free:

@@ -56,39 +56,66 @@ def code_plane(words, P: tl.constexpr, CODE_BITS: tl.constexpr, CODE_BIAS: tl.co
 
 
 @triton.jit
-def w4_planes(x, words, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CODE_BITS: tl.constexpr,
+def w4_planes(xt, words, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CODE_BITS: tl.constexpr,
               CODE_BIAS: tl.constexpr):
-    """sum_k x[:, k] (q[k, :] - 8) over a (BK, BN) tile of codes in one group, as eight products of K = BK/8, one
-    per code position j of the words (k = 8 * word + j): x (BM, BK) is split into its eight column planes in
-    registers, and each plane of codes goes to the tensor cores as it is unpacked, with no reshape of the codes, so
-    the compiler keeps them in the registers of the dot's operand layout instead of staging each through shared
-    memory (bench/sass.py: 5.1 instructions per weight at 16 rows on Llama-3-8B's gate_up, 8.6 unpacked whole)."""
-    x5 = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))  # k = 8 w + 4 a + 2 b + c
+    """(BN, BM) fp32: sum_k (q[k, n] - 8) x[m, k] over a tile of codes in one group, as eight products of K = BK/8,
+    one per code position j of the words (k = 8 * word + j). words (BN, BK/8); xt (BK, BM), split into its eight
+    row planes in registers. Each plane of codes is the first operand of its product, made as it is unpacked: the
+    tensor cores take that operand from registers (mma.sync; Hopper's wgmma too), so no code goes through shared
+    memory, where a (BK, BN) tile of whole weights as the second operand went one 16-bit store per weight."""
+    x5 = tl.reshape(xt, (BLOCK_K // 8, 2, 2, 2, BLOCK_M))  # k = 8 w + 4 a + 2 b + c
+    x5 = tl.permute(x5, (0, 4, 1, 2, 3))  # (BK/8, BM, a, b, c): tl.split takes the last axis
     c0, c1 = tl.split(x5)
     c00, c01 = tl.split(c0)
     c10, c11 = tl.split(c1)
-    x0, x4 = tl.split(c00)  # (BM, BK/8): columns 8 w + j
+    x0, x4 = tl.split(c00)  # (BK/8, BM): rows 8 w + j of x^T
     x2, x6 = tl.split(c01)
     x1, x5 = tl.split(c10)
     x3, x7 = tl.split(c11)
-    dt: tl.constexpr = x.dtype
-    part = tl.dot(x0, code_plane(words, 0, CODE_BITS, CODE_BIAS, dt))  # (BM, BN) fp32
-    part = tl.dot(x1, code_plane(words, 4, CODE_BITS, CODE_BIAS, dt), part)
-    part = tl.dot(x2, code_plane(words, 8, CODE_BITS, CODE_BIAS, dt), part)
-    part = tl.dot(x3, code_plane(words, 12, CODE_BITS, CODE_BIAS, dt), part)
-    part = tl.dot(x4, code_plane(words, 16, CODE_BITS, CODE_BIAS, dt), part)
-    part = tl.dot(x5, code_plane(words, 20, CODE_BITS, CODE_BIAS, dt), part)
-    part = tl.dot(x6, code_plane(words, 24, CODE_BITS, CODE_BIAS, dt), part)
-    return tl.dot(x7, code_plane(words, 28, CODE_BITS, CODE_BIAS, dt), part)
+    dt: tl.constexpr = xt.dtype
+    part = tl.dot(code_plane(words, 0, CODE_BITS, CODE_BIAS, dt), x0)  # (BN, BM)
+    part = tl.dot(code_plane(words, 4, CODE_BITS, CODE_BIAS, dt), x1, part)
+    part = tl.dot(code_plane(words, 8, CODE_BITS, CODE_BIAS, dt), x2, part)
+    part = tl.dot(code_plane(words, 12, CODE_BITS, CODE_BIAS, dt), x3, part)
+    part = tl.dot(code_plane(words, 16, CODE_BITS, CODE_BIAS, dt), x4, part)
+    part = tl.dot(code_plane(words, 20, CODE_BITS, CODE_BIAS, dt), x5, part)
+    part = tl.dot(code_plane(words, 24, CODE_BITS, CODE_BIAS, dt), x6, part)
+    return tl.dot(code_plane(words, 28, CODE_BITS, CODE_BIAS, dt), x7, part)
+
+
+@triton.jit
+def w4_planes_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
+                     GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr, CODE_BITS: tl.constexpr,
+                     CODE_BIAS: tl.constexpr):
+    """x (M, K) @ W^T for a few rows of 16-bit x, BK = 128 in one group, computed transposed: per K tile the
+    group's scale times the codes' sums (w4_planes), plus its zero times x's column sums (skipped when not
+    HAS_ZERO, a symmetric table)."""
+    pid_k = tl.program_id(2)
+    rm, rn, m_ok, n_ok = tile(M, N, BLOCK_M, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None], mask=m_ok[None, :] & (rk < K)[:, None],
+                     other=0.0)  # (BK, BM)
+        rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(QW + rw[None, :] * N + rn[:, None], mask=(rw < K // 8)[None, :] & n_ok[:, None],
+                        other=0)  # (BN, BK/8)
+        g = k0 // GS
+        s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
+        acc += w4_planes(xt, words, BLOCK_M, BLOCK_K, CODE_BITS, CODE_BIAS) * s[:, None]
+        if HAS_ZERO:
+            z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+            acc += z[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+    write(Y, WS, LOCKS, tl.trans(acc), rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 
 @triton.jit
 def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
               GS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SPLIT_K: tl.constexpr, PLANES: tl.constexpr = False, HAS_ZERO: tl.constexpr = True,
-              CODE_BITS: tl.constexpr = 0, CODE_BIAS: tl.constexpr = 0.0):
-    """PLANES (16-bit x, BK = 128 in one group, BM <= 32): the group's scale applied to the tile's sums of
-    x (q - 8) (w4_planes), its zero to x's row sums (skipped when not HAS_ZERO); else each weight dequantized."""
+              SPLIT_K: tl.constexpr):
+    """x (M, K) @ W^T, each weight of a (BK, BN) tile dequantized whole (any group size, fp32 x, and the row counts
+    w4_planes_kernel does not take)."""
     pid_k = tl.program_id(2)
     rm, rn, m_ok, n_ok = tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -99,29 +126,21 @@ def w4_kernel(X, QW, SZ, Y, WS, LOCKS, M, N, K, stride_xm, stride_ym,
         rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # each word once: (BK/8, BN), unpacked in registers
         words = tl.load(QW + rw[:, None] * N + rn[None, :], mask=(rw < K // 8)[:, None] & n_ok[None, :],
                         other=0)
-        if PLANES:
+        codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # (BK/8, 8, BN): k = 8 w + j
+        if GS >= BLOCK_K:  # the tile lies in one group: one scale/zero row
             g = k0 // GS
             s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
-            acc += w4_planes(x, words, BLOCK_M, BLOCK_K, CODE_BITS, CODE_BIAS) * s[None, :]
-            if HAS_ZERO:
-                z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
-        else:
-            codes = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # (BK/8, 8, BN): k = 8 w + j
-            if GS >= BLOCK_K:  # the tile lies in one group: one scale/zero row
-                g = k0 // GS
-                s = tl.load(SZ + (g * N + rn) * 2, mask=n_ok, other=0.0).to(tl.float32)  # (BN,)
-                z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
-                w = (tl.reshape(codes, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32) * s[None, :] + z[None, :]
-            else:  # BLOCK_K / GS groups: (groups, GS, BN) against (groups, 1, BN)
-                rg = k0 // GS + tl.arange(0, BLOCK_K // GS)
-                at = (rg[:, None] * N + rn[None, :]) * 2
-                g_ok = (rg < K // GS)[:, None] & n_ok[None, :]
-                s = tl.load(SZ + at, mask=g_ok, other=0.0).to(tl.float32)  # (BK/GS, BN)
-                z = tl.load(SZ + at + 1, mask=g_ok, other=0.0).to(tl.float32)
-                c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
-                w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
-            acc += tl.dot(x, w.to(x.dtype))
+            z = tl.load(SZ + (g * N + rn) * 2 + 1, mask=n_ok, other=0.0).to(tl.float32)
+            w = (tl.reshape(codes, (BLOCK_K, BLOCK_N)) - 8).to(tl.float32) * s[None, :] + z[None, :]
+        else:  # BLOCK_K / GS groups: (groups, GS, BN) against (groups, 1, BN)
+            rg = k0 // GS + tl.arange(0, BLOCK_K // GS)
+            at = (rg[:, None] * N + rn[None, :]) * 2
+            g_ok = (rg < K // GS)[:, None] & n_ok[None, :]
+            s = tl.load(SZ + at, mask=g_ok, other=0.0).to(tl.float32)  # (BK/GS, BN)
+            z = tl.load(SZ + at + 1, mask=g_ok, other=0.0).to(tl.float32)
+            c3 = tl.reshape(codes, (BLOCK_K // GS, GS, BLOCK_N))
+            w = tl.reshape((c3 - 8).to(tl.float32) * s[:, None, :] + z[:, None, :], (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x, w.to(x.dtype))
     write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K)
 
 @triton.jit

@@ -62,18 +62,22 @@ def w4_block_k(group_size: int, rows: int = 1) -> int | None:
     return 128 if rows <= 64 else 64
 
 
-def _config(m: int, n: int, k: int, bk: int, sms: int = H100_SMS) -> tuple[int, int, int, int, int]:
+def _config(m: int, n: int, k: int, bk: int, sms: int = H100_SMS,
+            tile: tuple[int, int, int] | None = None) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps, num_stages) for an (m x k) @ (k x n) product (no autotuning: it
-    does not run under the interpreter, and a fixed rule keeps the first call's latency flat)."""
+    does not run under the interpreter, and a fixed rule keeps the first call's latency flat); ``tile``: a
+    kernel's own (BLOCK_M, BLOCK_N, num_warps), K split by the same rule."""
     bm = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
-    bn = 64 if m <= 64 else 128
+    bn, warps = (64, 4) if m <= 64 else (128, 8)
+    if tile is not None:
+        bm, bn, warps = tile
     tiles = -(-m // bm) * -(-n // bn)
     split = 1
     if m <= 64:
         steps = -(-k // bk)
         while tiles * split * 2 <= PROGRAMS_PER_SM * sms and steps >= split * 2 * 4:  # >= 4 K tiles per program
             split *= 2
-    return bm, bn, split, (4 if m <= 64 else 8), 3
+    return bm, bn, split, warps, 3
 
 
 _LOCKS: dict[torch.device, list[Tensor]] = {}
@@ -102,12 +106,13 @@ def reset_split_counters(device: torch.device) -> None:
         held.zero_()
 
 
-def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, **consts) -> Tensor:
+def _launch(kernel: str, x: Tensor, n: int, k: int, bk: int, *args, tile: tuple[int, int, int] | None = None,
+            **consts) -> Tensor:
     from quant import triton_kernels
 
     kernel = getattr(triton_kernels, kernel)
     m = x.shape[0]
-    bm, bn, split, warps, stages = _config(m, n, k, bk, multiprocessors(x.device))
+    bm, bn, split, warps, stages = _config(m, n, k, bk, multiprocessors(x.device), tile)
     grid = (_cdiv(m, bm), _cdiv(n, bn), split)
     y = x.new_empty(m, n)
     ws, locks = split_workspace(x, split, m, n, grid[0] * grid[1])
@@ -131,29 +136,50 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
 # The tiled W4A16 kernel's code planes (triton_kernels.w4_planes), per 16-bit activation dtype: the bits of 2^7
 # (bf16) or 2^10 (fp16), whose mantissa unit is 1, and that power plus 8, so that (code | bits) - bias = q - 8.
 CODE_PLANE_BITS = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}
-# Up to this many rows (tiles of 16 or 32) the tensor cores take the code planes from registers (mma.sync); at 64
-# rows Hopper's wgmma reads that operand from shared memory, and the planes measured no fewer instructions there
-# (bench/sass.py), so 64-row tiles dequantize each weight whole.
-PLANES_MAX_ROWS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability (CUDA), else an H100's (the interpreter runs the H100's rules)."""
+    if device.type != "cuda":
+        return (9, 0)
+    return torch.cuda.get_device_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def w4_planes_tile(rows: int, cap: tuple[int, int], zero_free: bool) -> tuple[int, int, int] | None:
+    """(BLOCK_M, BLOCK_N, num_warps) of w4_planes_kernel for ``rows`` rows on a GPU of compute capability ``cap``,
+    or None where it does not pay: the fewest loop instructions per weight with nothing spilled at Llama-3-8B's
+    shapes (bench/sass.py). On sm_90: 4.3 / 4.8 / 6.6 at 16 / 32 / 64 rows with a symmetric table, 5.0 / 6.0 with
+    zeros up to 32 rows, where the tile of whole weights issues 8.6 / 9.2 / 9.1; at 64 rows the zeros' column sums
+    leave the planes no better than whole weights, and past sm_90's registers (sm_80: the 64-row tile spills or
+    issues more; its 32-row tile takes 8 warps to keep the split products' epilogue out of local memory)."""
+    if rows <= 16:
+        return 16, 128, 4
+    if rows <= 32:
+        return (32, 128, 4) if cap >= (9, 0) else (32, 128, 8)
+    if rows <= 64 and cap >= (9, 0) and zero_free:
+        return 64, 128, 8
+    return None
 
 
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
               gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the tiled
-    GEMM (up to PLANES_MAX_ROWS rows of 16-bit x in groups of 128 or more, over code planes). ``zero_free``: the
-    table's zeros are all 0, a symmetric checkpoint's, and the kernels skip them."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's); a few rows of
+    16-bit x in groups of 128 or more the tiled kernel over code planes (w4_planes_tile), others the one over whole
+    weights. ``zero_free``: the table's zeros are all 0, a symmetric checkpoint's, and the kernels skip them."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
         return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free)
-    planes = {}
-    if x.dtype in CODE_PLANE_BITS and bk == 128 and group_size % bk == 0 and x.shape[0] <= PLANES_MAX_ROWS:
+    tile = w4_planes_tile(x.shape[0], capability(x.device), zero_free)
+    if x.dtype in CODE_PLANE_BITS and bk == 128 and group_size % bk == 0 and tile is not None:
         bits, bias = CODE_PLANE_BITS[x.dtype]
-        planes = dict(PLANES=True, HAS_ZERO=not zero_free, CODE_BITS=bits, CODE_BIAS=bias)
-    return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size, **planes)
+        return _launch("w4_planes_kernel", x, n, k, bk, qweight, scales_zeros, tile=tile, GS=group_size,
+                       HAS_ZERO=not zero_free, CODE_BITS=bits, CODE_BIAS=bias)
+    return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
 
 def _gemv_split(tiles: int, steps: int, sms: int) -> int:
