@@ -93,3 +93,289 @@ def test_w4_planes_tiles_follow_the_compute_capability():
     assert T.w4_planes_tile(64, (9, 0), True) == (64, 128, 8)
     assert T.w4_planes_tile(64, (9, 0), False) is None and T.w4_planes_tile(64, (8, 6), True) is None
     assert T.w4_planes_tile(65, (9, 0), True) is None
+
+
+def test_w4_splits_k_for_decode_shapes_and_not_for_prefill():
+    assert T._config(1, 4096, 4096, 64)[2] > 1
+    assert T._config(512, 4096, 4096, 64)[2] == 1
+
+
+def test_split_k_products_are_one_launch_deterministic_and_rearm_their_counters():
+    """A split product's last program per tile sums the fp32 partials in split order and resets the tile's counter:
+    the same inputs give the same bits, and the shared counters are zero after every product."""
+    qw, sz, *_ = _w4(192, 1024, 64, seed=7)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(2))
+    w = torch.randint(-128, 128, (80, 768), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+    xs = torch.randn(3, 768, generator=torch.Generator().manual_seed(4))
+    scale = torch.rand(80, generator=torch.Generator().manual_seed(5)) * 0.01
+    assert T._config(3, 80, 768, 64)[2] > 1  # both products below do split K
+    first = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))  # 1 row: GEMV; 3 rows: GEMM
+    locks = T._LOCKS[torch.device("cpu")][-1]
+    assert locks.numel() >= 4096 and not locks.any()
+    again = (T.w4_matmul(x, qw, sz, 64), T.int8_matmul(xs, w, scale, None))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1]) and not locks.any()
+    torch.testing.assert_close(first[0], T.w4_reference(x, qw, sz, 64), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1], T.int8_reference(xs, w, scale, None), atol=1e-4, rtol=1e-4)
+
+
+def test_w4_refuses_groups_without_a_k_tile():
+    qw, sz, *_ = _w4(16, 48, 24, seed=0)
+    assert T.w4_block_k(24) is None and T.w4_block_k(4) is None and T.w4_block_k(256, rows=100) == 64
+    with pytest.raises(ValueError, match="group size 24 has no K tile"):
+        T.w4_matmul(torch.randn(1, 48), qw, sz, 24)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (3, 100, 200), (65, 130, 96)])
+def test_int8_matmul_matches_reference(affine, dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    zero = torch.randint(-20, 20, (n,), generator=g, dtype=torch.int8) if affine else None
+    x = torch.randn(m, k, generator=g).to(dtype)
+    got = T.int8_matmul(x, w, scale, zero)
+    want = T.int8_reference(x, w, scale, zero)
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("config", [None, (32, 64, 1, 4), (16, 32, 8, 2), (128, 128, 2, 8)])
+def test_int8_gemv_matches_reference(affine, config):
+    """One row takes the int8 GEMV kernel (split K where the rows of W alone are few programs); the configurations
+    bench/gpu.py sweeps compute the same product, K not a multiple of the tile included."""
+    n, k = 200, 1000
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    zero = torch.randint(-20, 20, (n,), generator=g, dtype=torch.int8) if affine else None
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(1, k, generator=g).to(dtype)
+        got = T.int8_gemv(x, w, scale, zero, config) if config else T.int8_matmul(x, w, scale, zero)
+        want = T.int8_reference(x, w, scale, zero)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert got.dtype == dtype and got.shape == (1, n)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_linear_in_the_triton_layout_computes_its_weights(act_order):
+    """The layout CUDA takes (GPTQ words + one scale/zero table), prepared on CPU tensors: its kernel path, its
+    dequantized weights and a fused q/k/v over it all agree with the module's reference."""
+    from quant.int4 import GPTQLinear
+
+    k, gs = 256, 64
+    mods = []
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(10)) if act_order else torch.arange(k)
+    for i, n in enumerate((128, 64, 64)):
+        qw, sz, codes, s, zero = _w4(n, k, gs, seed=20 + i)
+        m = GPTQLinear(k, n, False, gs, v2=True)
+        m.qweight = qw
+        m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
+        m.scales = s.half()
+        m.g_idx = (order // gs).to(torch.int32)  # act-order: a permuted g_idx, shared by the fused parts
+        mods.append(m)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).half()
+    want = [m.reference_forward(x) for m in mods]
+    weights = [m.dequantized(torch.float32) for m in mods]  # from the GPTQ tensors
+    for m in mods:
+        m._prepare_as("w4triton", torch.float16)
+        assert m.layout == "w4triton" and m.qzeros is None and m.scales is None and (m.perm is not None) == act_order
+    for m, w, wt in zip(mods, want, weights):
+        torch.testing.assert_close(m.paths(torch.float16)["kernel"](x).float(), w, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(m.dequantized(torch.float32), wt, atol=1e-3, rtol=1e-3)  # fp16 table
+    fused = GPTQLinear.fuse(mods)
+    assert fused is not None and fused.layout == "w4triton" and all(m.qweight is None for m in mods)
+    assert not fused.zero_free  # random zero-points: the one-row kernel reads them
+    y = fused.paths(torch.float16)["kernel"](x)
+    torch.testing.assert_close(y.float(), torch.cat(want, dim=1), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mods[1].dequantized(torch.float32), weights[1], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_a_symmetric_gptq_linear_in_the_triton_layout_is_zero_free(v2):
+    """Zero-points all 8 (symmetric GPTQ, in either format): the table's zeros are 0 and the module says so, fused
+    too, and its one-row kernel path (which then skips them) equals the reference; one asymmetric part makes the
+    fused module read them."""
+    from quant.int4 import GPTQLinear
+
+    k, gs = 256, 64
+    mods = []
+    for i, n in enumerate((64, 32, 32)):
+        qw, sz, codes, s, zero = _w4(n, k, gs, seed=30 + i)
+        zero = torch.full_like(zero, 8) if i < 2 else zero
+        m = GPTQLinear(k, n, False, gs, v2=v2)
+        m.qweight, m.scales, m.g_idx = qw, s.half(), (torch.arange(k) // gs).to(torch.int32)
+        stored = zero.to(torch.int64) if v2 else (zero.to(torch.int64) - 1) & 0xF  # v1 stores zero - 1
+        m.qzeros = pack_rows(stored.t().contiguous()).t().contiguous()
+        mods.append(m)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(15)).half()
+    want = [m.reference_forward(x) for m in mods]
+    for m in mods:
+        m._prepare_as("w4triton", torch.float16)
+    assert [m.zero_free for m in mods] == [True, True, False]
+    assert not mods[0].scales_zeros[..., 1].any()
+    torch.testing.assert_close(mods[0].paths(torch.float16)["kernel"](x).float(), want[0], atol=2e-2, rtol=2e-2)
+    assert GPTQLinear.fuse(mods[:2]).zero_free
+    assert not GPTQLinear.fuse([mods[2]]).zero_free
+
+
+def test_w4_dequant_matches_the_codes():
+    qw, sz, codes, s, zero = _w4(96, 192, 64, seed=3)
+    wt = T.w4_dequant(qw, sz.half(), 64, torch.float16)  # (K, N)
+    want = (s.repeat_interleave(64, 0) * (codes.t().float() - zero.repeat_interleave(64, 0)))  # (K, N)
+    assert wt.shape == (192, 96) and wt.dtype == torch.float16
+    torch.testing.assert_close(wt.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("n,k,gs", [(96, 256, 32), (200, 576, 64), (64, 1024, 512), (130, 4096, 128)])
+def test_w4_gemv_matches_reference(n, k, gs):
+    """One row takes the GEMV kernel (split K where the columns alone are few programs)."""
+    qw, sz, *_ = _w4(n, k, gs, seed=n)
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+        got = T.w4_matmul(x, qw, sz.to(dtype), gs)
+        want = T.w4_reference(x, qw, sz.to(dtype), gs)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.float16 else 1e-4,
+                                   rtol=2e-2 if dtype == torch.float16 else 1e-4)
+
+
+@pytest.mark.parametrize("config", [(32, 8, 1, 1), (64, 32, 4, 2), (256, 64, 2, 8), (16, 64, 16, 4)])
+def test_w4_gemv_configs_the_gpu_sweep_tries_match_reference(config):
+    """bench/gpu.py times the one-row kernel over tile shapes, splits and warps: each computes the same product
+    (16 splits of 4 tiles leave some programs without a tile: they store zeros and still count)."""
+    n, k, gs = 200, 512, 64
+    qw, sz, *_ = _w4(n, k, gs, seed=9)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    got = T.w4_gemv(x, qw, sz, gs, config)
+    torch.testing.assert_close(got, T.w4_reference(x, qw, sz, gs), atol=1e-4, rtol=1e-4)
+
+
+def test_w4_gemv_turns_every_code_at_every_place_in_a_word_into_its_value_exactly():
+    """The one-row kernel makes q - 8 from each code's bits with no rounding, whatever nibble of its word the code
+    is in: with every code at every place, integer x, unit scales and zero zero-points, the product is the exact
+    integer sum."""
+    k, n, gs = 256, 64, 128
+    g = torch.Generator().manual_seed(5)
+    codes = (torch.arange(k)[:, None] + torch.arange(n)[None, :] * 3) % 16  # (K, N): each place sees all 16 codes
+    codes = codes[torch.randperm(k, generator=g)]
+    qw = torch.zeros(k // 8, n, dtype=torch.int64)
+    for j in range(8):
+        qw |= codes[j::8].long() << (4 * j)
+    qw = qw.to(torch.int32)  # (K/8, N), words with bit 31 set wrap to negative int32s as GPTQ stores them
+    sz = torch.zeros(k // gs, n, 2)
+    sz[..., 0] = 1.0
+    x = torch.randint(-8, 9, (1, k), generator=g).float()
+    want = x @ (codes - 8).float()  # (1, N), integers far below 2^24
+    for cfg in ((64, 32, 1, 4), (32, 128, 2, 2)):
+        assert torch.equal(T.w4_gemv(x, qw, sz, gs, cfg), want), cfg
+
+
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 2), (512, 32, 2, 4)])
+def test_w4_gemv_of_a_symmetric_table_skips_its_zeros_and_computes_the_same(config):
+    """A symmetric checkpoint's zeros are all 0 (z = s (8 - 8)): the kernel told so skips them and their sums of x
+    and gives the reference's product."""
+    n, k, gs = 200, 512, 64
+    qw, sz, *_ = _w4(n, k, gs, seed=13)
+    sz[..., 1] = 0
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(14))
+    want = T.w4_reference(x, qw, sz, gs)
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, gs, config, zero_free=True), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(T.w4_matmul(x, qw, sz, gs, config, zero_free=True), want, atol=1e-4, rtol=1e-4)
+
+
+def test_w4_gemv_refuses_a_tile_across_groups():
+    qw, sz, *_ = _w4(64, 256, 32, seed=1)
+    with pytest.raises(ValueError, match="BLOCK_K a power of two dividing the group size 32"):
+        T.w4_gemv(torch.randn(1, 256), qw, sz, 32, (64, 64, 1, 4))
+
+
+def test_the_server_does_not_import_triton_until_a_kernel_runs():
+    """Importing triton costs ~50 MiB of RSS: a CPU server, which never launches a Triton kernel, must not."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, server.engine, server.serve, quant.cli, quant.loader; "
+            "assert 'triton' not in sys.modules, 'triton imported'; print('clean')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "clean", r.stderr[-2000:]
+
+
+def _neighbours(start, axes):
+    """The configurations one axis away from ``start``: every value the search tries in its first pass."""
+    return {start[:i] + (v,) + start[i + 1:] for i, vals in enumerate(axes) for v in vals}
+
+
+@pytest.mark.parametrize("gs", [32, 128])
+def test_every_one_row_launch_the_search_starts_with_computes_the_product(gs):
+    """The launches a device's search tries first (quant.kernel_choice.search, from the rule's config): each W4A16
+    and int8 one computes the reference product (the search also holds each to it on the device itself)."""
+    n, k = 96, 512
+    qw, sz, *_ = _w4(n, k, gs, seed=4)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    start, axes = T.w4_gemv_space(n, k, gs)
+    assert start in _neighbours(start, axes) and all(gs % bk == 0 for bk in axes[1])
+    few_columns, axes_far = T.w4_gemv_space(32, 1 << 16, gs)  # one column tile: the rule splits K past the axis's
+    assert few_columns[2] > 32 and all(v in a for v, a in zip(few_columns, axes_far))  # values, which then hold it
+    want = T.w4_reference(x, qw, sz, gs)
+    for cfg in sorted(_neighbours(start, axes)):
+        if T.w4_gemv_words_per_thread(cfg) > T.GEMV_MAX_WORDS_PER_THREAD:  # refused: the search skips it
+            with pytest.raises(ValueError, match="words per thread, which spill"):
+                T.w4_gemv(x, qw, sz, gs, cfg)
+            continue
+        torch.testing.assert_close(T.w4_gemv(x, qw, sz, gs, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
+    w = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    scale, zero = torch.rand(n) * 0.01 + 0.001, torch.randint(-20, 20, (n,), dtype=torch.int8)
+    start, axes = T.int8_gemv_space(n, k)
+    want = T.int8_reference(x, w, scale, zero)
+    for cfg in sorted(_neighbours(start, axes)):
+        torch.testing.assert_close(T.int8_gemv(x, w, scale, zero, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
+
+
+def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, monkeypatch):
+    """Bound through the server's projections with a measuring chooser, a W4A16 module in the layout CUDA takes
+    searches its one-row launch (here on the interpreter's CPU tensors), keeps it, reports it, and its one-row
+    kernel calls then take that launch and still equal the reference."""
+    from quant.int4 import GPTQLinear
+    from quant.kernel_choice import Chooser
+    from server.layers.linear import bind
+
+    n, k, gs = 64, 256, 64
+    qw, sz, codes, s, zero = _w4(n, k, gs, seed=7)
+    m = GPTQLinear(k, n, False, gs, v2=True)
+    m.qweight, m.scales, m.g_idx = qw, s.half(), (torch.arange(k) // gs).to(torch.int32)
+    m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
+    m._prepare_as("w4triton", torch.float16)
+    space = m.launch_space(torch.float16)
+    assert space is not None and space.start == T.w4_gemv_config(n, k, gs)
+    chooser = Chooser("measure", tmp_path)
+    call = bind(m, torch.float16, chooser, max_rows=4)
+    assert m.gemv_config is not None and space.holds(m.gemv_config)
+    assert any("one row launched with BLOCK_N=" in line for line in chooser.table())
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).half()
+    torch.testing.assert_close(call(x).float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)
+    calls = []  # the plan may take another path at one row (the interpreter is slow): the kernel's, called alone
+    real = T.w4_gemv
+    monkeypatch.setattr(T, "w4_gemv", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    y = m.paths(torch.float16)["kernel"](x)
+    assert calls == [m.gemv_config]
+    torch.testing.assert_close(y.float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)
+
+
+def test_split_counters_reset_after_a_refused_launch():
+    """quant.kernel_choice.search resets the split-K counters after a launch it refuses: a counter left mid-count
+    would make the next split product reduce too early."""
+    qw, sz, *_ = _w4(64, 1024, 64, seed=11)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(12))
+    want = T.w4_reference(x, qw, sz, 64)
+    cfg = (64, 64, 4, 4)
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, 64, cfg), want, atol=1e-4, rtol=1e-4)
+    held = T._LOCKS[x.device][-1]
+    held[0] = 2  # as a launch that stopped after two of four programs counted
+    T.reset_split_counters(x.device)
+    assert int(held.abs().sum()) == 0
+    torch.testing.assert_close(T.w4_gemv(x, qw, sz, 64, cfg), want, atol=1e-4, rtol=1e-4)
