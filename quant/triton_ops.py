@@ -151,8 +151,8 @@ def w4_planes_tile(rows: int, cap: tuple[int, int], zero_free: bool) -> tuple[in
     or None where it does not pay: the fewest loop instructions per weight with nothing spilled at Llama-3-8B's
     shapes (bench/sass.py). On sm_90: 4.3 / 4.8 / 6.6 at 16 / 32 / 64 rows with a symmetric table, 5.0 / 6.0 with
     zeros up to 32 rows, where the tile of whole weights issues 8.6 / 9.2 / 9.1; at 64 rows the zeros' column sums
-    leave the planes no better than whole weights, and past sm_90's registers (sm_80: the 64-row tile spills or
-    issues more; its 32-row tile takes 8 warps to keep the split products' epilogue out of local memory)."""
+    leave the planes no better than whole weights. On sm_80 the 64-row tile spills or issues more than whole
+    weights, and the 32-row tile takes 8 warps to keep the split products' epilogue out of local memory."""
     if rows <= 16:
         return 16, 128, 4
     if rows <= 32:
