@@ -97,8 +97,7 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
                            "rel_err": err}
                     if err > 2e-2:
                         failures.append(f"w4 {shape} {name} m={m} {dtype}: relative error {err:.3g}")
-                    planes = T.w4_planes_tile(m, T.capability(torch.device(dev)), True) if m > 1 else None
-                    if planes is not None and gs % 128 == 0:  # the code planes: a symmetric table too
+                    if T.w4_planes_launch(x, gs, True) is not None:  # the code planes: a symmetric table too
                         sym = sz.clone()
                         sym[..., 1] = 0
                         if rel_err(T.w4_matmul(x, qw, sym, gs, zero_free=True), T.w4_reference(x, qw, sym, gs)) > 2e-2:

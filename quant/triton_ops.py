@@ -40,13 +40,25 @@ GEMV_PROGRAMS_PER_SM = 4
 H100_SMS = 132  # what the rules assume off a GPU (the interpreter runs the GPU's rules)
 
 
+def _cuda_properties(device: torch.device):
+    return torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessors (CUDA), else an H100's."""
+    return _cuda_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability (CUDA), else an H100's (the interpreter runs the H100's rules)."""
     if device.type != "cuda":
-        return H100_SMS
-    return torch.cuda.get_device_properties(device.index if device.index is not None else
-                                            torch.cuda.current_device()).multi_processor_count
+        return (9, 0)
+    props = _cuda_properties(device)
+    return props.major, props.minor
+
+
 # Above this many rows the int4 Linears dequantize on CUDA (one Triton pass into the activation dtype) and
 # multiply with cuBLAS, which measured faster there than the fused kernel (bench/gpu.py measures both sides;
 # the int8 kernel stays ahead of dequantizing at every row count measured, so int8 takes it throughout).
@@ -136,14 +148,7 @@ def w4_dequant(qweight: Tensor, scales_zeros: Tensor, group_size: int, dtype: to
 # The tiled W4A16 kernel's code planes (triton_kernels.w4_planes), per 16-bit activation dtype: the bits of 2^7
 # (bf16) or 2^10 (fp16), whose mantissa unit is 1, and that power plus 8, so that (code | bits) - bias = q - 8.
 CODE_PLANE_BITS = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}
-
-
-@functools.lru_cache(maxsize=None)
-def capability(device: torch.device) -> tuple[int, int]:
-    """The device's compute capability (CUDA), else an H100's (the interpreter runs the H100's rules)."""
-    if device.type != "cuda":
-        return (9, 0)
-    return torch.cuda.get_device_capability(device.index if device.index is not None else torch.cuda.current_device())
+PLANES_BLOCK_K = 128  # its K tile, in one group: eight products of K = 16, the tensor cores' least for 16-bit
 
 
 def w4_planes_tile(rows: int, cap: tuple[int, int], zero_free: bool) -> tuple[int, int, int] | None:
@@ -162,11 +167,19 @@ def w4_planes_tile(rows: int, cap: tuple[int, int], zero_free: bool) -> tuple[in
     return None
 
 
+def w4_planes_launch(x: Tensor, group_size: int, zero_free: bool) -> tuple[int, int, int] | None:
+    """The planes kernel's tile for this product, or None where w4_matmul takes another kernel: the GEMV at one row,
+    whole weights for fp32 x, groups a K tile (PLANES_BLOCK_K) does not lie in one of, or past w4_planes_tile."""
+    if x.shape[0] < 2 or x.dtype not in CODE_PLANE_BITS or group_size % PLANES_BLOCK_K:
+        return None
+    return w4_planes_tile(x.shape[0], capability(x.device), zero_free)
+
+
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
               gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
     One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's); a few rows of
-    16-bit x in groups of 128 or more the tiled kernel over code planes (w4_planes_tile), others the one over whole
+    16-bit x in groups of 128 or more the tiled kernel over code planes (w4_planes_launch), others the one over whole
     weights. ``zero_free``: the table's zeros are all 0, a symmetric checkpoint's, and the kernels skip them."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
@@ -174,10 +187,10 @@ def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
     if x.shape[0] == 1:
         return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free)
-    tile = w4_planes_tile(x.shape[0], capability(x.device), zero_free)
-    if x.dtype in CODE_PLANE_BITS and bk == 128 and group_size % bk == 0 and tile is not None:
+    tile = w4_planes_launch(x, group_size, zero_free)
+    if tile is not None:
         bits, bias = CODE_PLANE_BITS[x.dtype]
-        return _launch("w4_planes_kernel", x, n, k, bk, qweight, scales_zeros, tile=tile, GS=group_size,
+        return _launch("w4_planes_kernel", x, n, k, PLANES_BLOCK_K, qweight, scales_zeros, tile=tile, GS=group_size,
                        HAS_ZERO=not zero_free, CODE_BITS=bits, CODE_BIAS=bias)
     return _launch("w4_kernel", x, n, k, bk, qweight, scales_zeros, GS=group_size)
 
