@@ -123,3 +123,20 @@ def test_compile_only_refuses_under_the_interpreter():
     with pytest.raises(RuntimeError, match="unset TRITON_INTERPRET"):
         with compile_only(90):
             pass
+
+
+def test_the_gpu_checks_parts_are_named_and_ordered():
+    """bench/gpu.py --only (a lease's plan): parts run in the order given; an unknown one is refused in one line
+    before anything runs, even where no GPU is."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu import parts
+
+    assert parts("headline, gemv,kernels") == ["headline", "gemv", "kernels"]
+    for bad in ("headline,gmev", ",", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
+            parts(bad)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--only", "engine,nope"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "unknown part(s) nope" in r.stderr and "Traceback" not in r.stderr, r.stderr
