@@ -305,7 +305,7 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
 def attention_cases(dtype_name: str = "bfloat16",
                     keys_per_step: int | None = None) -> list[tuple[str, Callable[[], object], dict]]:
     """The paged attention kernel (decode with and without split keys, a prefill chunk; soft-capping and a window)
-    and the splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
+    with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
     (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
     step of the key loop takes (for instructions per key)."""
     from server.attention.triton_paged import step_keys

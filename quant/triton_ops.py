@@ -105,10 +105,16 @@ def split_workspace(x: Tensor, split: int, m: int, n: int, tiles: int) -> tuple[
     graphs hold its address. (The split rules keep tiles far below the first set's 4096.)"""
     if split == 1:
         return x, x  # unused
-    held = _LOCKS.setdefault(x.device, [])
+    return torch.empty(split, m, n, dtype=torch.float32, device=x.device), split_counters(x.device, tiles)
+
+
+def split_counters(device: torch.device, tiles: int) -> Tensor:
+    """At least ``tiles`` int32 counters, zero between launches, held per device and shared by every split launch on
+    it (the products here, the paged attention's split keys): see :func:`split_workspace`."""
+    held = _LOCKS.setdefault(torch.device(device), [])
     if not held or held[-1].numel() < tiles:
-        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device))
-    return torch.empty(split, m, n, dtype=torch.float32, device=x.device), held[-1]
+        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def reset_split_counters(device: torch.device) -> None:

@@ -129,6 +129,20 @@ def test_triton_split_k_decode_matches_reference(spec):
     assert TritonBackend.MIN_SPLIT_KEYS == 256  # restored
 
 
+def test_triton_split_merge_in_one_launch_rearms_its_counters():
+    """The split-K partials are merged by the last program of each (sequence, KV head, block of rows) within the
+    attention launch, its counter re-armed: with 80 query heads on one KV head a row takes two blocks of 64, so
+    each block's counter must count its own programs; a second launch on the same counters gives the same
+    output, and every counter is zero after each."""
+    from quant.triton_ops import split_counters
+
+    spec = AttentionSpec(80, 1, 16, 0.25, window=150)
+    for seed in (11, 12):  # twice: a counter left mid-count would hand the merge to the wrong program
+        got, want = _triton_case(spec, decode=[200, 90, 0], chunks=[], seed=seed, min_split_keys=16)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not split_counters(torch.device("cpu"), 1).any()
+
+
 def test_triton_prepare_splits_only_decode_steps():
     from server.attention.triton_paged import TritonBackend
 

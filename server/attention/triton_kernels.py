@@ -14,6 +14,7 @@ def tanh_exp(x):
 @triton.jit
 def paged_attention(
     Q, K, V, O, M_part, L_part, O_part,  # Q, O (T, H, D); K, V (slots, Hkv, D); *_part: split-K partials
+    LOCKS,  # split-K: a counter per (sequence, KV head, block of rows), zero between launches
     meta, tables,  # meta (3, S): q_start, q_len, ctx_len; tables (S, width) int32
     S, width,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh,
@@ -24,10 +25,14 @@ def paged_attention(
     # A step of the key loop takes BLOCK_N keys, BLOCK_N / PAGE pages of the block table: each key's slot is its
     # page's block times PAGE plus its place in the page, so a step's K and V are each one gather load whatever
     # the pages are, and a 4096-key context is 32 steps (16 per split-K program), not 256 of one page each.
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    mblk = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    # The grid is (SPLITS x blocks of rows, sequences, KV heads), split-major along its first axis: the interpreter
+    # runs programs in grid order, innermost axis first, so the programs of one merge are far apart there, as they
+    # may finish on a GPU (the tests then see a merge that counts the wrong programs).
+    mblocks = tl.num_programs(0) // SPLITS
+    split = tl.program_id(0) // mblocks
+    mblk = tl.program_id(0) % mblocks
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
     q0 = tl.load(meta + seq)
     ql = tl.load(meta + S + seq)
     L = tl.load(meta + 2 * S + seq)
@@ -84,31 +89,33 @@ def paged_attention(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if SPLITS > 1:  # partials (S, H, SPLITS[, D]) for the merge; rows are single tokens (decode)
-        part = (seq * G * tl.num_programs(1) + head) * SPLITS + split
-        tl.store(M_part + part, m_i, mask=row_ok)
-        tl.store(L_part + part, l_i, mask=row_ok)
-        tl.store(O_part + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    out_ptr = O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]  # (BM, BD)
+    out_ok = row_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr, (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(O.dtype.element_ty), mask=out_ok)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-@triton.jit
-def merge_splits(O, M_part, L_part, O_part, meta, stride_ot, stride_oh,
-                 H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q0 = tl.load(meta + seq)
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, BLOCK_D)
-    base = (seq * H + head) * SPLITS
-    m = tl.load(M_part + base + sp)  # (SPLITS,)
-    l = tl.load(L_part + base + sp)
-    o = tl.load(O_part + (base + sp)[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(m - mx)  # (SPLITS,) an empty split has m = -inf: weight 0
-    total = tl.sum(l * w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + q0 * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
+        # Partials (S, H, SPLITS[, D]) (rows are single tokens: decode); the last of the row block's SPLITS programs
+        # to finish (its counter says which) merges them in split order, so the merge is no launch of its own and
+        # its sums do not depend on which program finished first (as quant.triton_kernels.store_or_reduce).
+        part = (seq * G * tl.num_programs(2) + head) * SPLITS  # (BM,) split 0's partial of each row
+        tl.store(M_part + part + split, m_i, mask=row_ok)
+        tl.store(L_part + part + split, l_i, mask=row_ok)
+        tl.store(O_part + (part + split)[:, None] * D + d[None, :], acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
+        lock = LOCKS + (seq * tl.num_programs(2) + kvh) * mblocks + mblk
+        if tl.atomic_add(lock, 1) == SPLITS - 1:  # acq_rel: the other programs' partials are visible
+            mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            for i in tl.static_range(SPLITS):  # ".cg": read from L2, never a stale line of this SM's L1
+                mx = tl.maximum(mx, tl.load(M_part + part + i, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+            mx = tl.where(mx == float("-inf"), 0.0, mx)  # a row no split saw a key of
+            total = tl.zeros((BLOCK_M,), tl.float32)
+            merged = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for i in tl.static_range(SPLITS):
+                w = tl.exp(tl.load(M_part + part + i, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - mx)
+                total += w * tl.load(L_part + part + i, mask=row_ok, other=0.0, cache_modifier=".cg")
+                o_i = tl.load(O_part + (part + i)[:, None] * D + d[None, :], mask=out_ok, other=0.0,
+                              cache_modifier=".cg")  # (BM, BD)
+                merged += w[:, None] * o_i  # an empty split has m = -inf: weight 0
+            tl.store(out_ptr, (merged / tl.where(total == 0.0, 1.0, total)[:, None]).to(O.dtype.element_ty),
+                     mask=out_ok)
+            tl.atomic_xchg(lock, 0)

@@ -14,8 +14,8 @@ position), a sliding window (> position - window) and soft-capping are applied t
 online softmax (fp32) accumulates P·V.
 
 Decode steps over long contexts with few sequences also split the key range (``splits`` programs per sequence
-and head; each writes its partial max, sum and output, and a second kernel merges them), so that a batch-1 step
-still occupies more than H_kv of the GPU's multiprocessors.
+and head; each writes its partial max, sum and output, and the last of them to finish merges them, in split order,
+within the same launch), so that a batch-1 step still occupies more than H_kv of the GPU's multiprocessors.
 
 Per step, ``prepare`` packs the sequences' starts, lengths and block tables into one int32 buffer and sends it
 in one non-blocking copy (pinned staging on CUDA): nothing per layer touches the host.
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from quant.errors import UnsupportedModelError
-from quant.triton_ops import multiprocessors
+from quant.triton_ops import multiprocessors, split_counters
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.batch import StepInputs, stage
 
@@ -176,7 +176,7 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
                     block_size: int, keys: int | None = None) -> Tensor:
     """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D); ``keys`` per
     step of the key loop (whole pages, a power of two) overrides :func:`step_keys`."""
-    from server.attention.triton_kernels import merge_splits, paged_attention as kernel
+    from server.attention.triton_kernels import paged_attention as kernel
 
     T, H, D = q.shape
     if keys is not None and (keys % block_size or keys & (keys - 1)):
@@ -193,11 +193,12 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         m_part = torch.empty(meta.seqs * H * splits, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         o_part = torch.empty(meta.seqs * H * splits, D, dtype=torch.float32, device=q.device)
+        locks = split_counters(q.device, meta.seqs * spec.kv_heads * mblocks)
     else:
-        m_part = l_part = o_part = out  # unused
-    grid = (meta.seqs, spec.kv_heads, mblocks * splits)
+        m_part = l_part = o_part = locks = out  # unused
+    grid = (mblocks * splits, meta.seqs, spec.kv_heads)
     kernel[grid](
-        q, kc, vc, out, m_part, l_part, o_part, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
+        q, kc, vc, out, m_part, l_part, o_part, locks, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
         spec.scale, spec.softcap or 0.0, spec.window or 0,
         G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or step_keys(block_size, D, rows),
@@ -205,7 +206,4 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         # 64 query rows by a head of 128 or more in 4 warps spill on an A100 (bench/sass.py --arch 80): 8 warps
         num_warps=8 if block_m == 64 and block_d >= 128 else 4,
     )
-    if splits > 1:
-        merge_splits[(meta.seqs, H)](out, m_part, l_part, o_part, meta.meta, out.stride(0), out.stride(1),
-                                      H=H, D=D, BLOCK_D=block_d, SPLITS=splits)
     return out
