@@ -275,6 +275,10 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
                "triton_us": cuda_time(lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m)) * 1e6,
                "sdpa_gather_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step)), graph=False) * 1e6}
         row["triton_page_us"] = _one_page_per_step(tb, lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m))
+        row.update(_fused_rope(tb, step, spec, q, k))
+        if row["fused_rope_max_diff"] > 2e-2:
+            failures.append(f"paged decode {shape} {seqs}x{ctx}: the fused rotary differs from rope_store_kv_ by "
+                            f"{row['fused_rope_max_diff']:.3g}")
         rows.append(row)
     # prefill with past: a 512-token chunk after 1024 cached tokens
     s = SHAPES["8B"]
@@ -304,6 +308,37 @@ def attention_checks(results: dict, failures: list, quick: bool) -> None:
                  "sdpa_us": cuda_time(lambda: sb.forward(q, k, k, 0, sb.prepare(step)), graph=False) * 1e6,
                  "triton_page_us": _one_page_per_step(tb, lambda m=tb.prepare(step): tb.forward(q, k, k, 0, m))})
     results["attention"] = rows
+
+
+def _fused_rope(tb, step, spec, q, k) -> dict:
+    """A decode step as the engine runs it: the rotary and the cache write inside the attention launch, against the
+    triton glue's rope_store_kv_ launch before the attention's (what a decode step ran before session 25), same
+    inputs. The cos/sin timed are 1 and 0, so that repeated calls leave q and k as they are; the check uses real
+    angles."""
+    from server import fastops
+    from server.attention.triton_paged import paged_attention
+
+    ops = fastops.Ops("triton")
+    kvv, bs, seqs, d = tb.kv[0], tb.block_size, q.shape[0], q.shape[2]
+    angles = torch.rand(seqs, d, device=q.device) * 100
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    meta = tb.prepare(step)
+    saved = kvv.clone()
+    fused = paged_attention(q, kvv[0], kvv[1], meta, spec, bs, rope=(k, k, cos, sin))
+    fused_kv = kvv.clone()
+    kvv.copy_(saved)
+    q2, k2 = q.clone(), k.clone()
+    ops.rope_store_kv_(q2, k2, k2.clone(), cos, sin, kvv, meta.slots)
+    pair = paged_attention(q2, kvv[0], kvv[1], meta, spec, bs)
+    one, zero = torch.ones_like(cos), torch.zeros_like(sin)
+    return {"fused_rope_max_diff": max((fused.float() - pair.float()).abs().max().item(),
+                                       (fused_kv.float() - kvv.float()).abs().max().item()),
+            "triton_fused_rope_us": cuda_time(lambda: paged_attention(q, kvv[0], kvv[1], meta, spec, bs,
+                                                                      rope=(k, k, one, zero))) * 1e6,
+            "triton_rope_then_attention_us": cuda_time(lambda: (ops.rope_store_kv_(q2, k2, k2, one, zero, kvv,
+                                                                                   meta.slots),
+                                                                paged_attention(q2, kvv[0], kvv[1], meta, spec,
+                                                                                bs))) * 1e6}
 
 
 def _one_page_per_step(backend, call) -> float:
@@ -621,13 +656,16 @@ def markdown(results: dict, failures: list) -> str:
                        f"{r['rel_err']:.1e} |")
         out.append("")
     if results.get("attention"):
-        out += ["| attention | shape | batch | triton us | triton, one page per step us | sdpa us | max err |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["| attention | shape | batch | triton us | triton, one page per step us | decode with the rotary and "
+                "cache write fused / rope_store_kv_ launch + attention us | sdpa us | max err |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in results["attention"]:
             b = f"{r['seqs']} x {r['ctx']} (splits {r['splits']})" if "seqs" in r else f"{r['chunk']} after {r['past']}"
             peer = r.get("sdpa_gather_us", r.get("sdpa_us"))
+            fused = (f"{r['triton_fused_rope_us']:.1f} / {r['triton_rope_then_attention_us']:.1f}"
+                     if "triton_fused_rope_us" in r else "-")
             out.append(f"| {r['op']} | {r['shape']} | {b} | {r['triton_us']:.1f} | {r['triton_page_us']:.1f} | "
-                       f"{peer:.1f} | {r['max_err']:.1e} |")
+                       f"{fused} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
     if results.get("gemv_sweep"):
         tables = [("w4", ("sym", "v1", "v2", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's "

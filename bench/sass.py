@@ -304,8 +304,8 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
 
 def attention_cases(dtype_name: str = "bfloat16",
                     keys_per_step: int | None = None) -> list[tuple[str, Callable[[], object], dict]]:
-    """The paged attention kernel (decode with and without split keys, a prefill chunk; soft-capping and a window)
-    with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
+    """The paged attention kernel (decode with and without split keys, with the rotary and cache write fused as the
+    engine launches it; a prefill chunk; soft-capping and a window) with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
     (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
     step of the key loop takes (for instructions per key)."""
     from server.attention.triton_paged import step_keys
@@ -327,9 +327,12 @@ def attention_cases(dtype_name: str = "bfloat16",
                               tables=torch.zeros(seqs, 64, dtype=torch.int32), seqs=seqs, max_q=q_len,
                               max_ctx=64 * block, splits=splits)
             keys = keys_per_step or step_keys(block, d, q_len * (h // hkv))
+            # decode steps as the engine launches them: the rotary and the cache write in the kernel
+            rope = None if what == "prefill" else (torch.zeros(t, hkv, d, dtype=dt), torch.zeros(t, hkv, d, dtype=dt),
+                                                   torch.zeros(t, d, dtype=dt), torch.zeros(t, d, dtype=dt))
             cases.append((f"paged_attention {what} {label} {seqs} seqs x {q_len} splits {splits} {keys} keys a step "
-                          f"{dtype_name}", lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys:
-                          paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys),
+                          f"{dtype_name}", lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys, rope=rope:
+                          paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys, rope),
                           {"keys_per_step": keys}))
     return cases
 

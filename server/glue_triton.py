@@ -13,8 +13,8 @@ one kernel:
 - ``rope_``: q and k rotated in place in one launch (one program per token and head), rotate-half convention,
   partial rotary (the first R dims of a head), each product and the sum rounded like the eager ops;
 - ``store_kv``: one program per token writes its k and v rows to their slot of the paged cache;
-- ``rope_store_kv_``: the two above in one launch (the triton attention backend's; a k head's program writes its
-  rotated k and its v head to the cache);
+- ``rope_store_kv_``: the two above in one launch (the triton attention backend's for prefill chunks; a k head's
+  program writes its rotated k and its v head to the cache; decode steps do both inside the attention kernel);
 - ``silu_mul`` / ``gelu_tanh_mul``: act(gate) rounded to the dtype, times up. GELU-tanh is computed as
   x·sigmoid(2u), the same function as 0.5·x·(1 + tanh u) without its cancellation for negative x, so it is closer
   to the exact value than the eager op, which it then differs from by more than a rounding near zero.

@@ -143,6 +143,55 @@ def test_triton_split_merge_in_one_launch_rearms_its_counters():
         assert not split_counters(torch.device("cpu"), 1).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", ["split+window", "partial rotary", "one block"])
+def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
+    """Steps of one token per sequence (every decode step and CUDA graph): the attention launch rotates q and k and
+    writes k and v to the cache itself. The output and the cache it leaves are bit for bit those of the eager rotary,
+    the cache write and the attention one after another; a slot outside the cache writes nothing."""
+    from server.attention.triton_paged import TritonBackend
+
+    spec, rot, split_keys = {"split+window": (AttentionSpec(8, 2, 32, 0.2, window=150), 32, 16),
+                             "partial rotary": (AttentionSpec(6, 3, 32, 0.2), 24, 256),
+                             "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256)}[case]
+    g = torch.Generator().manual_seed(9)
+    bs, blocks, pasts = 16, 64, [200, 37, 0, 90]
+    storage = (torch.randn(TritonBackend.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim), generator=g)
+               .to(dtype))
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, used = [], 0
+    for p in pasts:
+        n = p // bs + 1
+        tables.append(perm[used:used + n])
+        used += n
+    T = len(pasts)
+    slots = [t[p // bs] * bs + p % bs for p, t in zip(pasts, tables)]
+    slots[2] = -1  # outside the cache: nothing written, nothing else changed
+    step = StepInputs(torch.zeros(T, dtype=torch.int64), torch.tensor(pasts), torch.tensor(slots), torch.tensor([0]),
+                      list(zip(pasts, tables)), [], bs)
+    qkv = torch.randn(T, (spec.heads + 2 * spec.kv_heads) * spec.head_dim, generator=g).to(dtype)
+    angles = torch.tensor(pasts, dtype=torch.float32)[:, None] * torch.rand(rot, generator=g)  # (T, R)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def run(fused: bool):  # unfused: the eager rotary, then the Triton cache write (which skips slot -1)
+        backend = TritonBackend(storage.clone(), bs, [spec], fastops.Ops("triton"))
+        backend.MIN_SPLIT_KEYS = split_keys
+        meta = backend.prepare(step)
+        q, k, v = (t.view(T, -1, spec.head_dim) for t in qkv.clone().split(
+            [spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.kv_heads * spec.head_dim], dim=-1))
+        if fused:
+            out = backend.forward_rotary(q, k, v, cos, sin, 0, meta)
+        else:
+            fastops.ref_rope_(q, k, cos, sin)
+            out = backend.forward(q, k, v, 0, meta)
+        return out, backend.kv, meta.splits
+
+    (got, got_kv, splits), (want, want_kv, _) = run(True), run(False)
+    assert splits == (8 if case == "split+window" else 1)
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, storage.view_as(got_kv))  # the three slots in the cache were written
+
+
 def test_triton_prepare_splits_only_decode_steps():
     from server.attention.triton_paged import TritonBackend
 

@@ -102,6 +102,38 @@ def test_the_cuda_path_on_cpu_matches_transformers(arch, arch_dirs):
     torch.testing.assert_close(l3[0], hf_logits(model, a + [9])[-1], **tol)
 
 
+def test_a_cuda_decode_layer_launches_its_attention_once(arch_dirs, monkeypatch):
+    """A decode step on the CUDA path launches, per layer, two norms, the attention (with the rotary, the cache write
+    and the split keys' merge inside it) and the activation, besides the projections (here dense: cuBLAS); a prefill
+    chunk launches the rotary with the cache write before its attention. Counted under Triton's interpreter."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from server.attention.triton_paged import TritonBackend
+
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs("llama"), dtype=torch.float32).eval()
+    runner, pool = runner_for(model, backend="triton", glue="triton")
+    launched: Counter = Counter()
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        launched[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    monkeypatch.setattr(TritonBackend, "MIN_SPLIT_KEYS", 16)  # the decode row's 101 keys in split parts
+    a = prompt_ids(100, 5)
+    ta = pool.try_reserve("a", 112)
+    runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
+    layers = model.config.num_hidden_layers
+    assert launched["_rope_kernel"] == layers and launched["paged_attention"] == layers
+    launched.clear()
+    logits = runner.forward(build_step([(7, 100, ta)], [], 16, CPU))
+    assert dict(launched) == {"_norm_kernel": 2 * layers + 1, "paged_attention": layers, "_act_mul_kernel": layers}
+    torch.testing.assert_close(logits[0], hf_logits(model, a + [7])[-1], atol=1e-4, rtol=1e-4)
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,

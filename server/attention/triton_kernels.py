@@ -12,15 +12,26 @@ def tanh_exp(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 @triton.jit
+def rotate(x, xp, c, sn):
+    """x's rotated dims from x, the dims they pair with (xp), cos and the signed sin (-sin on the first half), each
+    product and the sum rounded to x's dtype, as the glue's rope_ (server/glue_triton.py) rounds them."""
+    dt = x.dtype
+    xf, xpf = x.to(tl.float32), xp.to(tl.float32)
+    return ((xf * c).to(dt).to(tl.float32) + (xpf * sn).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def paged_attention(
     Q, K, V, O, M_part, L_part, O_part,  # Q, O (T, H, D); K, V (slots, Hkv, D); *_part: split-K partials
     LOCKS,  # split-K: a counter per (sequence, KV head, block of rows), zero between launches
     meta, tables,  # meta (3, S): q_start, q_len, ctx_len; tables (S, width) int32
-    S, width,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh,
+    Kn, Vn, COS, SIN, SLOTS,  # ROPE: the step's k, v (T, Hkv, D) before the cache, cos and sin (T, 2 HALF), slots (T,)
+    S, width, nslots,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_knt, stride_vnt, stride_ct,
     scale, softcap, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    ROPE: tl.constexpr, HALF: tl.constexpr,
 ):
     # A step of the key loop takes BLOCK_N keys, BLOCK_N / PAGE pages of the block table: each key's slot is its
     # page's block times PAGE plus its place in the page, so a step's K and V are each one gather load whatever
@@ -44,8 +55,16 @@ def paged_attention(
     qpos = L - ql + tok  # (BM,) each row's position
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BM, BD)
+    q_ptr = Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh  # (BM, 1)
+    q = tl.load(q_ptr + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BM, BD)
+    if ROPE:  # one token per sequence (decode rows): q rotated here, in registers, as the glue's rope_ would
+        rot = d < 2 * HALF
+        pair = tl.where(d < HALF, d + HALF, d - HALF)  # (BD,) the dim each rotated dim pairs with
+        c = tl.load(COS + q0 * stride_ct + d, mask=rot, other=1.0).to(tl.float32)  # (BD,)
+        sn = tl.load(SIN + q0 * stride_ct + d, mask=rot, other=0.0).to(tl.float32)
+        sn = tl.where(d < HALF, -sn, sn)
+        qp = tl.load(q_ptr + pair[None, :], mask=row_ok[:, None] & rot[None, :], other=0.0)  # (BM, BD)
+        q = tl.where(rot[None, :], rotate(q, qp, c[None, :], sn[None, :]), q)
 
     # keys this block of rows can see: up to its last row's position, from its first row's window
     first = L - ql + mblk * BLOCK_M // G
@@ -61,6 +80,19 @@ def paged_attention(
         lo_s = lo + split * per * BLOCK_N
         hi = tl.minimum(hi, lo_s + per * BLOCK_N)
         lo = lo_s
+
+    if ROPE:  # the program whose keys hold the token's own position writes its rotated k and its v to the cache
+        new = tl.load(SLOTS + q0)  # the token's slot
+        # (masked stores, not a branch: a slot outside the cache writes nothing)
+        writes = d_ok & (L - 1 >= lo) & (L - 1 < hi) & (new >= 0) & (new < nslots)  # (BD,)
+        kn_ptr = Kn + q0 * stride_knt + kvh * D
+        kr = tl.load(kn_ptr + d, mask=d_ok, other=0.0)  # (BD,)
+        kp = tl.load(kn_ptr + pair, mask=rot, other=0.0)
+        kr = tl.where(rot, rotate(kr, kp, c, sn), kr)
+        tl.store(K + new * stride_kn + kvh * stride_kh + d, kr, mask=writes)
+        vr = tl.load(Vn + q0 * stride_vnt + kvh * D + d, mask=d_ok, other=0.0)
+        tl.store(V + new * stride_kn + kvh * stride_kh + d, vr, mask=writes)
+        tl.debug_barrier()  # the whole program reads the key it wrote (a CTA's writes are visible to it after)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

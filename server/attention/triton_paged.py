@@ -17,6 +17,11 @@ Decode steps over long contexts with few sequences also split the key range (``s
 and head; each writes its partial max, sum and output, and the last of them to finish merges them, in split order,
 within the same launch), so that a batch-1 step still occupies more than H_kv of the GPU's multiprocessors.
 
+A step of one token per sequence (every decode step, and so every CUDA graph) rotates q and k in the attention
+kernel and writes k and v to the cache there (the program whose keys hold the token's position writes them, then
+reads them through the table like any other key), so a decode layer's attention is one launch; prefill chunks take
+the glue's rope_store_kv_ launch first.
+
 Per step, ``prepare`` packs the sequences' starts, lengths and block tables into one int32 buffer and sends it
 in one non-blocking copy (pinned staging on CUDA): nothing per layer touches the host.
 """
@@ -158,11 +163,31 @@ class TritonBackend(AttentionBackend):
 
     def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int,
                        meta: TritonMeta) -> Tensor:
+        """One token per sequence (decode steps, every CUDA graph's): the attention kernel rotates q and k itself and
+        writes k and v before reading the cache, one launch per layer. Otherwise the rotary and the cache write are
+        one glue launch (with the triton glue) before the attention's."""
+        kv = self.kv[layer]  # (2, slots, Hkv, D)
+        if meta.max_q == 1:
+            return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step,
+                                   rope=(k, v, cos, sin))
         if self.ops.kind != "triton":
             return super().forward_rotary(q, k, v, cos, sin, layer, meta)
-        kv = self.kv[layer]  # (2, slots, Hkv, D)
         self.ops.rope_store_kv_(q, k, v, cos, sin, kv, meta.slots)  # the rotary and the cache write: one launch
         return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step)
+
+
+def _check_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, meta: TritonMeta) -> None:
+    T, H, D = q.shape
+    hkv = kc.shape[1]
+    if meta.max_q != 1:
+        raise ValueError(f"paged_attention: the rotary is fused only for one token per sequence, not {meta.max_q}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != (T, hkv, D) or t.stride(2) != 1 or t.stride(1) != D or t.dtype != kc.dtype:
+            raise ValueError(f"paged_attention: {name} must be (T, {hkv}, {D}) with contiguous heads in {kc.dtype}")
+    R = cos.shape[1]
+    if R % 2 or R > D or cos.shape != (T, R) or sin.shape != cos.shape or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"paged_attention: cos and sin must be (T, R) rows with an even R <= {D}")
 
 
 def step_keys(block_size: int, head_dim: int, rows: int) -> int:
@@ -173,15 +198,23 @@ def step_keys(block_size: int, head_dim: int, rows: int) -> int:
 
 
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
-                    block_size: int, keys: int | None = None) -> Tensor:
+                    block_size: int, keys: int | None = None,
+                    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D); ``keys`` per
-    step of the key loop (whole pages, a power of two) overrides :func:`step_keys`."""
+    step of the key loop (whole pages, a power of two) overrides :func:`step_keys`.
+
+    ``rope``: (k, v, cos, sin), the step's k and v (T, Hkv, D, heads contiguous) and its rotary tables (T, R): q and
+    k are then rotated in the kernel (q is left as given) and k and v written to meta.slots first. Only for steps of
+    one token per sequence (meta.max_q == 1), where one program holds each token's rows."""
     from server.attention.triton_kernels import paged_attention as kernel
 
     T, H, D = q.shape
     if keys is not None and (keys % block_size or keys & (keys - 1)):
         raise ValueError(f"paged_attention: keys per step must be whole pages of {block_size}, a power of two; "
                          f"got {keys}")
+    if rope is not None:
+        k, v, cos, sin = rope
+        _check_rope(q, k, v, cos, sin, kc, meta)
     g = spec.group
     out = q.new_empty(T, H, D)
     rows = meta.max_q * g
@@ -197,12 +230,15 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
     else:
         m_part = l_part = o_part = locks = out  # unused
     grid = (mblocks * splits, meta.seqs, spec.kv_heads)
+    k, v, cos, sin = rope or (q, q, q, q)  # (unused without rope)
     kernel[grid](
-        q, kc, vc, out, m_part, l_part, o_part, locks, meta.meta, meta.tables, meta.seqs, meta.tables.shape[1],
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
-        spec.scale, spec.softcap or 0.0, spec.window or 0,
+        q, kc, vc, out, m_part, l_part, o_part, locks, meta.meta, meta.tables, k, v, cos, sin,
+        meta.slots if rope else meta.meta, meta.seqs, meta.tables.shape[1], kc.shape[0],
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1), k.stride(0), v.stride(0),
+        cos.stride(0), spec.scale, spec.softcap or 0.0, spec.window or 0,
         G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or step_keys(block_size, D, rows),
         PAGE=block_size, SPLITS=splits, SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
+        ROPE=rope is not None, HALF=cos.shape[1] // 2 if rope else 0,
         # 64 query rows by a head of 128 or more in 4 warps spill on an A100 (bench/sass.py --arch 80): 8 warps
         num_warps=8 if block_m == 64 and block_d >= 128 else 4,
     )
