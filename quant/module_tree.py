@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 from torch import Tensor, nn
 
 from quant import schemes

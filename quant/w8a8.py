@@ -143,7 +143,7 @@ class LayerQuantizer:
 
     @torch.inference_mode()
     def quantize_layer(self, li: int, layer: nn.Module) -> None:
-        model, cfg = self.model, self.cfg
+        model = self.model
         kw = _cast_kwargs(self.kws[li], torch.float32)
         lp = layer_plan(model, layer, self.hidden, kw)
         groups = smooth.layer_groups(layer, lp)

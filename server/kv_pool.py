@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.memory import ModelShape, dtype_bytes, kv_bytes_per_token
+from quant.memory import ModelShape, kv_bytes_per_token
 
 
 class KVBudgetError(ValueError):

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors import SafetensorError
 
 from quant.errors import ArtifactError
 from conftest import run_cli

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from archs import ARCHITECTURES
 from quant import gptq as G
 from quant import smooth
-from quant.families import FAMILIES, plan
+from quant.families import FAMILIES
 from quant.sequential import capture_layer_inputs, decoder_layers, layer_plan, run_layer
 
 ARCHS = list(ARCHITECTURES)
