@@ -47,7 +47,7 @@ def _kernel(X, QW, SZ, Y, WS, LOCKS, N, K, GS: tl.constexpr, BLOCK_N: tl.constex
         acc_z += tl.sum(x, 1)[:, None] * z[None, :]
         words = nxt
     y = tl.sum(acc + acc_z, 0)  # (BN,)
-    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, 0)
 
 
 def w4_gemv_v2(x, qweight, scales_zeros, group_size: int):

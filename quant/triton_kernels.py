@@ -15,10 +15,34 @@ def tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr):
-    """A program's result tile into Y. Yt, Wt: the tile's pointers in Y and in split 0's plane of the fp32
-    workspace (SPLIT_K, ...) of ``plane`` elements per split; this program computed split ``split`` of K; LOCK:
-    the tile's counter (zero between products).
+def gated_act(g, GELU: tl.constexpr):
+    """act(g) in fp32 for a gated MLP (server/glue_triton.py's act_mul and the one-row products' gated epilogue):
+    SiLU, or GELU with the tanh approximation computed as x sigmoid(2u) (the same function as 0.5 x (1 + tanh u),
+    without its cancellation for negative x)."""
+    if GELU:
+        return g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def finish(Yt, y, mask, GATED: tl.constexpr):
+    """A program's summed tile into Y. GATED (1: SiLU, 2: GELU-tanh; one-row products of a [gate | up] projection):
+    y holds BN/2 gate columns then their BN/2 up columns, and Yt points at the BN/2 outputs act(gate) * up, each
+    operand rounded to Y's dtype as if the projection's output were stored and the glue's act_mul read it."""
+    dt = Yt.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, y.shape[0] // 2)), (1, 0)))  # (BN/2,) each
+        a = gated_act(gate.to(dt).to(tl.float32), GATED == 2).to(dt).to(tl.float32)
+        tl.store(Yt, (a * up.to(dt).to(tl.float32)).to(dt))
+    else:
+        tl.store(Yt, y.to(dt), mask=mask)
+
+
+@triton.jit
+def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr, GATED: tl.constexpr):
+    """A program's result tile into Y (``finish``, which says what GATED does). Yt, Wt: the tile's pointers in Y and
+    in split 0's plane of the fp32 workspace (SPLIT_K, ...) of ``plane`` elements per split; this program computed
+    split ``split`` of K; LOCK: the tile's counter (zero between products).
 
     With K split across programs, each stores its fp32 partial tile; the last of the tile's programs to finish
     (the counter says which) sums the partials in split order and writes Y in its dtype, then re-arms the counter.
@@ -26,7 +50,7 @@ def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr
     Linear at decode shapes, each a couple of microseconds of a CUDA graph's replay), and its sums do not depend on
     which program finished first, as fp32 atomics' do."""
     if SPLIT_K == 1:
-        tl.store(Yt, acc.to(Yt.dtype.element_ty), mask=mask)
+        finish(Yt, acc, mask, GATED)
     else:
         tl.store(Wt + split * plane, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
@@ -34,8 +58,26 @@ def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr
             total = tl.zeros_like(acc)
             for i in tl.static_range(SPLIT_K):  # ".cg": read from L2, never a stale line of this SM's L1
                 total += tl.load(Wt + i * plane, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(Yt, total.to(Yt.dtype.element_ty), mask=mask)
+            finish(Yt, total, mask, GATED)
             tl.atomic_xchg(LOCK, 0)
+
+
+@triton.jit
+def gemv_columns(N, INTER, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """A one-row program's weight columns and where its outputs go: (rn, n_ok, out). Plain: BN consecutive columns,
+    written where they are. GATED (a [gate | up] projection of N = 2 INTER, INTER a multiple of BN/2): BN/2 gate
+    columns and the same BN/2 of up, whose BN/2 outputs act(gate) * up go to out; each half is contiguous and
+    starts at a multiple of BN/2, which the hints tell the compiler (its loads stay vectorized)."""
+    c = tl.arange(0, BLOCK_N)
+    if GATED:
+        col = tl.program_id(0) * (BLOCK_N // 2) + c % (BLOCK_N // 2)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(c < BLOCK_N // 2, col, INTER + col), BLOCK_N // 2),
+                               BLOCK_N // 2)
+        out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        rn = tl.program_id(0) * BLOCK_N + c
+        out = rn
+    return rn, rn < N, out
 
 
 @triton.jit
@@ -43,7 +85,7 @@ def write(Y, WS, LOCKS, acc, rm, rn, m_ok, n_ok, M, N, stride_ym, SPLIT_K: tl.co
     """An (M, N) product's tile into Y (see store_or_reduce); the tiles' counters are LOCKS[pid_m * tiles_n + pid_n]."""
     lock = LOCKS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     store_or_reduce(Y + rm[:, None] * stride_ym + rn[None, :], WS + rm[:, None] * N + rn[None, :], acc,
-                    m_ok[:, None] & n_ok[None, :], lock, tl.program_id(2), M * N, SPLIT_K)
+                    m_ok[:, None] & n_ok[None, :], lock, tl.program_id(2), M * N, SPLIT_K, 0)
 
 
 @triton.jit
@@ -152,8 +194,8 @@ def code_minus_8(words, P: tl.constexpr, ONE):
 
 
 @triton.jit
-def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr):
+def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, GS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
     # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group, and every operation of the K
     # loop stays in the words' own layout: nothing crosses threads inside it but the scales' broadcast.
@@ -169,8 +211,7 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N
     # instructions per weight, bench/sass.py.) The next tile's words are loaded before this one is used.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, out = gemv_columns(N, INTER, BLOCK_N, GATED)
     r = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)  # per (word row, column): sum of s (q - 8) x + z x
     k0 = pid_k * BLOCK_K
@@ -200,19 +241,18 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, GS: tl.constexpr, BLOCK_N
             acc += xs[:, None] * z[None, :]
         words = nxt
     y = tl.sum(acc, 0)  # (BN,)
-    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+    store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
 
 
 @triton.jit
-def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, AFFINE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, AFFINE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr):
     # One input row against W (N, K) int8, rows of W contiguous along K. Per weight: its sign-extended value + 128 in
     # the mantissa of 2^23, then 2^23 + 128 subtracted (exact; no int-to-float conversion), and one FMA with x. The
     # products stay in a (BLOCK_N, BLOCK_K) accumulator until after the K loop; the next tile is loaded ahead.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    rn, n_ok, out = gemv_columns(N, INTER, BLOCK_N, GATED)
     c = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     xs = tl.zeros((BLOCK_K,), tl.float32)  # sum of x over this program's K range, for the zero-points
@@ -233,7 +273,7 @@ def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, AFFINE: tl.cons
     if AFFINE:
         zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
         y -= tl.sum(xs, 0) * (s * zp)
-    store_or_reduce(Y + rn, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K)
+    store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
 
 
 @triton.jit

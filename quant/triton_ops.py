@@ -251,12 +251,34 @@ def w4_gemv_words_per_thread(config: tuple[int, int, int, int]) -> float:
     return bn * bk / 8 / (32 * warps)
 
 
+# The one-row kernels' gated epilogue, by the glue op it stands for (server.layers.mlp): the kernels' GATED code.
+GATED_ACTS = {"silu_mul": 1, "gelu_tanh_mul": 2}
+
+
+def gated_fits(n: int, block_n: int) -> bool:
+    """Whether a one-row launch of BLOCK_N columns can end in the gated epilogue over a [gate | up] projection of n
+    outputs: each program takes BLOCK_N/2 columns of gate and the same of up, so they must tile the gate's."""
+    return block_n >= 2 and n % 2 == 0 and (n // 2) % (block_n // 2) == 0
+
+
+def _gemv_out(x: Tensor, n: int, bn: int, gated: str | None, name: str) -> tuple[Tensor, int, int]:
+    """(y, GATED, INTER) of a one-row launch: y (1, N), or (1, N/2) holding act(gate) * up for ``gated``."""
+    if gated is None:
+        return x.new_empty(1, n), 0, 0
+    if gated not in GATED_ACTS or not gated_fits(n, bn):
+        raise ValueError(f"{name}: a gated epilogue needs an activation of {sorted(GATED_ACTS)} and BLOCK_N/2 "
+                         f"dividing half of {n} columns; got {gated!r}, BLOCK_N {bn}")
+    return x.new_empty(1, n // 2), GATED_ACTS[gated], n // 2
+
+
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
-            config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
+            config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
+            gated: str | None = None) -> Tensor:
     """x (1, K) @ W^T -> (1, N) in x's dtype through the one-row kernel; ``config`` overrides
     :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two). ``zero_free``: the caller
     knows every zero of the table is 0 (a symmetric checkpoint), and the kernel skips them and the sums of x they
-    need; wrong if any is not."""
+    need; wrong if any is not. ``gated`` ("silu_mul", "gelu_tanh_mul"): W is a [gate | up] projection and the
+    result is act(gate) * up (1, N/2), from the same launch (see :func:`gated_fits`)."""
     from quant.triton_kernels import w4_gemv_kernel
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
@@ -268,10 +290,11 @@ def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
         raise ValueError(f"w4_gemv: a ({bk} x {bn}) tile over {warps} warps is more than "
                          f"{GEMV_MAX_WORDS_PER_THREAD} words per thread, which spill (bench/sass.py)")
     tiles = _cdiv(n, bn)
-    y = x.new_empty(1, n)
+    y, code, inter = _gemv_out(x, n, bn, gated, "w4_gemv")
     ws, locks = split_workspace(x, split, 1, n, tiles)
-    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, ONE_BITS, GS=group_size,
-                                    BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_ZERO=not zero_free, num_warps=warps)
+    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, ONE_BITS, inter, GS=group_size,
+                                    BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_ZERO=not zero_free, GATED=code,
+                                    num_warps=warps)
     return y
 
 
@@ -310,8 +333,9 @@ def int8_gemv_config(n: int, k: int, sms: int = H100_SMS) -> tuple[int, int, int
 
 
 def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
-              config: tuple[int, int, int, int] | None = None) -> Tensor:
-    """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`."""
+              config: tuple[int, int, int, int] | None = None, gated: str | None = None) -> Tensor:
+    """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`; ``gated`` as
+    :func:`w4_gemv`'s."""
     from quant.triton_kernels import int8_gemv_kernel
 
     n, k = weight.shape
@@ -320,11 +344,12 @@ def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
         raise ValueError(f"int8_gemv: x must be (1, {k}), W's rows contiguous, tiles powers of two; got x "
                          f"{tuple(x.shape)}, config {(bn, bk, split, warps)}")
     tiles = _cdiv(n, bn)
-    y = x.new_empty(1, n)
+    y, code, inter = _gemv_out(x, n, bn, gated, "int8_gemv")
     ws, locks = split_workspace(x, split, 1, n, tiles)
     affine = zero is not None
     int8_gemv_kernel[(tiles, split)](x, weight, scale, zero if affine else scale, y, ws, locks, n, k, weight.stride(0),
-                                     AFFINE=affine, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps)
+                                     inter, AFFINE=affine, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=code,
+                                     num_warps=warps)
     return y
 
 

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from quant.triton_kernels import gated_act  # the activations' arithmetic, shared with the one-row products' epilogue
+
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -218,12 +220,7 @@ def _act_mul_kernel(GU, O, inter, sg, so, GELU: tl.constexpr, BLOCK: tl.constexp
     ok = c < inter
     g = tl.load(GU + t * sg + c, mask=ok, other=0.0)
     u = tl.load(GU + t * sg + inter + c, mask=ok, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    if GELU:  # GELU, tanh approximation: 0.5 x (1 + tanh u) = x sigmoid(2u), which has no 1 + tanh to cancel
-        act = gf / (1.0 + tl.exp(-1.5957691216057308 * (gf + 0.044715 * gf * gf * gf)))
-    else:  # SiLU
-        act = gf / (1.0 + tl.exp(-gf))
-    act = act.to(g.dtype).to(tl.float32)  # rounded before the product, as the eager ops
+    act = gated_act(g.to(tl.float32), GELU).to(g.dtype).to(tl.float32)  # rounded before the product, as eager
     tl.store(O + t * so + c, (act * u).to(O.dtype.element_ty), mask=ok)
 
 

@@ -286,6 +286,47 @@ def test_w4_gemv_of_a_symmetric_table_skips_its_zeros_and_computes_the_same(conf
     torch.testing.assert_close(T.w4_matmul(x, qw, sz, gs, config, zero_free=True), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("act,config,dtype", [("silu_mul", (64, 32, 1, 4), torch.float16),
+                                              ("gelu_tanh_mul", (128, 32, 16, 4), torch.float16),
+                                              ("silu_mul", (32, 64, 4, 2), torch.float32)])
+def test_one_row_products_of_gate_up_end_in_the_gated_activation_exactly(act, config, dtype):
+    """At one row a [gate | up] projection's GEMV can end in act(gate) * up (the glue's act_mul) in the same launch:
+    each program takes BLOCK_N/2 gate columns and the same of up. The result is bit for bit the plain product's
+    output put through the Triton act_mul, for both weight-only kernels, split or not (16 splits: some programs get
+    no K tile), with and without zero-points."""
+    from server import glue_triton as G
+
+    inter, k, gs = 192, 512, 64
+    qw, sz, *_ = _w4(2 * inter, k, gs, seed=21)
+    sz = sz.to(dtype)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(22)).to(dtype)
+    g = torch.Generator().manual_seed(23)
+    w8 = torch.randint(-127, 128, (2 * inter, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(2 * inter, generator=g) * 0.01 + 0.001
+    z8 = torch.randint(-20, 20, (2 * inter,), dtype=torch.int8, generator=g)
+    cases = [(lambda **kw: T.w4_gemv(x, qw, sz, gs, config, **kw)),
+             (lambda **kw: T.w4_gemv(x, qw, sz.clone().index_fill_(2, torch.tensor([1]), 0), gs, config,
+                                     zero_free=True, **kw)),
+             (lambda **kw: T.int8_gemv(x, w8, s8, None, config, **kw)),
+             (lambda **kw: T.int8_gemv(x, w8, s8, z8, config, **kw))]
+    for i, product in enumerate(cases):
+        want = getattr(G, act)(product())  # (1, inter)
+        got = product(gated=act)
+        assert got.shape == (1, inter) and got.dtype == dtype
+        assert torch.equal(got, want), (i, (got.float() - want.float()).abs().max())
+        assert not T.split_counters(x.device, 1).any()
+
+
+def test_a_gated_one_row_product_needs_tiles_of_the_gate():
+    qw, sz, *_ = _w4(2 * 96, 256, 64, seed=1)
+    x = torch.randn(1, 256)
+    assert T.gated_fits(192, 64) and not T.gated_fits(192, 128) and not T.gated_fits(191, 2)
+    with pytest.raises(ValueError, match="BLOCK_N/2 dividing half of 192 columns"):
+        T.w4_gemv(x, qw, sz, 64, (128, 32, 1, 4), gated="silu_mul")
+    with pytest.raises(ValueError, match="an activation of"):
+        T.int8_gemv(x, torch.zeros(192, 256, dtype=torch.int8), torch.ones(192), None, (64, 32, 1, 4), gated="relu")
+
+
 def test_w4_gemv_refuses_a_tile_across_groups():
     qw, sz, *_ = _w4(64, 256, 32, seed=1)
     with pytest.raises(ValueError, match="BLOCK_K a power of two dividing the group size 32"):
