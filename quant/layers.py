@@ -10,6 +10,8 @@ happens at load time beyond the after-load hook (`prepare`: kernel layouts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,10 +187,27 @@ class WeightOnlyLinear(QuantizedLinear):
     # None: the kernel's own rule.
     gemv_config: tuple[int, ...] | None = None
 
-    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None,
+                       gated: str | None = None) -> torch.Tensor:
         """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when has_kernel); ``gemv_config``: the
-        one-row kernel's launch, where it has one (default: ``self.gemv_config``)."""
+        one-row kernel's launch, where it has one (default: ``self.gemv_config``); ``gated``: one row through that
+        kernel's gated epilogue (see :meth:`gated_call`)."""
         raise NotImplementedError
+
+    def gated_call(self, act: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """For a [gate | up] projection: a call of one-row inputs of ``dtype`` that gives act(gate) * up (1, N/2)
+        from the one-row kernel's own launch (its gated epilogue, quant.triton_ops; ``act`` the glue op's name,
+        "silu_mul" or "gelu_tanh_mul"), so that a decode step's MLP launches no activation kernel. None where one row
+        does not take such a kernel here: a CPU's kernels, a bias, a plan that takes another path at one row, or a
+        launch whose tiles do not split into the gate's."""
+        space = self.launch_space(dtype)
+        if act not in triton_ops.GATED_ACTS or self.bias is not None or space is None \
+                or self.path_for(1, dtype) != "kernel":
+            return None
+        cfg = self.gemv_config or space.start  # the launch the one-row products take (start: the kernel's rule)
+        if not triton_ops.gated_fits(self.out_features, cfg[0]):
+            return None
+        return lambda x: self._kernel_matmul(x, cfg, gated=act)
 
     def _gemv_space(self, dtype: torch.dtype):
         """(start, values per axis of triton_ops.GEMV_AXES) of the one-row kernel's launch, where it has one."""
@@ -348,10 +367,13 @@ class Int8WeightLinear(WeightOnlyLinear):
         return triton_ops.int8_gemv_space(self.out_features, self.in_features,
                                           triton_ops.multiprocessors(self.weight.device))
 
-    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None,
+                       gated: str | None = None) -> torch.Tensor:
         if x2.is_cuda:
             return triton_ops.int8_matmul(x2, self.weight, self.weight_scale, self.weight_zero_point,
-                                          gemv_config or self.gemv_config)
+                                          gemv_config or self.gemv_config, gated)
+        if gated is not None:
+            raise ValueError("the CPU's int8 kernels have no gated epilogue")
         s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call
         if s is None or s.dtype != x2.dtype:
             s = self.weight_scale.to(x2.dtype)

@@ -181,18 +181,26 @@ def w4_planes_launch(x: Tensor, group_size: int, zero_free: bool) -> tuple[int, 
     return w4_planes_tile(x.shape[0], capability(x.device), zero_free)
 
 
+def _one_row_only(x: Tensor, gated: str | None, name: str) -> None:
+    if gated is not None and x.shape[0] != 1:
+        raise ValueError(f"{name}: the gated epilogue is the one-row kernel's; x has {x.shape[0]} rows")
+
+
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
-              gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False) -> Tensor:
+              gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
+              gated: str | None = None) -> Tensor:
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's); a few rows of
-    16-bit x in groups of 128 or more the tiled kernel over code planes (w4_planes_launch), others the one over whole
-    weights. ``zero_free``: the table's zeros are all 0, a symmetric checkpoint's, and the kernels skip them."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated``: see
+    :func:`w4_gemv`); a few rows of 16-bit x in groups of 128 or more the tiled kernel over code planes
+    (w4_planes_launch), others the one over whole weights. ``zero_free``: the table's zeros are all 0, a symmetric
+    checkpoint's, and the kernels skip them."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
+    _one_row_only(x, gated, "w4_matmul")
     if x.shape[0] == 1:
-        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free)
+        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free, gated)
     tile = w4_planes_launch(x, group_size, zero_free)
     if tile is not None:
         bits, bias = CODE_PLANE_BITS[x.dtype]
@@ -308,12 +316,13 @@ def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: i
 
 
 def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
-                gemv_config: tuple[int, int, int, int] | None = None) -> Tensor:
+                gemv_config: tuple[int, int, int, int] | None = None, gated: str | None = None) -> Tensor:
     """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's), more the
-    tiled GEMM."""
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated``: see
+    :func:`w4_gemv`), more the tiled GEMM."""
+    _one_row_only(x, gated, "int8_matmul")
     if x.shape[0] == 1:
-        return int8_gemv(x, weight, scale, zero, gemv_config)
+        return int8_gemv(x, weight, scale, zero, gemv_config, gated)
     return int8_gemm(x, weight, scale, zero)
 
 

@@ -230,7 +230,7 @@ class Engine:
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
             kv_block_size=config.block_size, glue_ops=self.runner.glue_ops,
-            embeddings=describe_embeddings(self.embeddings), kernels=tuple(chooser.table()),
+            embeddings=describe_embeddings(self.embeddings), kernels=(*chooser.table(), *self.runner.kernel_notes()),
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live

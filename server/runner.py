@@ -139,6 +139,9 @@ class ModelRunner:
     def layers(self) -> list:
         return self.model.layers
 
+    def kernel_notes(self) -> list[str]:
+        return self.model.projections.describe()
+
     def runtime_weight_bytes(self) -> int:
         return self.model.runtime_weight_bytes()
 

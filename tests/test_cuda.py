@@ -72,6 +72,26 @@ def test_int8_weight_linear_on_cuda_uses_triton(affine):
         torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+def test_gated_one_row_products_equal_the_product_then_act_mul_in_bf16(act):
+    """A [gate | up] projection's one-row launch ending in the activation gives the plain product put through the
+    Triton act_mul bit for bit, in bf16 (which the interpreter cannot run), for both weight-only kernels."""
+    from quant.layers import Int8WeightLinear
+    from server import glue_triton as G
+
+    gptq = _gptq(2 * 768, 576, 64, False, "cuda", symmetric=True)
+    gptq.bias = None
+    gptq.prepare(torch.bfloat16)
+    int8 = Int8WeightLinear.from_float(torch.nn.Linear(576, 2 * 768, bias=False), True).to("cuda")
+    int8.prepare(torch.bfloat16)
+    x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
+    for m in (gptq, int8):
+        gated = m.gated_call(act, torch.bfloat16)
+        assert gated is not None
+        got = gated(x)
+        assert got.shape == (1, 768) and torch.equal(got, getattr(G, act)(m(x)))
+
+
 def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
     """Bound with a measuring chooser on CUDA, W4A16 and int8 modules search their one-row launch and measure
     their paths per row count on the GPU (graph-replayed timings), keep both in the GPU's plan file, and compute

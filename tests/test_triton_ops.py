@@ -381,16 +381,11 @@ def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, mon
     """Bound through the server's projections with a measuring chooser, a W4A16 module in the layout CUDA takes
     searches its one-row launch (here on the interpreter's CPU tensors), keeps it, reports it, and its one-row
     kernel calls then take that launch and still equal the reference."""
-    from quant.int4 import GPTQLinear
     from quant.kernel_choice import Chooser
     from server.layers.linear import bind
 
     n, k, gs = 64, 256, 64
-    qw, sz, codes, s, zero = _w4(n, k, gs, seed=7)
-    m = GPTQLinear(k, n, False, gs, v2=True)
-    m.qweight, m.scales, m.g_idx = qw, s.half(), (torch.arange(k) // gs).to(torch.int32)
-    m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
-    m._prepare_as("w4triton", torch.float16)
+    m = _w4triton(n, k, gs, 7)
     space = m.launch_space(torch.float16)
     assert space is not None and space.start == T.w4_gemv_config(n, k, gs)
     chooser = Chooser("measure", tmp_path)
@@ -420,3 +415,54 @@ def test_split_counters_reset_after_a_refused_launch():
     T.reset_split_counters(x.device)
     assert int(held.abs().sum()) == 0
     torch.testing.assert_close(T.w4_gemv(x, qw, sz, 64, cfg), want, atol=1e-4, rtol=1e-4)
+
+
+def _w4triton(n, k, gs, seed, dtype=torch.float16, prepare=True):
+    """A GPTQLinear in the layout CUDA takes (the Triton kernels), here on the interpreter's CPU tensors (not
+    ``prepare``: as stored, dequantized per call)."""
+    from quant.int4 import GPTQLinear
+
+    qw, sz, codes, s, zero = _w4(n, k, gs, seed=seed)
+    m = GPTQLinear(k, n, False, gs, v2=True)
+    m.qweight, m.scales, m.g_idx = qw, s.to(dtype), (torch.arange(k) // gs).to(torch.int32)
+    m.qzeros = pack_rows(zero.to(torch.int64).t().contiguous()).t().contiguous()
+    if prepare:
+        m._prepare_as("w4triton", dtype)
+    return m
+
+
+def test_a_one_row_mlp_over_triton_modules_ends_gate_up_in_its_activation(monkeypatch):
+    """Bound through the server's projections, a [gate | up] pair in the layout CUDA takes fuses into one module
+    whose one-row call ends in the activation (quant.layers.WeightOnlyLinear.gated_call): a one-row MLP launches no
+    activation kernel and equals the unfused MLP bit for bit; more rows take the projection and act_mul as before.
+    A module whose one-row path is no Triton kernel (a CPU layout) offers no such call."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from server import fastops
+    from server.layers.linear import Projections
+    from server.layers.mlp import GatedMLP
+
+    k, inter, gs = 256, 128, 64
+    gate, up, down = _w4triton(inter, k, gs, 31), _w4triton(inter, k, gs, 32), _w4triton(k, inter, gs, 33)
+    proj = Projections(torch.float16)
+    gate_up, gated = proj.bind_gated("gate_up", [gate, up], "gelu_tanh_mul")
+    assert gated is not None and proj.fused_groups == 1
+    assert proj.describe() == ["gate_up of 1 layer(s): one-row launches end in gelu_tanh_mul, no activation kernel "
+                               "at batch 1"]
+    ops = fastops.Ops("triton")
+    mlp, plain = (GatedMLP(gate_up, proj.bind("down", [down]), "gelu_pytorch_tanh", ops, g) for g in (gated, None))
+    launched: Counter = Counter()
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **kw: launched.update([self.fn.__name__]) or run(self, *a, **kw))
+    for rows, acts in ((1, 0), (3, 1)):
+        h = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).half()
+        launched.clear()
+        got = mlp(h)
+        assert launched["_act_mul_kernel"] == acts
+        assert torch.equal(got, plain(h))
+    stored = _w4triton(2 * inter, k, gs, 34, prepare=False)
+    assert stored.launch_space(torch.float16) is None
+    assert Projections(torch.float16).bind_gated("gate_up", [stored], "silu_mul")[1] is None

@@ -16,13 +16,25 @@ ACTIVATIONS = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "ge
                "gelu_tanh": "gelu_tanh_mul"}
 
 
+def act_op(act: str) -> str:
+    """The glue op of a config's ``hidden_act`` ("silu_mul", "gelu_tanh_mul"), or a one-line refusal."""
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"MLP activation {act!r} is not served (supported: {', '.join(sorted(ACTIVATIONS))})")
+    return ACTIVATIONS[act]
+
+
 class GatedMLP:
-    def __init__(self, gate_up: Callable[[Tensor], Tensor], down: Callable[[Tensor], Tensor], act: str, ops):
-        if act not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"MLP activation {act!r} is not served (supported: {', '.join(sorted(ACTIVATIONS))})")
-        self.gate_up, self.down = gate_up, down
-        self.act_mul = getattr(ops, ACTIVATIONS[act])
+    """``gated``: where the gate_up projection has one (a GPU's one-row kernel), a call of one-row inputs giving
+    act(gate) * up from the projection's own launch (quant.layers.WeightOnlyLinear.gated_call): a decode step of one
+    sequence then launches no activation kernel. Equal to act_mul(gate_up(h)) bit for bit."""
+
+    def __init__(self, gate_up: Callable[[Tensor], Tensor], down: Callable[[Tensor], Tensor], act: str, ops,
+                 gated: Callable[[Tensor], Tensor] | None = None):
+        self.gate_up, self.down, self.gated = gate_up, down, gated
+        self.act_mul = getattr(ops, act_op(act))
 
     def __call__(self, h: Tensor) -> Tensor:
+        if self.gated is not None and h.shape[0] == 1:
+            return self.down(self.gated(h))  # (1, hidden) -> (1, I) -> (1, hidden)
         return self.down(self.act_mul(self.gate_up(h)))  # (T, 2I) -> (T, I) -> (T, hidden)

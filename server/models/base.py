@@ -29,7 +29,7 @@ from server.batch import StepInputs
 from server.layers.embedding import embedding_and_head
 from server.layers.linear import Projections
 from server.layers.linear import bind as bind_module
-from server.layers.mlp import GatedMLP
+from server.layers.mlp import GatedMLP, act_op
 from server.layers.norm import RMSNorm
 from server.layers.rotary import Rotary
 
@@ -171,6 +171,7 @@ class CausalLM:
         self.rotaries: list[Rotary] = []
         self.layers: list[_Layer] = []
         act = self.activation(config)
+        op = act_op(act)  # refused here, before any layer, when it is not served
         for i in range(config.num_hidden_layers):
             lp = f"{p}layers.{i}."
             norm = lambda n: None if n is None else self._norm(f"{lp}{n}.weight", eps)  # noqa: E731
@@ -179,6 +180,7 @@ class CausalLM:
                 rope_keys[rk] = len(self.rotaries)
                 self.rotaries.append(Rotary(config, self.head_dim, rk))
             bind = self.projections.bind
+            gate_up, gated = self.projections.bind_gated("gate_up", [weights.module(lp + n) for n in self.gate_up], op)
             self.layers.append(_Layer(
                 attn_in=norm(self.norms.attn_in), attn_out=norm(self.norms.attn_out),
                 mlp_in=norm(self.norms.mlp_in), mlp_out=norm(self.norms.mlp_out),
@@ -186,8 +188,7 @@ class CausalLM:
                 k_norm=norm("self_attn.k_norm") if self.qk_norm else None,
                 qkv=bind("qkv", [weights.module(lp + n) for n in self.qkv]),
                 o=bind("o", [weights.module(lp + n) for n in self.o_proj]),
-                mlp=GatedMLP(bind("gate_up", [weights.module(lp + n) for n in self.gate_up]),
-                             bind("down", [weights.module(lp + n) for n in self.down]), act, ops),
+                mlp=GatedMLP(gate_up, bind("down", [weights.module(lp + n) for n in self.down]), act, ops, gated),
                 spec=self.attention_spec(config, i), rope=rope_keys[rk],
             ))
         self.norm = self._norm(f"{p}norm.weight", eps)
