@@ -177,6 +177,17 @@ def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...
     return row
 
 
+def _gated(gemv, failures: list) -> dict:
+    """A decode step's gate_up as the engine launches it, the activation in the GEMV's epilogue, against the GEMV then
+    the glue's act_mul (two launches, what ran before session 25), at the rule's launch; the two must be equal."""
+    from server import glue_triton as G
+
+    if not torch.equal(gemv("silu_mul"), G.silu_mul(gemv())):
+        failures.append("w4 gemv gate_up: the gated epilogue differs from the product then silu_mul")
+    return {"gated_us": cuda_time(lambda: gemv("silu_mul")) * 1e6,
+            "then_act_us": cuda_time(lambda: G.silu_mul(gemv())) * 1e6}
+
+
 def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm and the two kernels before it (bench/gemv_v1.py, gemv_v2.py) in the same run: per layer the
@@ -211,6 +222,8 @@ def gemv_sweep(results: dict, failures: list) -> None:
         if rel_err(T.w4_gemv(x, qw, sym, gs, None, True), T.w4_reference(x, qw, sym, gs)) > 2e-2:
             failures.append(f"w4 gemv symmetric {name}: relative error past 2e-2")
         row["sym_us"] = cuda_time(lambda: T.w4_gemv(x, qw, sym, gs, None, True)) * 1e6
+        if name == "gate_up":
+            row.update(_gated(lambda gated=None: T.w4_gemv(x, qw, sz, gs, None, False, gated), failures))
         _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
                            ("sym", "v1", "v2", "tinygemm"), bw))
@@ -688,6 +701,9 @@ def markdown(results: dict, failures: list) -> str:
                            f"{tuple(r['searched'])} ({r['searched_measured']}, {r['search_s']:.1f} s) | "
                            + " | ".join(f"{r[f'{key}_us']:.1f}" for key in keys) + f" | {share} |")
             out.append("")
+            out += [f"- {r['op']} {r['layer']} at the rule's launch with SiLU in its epilogue: {r['gated_us']:.1f} us, "
+                    f"against the product then the glue's silu_mul: {r['then_act_us']:.1f} us" for r in
+                    results["gemv_sweep"] if r["op"] == op and "gated_us" in r]
     if results.get("skipped"):
         out.append(f"- not run, past the run's deadline: {', '.join(results['skipped'])}")
     if results.get("default_model_skipped"):
