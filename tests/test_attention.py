@@ -310,3 +310,24 @@ def test_triton_graph_metadata_matches_a_step_of_its_own():
     qb = torch.cat([q, torch.zeros(5, spec.heads, spec.head_dim)])  # the bucket's padding rows
     got = paged_attention(qb, backend.kv[0, 0], backend.kv[0, 1], meta, spec, bs)[:3]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_fused_rotary_refuses_what_it_cannot_read():
+    """The fused rotary reads each head's dims in pairs and writes one token per sequence: a step of more, heads that
+    are not contiguous, or an odd rotary width are refused in one line."""
+    from server.attention.triton_paged import TritonMeta, paged_attention
+
+    spec = SPECS["plain"]  # 8 heads on 2, D 16
+    kc = torch.zeros(64, 2, 16)
+    meta = TritonMeta(torch.zeros(1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int32),
+                      torch.zeros(1, 4, dtype=torch.int32), 1, 1, 64, 1)
+    q, k, cs = torch.zeros(1, 8, 16), torch.zeros(1, 2, 16), torch.zeros(1, 16)
+    cases = [(dict(meta=TritonMeta(meta.slots, meta.meta, meta.tables, 1, 2, 64, 1)), "one token per sequence"),
+             (dict(q=torch.zeros(1, 16, 8).transpose(1, 2)), "q must be"),
+             (dict(k=torch.zeros(1, 2, 17)[..., :16]), "k must be"),
+             (dict(cos=torch.zeros(1, 15), sin=torch.zeros(1, 15)), "even R")]
+    for change, message in cases:
+        args = dict(q=q, k=k, v=k, cos=cs, sin=cs, meta=meta) | change
+        with pytest.raises(ValueError, match=message):
+            paged_attention(args["q"], kc, kc, args["meta"], spec, 16,
+                            rope=(args["k"], args["v"], args["cos"], args["sin"]))

@@ -134,7 +134,8 @@ def test_w8a8_linear_on_cuda_int_mm(rows):
 
 def _mixed_step_logits(hidden: int, runners: dict) -> dict:
     """A tiny random Llama in bf16 on CUDA through each runner config (name -> ModelRunner keyword arguments):
-    the logits of one mixed step (a prefill chunk with past beside a decode row) after a first step of prefill."""
+    the logits of one mixed step (a prefill chunk with past beside a decode row) after a first step of prefill, then
+    of a decode-only step (the triton backend's rotary and cache write inside its attention launch)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from server.kv_pool import BlockPool, KVLayout
@@ -153,7 +154,8 @@ def _mixed_step_logits(hidden: int, runners: dict) -> dict:
         ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(1)).tolist()
         runner.forward(build_step([], [(ids[:200], 0, a, False), (ids[:30], 0, b, False)], 16, torch.device("cuda")))
         step = build_step([(ids[30], 30, b)], [(ids[200:260], 200, a, True)], 16, torch.device("cuda"))
-        logits[name] = runner.forward(step)
+        decode = build_step([(ids[260], 260, a), (ids[31], 31, b)], [], 16, torch.device("cuda"))
+        logits[name] = torch.cat([runner.forward(step), runner.forward(decode)])  # (2 + 2, V)
     return logits
 
 

@@ -134,6 +134,54 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch_dirs, monkeypatch)
     torch.testing.assert_close(logits[0], hf_logits(model, a + [7])[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs, text_file, tmp_path, cache_dir,
+                                                                      monkeypatch):
+    """A w4a16 artifact held in the layout CUDA takes (the Triton GEMVs; on this CPU through Triton's interpreter,
+    fp16), the triton attention backend and glue: a decode step launches four one-row products per layer and no
+    activation kernel (the gate_up launch ends in it), and its logits are bit for bit those of the same model with
+    the activation launched apart, and near the artifact's own through transformers in fp32."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from conftest import run_cli
+    from quant.int4 import GPTQLinear
+    from quant.loader import load_for_engine
+
+    out = tmp_path / "w4"
+    assert run_cli("build", "--model", arch_dirs("llama"), "--scheme", "w4a16", "--calib", text_file,
+                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
+    monkeypatch.setattr(GPTQLinear, "runtime_layout",
+                        lambda self, dtype: "w4triton" if dtype in (torch.float16, torch.bfloat16) else "gptq")
+    model = load_for_engine(out, dtype=torch.float16, cache_dir=cache_dir).model
+    lay = KVLayout.from_config(model.config, torch.float16, block_size=16)
+    pool = BlockPool(lay, lay.bytes_per_block * 16)
+    runner = ModelRunner(model, pool.storage, 16, "triton", glue="triton")
+    mlps = [layer.mlp for layer in runner.model.layers]
+    assert all(m.gated is not None for m in mlps)
+    launched: Counter = Counter()
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **kw: launched.update([self.fn.__name__]) or run(self, *a, **kw))
+    a = prompt_ids(20, 6)
+    ta = pool.try_reserve("a", 32)
+    runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
+    logits, gated = {}, [m.gated for m in mlps]
+    for fused in (True, False):  # the same decode step twice: its K/V write is the same both times
+        for m, g in zip(mlps, gated):
+            m.gated = g if fused else None
+        launched.clear()
+        logits[fused] = runner.forward(build_step([(7, 20, ta)], [], 16, CPU))
+        assert launched["w4_gemv_kernel"] == 4 * len(mlps)
+        assert launched["_act_mul_kernel"] == (0 if fused else len(mlps))
+    assert torch.equal(logits[True], logits[False])
+    from quant.loader import load
+
+    want = hf_logits(load(out, dtype=torch.float32).model, a + [7])[-1]  # the artifact through transformers, fp32
+    err = (logits[True][0] - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,

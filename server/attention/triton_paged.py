@@ -181,9 +181,9 @@ def _check_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kc: T
     hkv = kc.shape[1]
     if meta.max_q != 1:
         raise ValueError(f"paged_attention: the rotary is fused only for one token per sequence, not {meta.max_q}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != (T, hkv, D) or t.stride(2) != 1 or t.stride(1) != D or t.dtype != kc.dtype:
-            raise ValueError(f"paged_attention: {name} must be (T, {hkv}, {D}) with contiguous heads in {kc.dtype}")
+    for name, t, heads in (("q", q, H), ("k", k, hkv), ("v", v, hkv)):
+        if t.shape != (T, heads, D) or t.stride(2) != 1 or t.stride(1) != D or t.dtype != kc.dtype:
+            raise ValueError(f"paged_attention: {name} must be (T, {heads}, {D}) with contiguous heads in {kc.dtype}")
     R = cos.shape[1]
     if R % 2 or R > D or cos.shape != (T, R) or sin.shape != cos.shape or cos.stride(1) != 1 \
             or sin.stride() != cos.stride():
