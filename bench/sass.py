@@ -310,7 +310,7 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
 def attention_cases(dtype_name: str = "bfloat16",
                     keys_per_step: int | None = None) -> list[tuple[str, Callable[[], object], dict]]:
     """The paged attention kernel (decode with and without split keys, with the rotary and cache write fused as the
-    engine launches it; a prefill chunk; soft-capping and a window) with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
+    engine launches it, and Qwen3's q/k head norms; a prefill chunk; soft-capping and a window) with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
     (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
     step of the key loop takes (for instructions per key)."""
     from server.attention.triton_paged import step_keys
@@ -339,6 +339,13 @@ def attention_cases(dtype_name: str = "bfloat16",
                           f"{dtype_name}", lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys, rope=rope:
                           paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys, rope),
                           {"keys_per_step": keys}))
+            if rope is not None and label == "8B":  # Qwen3-8B's heads: the q/k norms in the kernel too
+                norms = (torch.zeros(d, dtype=dt), torch.zeros(d, dtype=dt), 1e-6)
+                cases.append((f"paged_attention {what} {label} with q/k head norms {seqs} seqs x {q_len} splits "
+                              f"{splits} {keys} keys a step {dtype_name}",
+                              lambda t=t, spec=spec, kc=kc, meta=meta, h=h, d=d, keys=keys, rope=rope, norms=norms:
+                              paged_attention(torch.zeros(t, h, d, dtype=dt), kc, kc, meta, spec, block, keys, rope,
+                                              norms), {"keys_per_step": keys}))
     return cases
 
 

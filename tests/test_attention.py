@@ -144,16 +144,19 @@ def test_triton_split_merge_in_one_launch_rearms_its_counters():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("case", ["split+window", "partial rotary", "one block"])
+@pytest.mark.parametrize("case", ["split+window", "partial rotary", "one block", "head norms"])
 def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
-    """Steps of one token per sequence (every decode step and CUDA graph): the attention launch rotates q and k and
-    writes k and v to the cache itself. The output and the cache it leaves are bit for bit those of the eager rotary,
-    the cache write and the attention one after another; a slot outside the cache writes nothing."""
+    """Steps of one token per sequence (every decode step and CUDA graph): the attention launch rotates q and k (after
+    an RMSNorm over each head where the model has one: Qwen3, Gemma 3) and writes k and v to the cache itself. The
+    output and the cache it leaves are bit for bit those of the glue's norms, the eager rotary, the cache write and
+    the attention one after another; a slot outside the cache writes nothing."""
     from server.attention.triton_paged import TritonBackend
+    from server.layers.norm import RMSNorm
 
     spec, rot, split_keys = {"split+window": (AttentionSpec(8, 2, 32, 0.2, window=150), 32, 16),
                              "partial rotary": (AttentionSpec(6, 3, 32, 0.2), 24, 256),
-                             "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256)}[case]
+                             "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256),
+                             "head norms": (AttentionSpec(8, 2, 24, 0.2), 16, 16)}[case]
     g = torch.Generator().manual_seed(9)
     bs, blocks, pasts = 16, 64, [200, 37, 0, 90]
     storage = (torch.randn(TritonBackend.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim), generator=g)
@@ -172,6 +175,10 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
     qkv = torch.randn(T, (spec.heads + 2 * spec.kv_heads) * spec.head_dim, generator=g).to(dtype)
     angles = torch.tensor(pasts, dtype=torch.float32)[:, None] * torch.rand(rot, generator=g)  # (T, R)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    norms = None
+    if case == "head norms":  # partial rotary too, and a head dim that is not a power of two
+        norms = tuple(RMSNorm(torch.rand(spec.head_dim, generator=g) + 0.5, 1e-6, fastops.Ops("triton"), dtype)
+                      for _ in range(2))
 
     def run(fused: bool):  # unfused: the eager rotary, then the Triton cache write (which skips slot -1)
         backend = TritonBackend(storage.clone(), bs, [spec], fastops.Ops("triton"))
@@ -180,14 +187,16 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
         q, k, v = (t.view(T, -1, spec.head_dim) for t in qkv.clone().split(
             [spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.kv_heads * spec.head_dim], dim=-1))
         if fused:
-            out = backend.forward_rotary(q, k, v, cos, sin, 0, meta)
+            out = backend.forward_rotary(q, k, v, cos, sin, 0, meta, norms)
         else:
+            if norms is not None:
+                q, k = norms[0](q), norms[1](k)
             fastops.ref_rope_(q, k, cos, sin)
             out = backend.forward(q, k, v, 0, meta)
         return out, backend.kv, meta.splits
 
     (got, got_kv, splits), (want, want_kv, _) = run(True), run(False)
-    assert splits == (8 if case == "split+window" else 1)
+    assert splits == (1 if split_keys == 256 else 8)
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
     assert not torch.equal(got_kv, storage.view_as(got_kv))  # the three slots in the cache were written
 

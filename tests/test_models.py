@@ -102,17 +102,19 @@ def test_the_cuda_path_on_cpu_matches_transformers(arch, arch_dirs):
     torch.testing.assert_close(l3[0], hf_logits(model, a + [9])[-1], **tol)
 
 
-def test_a_cuda_decode_layer_launches_its_attention_once(arch_dirs, monkeypatch):
-    """A decode step on the CUDA path launches, per layer, two norms, the attention (with the rotary, the cache write
-    and the split keys' merge inside it) and the activation, besides the projections (here dense: cuBLAS); a prefill
-    chunk launches the rotary with the cache write before its attention. Counted under Triton's interpreter."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkeypatch):
+    """A decode step on the CUDA path launches, per layer, two norms, the attention (with Qwen3's q/k head norms,
+    the rotary, the cache write and the split keys' merge inside it) and the activation, besides the projections
+    (here dense: cuBLAS); a prefill chunk launches the rotary with the cache write before its attention. Counted
+    under Triton's interpreter."""
     from collections import Counter
 
     from triton.runtime.interpreter import InterpretedFunction
 
     from server.attention.triton_paged import TritonBackend
 
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs("llama"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
     runner, pool = runner_for(model, backend="triton", glue="triton")
     launched: Counter = Counter()
     run = InterpretedFunction.run
@@ -128,6 +130,7 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch_dirs, monkeypatch)
     runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
     layers = model.config.num_hidden_layers
     assert launched["_rope_kernel"] == layers and launched["paged_attention"] == layers
+    assert launched["_norm_kernel"] == 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)  # Qwen3: q's, k's
     launched.clear()
     logits = runner.forward(build_step([(7, 100, ta)], [], 16, CPU))
     assert dict(launched) == {"_norm_kernel": 2 * layers + 1, "paged_attention": layers, "_act_mul_kernel": layers}

@@ -55,9 +55,14 @@ class AttentionBackend(ABC):
         """q (T, H, D), k and v (T, Hkv, D), rotated: store k/v at the step's slots in layer ``layer``'s cache
         and return the attention output (T, H, D)."""
 
-    def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int, meta) -> Tensor:
+    def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int, meta,
+                       norms: tuple | None = None) -> Tensor:
         """:meth:`forward` on q and k before their rotary embedding (cos, sin: (T, R)), which is applied first, in
-        place, by the glue ops; a backend may fuse it with its K/V write."""
+        place, by the glue ops; a backend may fuse it with its K/V write. ``norms``: (q_norm, k_norm), RMSNorms over
+        each head (server.layers.norm.RMSNorm) that q and k take before the rotary (Qwen3, Gemma 3), which a backend
+        may fuse too."""
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         self.ops.rope_(q, k, cos, sin)
         return self.forward(q, k, v, layer, meta)
 

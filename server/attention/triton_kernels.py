@@ -21,17 +21,32 @@ def rotate(x, xp, c, sn):
 
 
 @triton.jit
+def head_inv_rms(x, D: tl.constexpr, eps, AXIS: tl.constexpr):
+    """1 / rms of x over its D dims along AXIS (the rest are zeros), as the glue's RMSNorm computes it."""
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=AXIS) / D + eps)
+
+
+@triton.jit
+def head_norm(x, inv, w):
+    """x normed by inv, rounded to its dtype, then times the weight w, rounded: the glue's RMSNorm's roundings."""
+    dt = x.dtype
+    return (w.to(tl.float32) * (x.to(tl.float32) * inv).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def paged_attention(
     Q, K, V, O, M_part, L_part, O_part,  # Q, O (T, H, D); K, V (slots, Hkv, D); *_part: split-K partials
     LOCKS,  # split-K: a counter per (sequence, KV head, block of rows), zero between launches
     meta, tables,  # meta (3, S): q_start, q_len, ctx_len; tables (S, width) int32
     Kn, Vn, COS, SIN, SLOTS,  # ROPE: the step's k, v (T, Hkv, D) before the cache, cos and sin (T, 2 HALF), slots (T,)
+    QW, KW, qk_eps,  # QK_NORM: RMSNorm weights (D,) over each head of q and of k, before the rotary (Qwen3, Gemma 3)
     S, width, nslots,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_ot, stride_oh, stride_knt, stride_vnt, stride_ct,
     scale, softcap, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    ROPE: tl.constexpr, HALF: tl.constexpr,
+    ROPE: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     # A step of the key loop takes BLOCK_N keys, BLOCK_N / PAGE pages of the block table: each key's slot is its
     # page's block times PAGE plus its place in the page, so a step's K and V are each one gather load whatever
@@ -64,6 +79,10 @@ def paged_attention(
         sn = tl.load(SIN + q0 * stride_ct + d, mask=rot, other=0.0).to(tl.float32)
         sn = tl.where(d < HALF, -sn, sn)
         qp = tl.load(q_ptr + pair[None, :], mask=row_ok[:, None] & rot[None, :], other=0.0)  # (BM, BD)
+        if QK_NORM:  # each head normed first, its pair dims by the same row's norm
+            inv = head_inv_rms(q, D, qk_eps, 1)  # (BM,)
+            q = head_norm(q, inv[:, None], tl.load(QW + d, mask=d_ok, other=0.0)[None, :])
+            qp = head_norm(qp, inv[:, None], tl.load(QW + pair, mask=rot, other=0.0)[None, :])
         q = tl.where(rot[None, :], rotate(q, qp, c[None, :], sn[None, :]), q)
 
     # keys this block of rows can see: up to its last row's position, from its first row's window
@@ -88,6 +107,10 @@ def paged_attention(
         kn_ptr = Kn + q0 * stride_knt + kvh * D
         kr = tl.load(kn_ptr + d, mask=d_ok, other=0.0)  # (BD,)
         kp = tl.load(kn_ptr + pair, mask=rot, other=0.0)
+        if QK_NORM:
+            inv_k = head_inv_rms(kr, D, qk_eps, 0)  # a scalar
+            kr = head_norm(kr, inv_k, tl.load(KW + d, mask=d_ok, other=0.0))
+            kp = head_norm(kp, inv_k, tl.load(KW + pair, mask=rot, other=0.0))
         kr = tl.where(rot, rotate(kr, kp, c, sn), kr)
         tl.store(K + new * stride_kn + kvh * stride_kh + d, kr, mask=writes)
         vr = tl.load(Vn + q0 * stride_vnt + kvh * D + d, mask=d_ok, other=0.0)

@@ -17,8 +17,8 @@ Decode steps over long contexts with few sequences also split the key range (``s
 and head; each writes its partial max, sum and output, and the last of them to finish merges them, in split order,
 within the same launch), so that a batch-1 step still occupies more than H_kv of the GPU's multiprocessors.
 
-A step of one token per sequence (every decode step, and so every CUDA graph) rotates q and k in the attention
-kernel and writes k and v to the cache there (the program whose keys hold the token's position writes them, then
+A step of one token per sequence (every decode step, and so every CUDA graph) norms each head of q and k (where the
+model has such norms: Qwen3, Gemma 3), rotates them in the attention kernel and writes k and v to the cache there (the program whose keys hold the token's position writes them, then
 reads them through the table like any other key), so a decode layer's attention is one launch; prefill chunks take
 the glue's rope_store_kv_ launch first.
 
@@ -162,16 +162,25 @@ class TritonBackend(AttentionBackend):
         return paged_attention(q, kv[0], kv[1], meta, spec, self.block_size, self.keys_per_step)
 
     def forward_rotary(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layer: int,
-                       meta: TritonMeta) -> Tensor:
-        """One token per sequence (decode steps, every CUDA graph's): the attention kernel rotates q and k itself and
-        writes k and v before reading the cache, one launch per layer. Otherwise the rotary and the cache write are
-        one glue launch (with the triton glue) before the attention's."""
+                       meta: TritonMeta, norms: tuple | None = None) -> Tensor:
+        """One token per sequence (decode steps, every CUDA graph's): the attention kernel norms each head of q and k
+        (where the model has such norms), rotates them and writes k and v before reading the cache, one launch per
+        layer. Otherwise the rotary and the cache write are one glue launch (with the triton glue) before the
+        attention's, after the norms' own."""
         kv = self.kv[layer]  # (2, slots, Hkv, D)
         if meta.max_q == 1:
+            qk_norm = None
+            if norms is not None:
+                if norms[0].eps == norms[1].eps:
+                    qk_norm = (norms[0].weight, norms[1].weight, norms[0].eps)
+                else:  # (one eps in the kernel)
+                    q, k = norms[0](q), norms[1](k)
             return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step,
-                                   rope=(k, v, cos, sin))
+                                   rope=(k, v, cos, sin), qk_norm=qk_norm)
         if self.ops.kind != "triton":
-            return super().forward_rotary(q, k, v, cos, sin, layer, meta)
+            return super().forward_rotary(q, k, v, cos, sin, layer, meta, norms)
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         self.ops.rope_store_kv_(q, k, v, cos, sin, kv, meta.slots)  # the rotary and the cache write: one launch
         return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step)
 
@@ -199,13 +208,16 @@ def step_keys(block_size: int, head_dim: int, rows: int) -> int:
 
 def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: AttentionSpec,
                     block_size: int, keys: int | None = None,
-                    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                    rope: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+                    qk_norm: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
     """q (T, H, D) against the paged cache kc, vc (slots, Hkv, D) as ``meta`` describes -> (T, H, D); ``keys`` per
     step of the key loop (whole pages, a power of two) overrides :func:`step_keys`.
 
     ``rope``: (k, v, cos, sin), the step's k and v (T, Hkv, D, heads contiguous) and its rotary tables (T, R): q and
     k are then rotated in the kernel (q is left as given) and k and v written to meta.slots first. Only for steps of
-    one token per sequence (meta.max_q == 1), where one program holds each token's rows."""
+    one token per sequence (meta.max_q == 1), where one program holds each token's rows. ``qk_norm``: (q's weight,
+    k's weight (D,) each, eps) of an RMSNorm over each head that q and k take before the rotary (Qwen3, Gemma 3),
+    applied in the kernel too (with ``rope`` only)."""
     from server.attention.triton_kernels import paged_attention as kernel
 
     T, H, D = q.shape
@@ -215,6 +227,8 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
     if rope is not None:
         k, v, cos, sin = rope
         _check_rope(q, k, v, cos, sin, kc, meta)
+    if qk_norm is not None and (rope is None or any(w.shape != (D,) or w.dtype != q.dtype for w in qk_norm[:2])):
+        raise ValueError(f"paged_attention: the q/k norms are fused with the rotary only, weights ({D},) in {q.dtype}")
     g = spec.group
     out = q.new_empty(T, H, D)
     rows = meta.max_q * g
@@ -231,14 +245,15 @@ def paged_attention(q: Tensor, kc: Tensor, vc: Tensor, meta: TritonMeta, spec: A
         m_part = l_part = o_part = locks = out  # unused
     grid = (mblocks * splits, meta.seqs, spec.kv_heads)
     k, v, cos, sin = rope or (q, q, q, q)  # (unused without rope)
+    qw, kw, qk_eps = qk_norm or (q, q, 0.0)  # (unused without qk_norm)
     kernel[grid](
         q, kc, vc, out, m_part, l_part, o_part, locks, meta.meta, meta.tables, k, v, cos, sin,
-        meta.slots if rope else meta.meta, meta.seqs, meta.tables.shape[1], kc.shape[0],
+        meta.slots if rope else meta.meta, qw, kw, qk_eps, meta.seqs, meta.tables.shape[1], kc.shape[0],
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1), k.stride(0), v.stride(0),
         cos.stride(0), spec.scale, spec.softcap or 0.0, spec.window or 0,
         G=g, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=keys or step_keys(block_size, D, rows),
         PAGE=block_size, SPLITS=splits, SOFTCAP=spec.softcap is not None, WINDOW=spec.window is not None,
-        ROPE=rope is not None, HALF=cos.shape[1] // 2 if rope else 0,
+        ROPE=rope is not None, HALF=cos.shape[1] // 2 if rope else 0, QK_NORM=qk_norm is not None,
         # 64 query rows by a head of 128 or more in 4 warps spill on an A100 (bench/sass.py --arch 80): 8 warps
         num_warps=8 if block_m == 64 and block_d >= 128 else 4,
     )

@@ -273,8 +273,7 @@ class CausalLM:
         if self.qk_norm == "proj":
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if self.qk_norm == "head":
-            q, k = layer.q_norm(q), layer.k_norm(k)
+        norms = (layer.q_norm, layer.k_norm) if self.qk_norm == "head" else None  # over each head, before the rotary
         cos, sin = cos_sin
-        o = backend.forward_rotary(q, k, v, cos, sin, i, meta)  # (T, H, D); q and k rotated in place
+        o = backend.forward_rotary(q, k, v, cos, sin, i, meta, norms)  # (T, H, D); q and k rotated (in place or not)
         return layer.o(o.reshape(T, H * D))
