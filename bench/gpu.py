@@ -188,6 +188,21 @@ def _gated(gemv, failures: list) -> dict:
             "then_act_us": cuda_time(lambda: G.silu_mul(gemv())) * 1e6}
 
 
+def _normed(gemv, n: int, failures: list) -> dict:
+    """A decode step's down as the engine launches it, the residual add and the next RMSNorm in the GEMV's epilogue,
+    against the GEMV then the glue's add_rms_norm (two launches, what ran before session 25), at the rule's launch."""
+    from server import glue_triton as G
+
+    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    got, want = gemv((res, w, 1e-5)), G.add_rms_norm(res, gemv(), w, 1e-5)
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+    if diff > 2e-2:
+        failures.append(f"w4 gemv down: the norm epilogue differs from the product then add_rms_norm by {diff:.3g}")
+    return {"normed_us": cuda_time(lambda: gemv((res, w, 1e-5))) * 1e6,
+            "then_norm_us": cuda_time(lambda: G.add_rms_norm(res, gemv(), w, 1e-5)) * 1e6, "normed_max_diff": diff}
+
+
 def gemv_sweep(results: dict, failures: list) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm and the two kernels before it (bench/gemv_v1.py, gemv_v2.py) in the same run: per layer the
@@ -224,6 +239,8 @@ def gemv_sweep(results: dict, failures: list) -> None:
         row["sym_us"] = cuda_time(lambda: T.w4_gemv(x, qw, sym, gs, None, True)) * 1e6
         if name == "gate_up":
             row.update(_gated(lambda gated=None: T.w4_gemv(x, qw, sz, gs, None, False, gated), failures))
+        if name == "down":
+            row.update(_normed(lambda norm=None: T.w4_gemv(x, qw, sz, gs, None, False, None, norm), n, failures))
         _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
                            ("sym", "v1", "v2", "tinygemm"), bw))
@@ -704,6 +721,10 @@ def markdown(results: dict, failures: list) -> str:
             out += [f"- {r['op']} {r['layer']} at the rule's launch with SiLU in its epilogue: {r['gated_us']:.1f} us, "
                     f"against the product then the glue's silu_mul: {r['then_act_us']:.1f} us" for r in
                     results["gemv_sweep"] if r["op"] == op and "gated_us" in r]
+            out += [f"- {r['op']} {r['layer']} at the rule's launch with the residual add and RMSNorm in its epilogue: "
+                    f"{r['normed_us']:.1f} us, against the product then the glue's add_rms_norm: "
+                    f"{r['then_norm_us']:.1f} us (largest difference {r['normed_max_diff']:.1e})" for r in
+                    results["gemv_sweep"] if r["op"] == op and "normed_us" in r]
     if results.get("skipped"):
         out.append(f"- not run, past the run's deadline: {', '.join(results['skipped'])}")
     if results.get("default_model_skipped"):

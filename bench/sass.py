@@ -214,20 +214,23 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
     dt = getattr(torch, dtype_name)
     cases = []
 
-    def add(label, n, k, g, cfg, kind, gated=None):
+    def add(label, n, k, g, cfg, kind, gated=None, normed=False):
         bn, bk, split, warps = cfg
         per_thread = {"weights_per_thread": bn * bk / (32 * warps)}
         act = f" gated {gated}" if gated else ""  # a [gate | up] projection ending in act(gate) * up
+        act += " + add & norm" if normed else ""  # o and down ending in the residual add and the next norm
+        norm = (torch.zeros(1, n, dtype=dt), torch.zeros(n, dtype=dt), 1e-5) if normed else None
         if kind.startswith("w4"):
             qw, sz = _w4(n, k, g, dt)
             sym = kind.endswith("symmetric")  # zeros all 0: the kernel skips them
             cases.append((f"w4_gemv{' symmetric' if sym else ''}{act} {label} {cfg} {dtype_name}",
-                          lambda: T.w4_gemv(torch.zeros(1, k, dtype=dt), qw, sz, g, cfg, sym, gated), per_thread))
+                          lambda: T.w4_gemv(torch.zeros(1, k, dtype=dt), qw, sz, g, cfg, sym, gated, norm),
+                          per_thread))
         else:
             w = torch.zeros(n, k, dtype=torch.int8)
             s = torch.zeros(n, dtype=torch.float32)
             cases.append((f"int8_gemv{act} {label} {cfg} {dtype_name}",
-                          lambda: T.int8_gemv(torch.zeros(1, k, dtype=dt), w, s, None, cfg, gated), per_thread))
+                          lambda: T.int8_gemv(torch.zeros(1, k, dtype=dt), w, s, None, cfg, gated, norm), per_thread))
 
     for label, n, k, g in LINEARS:
         add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4")
@@ -237,6 +240,9 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
             add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4", "silu_mul")
             add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", "gelu_tanh_mul")
             add(label, n, k, g, T.int8_gemv_config(n, k), "int8", "silu_mul")
+        if label.endswith((" o", " down")):  # with the residual add and the next norm in its epilogue
+            add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", normed=True)
+            add(label, n, k, g, T.int8_gemv_config(n, k), "int8", normed=True)
     if axes:
         label, n, k, g = LINEARS[5]
         for kind, (start, values) in (("w4", T.w4_gemv_space(n, k, g)), ("int8", T.int8_gemv_space(n, k))):

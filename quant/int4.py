@@ -300,10 +300,10 @@ class GPTQLinear(WeightOnlyLinear):
                                         triton_ops.multiprocessors(self.qweight.device))
 
     def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None,
-                       gated: str | None = None) -> torch.Tensor:
+                       gated: str | None = None, norm=None):
         if self._whole is not None:  # a part of a fused module: its rows of the fused product
-            if gated is not None:
-                raise ValueError("a part of a fused projection has no gated epilogue: call the fused module")
+            if gated is not None or norm is not None:
+                raise ValueError("a part of a fused projection has no epilogues: call the fused module")
             fused, a, b = self._whole
             return fused._kernel_matmul(x2, gemv_config)[:, a:b]
         sz = self.scales_zeros
@@ -313,9 +313,9 @@ class GPTQLinear(WeightOnlyLinear):
             x2 = x2.index_select(1, self.perm)  # (M, K) in the repacked column order
         if self.packed is None:  # w4triton
             return triton_ops.w4_matmul(x2, self.qweight, sz, self.group_size, gemv_config or self.gemv_config,
-                                        self.zero_free, gated)
-        if gated is not None:
-            raise ValueError("the int4pack kernels have no gated epilogue")
+                                        self.zero_free, gated, norm)
+        if gated is not None or norm is not None:
+            raise ValueError("the int4pack kernels have no epilogues")
         return _int4_mm(x2, self.packed, self.group_size, sz)
 
     def _kernel_codes(self) -> torch.Tensor:

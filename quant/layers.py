@@ -188,26 +188,39 @@ class WeightOnlyLinear(QuantizedLinear):
     gemv_config: tuple[int, ...] | None = None
 
     def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None,
-                       gated: str | None = None) -> torch.Tensor:
+                       gated: str | None = None, norm=None):
         """x2 (M, K) 16-bit -> (M, N) via the low-bit kernel (only called when has_kernel); ``gemv_config``: the
-        one-row kernel's launch, where it has one (default: ``self.gemv_config``); ``gated``: one row through that
-        kernel's gated epilogue (see :meth:`gated_call`)."""
+        one-row kernel's launch, where it has one (default: ``self.gemv_config``); ``gated`` / ``norm``: one row
+        through that kernel's gated or norm epilogue (see :meth:`gated_call`, :meth:`normed_call`)."""
         raise NotImplementedError
+
+    def _one_row_launch(self, dtype: torch.dtype) -> tuple[int, ...] | None:
+        """The launch one-row inputs of ``dtype`` take where that is a GPU's one-row kernel with epilogues (no bias:
+        it would come after them), else None: a CPU's kernels, a bias, a plan that takes another path at one row."""
+        space = self.launch_space(dtype)
+        if self.bias is not None or space is None or self.path_for(1, dtype) != "kernel":
+            return None
+        return self.gemv_config or space.start  # (start: the kernel's own rule)
 
     def gated_call(self, act: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """For a [gate | up] projection: a call of one-row inputs of ``dtype`` that gives act(gate) * up (1, N/2)
         from the one-row kernel's own launch (its gated epilogue, quant.triton_ops; ``act`` the glue op's name,
         "silu_mul" or "gelu_tanh_mul"), so that a decode step's MLP launches no activation kernel. None where one row
-        does not take such a kernel here: a CPU's kernels, a bias, a plan that takes another path at one row, or a
-        launch whose tiles do not split into the gate's."""
-        space = self.launch_space(dtype)
-        if act not in triton_ops.GATED_ACTS or self.bias is not None or space is None \
-                or self.path_for(1, dtype) != "kernel":
-            return None
-        cfg = self.gemv_config or space.start  # the launch the one-row products take (start: the kernel's rule)
-        if not triton_ops.gated_fits(self.out_features, cfg[0]):
+        takes no such kernel here (:meth:`_one_row_launch`) or its tiles do not split into the gate's."""
+        cfg = self._one_row_launch(dtype)
+        if act not in triton_ops.GATED_ACTS or cfg is None or not triton_ops.gated_fits(self.out_features, cfg[0]):
             return None
         return lambda x: self._kernel_matmul(x, cfg, gated=act)
+
+    def normed_call(self, weight: torch.Tensor, eps: float, dtype: torch.dtype):
+        """For a projection that a residual add and RMSNorm (``weight``, ``eps``) follow: a call of one-row inputs
+        ``(x, residual)`` that gives ``(residual + y, rms_norm(residual + y) * weight)`` from the one-row kernel's own
+        launch (its norm epilogue), so that a decode step launches no norm between the layers. None where one row takes
+        no such kernel here (:meth:`_one_row_launch`)."""
+        cfg = self._one_row_launch(dtype)
+        if cfg is None or weight.shape != (self.out_features,) or weight.dtype != dtype:
+            return None
+        return lambda x, residual: self._kernel_matmul(x, cfg, norm=(residual, weight, eps))
 
     def _gemv_space(self, dtype: torch.dtype):
         """(start, values per axis of triton_ops.GEMV_AXES) of the one-row kernel's launch, where it has one."""
@@ -368,12 +381,12 @@ class Int8WeightLinear(WeightOnlyLinear):
                                           triton_ops.multiprocessors(self.weight.device))
 
     def _kernel_matmul(self, x2: torch.Tensor, gemv_config: tuple[int, ...] | None = None,
-                       gated: str | None = None) -> torch.Tensor:
+                       gated: str | None = None, norm=None):
         if x2.is_cuda:
             return triton_ops.int8_matmul(x2, self.weight, self.weight_scale, self.weight_zero_point,
-                                          gemv_config or self.gemv_config, gated)
-        if gated is not None:
-            raise ValueError("the CPU's int8 kernels have no gated epilogue")
+                                          gemv_config or self.gemv_config, gated, norm)
+        if gated is not None or norm is not None:
+            raise ValueError("the CPU's int8 kernels have no epilogues")
         s = self.kernel_scale  # the kernel takes its scales in x's dtype: converted once by prepare, not per call
         if s is None or s.dtype != x2.dtype:
             s = self.weight_scale.to(x2.dtype)

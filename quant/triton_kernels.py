@@ -49,17 +49,59 @@ def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr
     So a split product is one kernel: no zeroed fp32 output before it, no cast after it (two more launches per
     Linear at decode shapes, each a couple of microseconds of a CUDA graph's replay), and its sums do not depend on
     which program finished first, as fp32 atomics' do."""
+    wrote = 1  # whether this program wrote the tile's result (returned)
     if SPLIT_K == 1:
         finish(Yt, acc, mask, GATED)
     else:
         tl.store(Wt + split * plane, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
-        if tl.atomic_add(LOCK, 1) == SPLIT_K - 1:  # acq_rel: the other programs' partials are visible
+        wrote = tl.atomic_add(LOCK, 1) == SPLIT_K - 1  # acq_rel: the other programs' partials are visible
+        if wrote:
             total = tl.zeros_like(acc)
             for i in tl.static_range(SPLIT_K):  # ".cg": read from L2, never a stale line of this SM's L1
                 total += tl.load(Wt + i * plane, mask=mask, other=0.0, cache_modifier=".cg")
             finish(Yt, total, mask, GATED)
             tl.atomic_xchg(LOCK, 0)
+    return wrote
+
+
+@triton.jit
+def add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """The residual add and RMSNorm of one row of N, with the roundings of server/glue_triton.py's add_rms_norm:
+    XO = x + y rounded to the dtype, H = w * (XO / rms(XO) rounded). The sum of squares runs in CHUNK lanes over the
+    CHUNKS chunks (unrolled: the product's K loop stays the kernel's only loop), then across the lanes (one chunk
+    when N <= CHUNK: the glue kernel's own sum). Y is read from L2 (other programs wrote it)."""
+    c = tl.arange(0, CHUNK)
+    ss = tl.zeros((CHUNK,), tl.float32)
+    for i in tl.static_range(CHUNKS):
+        s = i * CHUNK
+        ok = s + c < N
+        x = tl.load(X + s + c, mask=ok, other=0.0)
+        y = tl.load(Y + s + c, mask=ok, other=0.0, cache_modifier=".cg")
+        xn = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
+        tl.store(XO + s + c, xn, mask=ok)
+        ss += xn.to(tl.float32) * xn.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
+    tl.debug_barrier()  # (each thread reads back what it stored: the same layout)
+    for i in tl.static_range(CHUNKS):
+        s = i * CHUNK
+        ok = s + c < N
+        xn = tl.load(XO + s + c, mask=ok, other=0.0)
+        normed = (xn.to(tl.float32) * inv).to(xn.dtype).to(tl.float32)
+        w = tl.load(W + s + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(H + s + c, (w * normed).to(H.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_norm_when_last(wrote, DONE, Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """NORM (one-row products that a residual add and RMSNorm follow: o and down): the program that writes the
+    product's last tile (DONE counts the tiles written; zero between launches) adds the whole row to the residual
+    and norms it, so the norm is no launch of its own."""
+    if wrote:
+        tl.debug_barrier()  # the tile's stores, every thread's, before the count (release)
+        if tl.atomic_add(DONE, 1) == tl.num_programs(0) - 1:  # acq_rel: every tile is visible
+            add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK, CHUNKS)
+            tl.atomic_xchg(DONE, 0)
 
 
 @triton.jit
@@ -194,8 +236,9 @@ def code_minus_8(words, P: tl.constexpr, ONE):
 
 
 @triton.jit
-def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, GS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr, GATED: tl.constexpr):
+def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, eps, GS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
     # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group, and every operation of the K
     # loop stays in the words' own layout: nothing crosses threads inside it but the scales' broadcast.
@@ -241,12 +284,15 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, GS: tl.constexpr, 
             acc += xs[:, None] * z[None, :]
         words = nxt
     y = tl.sum(acc, 0)  # (BN,)
-    store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
+    wrote = store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
+    if NORM:  # R, RO, HO (1, N): the residual in and out, the normed row; NW the norm's weight
+        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, N, eps, CHUNK, CHUNKS)
 
 
 @triton.jit
-def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, AFFINE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr):
+def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, R, RO, NW, HO, eps, AFFINE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+                     NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     # One input row against W (N, K) int8, rows of W contiguous along K. Per weight: its sign-extended value + 128 in
     # the mantissa of 2^23, then 2^23 + 128 subtracted (exact; no int-to-float conversion), and one FMA with x. The
     # products stay in a (BLOCK_N, BLOCK_K) accumulator until after the K loop; the next tile is loaded ahead.
@@ -273,7 +319,9 @@ def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, AFFINE: 
     if AFFINE:
         zp = tl.load(ZP + rn, mask=n_ok, other=0).to(tl.float32)
         y -= tl.sum(xs, 0) * (s * zp)
-    store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
+    wrote = store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
+    if NORM:  # as w4_gemv_kernel's
+        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, N, eps, CHUNK, CHUNKS)
 
 
 @triton.jit

@@ -113,7 +113,9 @@ def split_counters(device: torch.device, tiles: int) -> Tensor:
     it (the products here, the paged attention's split keys): see :func:`split_workspace`."""
     held = _LOCKS.setdefault(torch.device(device), [])
     if not held or held[-1].numel() < tiles:
-        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+        with torch.inference_mode(False):  # a normal tensor, even on a first launch under inference mode: the
+            # counters are re-armed in place outside it too (reset_split_counters, after a launch search refuses one)
+            held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
     return held[-1]
 
 
@@ -181,26 +183,26 @@ def w4_planes_launch(x: Tensor, group_size: int, zero_free: bool) -> tuple[int, 
     return w4_planes_tile(x.shape[0], capability(x.device), zero_free)
 
 
-def _one_row_only(x: Tensor, gated: str | None, name: str) -> None:
-    if gated is not None and x.shape[0] != 1:
-        raise ValueError(f"{name}: the gated epilogue is the one-row kernel's; x has {x.shape[0]} rows")
+def _one_row_only(x: Tensor, gated: str | None, norm, name: str) -> None:
+    if (gated is not None or norm is not None) and x.shape[0] != 1:
+        raise ValueError(f"{name}: the gated and norm epilogues are the one-row kernel's; x has {x.shape[0]} rows")
 
 
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
               gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
-              gated: str | None = None) -> Tensor:
+              gated: str | None = None, norm: tuple[Tensor, Tensor, float] | None = None):
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated``: see
-    :func:`w4_gemv`); a few rows of 16-bit x in groups of 128 or more the tiled kernel over code planes
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated`` and
+    ``norm``: see :func:`w4_gemv`); a few rows of 16-bit x in groups of 128 or more the tiled kernel over code planes
     (w4_planes_launch), others the one over whole weights. ``zero_free``: the table's zeros are all 0, a symmetric
     checkpoint's, and the kernels skip them."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     bk = w4_block_k(group_size, x.shape[0])
     if bk is None or x.shape[1] != k:
         raise ValueError(f"w4_matmul: group size {group_size} has no K tile, or x has {x.shape[1]} columns, not {k}")
-    _one_row_only(x, gated, "w4_matmul")
+    _one_row_only(x, gated, norm, "w4_matmul")
     if x.shape[0] == 1:
-        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free, gated)
+        return w4_gemv(x, qweight, scales_zeros, group_size, gemv_config, zero_free, gated, norm)
     tile = w4_planes_launch(x, group_size, zero_free)
     if tile is not None:
         bits, bias = CODE_PLANE_BITS[x.dtype]
@@ -279,14 +281,32 @@ def _gemv_out(x: Tensor, n: int, bn: int, gated: str | None, name: str) -> tuple
     return x.new_empty(1, n // 2), GATED_ACTS[gated], n // 2
 
 
+def _norm_args(x: Tensor, n: int, tiles: int, norm, gated: str | None, locks: Tensor, name: str):
+    """(kernel arguments R, RO, NW, HO, eps, NORM, CHUNK; the counters; the outputs (x + y, h) or None) of a one-row
+    launch whose last tile adds the row to the residual and norms it (``norm``: (residual (1, N), weight (N,), eps))."""
+    if norm is None:
+        return (x, x, x, x, 0.0, False, 1, 1), locks, None
+    res, w, eps = norm
+    if gated is not None or res.shape != (1, n) or not res.is_contiguous() or res.dtype != x.dtype \
+            or w.shape != (n,) or w.dtype != x.dtype:
+        raise ValueError(f"{name}: a norm epilogue takes a contiguous (1, {n}) residual and a ({n},) weight in "
+                         f"{x.dtype}, and no gated epilogue beside it")
+    xo, h = torch.empty_like(res), torch.empty_like(res)
+    chunk = min(1024, 1 << max(0, (n - 1).bit_length()))
+    # the tiles' counters, then one more: the tiles written (the split counters are unused without a split)
+    return (res, xo, w, h, float(eps), True, chunk, _cdiv(n, chunk)), split_counters(x.device, tiles + 1), (xo, h)
+
+
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
             config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
-            gated: str | None = None) -> Tensor:
+            gated: str | None = None, norm: tuple[Tensor, Tensor, float] | None = None):
     """x (1, K) @ W^T -> (1, N) in x's dtype through the one-row kernel; ``config`` overrides
     :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two). ``zero_free``: the caller
     knows every zero of the table is 0 (a symmetric checkpoint), and the kernel skips them and the sums of x they
     need; wrong if any is not. ``gated`` ("silu_mul", "gelu_tanh_mul"): W is a [gate | up] projection and the
-    result is act(gate) * up (1, N/2), from the same launch (see :func:`gated_fits`)."""
+    result is act(gate) * up (1, N/2), from the same launch (see :func:`gated_fits`). ``norm`` (residual (1, N),
+    weight (N,), eps): the result is (residual + y, rms_norm(residual + y) * weight), the glue's add_rms_norm, from
+    the same launch."""
     from quant.triton_kernels import w4_gemv_kernel
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
@@ -300,10 +320,11 @@ def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
     tiles = _cdiv(n, bn)
     y, code, inter = _gemv_out(x, n, bn, gated, "w4_gemv")
     ws, locks = split_workspace(x, split, 1, n, tiles)
-    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, ONE_BITS, inter, GS=group_size,
-                                    BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_ZERO=not zero_free, GATED=code,
-                                    num_warps=warps)
-    return y
+    (*nargs, norm_on, chunk, chunks), locks, normed = _norm_args(x, n, tiles, norm, gated, locks, "w4_gemv")
+    w4_gemv_kernel[(tiles, split)](x, qweight, scales_zeros, y, ws, locks, n, k, ONE_BITS, inter, *nargs,
+                                    GS=group_size, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_ZERO=not zero_free,
+                                    GATED=code, NORM=norm_on, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
+    return y if normed is None else normed
 
 
 def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int) -> Tensor:
@@ -316,13 +337,14 @@ def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: i
 
 
 def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
-                gemv_config: tuple[int, int, int, int] | None = None, gated: str | None = None) -> Tensor:
+                gemv_config: tuple[int, int, int, int] | None = None, gated: str | None = None,
+                norm: tuple[Tensor, Tensor, float] | None = None):
     """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype.
-    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated``: see
-    :func:`w4_gemv`), more the tiled GEMM."""
-    _one_row_only(x, gated, "int8_matmul")
+    One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated`` and
+    ``norm``: see :func:`w4_gemv`), more the tiled GEMM."""
+    _one_row_only(x, gated, norm, "int8_matmul")
     if x.shape[0] == 1:
-        return int8_gemv(x, weight, scale, zero, gemv_config, gated)
+        return int8_gemv(x, weight, scale, zero, gemv_config, gated, norm)
     return int8_gemm(x, weight, scale, zero)
 
 
@@ -342,9 +364,10 @@ def int8_gemv_config(n: int, k: int, sms: int = H100_SMS) -> tuple[int, int, int
 
 
 def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
-              config: tuple[int, int, int, int] | None = None, gated: str | None = None) -> Tensor:
-    """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`; ``gated`` as
-    :func:`w4_gemv`'s."""
+              config: tuple[int, int, int, int] | None = None, gated: str | None = None,
+              norm: tuple[Tensor, Tensor, float] | None = None):
+    """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`; ``gated`` and
+    ``norm`` as :func:`w4_gemv`'s."""
     from quant.triton_kernels import int8_gemv_kernel
 
     n, k = weight.shape
@@ -355,11 +378,12 @@ def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
     tiles = _cdiv(n, bn)
     y, code, inter = _gemv_out(x, n, bn, gated, "int8_gemv")
     ws, locks = split_workspace(x, split, 1, n, tiles)
+    (*nargs, norm_on, chunk, chunks), locks, normed = _norm_args(x, n, tiles, norm, gated, locks, "int8_gemv")
     affine = zero is not None
     int8_gemv_kernel[(tiles, split)](x, weight, scale, zero if affine else scale, y, ws, locks, n, k, weight.stride(0),
-                                     inter, AFFINE=affine, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=code,
-                                     num_warps=warps)
-    return y
+                                     inter, *nargs, AFFINE=affine, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GATED=code,
+                                     NORM=norm_on, CHUNK=chunk, CHUNKS=chunks, num_warps=warps)
+    return y if normed is None else normed
 
 
 def int8_reference(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:

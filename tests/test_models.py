@@ -124,15 +124,15 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkey
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counting)
-    monkeypatch.setattr(TritonBackend, "MIN_SPLIT_KEYS", 16)  # the decode row's 101 keys in split parts
-    a = prompt_ids(100, 5)
-    ta = pool.try_reserve("a", 112)
+    monkeypatch.setattr(TritonBackend, "MIN_SPLIT_KEYS", 16)  # the decode row's 41 keys in split parts
+    a = prompt_ids(40, 5)
+    ta = pool.try_reserve("a", 48)
     runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
     layers = model.config.num_hidden_layers
     assert launched["_rope_kernel"] == layers and launched["paged_attention"] == layers
     assert launched["_norm_kernel"] == 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)  # Qwen3: q's, k's
     launched.clear()
-    logits = runner.forward(build_step([(7, 100, ta)], [], 16, CPU))
+    logits = runner.forward(build_step([(7, 40, ta)], [], 16, CPU))
     assert dict(launched) == {"_norm_kernel": 2 * layers + 1, "paged_attention": layers, "_act_mul_kernel": layers}
     torch.testing.assert_close(logits[0], hf_logits(model, a + [7])[-1], atol=1e-4, rtol=1e-4)
 
@@ -140,9 +140,10 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkey
 def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs, text_file, tmp_path, cache_dir,
                                                                       monkeypatch):
     """A w4a16 artifact held in the layout CUDA takes (the Triton GEMVs; on this CPU through Triton's interpreter,
-    fp16), the triton attention backend and glue: a decode step launches four one-row products per layer and no
-    activation kernel (the gate_up launch ends in it), and its logits are bit for bit those of the same model with
-    the activation launched apart, and near the artifact's own through transformers in fp32."""
+    fp16), the triton attention backend and glue: a decode step launches four one-row products per layer, no
+    activation kernel (the gate_up launch ends in it) and one norm in all (o and down end in the residual add and
+    the next norm), and its logits are bit for bit those of the same model with those launched apart, and near the
+    artifact's own through transformers in fp32."""
     from collections import Counter
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -169,14 +170,22 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs,
     a = prompt_ids(20, 6)
     ta = pool.try_reserve("a", 32)
     runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
+    assert runner.model._one_row  # every o and down ends in the residual add and the next norm at one row
+    assert runner.kernel_notes() == [
+        "gate_up of 2 layer(s): one-row launches end in silu_mul, no activation kernel at batch 1",
+        "o and down: 4 one-row launches end in the residual add and the next RMSNorm, no norm kernel between the "
+        "layers at batch 1"]
     logits, gated = {}, [m.gated for m in mlps]
     for fused in (True, False):  # the same decode step twice: its K/V write is the same both times
         for m, g in zip(mlps, gated):
             m.gated = g if fused else None
+        runner.model._one_row = fused
         launched.clear()
         logits[fused] = runner.forward(build_step([(7, 20, ta)], [], 16, CPU))
-        assert launched["w4_gemv_kernel"] == 4 * len(mlps)
-        assert launched["_act_mul_kernel"] == (0 if fused else len(mlps))
+        layers = len(mlps)
+        assert launched["w4_gemv_kernel"] == 4 * layers
+        assert launched["_act_mul_kernel"] == (0 if fused else layers)
+        assert launched["_norm_kernel"] == (1 if fused else 2 * layers + 1)  # fused: the first layer's input norm
     assert torch.equal(logits[True], logits[False])
     from quant.loader import load
 

@@ -81,6 +81,7 @@ class Projections:
         self.by_role: dict[str, list[nn.Module]] = {r: [] for r in ROLES}
         self.fused_groups = 0
         self.gated: dict[str, int] = {}  # activation -> [gate | up] projections whose one-row launch ends in it
+        self.normed_calls = 0  # one-row launches ending in the residual add and the next norm (the model says)
         self._calls: dict[int, Callable[[Tensor], Tensor]] = {}  # id(module) -> its bound call
         self._peak_cache: dict[tuple, int] = {}
         self._transients: dict[int, dict[str, int]] = {}
@@ -91,20 +92,26 @@ class Projections:
 
     def bind(self, role: str, mods: list[nn.Module]) -> Callable[[Tensor], Tensor]:
         """One callable computing ``cat([m(x) for m in mods], -1)`` (fused into one matmul where possible)."""
-        return self._bind_group(role, mods)[0]
+        return self.bind_group(role, mods)[0]
 
     def bind_gated(self, role: str, mods: list[nn.Module], act: str) -> tuple[Callable[[Tensor], Tensor],
                                                                              Callable[[Tensor], Tensor] | None]:
         """:meth:`bind` of a [gate | up] group, and the one-row call that ends in the activation ``act`` (a glue op's
         name) inside the projection's launch where its module has one (``WeightOnlyLinear.gated_call``), else None."""
-        call, mod = self._bind_group(role, mods)
+        call, mod = self.bind_group(role, mods)
         gated = getattr(mod, "gated_call", None)
         gated = None if gated is None else gated(act, self.dtype)
         if gated is not None:
             self.gated[act] = self.gated.get(act, 0) + 1
         return call, gated
 
-    def _bind_group(self, role: str, mods: list[nn.Module]) -> tuple[Callable[[Tensor], Tensor], nn.Module | None]:
+    def normed(self, mod: nn.Module | None, norm) -> Callable | None:
+        """The one-row call ``(x, residual) -> (residual + mod(x), norm(residual + mod(x)))`` inside ``mod``'s launch
+        (``WeightOnlyLinear.normed_call``; ``norm`` a server.layers.norm.RMSNorm), or None where it has none."""
+        make = getattr(mod, "normed_call", None)
+        return None if make is None or norm is None else make(norm.weight, norm.eps, self.dtype)
+
+    def bind_group(self, role: str, mods: list[nn.Module]) -> tuple[Callable[[Tensor], Tensor], nn.Module | None]:
         """(the group's call, the one module computing it, None where its parts run apart)."""
         if len(mods) == 1:
             self.by_role[role].append(mods[0])
@@ -120,8 +127,12 @@ class Projections:
 
     def describe(self) -> list[str]:
         """Lines for ModelInfo.kernels on what the projections fuse beyond their own products."""
-        return [f"gate_up of {n} layer(s): one-row launches end in {act}, no activation kernel at batch 1"
-                for act, n in sorted(self.gated.items())]
+        lines = [f"gate_up of {n} layer(s): one-row launches end in {act}, no activation kernel at batch 1"
+                 for act, n in sorted(self.gated.items())]
+        if self.normed_calls:
+            lines.append(f"o and down: {self.normed_calls} one-row launches end in the residual add and the next "
+                         "RMSNorm, no norm kernel between the layers at batch 1")
+        return lines
 
     def modules(self) -> list[nn.Module]:
         return [m for ms in self.by_role.values() for m in ms]

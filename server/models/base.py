@@ -99,6 +99,12 @@ class _Layer:
     mlp: GatedMLP
     spec: AttentionSpec
     rope: int  # index into the model's rotaries
+    o_module: object = None  # the module computing o, and down (None where parts run apart)
+    down_module: object = None
+    # One-row calls (x, residual) -> (residual + proj(x), next norm of that) in the projection's own launch, where the
+    # module has them (a GPU's one-row kernels): o with mlp_in, down with the next layer's attn_in (the final norm)
+    o_norm: object = None
+    down_norm: object = None
 
 
 def _enter(norm: RMSNorm | None, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -179,19 +185,21 @@ class CausalLM:
             if rk not in rope_keys:
                 rope_keys[rk] = len(self.rotaries)
                 self.rotaries.append(Rotary(config, self.head_dim, rk))
-            bind = self.projections.bind
+            group = self.projections.bind_group
             gate_up, gated = self.projections.bind_gated("gate_up", [weights.module(lp + n) for n in self.gate_up], op)
+            o, o_mod = group("o", [weights.module(lp + n) for n in self.o_proj])
+            down, down_mod = group("down", [weights.module(lp + n) for n in self.down])
             self.layers.append(_Layer(
                 attn_in=norm(self.norms.attn_in), attn_out=norm(self.norms.attn_out),
                 mlp_in=norm(self.norms.mlp_in), mlp_out=norm(self.norms.mlp_out),
                 q_norm=norm("self_attn.q_norm") if self.qk_norm else None,
                 k_norm=norm("self_attn.k_norm") if self.qk_norm else None,
-                qkv=bind("qkv", [weights.module(lp + n) for n in self.qkv]),
-                o=bind("o", [weights.module(lp + n) for n in self.o_proj]),
-                mlp=GatedMLP(gate_up, bind("down", [weights.module(lp + n) for n in self.down]), act, ops, gated),
-                spec=self.attention_spec(config, i), rope=rope_keys[rk],
+                qkv=self.projections.bind("qkv", [weights.module(lp + n) for n in self.qkv]), o=o,
+                mlp=GatedMLP(gate_up, down, act, ops, gated), spec=self.attention_spec(config, i), rope=rope_keys[rk],
+                o_module=o_mod, down_module=down_mod,
             ))
         self.norm = self._norm(f"{p}norm.weight", eps)
+        self._one_row = self._bind_norm_epilogues()
         lm_head = weights.module("lm_head")
         plain = type(lm_head) is nn.Linear and lm_head.bias is None  # a matrix that int8 rows can stand for
         # lookup: (T,) -> (T, hidden); head: (S, hidden) -> (S, V); tied heads are the embedding's rows
@@ -205,6 +213,23 @@ class CausalLM:
             embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype)
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
+
+    def _bind_norm_epilogues(self) -> bool:
+        """Whether a one-row step can run every layer as "o then add + norm, down then add + norm" in the
+        projections' own launches (:meth:`_forward_one_row`): layers with the pre-norms alone (Llama's layout, no
+        sub-layer output norms, no residual multiplier) whose o and down have norm epilogues."""
+        if float(self.residual_scale(self.config)) != 1.0 or any(
+                layer.attn_in is None or layer.mlp_in is None or layer.attn_out is not None or layer.mlp_out is not None
+                for layer in self.layers):
+            return False
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].attn_in if i + 1 < len(self.layers) else self.norm
+            layer.o_norm = self.projections.normed(layer.o_module, layer.mlp_in)
+            layer.down_norm = self.projections.normed(layer.down_module, nxt)
+        if not all(layer.o_norm is not None and layer.down_norm is not None for layer in self.layers):
+            return False
+        self.projections.normed_calls = 2 * len(self.layers)
+        return True
 
     def _norm(self, name: str, eps: float) -> RMSNorm:
         return RMSNorm(self.weights.tensor(name), eps, self.ops, self.dtype, self.norm_offset)
@@ -245,6 +270,8 @@ class CausalLM:
         if self._embed_scale is not None:
             x = x * self._embed_scale
         tables = [r.cos_sin(step.positions, self.dtype) for r in self.rotaries]  # (T, R) cos and sin each
+        if self._one_row and x.shape[0] == 1:
+            return self._forward_one_row(x, tables, step, backend, meta)
         r = self._residual
         delta = None
         for i, layer in enumerate(self.layers):
@@ -265,9 +292,25 @@ class CausalLM:
         _, h = self.norm.add(x[idx], delta[idx])  # (S, hidden)
         return self.finish_logits(self.head(h).float())  # (S, V)
 
+    def _forward_one_row(self, x: Tensor, tables, step: StepInputs, backend, meta) -> Tensor:
+        """:meth:`forward` of one token (batch-1 decode) where every o and down ends in the residual add and the next
+        norm inside its own launch (:meth:`_bind_norm_epilogues`): per layer the norms launch nothing of their own."""
+        x, h = _enter(self.layers[0].attn_in, x, None)  # (1, hidden) each
+        for i, layer in enumerate(self.layers):
+            o = self._attention_heads(i, layer, h, tables[layer.rope], backend, meta)  # (1, H * D)
+            x, h = layer.o_norm(o, x)  # x + o(o), mlp_in(x + o(o))
+            mlp = layer.mlp
+            g = mlp.gated(h) if mlp.gated is not None else mlp.act_mul(mlp.gate_up(h))  # (1, I)
+            x, h = layer.down_norm(g, x)  # x + down(g), and the next layer's attn_in of that (the final norm)
+        return self.finish_logits(self.head(h[step.sample_index]).float())  # (S, V)
+
     def _attention(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
         """Layer i's attention sub-layer output (T, hidden). A method of its own so that q/k/v and the attention
         output are freed before the MLP, the layer's activation peak (quant.memory.engine_prefill_bytes)."""
+        return layer.o(self._attention_heads(i, layer, h, cos_sin, backend, meta))
+
+    def _attention_heads(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
+        """Layer i's attention before its output projection: (T, H * D)."""
         T, H, Hkv, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
         q, k, v = layer.qkv(h).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H + 2 Hkv) D)
         if self.qk_norm == "proj":
@@ -276,4 +319,4 @@ class CausalLM:
         norms = (layer.q_norm, layer.k_norm) if self.qk_norm == "head" else None  # over each head, before the rotary
         cos, sin = cos_sin
         o = backend.forward_rotary(q, k, v, cos, sin, i, meta, norms)  # (T, H, D); q and k rotated (in place or not)
-        return layer.o(o.reshape(T, H * D))
+        return o.reshape(T, H * D)
