@@ -92,6 +92,29 @@ def test_gated_one_row_products_equal_the_product_then_act_mul_in_bf16(act):
         assert got.shape == (1, 768) and torch.equal(got, getattr(G, act)(m(x)))
 
 
+def test_norm_epilogues_equal_the_product_then_add_rms_norm_in_bf16():
+    """o's and down's one-row launch ending in the residual add and the next RMSNorm gives what the product and the
+    Triton add_rms_norm give apart, in bf16: the residual bit for bit, the normed row within a rounding (1536 columns:
+    its sum of squares in two chunks)."""
+    from quant.layers import Int8WeightLinear
+    from server import glue_triton as G
+
+    gptq = _gptq(1536, 576, 64, False, "cuda", symmetric=False)
+    gptq.bias = None
+    gptq.prepare(torch.bfloat16)
+    int8 = Int8WeightLinear.from_float(torch.nn.Linear(576, 1536, bias=False), False).to("cuda")
+    int8.prepare(torch.bfloat16)
+    x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1536, device="cuda", dtype=torch.bfloat16) + 0.5
+    for m in (gptq, int8):
+        call = m.normed_call(w, 1e-5, torch.bfloat16)
+        assert call is not None
+        got, want = call(x, res), G.add_rms_norm(res, m(x), w, 1e-5)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
+
+
 def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
     """Bound with a measuring chooser on CUDA, W4A16 and int8 modules search their one-row launch and measure
     their paths per row count on the GPU (graph-replayed timings), keep both in the GPU's plan file, and compute
