@@ -144,7 +144,7 @@ def test_triton_split_merge_in_one_launch_rearms_its_counters():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("case", ["split+window", "partial rotary", "one block", "head norms"])
+@pytest.mark.parametrize("case", ["split+window", "partial rotary", "one block", "head norms", "head norms, two eps"])
 def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
     """Steps of one token per sequence (every decode step and CUDA graph): the attention launch rotates q and k (after
     an RMSNorm over each head where the model has one: Qwen3, Gemma 3) and writes k and v to the cache itself. The
@@ -156,7 +156,9 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
     spec, rot, split_keys = {"split+window": (AttentionSpec(8, 2, 32, 0.2, window=150), 32, 16),
                              "partial rotary": (AttentionSpec(6, 3, 32, 0.2), 24, 256),
                              "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256),
-                             "head norms": (AttentionSpec(8, 2, 24, 0.2), 16, 16)}[case]
+                             "head norms": (AttentionSpec(8, 2, 24, 0.2), 16, 16),
+                             # q's and k's eps differ: the kernel has one, so the norms run first, apart
+                             "head norms, two eps": (AttentionSpec(8, 2, 24, 0.2), 16, 16)}[case]
     g = torch.Generator().manual_seed(9)
     bs, blocks, pasts = 16, 64, [200, 37, 0, 90]
     storage = (torch.randn(TritonBackend.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim), generator=g)
@@ -176,9 +178,9 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
     angles = torch.tensor(pasts, dtype=torch.float32)[:, None] * torch.rand(rot, generator=g)  # (T, R)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     norms = None
-    if case == "head norms":  # partial rotary too, and a head dim that is not a power of two
-        norms = tuple(RMSNorm(torch.rand(spec.head_dim, generator=g) + 0.5, 1e-6, fastops.Ops("triton"), dtype)
-                      for _ in range(2))
+    if case.startswith("head norms"):  # partial rotary too, and a head dim that is not a power of two
+        norms = tuple(RMSNorm(torch.rand(spec.head_dim, generator=g) + 0.5, eps, fastops.Ops("triton"), dtype)
+                      for eps in (1e-6, 1e-6 if case == "head norms" else 1e-2))
 
     def run(fused: bool):  # unfused: the eager rotary, then the Triton cache write (which skips slot -1)
         backend = TritonBackend(storage.clone(), bs, [spec], fastops.Ops("triton"))

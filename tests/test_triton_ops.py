@@ -510,3 +510,33 @@ def test_split_counters_made_under_inference_mode_are_rearmed_outside_it(monkeyp
     held[3] = 2
     T.reset_split_counters(torch.device("cpu"))
     assert not held.any()
+
+
+def test_the_one_row_epilogues_refuse_what_they_cannot_compute():
+    """The gated and norm epilogues are the one-row kernels': more rows, both at once, or a module whose kernel has
+    none (a part of a fused projection, the CPU's int8 kernels) are refused in one line."""
+    from quant.layers import Int8WeightLinear
+
+    qw, sz, *_ = _w4(128, 256, 64, seed=3)
+    x2 = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="one-row kernel's; x has 2 rows"):
+        T.w4_matmul(x2, qw, sz, 64, gated="silu_mul")
+    with pytest.raises(ValueError, match="one-row kernel's; x has 2 rows"):
+        T.int8_matmul(x2, torch.zeros(128, 256, dtype=torch.int8), torch.ones(128), None,
+                      norm=(torch.zeros(1, 128), torch.ones(128), 1e-5))
+    with pytest.raises(ValueError, match="no gated epilogue beside it"):
+        T.w4_gemv(x2[:1], qw, sz, 64, (64, 32, 1, 4), gated="silu_mul",
+                  norm=(torch.zeros(1, 128), torch.ones(128), 1e-5))
+    cpu = Int8WeightLinear.from_float(torch.nn.Linear(256, 128, bias=False), False)
+    cpu.prepare(torch.bfloat16)
+    assert cpu.gated_call("silu_mul", torch.bfloat16) is None and cpu.normed_call(torch.ones(128), 1e-5,
+                                                                                   torch.bfloat16) is None
+    with pytest.raises(ValueError, match="the CPU's int8 kernels have no epilogues"):
+        cpu._kernel_matmul(x2[:1].bfloat16(), gated="silu_mul")
+    gate, up = _w4triton(64, 256, 64, 51), _w4triton(64, 256, 64, 52)
+    from quant.int4 import GPTQLinear
+
+    fused = GPTQLinear.fuse([gate, up])
+    assert fused is not None
+    with pytest.raises(ValueError, match="a part of a fused projection has no epilogues"):
+        gate._kernel_matmul(x2[:1].half(), gated="silu_mul")

@@ -18,9 +18,9 @@ and head; each writes its partial max, sum and output, and the last of them to f
 within the same launch), so that a batch-1 step still occupies more than H_kv of the GPU's multiprocessors.
 
 A step of one token per sequence (every decode step, and so every CUDA graph) norms each head of q and k (where the
-model has such norms: Qwen3, Gemma 3), rotates them in the attention kernel and writes k and v to the cache there (the program whose keys hold the token's position writes them, then
-reads them through the table like any other key), so a decode layer's attention is one launch; prefill chunks take
-the glue's rope_store_kv_ launch first.
+model has such norms: Qwen3, Gemma 3), rotates them in the attention kernel and writes k and v to the cache there
+(the program whose keys hold the token's position writes them, then reads them through the table like any other
+key), so a decode layer's attention is one launch; prefill chunks take the glue's rope_store_kv_ launch first.
 
 Per step, ``prepare`` packs the sequences' starts, lengths and block tables into one int32 buffer and sends it
 in one non-blocking copy (pinned staging on CUDA): nothing per layer touches the host.
@@ -168,19 +168,15 @@ class TritonBackend(AttentionBackend):
         layer. Otherwise the rotary and the cache write are one glue launch (with the triton glue) before the
         attention's, after the norms' own."""
         kv = self.kv[layer]  # (2, slots, Hkv, D)
+        fused_norms = norms is not None and meta.max_q == 1 and norms[0].eps == norms[1].eps  # (one eps in the kernel)
+        if norms is not None and not fused_norms:
+            q, k = norms[0](q), norms[1](k)
         if meta.max_q == 1:
-            qk_norm = None
-            if norms is not None:
-                if norms[0].eps == norms[1].eps:
-                    qk_norm = (norms[0].weight, norms[1].weight, norms[0].eps)
-                else:  # (one eps in the kernel)
-                    q, k = norms[0](q), norms[1](k)
+            qk_norm = (norms[0].weight, norms[1].weight, norms[0].eps) if fused_norms else None
             return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step,
                                    rope=(k, v, cos, sin), qk_norm=qk_norm)
         if self.ops.kind != "triton":
-            return super().forward_rotary(q, k, v, cos, sin, layer, meta, norms)
-        if norms is not None:
-            q, k = norms[0](q), norms[1](k)
+            return super().forward_rotary(q, k, v, cos, sin, layer, meta)
         self.ops.rope_store_kv_(q, k, v, cos, sin, kv, meta.slots)  # the rotary and the cache write: one launch
         return paged_attention(q, kv[0], kv[1], meta, self.specs[layer], self.block_size, self.keys_per_step)
 

@@ -34,7 +34,11 @@ class GatedMLP:
         self.gate_up, self.down, self.gated = gate_up, down, gated
         self.act_mul = getattr(ops, act_op(act))
 
-    def __call__(self, h: Tensor) -> Tensor:
+    def hidden(self, h: Tensor) -> Tensor:
+        """act(gate) * up: (T, hidden) -> (T, I), in gate_up's own launch at one row where it can."""
         if self.gated is not None and h.shape[0] == 1:
-            return self.down(self.gated(h))  # (1, hidden) -> (1, I) -> (1, hidden)
-        return self.down(self.act_mul(self.gate_up(h)))  # (T, 2I) -> (T, I) -> (T, hidden)
+            return self.gated(h)
+        return self.act_mul(self.gate_up(h))  # (T, 2I) -> (T, I)
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return self.down(self.hidden(h))  # (T, I) -> (T, hidden)

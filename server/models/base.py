@@ -299,8 +299,7 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             o = self._attention_heads(i, layer, h, tables[layer.rope], backend, meta)  # (1, H * D)
             x, h = layer.o_norm(o, x)  # x + o(o), mlp_in(x + o(o))
-            mlp = layer.mlp
-            g = mlp.gated(h) if mlp.gated is not None else mlp.act_mul(mlp.gate_up(h))  # (1, I)
+            g = layer.mlp.hidden(h)  # (1, I): act(gate) * up
             x, h = layer.down_norm(g, x)  # x + down(g), and the next layer's attn_in of that (the final norm)
         return self.finish_logits(self.head(h[step.sample_index]).float())  # (S, V)
 
