@@ -39,6 +39,35 @@ def finish(Yt, y, mask, GATED: tl.constexpr):
 
 
 @triton.jit
+def arrived_last(counter, arrivals):
+    """Whether this program is the last of ``arrivals`` to reach ``counter`` (zero between launches), after every
+    thread of it has stored what it made: the one rule by which a program acts on others' results in one launch (the
+    split products' reduce, the norm epilogue, the attention's merge). The last reads those results from L2 (".cg"),
+    never a stale line of its SM's L1, then calls ``rearm``."""
+    tl.debug_barrier()  # every thread's stores happen before the count (release, gpu scope)
+    return tl.atomic_add(counter, 1) == arrivals - 1  # acq_rel: the others' stores are visible to the last
+
+
+@triton.jit
+def rearm(counter):
+    """The last arrival re-arms the counter for the next launch (launches on a stream run one after another)."""
+    tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def inv_rms(sum_sq, n, eps):
+    """1 / rms from a row's fp32 sum of squares over its n elements: the RMSNorm of the glue (server/glue_triton.py),
+    of the attention's q/k head norms and of the one-row products' norm epilogue, one expression for all three."""
+    return 1.0 / tl.sqrt(sum_sq / n + eps)
+
+
+@triton.jit
+def rms_normed(x, inv, w):
+    """w * (x * inv rounded to x's dtype), in fp32 for the caller to round: the eager ref_rms_norm's roundings."""
+    return w.to(tl.float32) * (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr, GATED: tl.constexpr):
     """A program's result tile into Y (``finish``, which says what GATED does). Yt, Wt: the tile's pointers in Y and
     in split 0's plane of the fp32 workspace (SPLIT_K, ...) of ``plane`` elements per split; this program computed
@@ -54,14 +83,13 @@ def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr
         finish(Yt, acc, mask, GATED)
     else:
         tl.store(Wt + split * plane, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
-        wrote = tl.atomic_add(LOCK, 1) == SPLIT_K - 1  # acq_rel: the other programs' partials are visible
+        wrote = arrived_last(LOCK, SPLIT_K)
         if wrote:
             total = tl.zeros_like(acc)
-            for i in tl.static_range(SPLIT_K):  # ".cg": read from L2, never a stale line of this SM's L1
+            for i in tl.static_range(SPLIT_K):
                 total += tl.load(Wt + i * plane, mask=mask, other=0.0, cache_modifier=".cg")
             finish(Yt, total, mask, GATED)
-            tl.atomic_xchg(LOCK, 0)
+            rearm(LOCK)
     return wrote
 
 
@@ -81,15 +109,14 @@ def add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr, CHUNKS: tl.con
         xn = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
         tl.store(XO + s + c, xn, mask=ok)
         ss += xn.to(tl.float32) * xn.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / N + eps)
+    inv = inv_rms(tl.sum(ss, axis=0), N, eps)
     tl.debug_barrier()  # (each thread reads back what it stored: the same layout)
     for i in tl.static_range(CHUNKS):
         s = i * CHUNK
         ok = s + c < N
         xn = tl.load(XO + s + c, mask=ok, other=0.0)
-        normed = (xn.to(tl.float32) * inv).to(xn.dtype).to(tl.float32)
-        w = tl.load(W + s + c, mask=ok, other=0.0).to(tl.float32)
-        tl.store(H + s + c, (w * normed).to(H.dtype.element_ty), mask=ok)
+        w = tl.load(W + s + c, mask=ok, other=0.0)
+        tl.store(H + s + c, rms_normed(xn, inv, w).to(H.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -98,10 +125,9 @@ def add_norm_when_last(wrote, DONE, Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr,
     product's last tile (DONE counts the tiles written; zero between launches) adds the whole row to the residual
     and norms it, so the norm is no launch of its own."""
     if wrote:
-        tl.debug_barrier()  # the tile's stores, every thread's, before the count (release)
-        if tl.atomic_add(DONE, 1) == tl.num_programs(0) - 1:  # acq_rel: every tile is visible
+        if arrived_last(DONE, tl.num_programs(0)):  # every tile is written
             add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK, CHUNKS)
-            tl.atomic_xchg(DONE, 0)
+            rearm(DONE)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from quant.triton_kernels import gated_act  # the activations' arithmetic, shared with the one-row products' epilogue
+from quant.triton_kernels import gated_act, inv_rms, rms_normed  # the arithmetic the fused epilogues share
 
 
 def _pow2(n: int) -> int:
@@ -54,10 +54,9 @@ def _norm_kernel(X, Dlt, XO, W, Hout, n, sx, sd, sxo, sh, eps,
         x = (x.to(tl.float32) + tl.load(Dlt + row * sd + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(XO + row * sxo + c, x, mask=ok)  # the residual, rounded once as the eager add
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
-    normed = (xf * inv).to(x.dtype).to(tl.float32)  # rounded before the weight, as ref_rms_norm
-    w = tl.load(W + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Hout + row * sh + c, (w * normed).to(Hout.dtype.element_ty), mask=ok)
+    inv = inv_rms(tl.sum(xf * xf, axis=0), n, eps)
+    w = tl.load(W + c, mask=ok, other=0.0)
+    tl.store(Hout + row * sh + c, rms_normed(x, inv, w).to(Hout.dtype.element_ty), mask=ok)
 
 
 def _check_rows(x: Tensor, w: Tensor) -> None:

@@ -5,6 +5,8 @@ should not pay."""
 import triton
 import triton.language as tl
 
+from quant.triton_kernels import arrived_last, inv_rms, rearm, rms_normed  # shared with the products' epilogues
+
 
 @triton.jit
 def tanh_exp(x):
@@ -22,16 +24,15 @@ def rotate(x, xp, c, sn):
 
 @triton.jit
 def head_inv_rms(x, D: tl.constexpr, eps, AXIS: tl.constexpr):
-    """1 / rms of x over its D dims along AXIS (the rest are zeros), as the glue's RMSNorm computes it."""
+    """1 / rms of x over its D dims along AXIS (the rest are zeros)."""
     xf = x.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=AXIS) / D + eps)
+    return inv_rms(tl.sum(xf * xf, axis=AXIS), D, eps)
 
 
 @triton.jit
 def head_norm(x, inv, w):
-    """x normed by inv, rounded to its dtype, then times the weight w, rounded: the glue's RMSNorm's roundings."""
-    dt = x.dtype
-    return (w.to(tl.float32) * (x.to(tl.float32) * inv).to(dt).to(tl.float32)).to(dt)
+    """x's RMSNorm by inv and the weight w, rounded to x's dtype."""
+    return rms_normed(x, inv, w).to(x.dtype)
 
 
 @triton.jit
@@ -156,11 +157,10 @@ def paged_attention(
         tl.store(M_part + part + split, m_i, mask=row_ok)
         tl.store(L_part + part + split, l_i, mask=row_ok)
         tl.store(O_part + (part + split)[:, None] * D + d[None, :], acc, mask=out_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release, gpu scope)
         lock = LOCKS + (seq * tl.num_programs(2) + kvh) * mblocks + mblk
-        if tl.atomic_add(lock, 1) == SPLITS - 1:  # acq_rel: the other programs' partials are visible
+        if arrived_last(lock, SPLITS):
             mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            for i in tl.static_range(SPLITS):  # ".cg": read from L2, never a stale line of this SM's L1
+            for i in tl.static_range(SPLITS):
                 mx = tl.maximum(mx, tl.load(M_part + part + i, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
             mx = tl.where(mx == float("-inf"), 0.0, mx)  # a row no split saw a key of
             total = tl.zeros((BLOCK_M,), tl.float32)
@@ -173,4 +173,4 @@ def paged_attention(
                 merged += w[:, None] * o_i  # an empty split has m = -inf: weight 0
             tl.store(out_ptr, (merged / tl.where(total == 0.0, 1.0, total)[:, None]).to(O.dtype.element_ty),
                      mask=out_ok)
-            tl.atomic_xchg(lock, 0)
+            rearm(lock)
