@@ -68,8 +68,8 @@ def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     calls = []
     real = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 4, 5, 600):
-        m(torch.randn(rows, 128, dtype=torch.bfloat16))
+    for n in (1, 4, 5, 600):
+        m(torch.randn(n, 128, dtype=torch.bfloat16))
     assert calls == [1, 4]  # 5 rows is in the 16-row bucket; 600 above the last one uses the last bucket's path
     assert m.kernel_runs(4, torch.bfloat16) and not m.kernel_runs(5, torch.bfloat16)
     assert plan.describe() == "kernel <= 4 rows, dequant-fp32 above 4"
