@@ -191,15 +191,16 @@ def _gated(gemv, failures: list) -> dict:
 def _normed(gemv, n: int, failures: list) -> dict:
     """A decode step's down as the engine launches it, the residual add and the next RMSNorm in the GEMV's epilogue,
     against the GEMV then the glue's add_rms_norm (two launches, what ran before session 25), at the rule's launch."""
+    from quant import triton_ops as T
     from server import glue_triton as G
 
     res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-    got, want = gemv((res, w, 1e-5)), G.add_rms_norm(res, gemv(), w, 1e-5)
+    got, want = gemv(T.AddNorm(res, w, 1e-5)), G.add_rms_norm(res, gemv(), w, 1e-5)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
     if diff > 2e-2:
         failures.append(f"w4 gemv down: the norm epilogue differs from the product then add_rms_norm by {diff:.3g}")
-    return {"normed_us": cuda_time(lambda: gemv((res, w, 1e-5))) * 1e6,
+    return {"normed_us": cuda_time(lambda: gemv(T.AddNorm(res, w, 1e-5))) * 1e6,
             "then_norm_us": cuda_time(lambda: G.add_rms_norm(res, gemv(), w, 1e-5)) * 1e6, "normed_max_diff": diff}
 
 

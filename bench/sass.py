@@ -214,12 +214,15 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
     dt = getattr(torch, dtype_name)
     cases = []
 
-    def add(label, n, k, g, cfg, kind, gated=None, normed=False):
+    def add(label, n, k, g, cfg, kind, gated=None, normed=None):
         bn, bk, split, warps = cfg
         per_thread = {"weights_per_thread": bn * bk / (32 * warps)}
         act = f" gated {gated}" if gated else ""  # a [gate | up] projection ending in act(gate) * up
-        act += " + add & norm" if normed else ""  # o and down ending in the residual add and the next norm
-        norm = (torch.zeros(1, n, dtype=dt), torch.zeros(n, dtype=dt), 1e-5) if normed else None
+        norm = None
+        if normed:  # o and down ending in the residual add and the next norm ("all": Gemma's output norm and
+            z = torch.zeros(n, dtype=dt)  # Granite's multiplier before the add too: every step of the epilogue)
+            act += " + add & norm" if normed == "next" else " + out norm, scale, add & norm"
+            norm = T.AddNorm(torch.zeros(1, n, dtype=dt), z, 1e-5, *(((z, 1e-6), 0.5) if normed == "all" else ()))
         if kind.startswith("w4"):
             qw, sz = _w4(n, k, g, dt)
             sym = kind.endswith("symmetric")  # zeros all 0: the kernel skips them
@@ -241,8 +244,11 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
             add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", "gelu_tanh_mul")
             add(label, n, k, g, T.int8_gemv_config(n, k), "int8", "silu_mul")
         if label.endswith((" o", " down")):  # with the residual add and the next norm in its epilogue
-            add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", normed=True)
-            add(label, n, k, g, T.int8_gemv_config(n, k), "int8", normed=True)
+            add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", normed="next")
+            add(label, n, k, g, T.int8_gemv_config(n, k), "int8", normed="next")
+        if label.endswith(" down"):
+            add(label, n, k, g, T.w4_gemv_config(n, k, g), "w4 symmetric", normed="all")
+            add(label, n, k, g, T.int8_gemv_config(n, k), "int8", normed="all")
     if axes:
         label, n, k, g = LINEARS[5]
         for kind, (start, values) in (("w4", T.w4_gemv_space(n, k, g)), ("int8", T.int8_gemv_space(n, k))):

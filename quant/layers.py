@@ -212,15 +212,20 @@ class WeightOnlyLinear(QuantizedLinear):
             return None
         return lambda x: self._kernel_matmul(x, cfg, gated=act)
 
-    def normed_call(self, weight: torch.Tensor, eps: float, dtype: torch.dtype):
-        """For a projection that a residual add and RMSNorm (``weight``, ``eps``) follow: a call of one-row inputs
-        ``(x, residual)`` that gives ``(residual + y, rms_norm(residual + y) * weight)`` from the one-row kernel's own
-        launch (its norm epilogue), so that a decode step launches no norm between the layers. None where one row takes
-        no such kernel here (:meth:`_one_row_launch`)."""
+    def normed_call(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype,
+                    post: tuple[torch.Tensor, float] | None = None, scale: float = 1.0):
+        """For a projection that a residual add and norms follow (o, down): a call of one-row inputs ``(x, residual)``
+        that gives ``(residual + y', rms_norm(residual + y') * weight)`` from the one-row kernel's own launch (its norm
+        epilogue, quant.triton_ops.AddNorm), so that a decode step launches no norm between the layers. y' is y put
+        through the output norm ``post`` (weight, eps) and times ``scale`` where the family has them; with no
+        ``weight`` the second result is the sum itself. None where one row takes no such kernel here
+        (:meth:`_one_row_launch`) or a weight is not (out_features,) in ``dtype``."""
         cfg = self._one_row_launch(dtype)
-        if cfg is None or weight.shape != (self.out_features,) or weight.dtype != dtype:
+        weights = [t for t in (weight, post and post[0]) if t is not None]
+        if cfg is None or any(t.shape != (self.out_features,) or t.dtype != dtype for t in weights):
             return None
-        return lambda x, residual: self._kernel_matmul(x, cfg, norm=(residual, weight, eps))
+        return lambda x, residual: self._kernel_matmul(
+            x, cfg, norm=triton_ops.AddNorm(residual, weight, eps, post, scale))
 
     def _gemv_space(self, dtype: torch.dtype):
         """(start, values per axis of triton_ops.GEMV_AXES) of the one-row kernel's launch, where it has one."""

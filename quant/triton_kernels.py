@@ -94,39 +94,57 @@ def store_or_reduce(Yt, Wt, acc, mask, LOCK, split, plane, SPLIT_K: tl.constexpr
 
 
 @triton.jit
-def add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """The residual add and RMSNorm of one row of N, with the roundings of server/glue_triton.py's add_rms_norm:
-    XO = x + y rounded to the dtype, H = w * (XO / rms(XO) rounded). The sum of squares runs in CHUNK lanes over the
-    CHUNKS chunks (unrolled: the product's K loop stays the kernel's only loop), then across the lanes (one chunk
-    when N <= CHUNK: the glue kernel's own sum). Y is read from L2 (other programs wrote it)."""
+def add_rms_norm_row(Y, X, XO, W, H, PW, N, eps, post_eps, scale, NORM: tl.constexpr, CHUNK: tl.constexpr,
+                     CHUNKS: tl.constexpr):
+    """The norm epilogue's work on the product's whole row y (Y, read from L2: other programs wrote it), in the glue's
+    order and roundings (server/models/base.py's layer; NORM's bits, quant.triton_ops.AddNorm, say which steps run):
+    1. (NORM & 4) y = the sub-layer's output RMSNorm of y (weight PW, post_eps: Gemma 2/3, OLMo 2), rounded;
+    2. (NORM & 8) y = y * scale, rounded (Granite's residual multiplier);
+    3. XO = X + y, rounded once (the residual stream);
+    4. (NORM & 2) H = the next input RMSNorm of XO (weight W, eps), as server/glue_triton.py's add_rms_norm.
+    Each sum of squares runs in CHUNK lanes over the CHUNKS chunks (unrolled: the product's K loop stays the
+    kernel's only loop), then across the lanes (one chunk when N <= CHUNK: the glue kernel's own sum)."""
     c = tl.arange(0, CHUNK)
+    inv_y = 1.0
+    if NORM & 4:  # the output norm needs its row's sum of squares before any element of it
+        sy = tl.zeros((CHUNK,), tl.float32)
+        for i in tl.static_range(CHUNKS):
+            y = tl.load(Y + i * CHUNK + c, mask=i * CHUNK + c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+            sy += y * y
+        inv_y = inv_rms(tl.sum(sy, axis=0), N, post_eps)
     ss = tl.zeros((CHUNK,), tl.float32)
     for i in tl.static_range(CHUNKS):
         s = i * CHUNK
         ok = s + c < N
         x = tl.load(X + s + c, mask=ok, other=0.0)
         y = tl.load(Y + s + c, mask=ok, other=0.0, cache_modifier=".cg")
+        if NORM & 4:
+            y = rms_normed(y, inv_y, tl.load(PW + s + c, mask=ok, other=0.0)).to(y.dtype)
+        if NORM & 8:
+            y = (y.to(tl.float32) * scale).to(y.dtype)
         xn = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
         tl.store(XO + s + c, xn, mask=ok)
         ss += xn.to(tl.float32) * xn.to(tl.float32)
-    inv = inv_rms(tl.sum(ss, axis=0), N, eps)
-    tl.debug_barrier()  # (each thread reads back what it stored: the same layout)
-    for i in tl.static_range(CHUNKS):
-        s = i * CHUNK
-        ok = s + c < N
-        xn = tl.load(XO + s + c, mask=ok, other=0.0)
-        w = tl.load(W + s + c, mask=ok, other=0.0)
-        tl.store(H + s + c, rms_normed(xn, inv, w).to(H.dtype.element_ty), mask=ok)
+    if NORM & 2:
+        inv = inv_rms(tl.sum(ss, axis=0), N, eps)
+        tl.debug_barrier()  # (each thread reads back what it stored: the same layout)
+        for i in tl.static_range(CHUNKS):
+            s = i * CHUNK
+            ok = s + c < N
+            xn = tl.load(XO + s + c, mask=ok, other=0.0)
+            w = tl.load(W + s + c, mask=ok, other=0.0)
+            tl.store(H + s + c, rms_normed(xn, inv, w).to(H.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def add_norm_when_last(wrote, DONE, Y, X, XO, W, H, N, eps, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
-    """NORM (one-row products that a residual add and RMSNorm follow: o and down): the program that writes the
-    product's last tile (DONE counts the tiles written; zero between launches) adds the whole row to the residual
-    and norms it, so the norm is no launch of its own."""
+def add_norm_when_last(wrote, DONE, Y, X, XO, W, H, PW, N, eps, post_eps, scale, NORM: tl.constexpr,
+                       CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """NORM (one-row products that a residual add and norms follow: o and down): the program that writes the
+    product's last tile (DONE counts the tiles written; zero between launches) runs ``add_rms_norm_row`` over the
+    whole row, so the norms are no launches of their own."""
     if wrote:
         if arrived_last(DONE, tl.num_programs(0)):  # every tile is written
-            add_rms_norm_row(Y, X, XO, W, H, N, eps, CHUNK, CHUNKS)
+            add_rms_norm_row(Y, X, XO, W, H, PW, N, eps, post_eps, scale, NORM, CHUNK, CHUNKS)
             rearm(DONE)
 
 
@@ -262,9 +280,9 @@ def code_minus_8(words, P: tl.constexpr, ONE):
 
 
 @triton.jit
-def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, eps, GS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, PW, eps, post_eps, rscale,
+                   GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   HAS_ZERO: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
     # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group, and every operation of the K
     # loop stays in the words' own layout: nothing crosses threads inside it but the scales' broadcast.
@@ -311,12 +329,14 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, eps
         words = nxt
     y = tl.sum(acc, 0)  # (BN,)
     wrote = store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
-    if NORM:  # R, RO, HO (1, N): the residual in and out, the normed row; NW the norm's weight
-        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, N, eps, CHUNK, CHUNKS)
+    if NORM:  # R, RO, HO (1, N): the residual in and out, the normed row; NW, PW the next and the output norm's weights
+        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, PW, N, eps, post_eps, rscale, NORM,
+                           CHUNK, CHUNKS)
 
 
 @triton.jit
-def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, R, RO, NW, HO, eps, AFFINE: tl.constexpr,
+def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, R, RO, NW, HO, PW, eps, post_eps, rscale,
+                     AFFINE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
                      NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     # One input row against W (N, K) int8, rows of W contiguous along K. Per weight: its sign-extended value + 128 in
@@ -347,7 +367,8 @@ def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, R, RO, N
         y -= tl.sum(xs, 0) * (s * zp)
     wrote = store_or_reduce(Y + out, WS + rn, y, n_ok, LOCKS + pid_n, pid_k, N, SPLIT_K, GATED)
     if NORM:  # as w4_gemv_kernel's
-        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, N, eps, CHUNK, CHUNKS)
+        add_norm_when_last(wrote, LOCKS + tl.num_programs(0), Y, R, RO, NW, HO, PW, N, eps, post_eps, rscale, NORM,
+                           CHUNK, CHUNKS)
 
 
 @triton.jit

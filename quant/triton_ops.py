@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -190,7 +191,7 @@ def _one_row_only(x: Tensor, gated: str | None, norm, name: str) -> None:
 
 def w4_matmul(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
               gemv_config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
-              gated: str | None = None, norm: tuple[Tensor, Tensor, float] | None = None):
+              gated: str | None = None, norm: AddNorm | None = None):
     """x (M, K) 16-bit or fp32, contiguous; qweight (K/8, N) int32; scales_zeros (G, N, 2) -> (M, N) in x's dtype.
     One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated`` and
     ``norm``: see :func:`w4_gemv`); a few rows of 16-bit x in groups of 128 or more the tiled kernel over code planes
@@ -281,32 +282,57 @@ def _gemv_out(x: Tensor, n: int, bn: int, gated: str | None, name: str) -> tuple
     return x.new_empty(1, n // 2), GATED_ACTS[gated], n // 2
 
 
-def _norm_args(x: Tensor, n: int, tiles: int, norm, gated: str | None, locks: Tensor, name: str):
-    """(kernel arguments R, RO, NW, HO, eps, NORM, CHUNK; the counters; the outputs (x + y, h) or None) of a one-row
-    launch whose last tile adds the row to the residual and norms it (``norm``: (residual (1, N), weight (N,), eps))."""
+@dataclass(frozen=True)
+class AddNorm:
+    """What follows a one-row product y (o, down) in its own launch, the norm epilogue, in the glue's order and
+    roundings (server/models/base.py's layer):
+
+    1. y = rms_norm(y) * post[0]  the sub-layer's output norm (Gemma 2/3, OLMo 2), where ``post`` = (weight, eps);
+    2. y = y * scale              the residual multiplier (Granite), where it is not 1;
+    3. x = residual + y           the residual stream, returned;
+    4. h = rms_norm(x) * weight   the next input norm, returned; h is x itself where ``weight`` is None (OLMo 2)."""
+    residual: Tensor  # (1, N)
+    weight: Tensor | None  # (N,)
+    eps: float = 0.0
+    post: tuple[Tensor, float] | None = None
+    scale: float = 1.0
+
+    def flags(self) -> int:
+        """The kernels' NORM bits: 1 the add, 2 the next norm, 4 the output norm, 8 the multiplier."""
+        return 1 | (2 if self.weight is not None else 0) | (4 if self.post is not None else 0) | \
+            (8 if self.scale != 1.0 else 0)
+
+
+def _norm_args(x: Tensor, n: int, tiles: int, norm: AddNorm | None, gated: str | None, locks: Tensor, name: str):
+    """(kernel arguments R, RO, NW, HO, PW, eps, post_eps, rscale, NORM, CHUNK, CHUNKS; the counters; the outputs
+    (x + y, h) or None) of a one-row launch whose last tile runs the norm epilogue ``norm`` over the row."""
     if norm is None:
-        return (x, x, x, x, 0.0, False, 1, 1), locks, None
-    res, w, eps = norm
+        return (x, x, x, x, x, 0.0, 0.0, 1.0, 0, 1, 1), locks, None
+    res, w, post = norm.residual, norm.weight, norm.post
+    weights = [t for t in (w, post and post[0]) if t is not None]
     if gated is not None or res.shape != (1, n) or not res.is_contiguous() or res.dtype != x.dtype \
-            or w.shape != (n,) or w.dtype != x.dtype:
-        raise ValueError(f"{name}: a norm epilogue takes a contiguous (1, {n}) residual and a ({n},) weight in "
+            or any(t.shape != (n,) or t.dtype != x.dtype for t in weights):
+        raise ValueError(f"{name}: a norm epilogue takes a contiguous (1, {n}) residual and ({n},) norm weights in "
                          f"{x.dtype}, and no gated epilogue beside it")
-    xo, h = torch.empty_like(res), torch.empty_like(res)
+    xo = torch.empty_like(res)
+    h = xo if w is None else torch.empty_like(res)
     chunk = min(1024, 1 << max(0, (n - 1).bit_length()))
+    args = (res, xo, x if w is None else w, h, x if post is None else post[0], float(norm.eps),
+            0.0 if post is None else float(post[1]), float(norm.scale), norm.flags(), chunk, _cdiv(n, chunk))
     # the tiles' counters, then one more: the tiles written (the split counters are unused without a split)
-    return (res, xo, w, h, float(eps), True, chunk, _cdiv(n, chunk)), split_counters(x.device, tiles + 1), (xo, h)
+    return args, split_counters(x.device, tiles + 1), (xo, h)
 
 
 def w4_gemv(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: int,
             config: tuple[int, int, int, int] | None = None, zero_free: bool = False,
-            gated: str | None = None, norm: tuple[Tensor, Tensor, float] | None = None):
+            gated: str | None = None, norm: AddNorm | None = None):
     """x (1, K) @ W^T -> (1, N) in x's dtype through the one-row kernel; ``config`` overrides
     :func:`w4_gemv_config` (a BLOCK_K that divides the group size, powers of two). ``zero_free``: the caller
     knows every zero of the table is 0 (a symmetric checkpoint), and the kernel skips them and the sums of x they
     need; wrong if any is not. ``gated`` ("silu_mul", "gelu_tanh_mul"): W is a [gate | up] projection and the
-    result is act(gate) * up (1, N/2), from the same launch (see :func:`gated_fits`). ``norm`` (residual (1, N),
-    weight (N,), eps): the result is (residual + y, rms_norm(residual + y) * weight), the glue's add_rms_norm, from
-    the same launch."""
+    result is act(gate) * up (1, N/2), from the same launch (see :func:`gated_fits`). ``norm``: the result is
+    (x, h) of the norm epilogue :class:`AddNorm` (the glue's add_rms_norm, with the output norm and multiplier of
+    the families that have them), from the same launch."""
     from quant.triton_kernels import w4_gemv_kernel
 
     k, n = qweight.shape[0] * 8, qweight.shape[1]
@@ -338,7 +364,7 @@ def w4_reference(x: Tensor, qweight: Tensor, scales_zeros: Tensor, group_size: i
 
 def int8_matmul(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
                 gemv_config: tuple[int, int, int, int] | None = None, gated: str | None = None,
-                norm: tuple[Tensor, Tensor, float] | None = None):
+                norm: AddNorm | None = None):
     """x (M, K) contiguous; weight (N, K) int8; scale (N,) fp32; zero (N,) int8 or None -> (M, N) in x's dtype.
     One row (batch-1 decode) takes the GEMV kernel (launched with ``gemv_config``, else its rule's; ``gated`` and
     ``norm``: see :func:`w4_gemv`), more the tiled GEMM."""
@@ -365,7 +391,7 @@ def int8_gemv_config(n: int, k: int, sms: int = H100_SMS) -> tuple[int, int, int
 
 def int8_gemv(x: Tensor, weight: Tensor, scale: Tensor, zero: Tensor | None,
               config: tuple[int, int, int, int] | None = None, gated: str | None = None,
-              norm: tuple[Tensor, Tensor, float] | None = None):
+              norm: AddNorm | None = None):
     """x (1, K) @ W^T through the one-row kernel; ``config`` overrides :func:`int8_gemv_config`; ``gated`` and
     ``norm`` as :func:`w4_gemv`'s."""
     from quant.triton_kernels import int8_gemv_kernel

@@ -93,9 +93,9 @@ def test_gated_one_row_products_equal_the_product_then_act_mul_in_bf16(act):
 
 
 def test_norm_epilogues_equal_the_product_then_add_rms_norm_in_bf16():
-    """o's and down's one-row launch ending in the residual add and the next RMSNorm gives what the product and the
-    Triton add_rms_norm give apart, in bf16: the residual bit for bit, the normed row within a rounding (1536 columns:
-    its sum of squares in two chunks)."""
+    """o's and down's one-row launch ending in the residual add and the next RMSNorm (and Gemma's output norm and
+    Granite's multiplier before the add) gives what the product and the Triton glue give apart, in bf16: Llama's
+    residual bit for bit, the rest within a rounding (1536 columns: each sum of squares in two chunks)."""
     from quant.layers import Int8WeightLinear
     from server import glue_triton as G
 
@@ -106,13 +106,17 @@ def test_norm_epilogues_equal_the_product_then_add_rms_norm_in_bf16():
     int8.prepare(torch.bfloat16)
     x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(1536, device="cuda", dtype=torch.bfloat16) + 0.5
+    w, pw = (torch.rand(1536, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
     for m in (gptq, int8):
-        call = m.normed_call(w, 1e-5, torch.bfloat16)
-        assert call is not None
-        got, want = call(x, res), G.add_rms_norm(res, m(x), w, 1e-5)
-        assert torch.equal(got[0], want[0])
-        torch.testing.assert_close(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
+        for post, scale in ((None, 1.0), ((pw, 1e-6), 0.7)):  # Llama's; Gemma's output norm and Granite's multiplier
+            call = m.normed_call(w, 1e-5, torch.bfloat16, post, scale)
+            assert call is not None
+            y = m(x) if post is None else G.rms_norm(m(x), *post)
+            got, want = call(x, res), G.add_rms_norm(res, y * scale, w, 1e-5)
+            if post is None:  # the output norm's sum of squares runs in chunks: within a rounding
+                assert torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[0].float(), want[0].float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
 
 
 def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):

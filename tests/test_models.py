@@ -137,13 +137,15 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkey
     torch.testing.assert_close(logits[0], hf_logits(model, a + [7])[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs, text_file, tmp_path, cache_dir,
-                                                                      monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "olmo2", "granite"])
+def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch_dirs, text_file, tmp_path,
+                                                                      cache_dir, monkeypatch):
     """A w4a16 artifact held in the layout CUDA takes (the Triton GEMVs; on this CPU through Triton's interpreter,
     fp16), the triton attention backend and glue: a decode step launches four one-row products per layer, no
-    activation kernel (the gate_up launch ends in it) and one norm in all (o and down end in the residual add and
-    the next norm), and its logits are bit for bit those of the same model with those launched apart, and near the
-    artifact's own through transformers in fp32."""
+    activation kernel (the gate_up launch ends in it) and at most one norm in all (o and down end in the norms and
+    residual add around them: Llama's input norms, Gemma 2's output norms besides, OLMo 2's output norms alone,
+    Granite's residual multiplier), and its logits are bit for bit those of the same model with those launched
+    apart, and near the artifact's own through transformers in fp32."""
     from collections import Counter
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -153,7 +155,7 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs,
     from quant.loader import load_for_engine
 
     out = tmp_path / "w4"
-    assert run_cli("build", "--model", arch_dirs("llama"), "--scheme", "w4a16", "--calib", text_file,
+    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", "w4a16", "--calib", text_file,
                    "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
     monkeypatch.setattr(GPTQLinear, "runtime_layout",
                         lambda self, dtype: "w4triton" if dtype in (torch.float16, torch.bfloat16) else "gptq")
@@ -171,10 +173,12 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs,
     ta = pool.try_reserve("a", 32)
     runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
     assert runner.model._one_row  # every o and down ends in the residual add and the next norm at one row
+    act = "gelu_tanh_mul" if arch == "gemma2" else "silu_mul"
     assert runner.kernel_notes() == [
-        "gate_up of 2 layer(s): one-row launches end in silu_mul, no activation kernel at batch 1",
-        "o and down: 4 one-row launches end in the residual add and the next RMSNorm, no norm kernel between the "
+        f"gate_up of 2 layer(s): one-row launches end in {act}, no activation kernel at batch 1",
+        "o and down: 4 one-row launches end in the residual add and the norms around it, no norm kernel between the "
         "layers at batch 1"]
+    first = runner.model.layers[0].attn_in is not None  # the first layer's input norm: the step's one norm launch
     logits, gated = {}, [m.gated for m in mlps]
     for fused in (True, False):  # the same decode step twice: its K/V write is the same both times
         for m, g in zip(mlps, gated):
@@ -185,7 +189,13 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch_dirs,
         layers = len(mlps)
         assert launched["w4_gemv_kernel"] == 4 * layers
         assert launched["_act_mul_kernel"] == (0 if fused else layers)
-        assert launched["_norm_kernel"] == (1 if fused else 2 * layers + 1)  # fused: the first layer's input norm
+        qk = 2 * layers if runner.model.qk_norm == "proj" else 0  # OLMo 2's q and k norms over all heads
+        if fused:
+            assert launched["_norm_kernel"] == first + qk
+        else:  # each norm the family's layers have, and the final one
+            norms = sum(getattr(m, n) is not None for m in runner.model.layers
+                        for n in ("attn_out", "mlp_in", "mlp_out", "attn_in"))
+            assert launched["_norm_kernel"] == norms + 1 + qk and norms >= 2 * layers
     assert torch.equal(logits[True], logits[False])
     from quant.loader import load
 

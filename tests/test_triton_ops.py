@@ -338,7 +338,7 @@ def test_one_row_products_end_in_the_residual_add_and_norm_exactly(n, config, dt
     for product in (lambda **kw: T.w4_gemv(x, qw, sz, gs, config, **kw),
                     lambda **kw: T.int8_gemv(x, w8, s8, None, config, **kw)):
         want = G.add_rms_norm(res, product(), w, 1e-5)
-        got = product(norm=(res, w, 1e-5))
+        got = product(norm=T.AddNorm(res, w, 1e-5))
         if n <= 1024:
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         else:
@@ -346,7 +346,52 @@ def test_one_row_products_end_in_the_residual_add_and_norm_exactly(n, config, dt
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
         assert not T.split_counters(x.device, 1).any()
     with pytest.raises(ValueError, match="a norm epilogue takes"):
-        T.w4_gemv(x, qw, sz, gs, config, norm=(res[:, :-1], w, 1e-5))
+        T.w4_gemv(x, qw, sz, gs, config, norm=T.AddNorm(res[:, :-1], w, 1e-5))
+
+
+@pytest.mark.parametrize("family,n,config,dtype", [
+    ("gemma2", 192, (64, 32, 2, 4), torch.float16),  # output norm, add, input norm
+    ("olmo2", 200, (32, 32, 1, 2), torch.float16),  # output norm and add: the sum is the next input
+    ("granite", 192, (64, 32, 2, 4), torch.float16),  # times the residual multiplier, add, input norm
+    ("all", 192, (64, 32, 2, 4), torch.float16),  # every step
+    ("all", 1100, (128, 32, 4, 4), torch.float32)])  # every step, a row over one chunk
+def test_the_norm_epilogue_takes_each_familys_output_norm_and_multiplier_exactly(family, n, config, dtype):
+    """The norm epilogue of the families beyond Llama's layout: the sub-layer's output RMSNorm (Gemma 2/3, OLMo 2),
+    the residual multiplier (Granite), the next input norm or none (OLMo 2). Bit for bit the glue's ops one after
+    another, in the model's order (server/models/base.py), for both kernels; the counters left at zero."""
+    from server import glue_triton as G
+
+    k, gs = 256, 32
+    qw, sz, *_ = _w4(n, k, gs, seed=51)
+    sz = sz.to(dtype)
+    g = torch.Generator().manual_seed(52)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    res = (torch.randn(1, n, generator=g) * 3).to(dtype)
+    w, pw = ((torch.rand(n, generator=g) + 0.5).to(dtype) for _ in range(2))
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(n, generator=g) * 0.01 + 0.001
+    weight = None if family == "olmo2" else w
+    post = None if family == "granite" else (pw, 0.5)  # an eps that shows (the two norms' are not mixed up)
+    scale = 0.7 if family in ("granite", "all") else 1.0
+    for product in (lambda **kw: T.w4_gemv(x, qw, sz, gs, config, **kw),
+                    lambda **kw: T.int8_gemv(x, w8, s8, None, config, **kw)):
+        y = product()
+        if post is not None:
+            y = G.rms_norm(y, *post)
+        if scale != 1.0:
+            y = y * scale  # as the model's forward: the eager product by a Python float
+        want = (res + y, res + y) if weight is None else G.add_rms_norm(res, y, weight, 1e-5)
+        got = product(norm=T.AddNorm(res, weight, 1e-5, post, scale))
+        if weight is None:
+            assert got[1] is got[0]
+        for g_, w_ in zip(got, want):
+            if n <= 1024:
+                assert torch.equal(g_, w_)
+            else:  # rows over 1024 summed in chunks: within a rounding
+                torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
+        assert not T.split_counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="norm weights in"):
+        T.w4_gemv(x, qw, sz, gs, config, norm=T.AddNorm(res, weight, 1e-5, (pw[:-1], 1e-6), scale))
 
 
 def test_a_gated_one_row_product_needs_tiles_of_the_gate():
@@ -523,10 +568,10 @@ def test_the_one_row_epilogues_refuse_what_they_cannot_compute():
         T.w4_matmul(x2, qw, sz, 64, gated="silu_mul")
     with pytest.raises(ValueError, match="one-row kernel's; x has 2 rows"):
         T.int8_matmul(x2, torch.zeros(128, 256, dtype=torch.int8), torch.ones(128), None,
-                      norm=(torch.zeros(1, 128), torch.ones(128), 1e-5))
+                      norm=T.AddNorm(torch.zeros(1, 128), torch.ones(128), 1e-5))
     with pytest.raises(ValueError, match="no gated epilogue beside it"):
         T.w4_gemv(x2[:1], qw, sz, 64, (64, 32, 1, 4), gated="silu_mul",
-                  norm=(torch.zeros(1, 128), torch.ones(128), 1e-5))
+                  norm=T.AddNorm(torch.zeros(1, 128), torch.ones(128), 1e-5))
     cpu = Int8WeightLinear.from_float(torch.nn.Linear(256, 128, bias=False), False)
     cpu.prepare(torch.bfloat16)
     assert cpu.gated_call("silu_mul", torch.bfloat16) is None and cpu.normed_call(torch.ones(128), 1e-5,

@@ -81,7 +81,7 @@ class Projections:
         self.by_role: dict[str, list[nn.Module]] = {r: [] for r in ROLES}
         self.fused_groups = 0
         self.gated: dict[str, int] = {}  # activation -> [gate | up] projections whose one-row launch ends in it
-        self.normed_calls = 0  # one-row launches ending in the residual add and the next norm (the model says)
+        self.normed_calls = 0  # one-row launches ending in the residual add and its norms (the model says)
         self._calls: dict[int, Callable[[Tensor], Tensor]] = {}  # id(module) -> its bound call
         self._peak_cache: dict[tuple, int] = {}
         self._transients: dict[int, dict[str, int]] = {}
@@ -105,11 +105,15 @@ class Projections:
             self.gated[act] = self.gated.get(act, 0) + 1
         return call, gated
 
-    def normed(self, mod: nn.Module | None, norm) -> Callable | None:
-        """The one-row call ``(x, residual) -> (residual + mod(x), norm(residual + mod(x)))`` inside ``mod``'s launch
-        (``WeightOnlyLinear.normed_call``; ``norm`` a server.layers.norm.RMSNorm), or None where it has none."""
+    def normed(self, mod: nn.Module | None, norm, post=None, scale: float = 1.0) -> Callable | None:
+        """The one-row call ``(x, residual) -> (x', norm(x'))``, x' = residual + post(mod(x)) * scale, inside ``mod``'s
+        launch (``WeightOnlyLinear.normed_call``; ``norm``, ``post``: server.layers.norm.RMSNorm or None, where the
+        layer has no such norm), or None where it has none."""
         make = getattr(mod, "normed_call", None)
-        return None if make is None or norm is None else make(norm.weight, norm.eps, self.dtype)
+        if make is None:
+            return None
+        return make(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, self.dtype,
+                    None if post is None else (post.weight, post.eps), scale)
 
     def bind_group(self, role: str, mods: list[nn.Module]) -> tuple[Callable[[Tensor], Tensor], nn.Module | None]:
         """(the group's call, the one module computing it, None where its parts run apart)."""
@@ -130,8 +134,8 @@ class Projections:
         lines = [f"gate_up of {n} layer(s): one-row launches end in {act}, no activation kernel at batch 1"
                  for act, n in sorted(self.gated.items())]
         if self.normed_calls:
-            lines.append(f"o and down: {self.normed_calls} one-row launches end in the residual add and the next "
-                         "RMSNorm, no norm kernel between the layers at batch 1")
+            lines.append(f"o and down: {self.normed_calls} one-row launches end in the residual add and the norms "
+                         "around it, no norm kernel between the layers at batch 1")
         return lines
 
     def modules(self) -> list[nn.Module]:

@@ -101,8 +101,9 @@ class _Layer:
     rope: int  # index into the model's rotaries
     o_module: object = None  # the module computing o, and down (None where parts run apart)
     down_module: object = None
-    # One-row calls (x, residual) -> (residual + proj(x), next norm of that) in the projection's own launch, where the
-    # module has them (a GPU's one-row kernels): o with mlp_in, down with the next layer's attn_in (the final norm)
+    # One-row calls (x, residual) -> (x', next norm of x'), x' = residual + out_norm(proj(x)) r, in the projection's
+    # own launch where the module has them (a GPU's one-row kernels): o with attn_out and mlp_in, down with mlp_out
+    # and the next layer's attn_in (the final norm); each norm where the family has it
     o_norm: object = None
     down_norm: object = None
 
@@ -215,17 +216,15 @@ class CausalLM:
         self._residual = float(self.residual_scale(config))
 
     def _bind_norm_epilogues(self) -> bool:
-        """Whether a one-row step can run every layer as "o then add + norm, down then add + norm" in the
-        projections' own launches (:meth:`_forward_one_row`): layers with the pre-norms alone (Llama's layout, no
-        sub-layer output norms, no residual multiplier) whose o and down have norm epilogues."""
-        if float(self.residual_scale(self.config)) != 1.0 or any(
-                layer.attn_in is None or layer.mlp_in is None or layer.attn_out is not None or layer.mlp_out is not None
-                for layer in self.layers):
-            return False
+        """Whether a one-row step can run every layer as "o, then the norms and residual add around it; down, then
+        the same" in the projections' own launches (:meth:`_forward_one_row`): where every o and down has a norm
+        epilogue (a GPU's one-row kernels), which takes each family's sub-layer output norm (Gemma 2/3, OLMo 2),
+        residual multiplier (Granite) and next input norm, or none (OLMo 2)."""
+        r = float(self.residual_scale(self.config))
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attn_in if i + 1 < len(self.layers) else self.norm
-            layer.o_norm = self.projections.normed(layer.o_module, layer.mlp_in)
-            layer.down_norm = self.projections.normed(layer.down_module, nxt)
+            layer.o_norm = self.projections.normed(layer.o_module, layer.mlp_in, layer.attn_out, r)
+            layer.down_norm = self.projections.normed(layer.down_module, nxt, layer.mlp_out, r)
         if not all(layer.o_norm is not None and layer.down_norm is not None for layer in self.layers):
             return False
         self.projections.normed_calls = 2 * len(self.layers)
@@ -293,14 +292,15 @@ class CausalLM:
         return self.finish_logits(self.head(h).float())  # (S, V)
 
     def _forward_one_row(self, x: Tensor, tables, step: StepInputs, backend, meta) -> Tensor:
-        """:meth:`forward` of one token (batch-1 decode) where every o and down ends in the residual add and the next
-        norm inside its own launch (:meth:`_bind_norm_epilogues`): per layer the norms launch nothing of their own."""
+        """:meth:`forward` of one token (batch-1 decode) where every o and down ends in the norms and residual add
+        around it inside its own launch (:meth:`_bind_norm_epilogues`): per layer the norms launch nothing of their
+        own."""
         x, h = _enter(self.layers[0].attn_in, x, None)  # (1, hidden) each
         for i, layer in enumerate(self.layers):
             o = self._attention_heads(i, layer, h, tables[layer.rope], backend, meta)  # (1, H * D)
-            x, h = layer.o_norm(o, x)  # x + o(o), mlp_in(x + o(o))
+            x, h = layer.o_norm(o, x)  # x + attn_out(o(o)) r, and mlp_in of that (or the sum itself)
             g = layer.mlp.hidden(h)  # (1, I): act(gate) * up
-            x, h = layer.down_norm(g, x)  # x + down(g), and the next layer's attn_in of that (the final norm)
+            x, h = layer.down_norm(g, x)  # x + mlp_out(down(g)) r, and the next layer's attn_in (the final norm) of it
         return self.finish_logits(self.head(h[step.sample_index]).float())  # (S, V)
 
     def _attention(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
