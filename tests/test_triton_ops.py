@@ -317,48 +317,21 @@ def test_one_row_products_of_gate_up_end_in_the_gated_activation_exactly(act, co
         assert not T.split_counters(x.device, 1).any()
 
 
-@pytest.mark.parametrize("n,config,dtype", [(192, (64, 32, 1, 4), torch.float16), (200, (32, 32, 8, 2), torch.float16),
-                                            (1100, (128, 32, 4, 4), torch.float32)])
-def test_one_row_products_end_in_the_residual_add_and_norm_exactly(n, config, dtype):
-    """At one row a product that a residual add and RMSNorm follow (o, down) can end in them: the program that
-    writes the last tile adds the whole row to the residual and norms it. The two results are bit for bit the glue's
-    add_rms_norm of the plain product (rows over 1024 summed in chunks: the same row, within a rounding), for both
-    kernels, split or not, and the counters are left at zero."""
-    from server import glue_triton as G
-
-    k, gs = 256, 32
-    qw, sz, *_ = _w4(n, k, gs, seed=41)
-    sz = sz.to(dtype)
-    g = torch.Generator().manual_seed(42)
-    x = torch.randn(1, k, generator=g).to(dtype)
-    res = (torch.randn(1, n, generator=g) * 3).to(dtype)
-    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
-    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    s8 = torch.rand(n, generator=g) * 0.01 + 0.001
-    for product in (lambda **kw: T.w4_gemv(x, qw, sz, gs, config, **kw),
-                    lambda **kw: T.int8_gemv(x, w8, s8, None, config, **kw)):
-        want = G.add_rms_norm(res, product(), w, 1e-5)
-        got = product(norm=T.AddNorm(res, w, 1e-5))
-        if n <= 1024:
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        else:
-            assert torch.equal(got[0], want[0])
-            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-        assert not T.split_counters(x.device, 1).any()
-    with pytest.raises(ValueError, match="a norm epilogue takes"):
-        T.w4_gemv(x, qw, sz, gs, config, norm=T.AddNorm(res[:, :-1], w, 1e-5))
-
-
 @pytest.mark.parametrize("family,n,config,dtype", [
+    ("llama", 192, (64, 32, 1, 4), torch.float16),  # add, input norm
+    ("llama", 200, (32, 32, 8, 2), torch.float16),
+    ("llama", 1100, (128, 32, 4, 4), torch.float32),  # a row over one chunk
     ("gemma2", 192, (64, 32, 2, 4), torch.float16),  # output norm, add, input norm
     ("olmo2", 200, (32, 32, 1, 2), torch.float16),  # output norm and add: the sum is the next input
     ("granite", 192, (64, 32, 2, 4), torch.float16),  # times the residual multiplier, add, input norm
     ("all", 192, (64, 32, 2, 4), torch.float16),  # every step
-    ("all", 1100, (128, 32, 4, 4), torch.float32)])  # every step, a row over one chunk
-def test_the_norm_epilogue_takes_each_familys_output_norm_and_multiplier_exactly(family, n, config, dtype):
-    """The norm epilogue of the families beyond Llama's layout: the sub-layer's output RMSNorm (Gemma 2/3, OLMo 2),
-    the residual multiplier (Granite), the next input norm or none (OLMo 2). Bit for bit the glue's ops one after
-    another, in the model's order (server/models/base.py), for both kernels; the counters left at zero."""
+    ("all", 1100, (128, 32, 4, 4), torch.float32)])
+def test_one_row_products_end_in_the_norms_and_residual_add_exactly(family, n, config, dtype):
+    """At one row a product that a residual add and norms follow (o, down) can end in them: the program that writes
+    the last tile runs them over the whole row, each family's steps in the model's order (server/models/base.py):
+    the sub-layer's output RMSNorm (Gemma 2/3, OLMo 2), the residual multiplier (Granite), the add, the next input
+    norm or none (OLMo 2). Both results are bit for bit the glue's ops one after another (rows over 1024 summed in
+    chunks: within a rounding), for both kernels, split or not, and the counters are left at zero."""
     from server import glue_triton as G
 
     k, gs = 256, 32
@@ -371,7 +344,7 @@ def test_the_norm_epilogue_takes_each_familys_output_norm_and_multiplier_exactly
     w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     s8 = torch.rand(n, generator=g) * 0.01 + 0.001
     weight = None if family == "olmo2" else w
-    post = None if family == "granite" else (pw, 0.5)  # an eps that shows (the two norms' are not mixed up)
+    post = None if family in ("llama", "granite") else (pw, 0.5)  # an eps that shows (the two norms' not mixed up)
     scale = 0.7 if family in ("granite", "all") else 1.0
     for product in (lambda **kw: T.w4_gemv(x, qw, sz, gs, config, **kw),
                     lambda **kw: T.int8_gemv(x, w8, s8, None, config, **kw)):
@@ -390,6 +363,8 @@ def test_the_norm_epilogue_takes_each_familys_output_norm_and_multiplier_exactly
             else:  # rows over 1024 summed in chunks: within a rounding
                 torch.testing.assert_close(g_, w_, atol=1e-5, rtol=1e-5)
         assert not T.split_counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="a norm epilogue takes"):
+        T.w4_gemv(x, qw, sz, gs, config, norm=T.AddNorm(res[:, :-1], weight, 1e-5, post, scale))
     with pytest.raises(ValueError, match="norm weights in"):
         T.w4_gemv(x, qw, sz, gs, config, norm=T.AddNorm(res, weight, 1e-5, (pw[:-1], 1e-6), scale))
 
