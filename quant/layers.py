@@ -221,8 +221,7 @@ class WeightOnlyLinear(QuantizedLinear):
         ``weight`` the second result is the sum itself. None where one row takes no such kernel here
         (:meth:`_one_row_launch`) or a weight is not (out_features,) in ``dtype``."""
         cfg = self._one_row_launch(dtype)
-        weights = [t for t in (weight, post and post[0]) if t is not None]
-        if cfg is None or any(t.shape != (self.out_features,) or t.dtype != dtype for t in weights):
+        if cfg is None or not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
             return None
         return lambda x, residual: self._kernel_matmul(
             x, cfg, norm=triton_ops.AddNorm(residual, weight, eps, post, scale))

@@ -282,7 +282,8 @@ def code_minus_8(words, P: tl.constexpr, ONE):
 @triton.jit
 def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, PW, eps, post_eps, rscale,
                    GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   HAS_ZERO: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+                   HAS_ZERO: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr,
+                   CHUNKS: tl.constexpr):
     # One input row, so FMAs in registers and no tl.dot (whose operand staging through shared memory a 1-row product
     # cannot repay). A tile is (BLOCK_K / 8 words, BLOCK_N columns) within one group, and every operation of the K
     # loop stays in the words' own layout: nothing crosses threads inside it but the scales' broadcast.
@@ -336,9 +337,8 @@ def w4_gemv_kernel(X, QW, SZ, Y, WS, LOCKS, N, K, ONE, INTER, R, RO, NW, HO, PW,
 
 @triton.jit
 def int8_gemv_kernel(X, W, S, ZP, Y, WS, LOCKS, N, K, stride_wn, INTER, R, RO, NW, HO, PW, eps, post_eps, rscale,
-                     AFFINE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-                     NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+                     AFFINE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     GATED: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     # One input row against W (N, K) int8, rows of W contiguous along K. Per weight: its sign-extended value + 128 in
     # the mantissa of 2^23, then 2^23 + 128 subtracted (exact; no int-to-float conversion), and one FMA with x. The
     # products stay in a (BLOCK_N, BLOCK_K) accumulator until after the K loop; the next tile is loaded ahead.

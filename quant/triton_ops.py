@@ -303,15 +303,19 @@ class AddNorm:
             (8 if self.scale != 1.0 else 0)
 
 
+def norm_weights_fit(n: int, dtype: torch.dtype, weight: Tensor | None, post: tuple[Tensor, float] | None) -> bool:
+    """Whether a norm epilogue's weights (the next norm's and the output norm's, those given) are (n,) in ``dtype``."""
+    return all(t.shape == (n,) and t.dtype == dtype for t in (weight, post and post[0]) if t is not None)
+
+
 def _norm_args(x: Tensor, n: int, tiles: int, norm: AddNorm | None, gated: str | None, locks: Tensor, name: str):
     """(kernel arguments R, RO, NW, HO, PW, eps, post_eps, rscale, NORM, CHUNK, CHUNKS; the counters; the outputs
     (x + y, h) or None) of a one-row launch whose last tile runs the norm epilogue ``norm`` over the row."""
     if norm is None:
         return (x, x, x, x, x, 0.0, 0.0, 1.0, 0, 1, 1), locks, None
     res, w, post = norm.residual, norm.weight, norm.post
-    weights = [t for t in (w, post and post[0]) if t is not None]
     if gated is not None or res.shape != (1, n) or not res.is_contiguous() or res.dtype != x.dtype \
-            or any(t.shape != (n,) or t.dtype != x.dtype for t in weights):
+            or not norm_weights_fit(n, x.dtype, w, post):
         raise ValueError(f"{name}: a norm epilogue takes a contiguous (1, {n}) residual and ({n},) norm weights in "
                          f"{x.dtype}, and no gated epilogue beside it")
     xo = torch.empty_like(res)

@@ -553,6 +553,11 @@ def test_the_one_row_epilogues_refuse_what_they_cannot_compute():
                                                                                    torch.bfloat16) is None
     with pytest.raises(ValueError, match="the CPU's int8 kernels have no epilogues"):
         cpu._kernel_matmul(x2[:1].bfloat16(), gated="silu_mul")
+    kernel = _w4triton(128, 256, 64, 53)  # a one-row Triton kernel: a norm epilogue binds where its weights fit
+    w = torch.ones(128, dtype=torch.float16)
+    assert kernel.normed_call(w, 1e-5, torch.float16, (w, 1e-6), 0.5) is not None
+    assert kernel.normed_call(w[:-1], 1e-5, torch.float16) is None
+    assert kernel.normed_call(w, 1e-5, torch.float16, (w.float(), 1e-6)) is None
     gate, up = _w4triton(64, 256, 64, 51), _w4triton(64, 256, 64, 52)
     from quant.int4 import GPTQLinear
 
