@@ -1,6 +1,9 @@
 """The GPU check and benchmarks (run by scripts/gpu_check.sh on a machine with a CUDA device).
 
-    python bench/gpu.py [--out DIR] [--quick]
+    python bench/gpu.py [--out DIR] [--quick] [--only PARTS] [--deadline SECONDS]
+
+Parts, in the order a lease runs them (PARTS): headline, bf16, attention, linear, gemv, engine, default; a part's
+timings stop at PART_S seconds (what was cut is reported) so that each ends within two minutes.
 
 1. Kernels vs their plain PyTorch references on the GPU, at the default model's shapes and an 8B model's
    (Llama-3-8B: hidden 4096, MLP 14336, 32/8 heads of 128): the Triton W4A16 and int8 GEMMs, the Triton paged
@@ -9,7 +12,7 @@
    (``_weight_int4pack_mm``) vs bf16 cuBLAS; int8 Triton vs ``_weight_int8pack_mm`` vs bf16; paged decode
    attention (Triton) vs the sdpa backend's gather path.
 3. The engine on the GPU over random-weight models of the default model's shape and an 8B shape, w4a16 (random
-   codes: the speed does not depend on the values): batch-1 greedy decode tok/s and its share of the bandwidth
+   codes: the speed does not depend on the values), and a bf16 8B beside it: batch-1 greedy decode tok/s and its share of the bandwidth
    limit (weight bytes / peak bandwidth), TTFT of a 512-token prompt, 64 streams x 512 tokens aggregate tok/s
    with the triton backend vs the sdpa backend, host syncs per decode step (torch.cuda.set_sync_debug_mode),
    and the accounting (weights, KV pool, activation estimate) against the CUDA allocator.
@@ -38,6 +41,19 @@ SHAPES = {
     "135M": dict(hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152),
     "8B": dict(hidden=4096, inter=14336, layers=32, heads=32, kv=8, vocab=128256),
 }
+
+
+PART_S = 110.0  # a part's timings stop after this many seconds (each part of a lease's check ends within 120 s)
+
+
+class Clock:
+    """A part's time: timings past ``limit`` seconds are skipped (what was cut is reported), checks still run."""
+
+    def __init__(self, limit: float = PART_S):
+        self.t0, self.limit, self.cut = time.perf_counter(), limit, 0
+
+    def over(self) -> bool:
+        return time.perf_counter() - self.t0 > self.limit
 
 
 def cuda_time(fn, reps: int = 20, warm: int = 3, inner: int = 10, graph: bool = True) -> float:
@@ -73,14 +89,16 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def kernel_checks(results: dict, failures: list, quick: bool) -> None:
+def kernel_checks(results: dict, failures: list, quick: bool, clock: Clock) -> None:
+    """The W4A16 and int8 products against their references at every row count, the 8B shapes first; timed beside
+    their peers while the part's clock allows (rows past it are checked, not timed)."""
     from quant import triton_ops as T
     from quant.int4 import _pack_for_kernel
     from quant.primitives import dequantize_weight
 
     dev = "cuda"
     rows = []
-    for shape in ("135M", "8B"):
+    for shape in ("8B", "135M"):
         for name, n, k in linear_shapes(shape):
             gs = 64 if shape == "135M" else 128
             for dtype in (torch.bfloat16, torch.float16):
@@ -102,11 +120,13 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
                         sym[..., 1] = 0
                         if rel_err(T.w4_matmul(x, qw, sym, gs, zero_free=True), T.w4_reference(x, qw, sym, gs)) > 2e-2:
                             failures.append(f"w4 symmetric {shape} {name} m={m} {dtype}: relative error past 2e-2")
-                        if dtype == torch.bfloat16:  # beside the kernel's whole-weight path, which they replace here
+                        if dtype == torch.bfloat16 and not clock.over():  # beside the whole-weight path, replaced here
                             row["sym_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sym, gs, zero_free=True)) * 1e6
                             row["whole_us"] = cuda_time(lambda: T._launch("w4_kernel", x, n, k, T.w4_block_k(gs, m),
                                                                           qw, sz, GS=gs)) * 1e6
-                    if dtype == torch.bfloat16:
+                    if dtype == torch.bfloat16 and clock.over():
+                        clock.cut += 1
+                    elif dtype == torch.bfloat16:
                         row["triton_us"] = cuda_time(lambda: T.w4_matmul(x, qw, sz, gs)) * 1e6
                         if packed is not None:
                             row["tinygemm_us"] = cuda_time(
@@ -129,13 +149,21 @@ def kernel_checks(results: dict, failures: list, quick: bool) -> None:
                     if errs[-1] > 2e-2:
                         failures.append(f"int8 {shape} {name} m={m} affine={zero is not None}: rel error "
                                         f"{errs[-1]:.3g}")
-                row = {"op": "int8", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "rel_err": max(errs),
-                       "triton_us": cuda_time(lambda: T.int8_matmul(x, w8, sc, None)) * 1e6,
-                       "int8pack_us": cuda_time(lambda: torch.ops.aten._weight_int8pack_mm(x, w8, sc.to(x.dtype))) * 1e6}
-                row["bf16_us"] = cuda_time(lambda: x @ wb.t()) * 1e6
-                row["dequant_cublas_us"] = cuda_time(lambda: x @ dequantize_weight(w8, sc, None, x.dtype).t()) * 1e6
+                row = {"op": "int8", "shape": shape, "layer": name, "n": n, "k": k, "m": m, "rel_err": max(errs)}
+                if clock.over():
+                    clock.cut += 1
+                else:
+                    row["triton_us"] = cuda_time(lambda: T.int8_matmul(x, w8, sc, None)) * 1e6
+                    row["int8pack_us"] = cuda_time(
+                        lambda: torch.ops.aten._weight_int8pack_mm(x, w8, sc.to(x.dtype))) * 1e6
+                    row["bf16_us"] = cuda_time(lambda: x @ wb.t()) * 1e6
+                    row["dequant_cublas_us"] = cuda_time(
+                        lambda: x @ dequantize_weight(w8, sc, None, x.dtype).t()) * 1e6
                 rows.append(row)
     results["linear"] = rows
+    if clock.cut:
+        results.setdefault("cut", []).append(f"linear: {clock.cut} rows checked but not timed (past "
+                                             f"{clock.limit:.0f} s)")
 
 
 GEMV_SWEEP = [(bn, bk, split, warps) for bn in (64, 128, 256) for bk in (64, 128) for split in (1, 2, 4, 8)
@@ -158,12 +186,16 @@ def _searched(row: dict, space_of, gemv, x, want, k: int) -> None:
                searched_us=cuda_time(lambda: gemv(cfg)) * 1e6)
 
 
-def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...], bw: float | None) -> dict:
+def _sweep(row: dict, gemv, configs, want, failures: list, peers: tuple[str, ...], bw: float | None,
+           clock: Clock) -> dict:
     """Time ``gemv(config)`` over ``configs`` (each first held to ``want``), add the fastest to ``row`` and each
     timing's share of the bandwidth limit (``row["bytes"]`` read once) for the rule, the fastest, the search's
     pick and ``peers``."""
     times = {}
     for cfg in configs:
+        if clock.over() and times:  # the rule and the search's pick are timed already; the rest of the sweep waits
+            clock.cut += 1
+            continue
         err = rel_err(gemv(cfg), want)
         if err > 2e-2:
             failures.append(f"{row['op']} gemv {row['layer']} config {cfg}: relative error {err:.3g}")
@@ -204,7 +236,7 @@ def _normed(gemv, n: int, failures: list) -> dict:
             "then_norm_us": cuda_time(lambda: G.add_rms_norm(res, gemv(), w, 1e-5)) * 1e6, "normed_max_diff": diff}
 
 
-def gemv_sweep(results: dict, failures: list) -> None:
+def gemv_sweep(results: dict, failures: list, clock: Clock) -> None:
     """The one-row W4A16 kernel at the 8B shapes (g128, bf16) over GEMV_SWEEP's tile shapes, splits and warps,
     against tinygemm and the two kernels before it (bench/gemv_v1.py, gemv_v2.py) in the same run: per layer the
     rule's config (quant.triton_ops.w4_gemv_config), the fastest, and each one's share of the bandwidth limit (the
@@ -244,7 +276,7 @@ def gemv_sweep(results: dict, failures: list) -> None:
             row.update(_normed(lambda norm=None: T.w4_gemv(x, qw, sz, gs, None, False, None, norm), n, failures))
         _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
-                           ("sym", "v1", "v2", "tinygemm"), bw))
+                           ("sym", "v1", "v2", "tinygemm"), bw, clock))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
         w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         sc = torch.rand(n, device=dev) * 0.01
@@ -255,11 +287,16 @@ def gemv_sweep(results: dict, failures: list) -> None:
         want = T.int8_reference(x, w8, sc, None)
         _searched(row, T.int8_gemv_space(n, k, sms), lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.int8_gemv(x, w8, sc, None, cfg), INT8_GEMV_SWEEP, want, failures,
-                           ("gemm",), bw))
+                           ("gemm",), bw, clock))
     results["gemv_sweep"] = rows
+    if clock.cut:
+        results.setdefault("cut", []).append(f"gemv: {clock.cut} sweep configurations not timed (past "
+                                             f"{clock.limit:.0f} s)")
 
 
 def attention_checks(results: dict, failures: list, quick: bool) -> None:
+    """The paged attention (decode with split-K at four batch x context shapes, prefill with past) against the
+    plain reference, timed beside the sdpa backend's gather path."""
     from server import fastops
     from server.attention import reference as R
     from server.attention.base import AttentionSpec
@@ -393,8 +430,9 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t2", eos_token="t1", unk_token="t0")
 
 
-def random_w4a16_model(shape: str, dev: str, gs: int = 128):
-    """A Llama of the shape with every decoder Linear a GPTQLinear of random codes, prepared for bf16."""
+def random_model(shape: str, dev: str, scheme: str = "w4a16", gs: int = 128):
+    """A Llama of the shape in bf16 on the device: with ``scheme="w4a16"`` every decoder Linear a GPTQLinear of
+    random codes, prepared for bf16; with ``"bf16"`` plain Linears of random weights (the float peer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quant.int4 import GPTQLinear, pack_rows
@@ -407,7 +445,7 @@ def random_w4a16_model(shape: str, dev: str, gs: int = 128):
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)  # nothing allocated: the decoder Linears are replaced before any exists
     gs = gs if shape == "8B" else 64
-    for layer in model.model.layers:
+    for layer in model.model.layers if scheme == "w4a16" else ():
         for parent in (layer.self_attn, layer.mlp):
             for name, lin in list(parent.named_children()):
                 if not isinstance(lin, torch.nn.Linear):
@@ -502,18 +540,20 @@ def decode_profile(run, steps: int, top: int = 12) -> dict:
             "top": [(name[:60], sum(v) / (steps + 1), len(v) / (steps + 1)) for name, v in ranked]}
 
 
-def engine_bench(results: dict, failures: list, shape: str, quick: bool, headline: bool = False) -> None:
-    """headline: batch 1 (overlapped and serial steps, its profile), TTFT, host syncs and the accounting only; not
-    the 64 streams on three backends nor the engines with the eager glue and the built-in kernel rules."""
+def engine_bench(results: dict, failures: list, shape: str, quick: bool, headline: bool = False,
+                 scheme: str = "w4a16") -> None:
+    """headline: batch 1 (overlapped and serial steps, its profile), TTFT, host syncs, the accounting and 64 streams
+    x 256 tokens as the engine runs them only; not the 64 streams on three backends nor the engines with the eager
+    glue and the built-in kernel rules. ``scheme``: the decoder Linears' (w4a16 random codes, or bf16)."""
     dev = "cuda"
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    model = random_w4a16_model(shape, dev)
+    model = random_model(shape, dev, scheme)
     tok = word_tokenizer(SHAPES[shape]["vocab"])
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape]["vocab"]
     prompt = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
-    row: dict = {"shape": shape + (" (headline rows)" if headline else "")}
+    row: dict = {"shape": shape + (" (headline rows)" if headline else ""), "scheme": scheme}
     loaded = torch.cuda.memory_allocated()
     t = time.perf_counter()
     eng = make_engine(model, tok, "16GiB")  # kernels measured (this shape's first engine): launches, plans
@@ -566,7 +606,10 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
         row["prefill512_peak_over_base"] = torch.cuda.max_memory_allocated() - base
         row["prefill512_estimate"] = eng.activation_estimate(512, 0)
         results.setdefault("engine", []).append(row)
-        if headline:
+        if headline:  # the aggregate as the engine runs it (triton backend, graphs), the issue's 64 x 256
+            run_requests(eng, [prompt(16) for _ in range(4)], 8)  # warm
+            dt, _ = run_requests(eng, [prompt(64) for _ in range(64)], 256)
+            row["streams64x256_triton+graphs_tok_s"] = 64 * 256 / dt
             return
         # 64 streams x 512 new tokens, the triton backend vs the sdpa backend's gather path, same run
         streams, new = (64, 128) if quick else (64, 512)
@@ -587,7 +630,7 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
     # no plan measured); a fresh model each: modules are fused once per engine
     for key, kw in (("b1_eager_glue_tok_s", dict(fused_ops=False)),
                     ("b1_static_kernels_tok_s", dict(kernels="static"))):
-        model = random_w4a16_model(shape, dev)
+        model = random_model(shape, dev, scheme)
         eng = make_engine(model, tok, "4GiB", **kw)
         try:
             row[key] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
@@ -728,6 +771,7 @@ def markdown(results: dict, failures: list) -> str:
                     results["gemv_sweep"] if r["op"] == op and "normed_us" in r]
     if results.get("skipped"):
         out.append(f"- not run, past the run's deadline: {', '.join(results['skipped'])}")
+    out += [f"- cut to the part's time: {c}" for c in results.get("cut", [])]
     if results.get("default_model_skipped"):
         out.append(f"- default model skipped: {results['default_model_skipped']}")
     if results.get("default_model"):
@@ -740,7 +784,7 @@ def markdown(results: dict, failures: list) -> str:
                    f"CPU fp32 engine's argmax at {100 * r.get('cpu_fp32_agreement', 0):.0f}% of 64 positions; "
                    f"text: {r.get('text', '')[:120]!r}")
     for r in results.get("engine", []):
-        out.append(f"- engine, random-weight w4a16 {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
+        out.append(f"- engine, random-weight {r.get('scheme', 'w4a16')} {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
                    f"batch-1 {r['b1_tok_s']:.1f} tok/s (eager steps: {r.get('b1_eager_tok_s', 0):.1f}; "
                    f"glue {r.get('glue_ops')}, with the eager glue ops: {r.get('b1_eager_glue_tok_s', 0):.1f}; serial steps "
                    f"instead of overlapped: {r.get('b1_serial_tok_s', 0):.1f}; with the kernels' built-in rules instead "
@@ -770,7 +814,16 @@ def markdown(results: dict, failures: list) -> str:
     return "\n".join(out) + "\n"
 
 
-PARTS = ("headline", "kernels", "gemv", "default", "engine")
+PARTS = ("headline", "bf16", "attention", "linear", "gemv", "engine", "default")  # by priority: a lease's order
+HELP_PARTS = {
+    "headline": "the 8B w4a16 engine: batch 1, TTFT, syncs, accounting, 64 x 256 streams",
+    "bf16": "the same rows for a bf16 8B engine (the float peer)",
+    "attention": "paged attention vs its reference, timed beside sdpa",
+    "linear": "W4A16 and int8 products vs their references, timed beside tinygemm, int8pack and cuBLAS",
+    "gemv": "the one-row kernels' launch sweeps at the 8B shapes",
+    "engine": "the 135M and 8B w4a16 engines: backends, eager glue, built-in rules",
+    "default": "the default model built with --device cuda and served",
+}
 
 
 def parts(text: str) -> list[str]:
@@ -787,8 +840,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
     ap.add_argument("--quick", action="store_true", help="fewer row counts and shorter streams")
     ap.add_argument("--only", default=None, type=parts,
-                    help=f"comma-separated parts, run in the order given: {', '.join(PARTS)} (default: all but "
-                         "headline, which is the 8B engine's batch-1 rows alone)")
+                    help="comma-separated parts, run in the order given (default: all, in this order): "
+                         + "; ".join(f"{k}: {v}" for k, v in HELP_PARTS.items()))
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds: start no part after this many (a lease's budget); what ran is written")
     ap.add_argument("--default-model", type=Path, default=None, help="the default model's GGUF: build + serve it")
@@ -818,14 +871,16 @@ def main(argv=None) -> int:
             results["default_model_skipped"] = f"{e} (pass --default-model GGUF)"
     run = {
         "headline": [("engine 8B, headline", lambda: engine_bench(results, failures, "8B", args.quick, headline=True))],
-        "kernels": [("linear", lambda: kernel_checks(results, failures, args.quick)),
-                    ("attention", lambda: attention_checks(results, failures, args.quick))],
-        "gemv": [("gemv sweep", lambda: gemv_sweep(results, failures))],
+        "bf16": [("engine 8B bf16, headline", lambda: engine_bench(results, failures, "8B", args.quick, headline=True,
+                                                                   scheme="bf16"))],
+        "linear": [("linear", lambda: kernel_checks(results, failures, args.quick, Clock()))],
+        "attention": [("attention", lambda: attention_checks(results, failures, args.quick))],
+        "gemv": [("gemv sweep", lambda: gemv_sweep(results, failures, Clock()))],
         "default": [("default model", lambda: default_model_check(results, failures, args.default_model, args.data,
                                                                   out / "work"))] if args.default_model else [],
         "engine": [(f"engine {s}", lambda s=s: engine_bench(results, failures, s, args.quick)) for s in ("135M", "8B")],
     }
-    chosen = args.only or [p for p in PARTS if p != "headline" and not (p == "gemv" and args.quick)]
+    chosen = args.only or [p for p in PARTS if not (p == "gemv" and args.quick)]
     t_start = time.perf_counter()
     for name, fn in (step for part in chosen for step in run[part]):
         if args.deadline is not None and time.perf_counter() - t_start > args.deadline:

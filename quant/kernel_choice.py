@@ -276,6 +276,8 @@ class Chooser:
         self._plans: dict[str, dict] | None = None
         self.chosen: dict[str, RowPlan] = {}  # plan_key -> plan, for what the engine reports
         self.launches: dict[str, str] = {}  # plan_key -> its one-row launch, described
+        self.failed: dict[str, str] = {}  # plan_key -> why measuring it failed (it runs by the built-in rule)
+        self._refused: set[tuple[str, str]] = set()  # (what, plan_key) whose measuring failed: not tried again
 
     def _load(self) -> dict[str, dict]:
         if self._plans is None:
@@ -316,10 +318,14 @@ class Chooser:
         if max_rows is not None:  # a plan measured up to fewer rows must not serve a computation with more
             key = f"{key} (<= {ROW_BUCKETS[bucket_index(max_rows)]} rows)"
         got = RowPlan.from_json(plans[key], set(paths)) if key in plans else None
+        if got is None and ("kernel plan", key) in self._refused:
+            return None  # failed once for another module of the same computation: said once
         if got is None:
             t = time.perf_counter()
-            with on_device(device):
+            with on_device(device), self._or_rule(key, "kernel plan"):
                 got = measure(paths, in_features, dtype, device, max_rows)
+            if got is None:
+                return None
             log.info("kernel plan for %s: %s (measured in %.2f s)", key, got.describe(), time.perf_counter() - t)
             plans[key] = got.to_json()
             self._save()
@@ -336,10 +342,14 @@ class Chooser:
         entry = f"{key} one-row launch"
         stored = plans.get(entry)
         config = tuple(stored["config"]) if isinstance(stored, dict) and space.holds(stored.get("config")) else None
+        if config is None and ("one-row launch", key) in self._refused:
+            return None
         if config is None:
             t = time.perf_counter()
-            with on_device(device):
+            with on_device(device), self._or_rule(key, "one-row launch"):
                 config, timed = search(space, in_features, dtype, device)
+            if config is None:
+                return None
             log.info("one-row launch for %s: %s, %.1f us (the rule's: %s; %d measured in %.2f s)", key,
                      space.describe(config), timed[config], space.describe(space.start), len(timed),
                      time.perf_counter() - t)
@@ -349,12 +359,31 @@ class Chooser:
         self.launches[key] = space.describe(config)
         return config
 
+    @contextlib.contextmanager
+    def _or_rule(self, key: str, what: str):
+        """Measuring that fails, for any reason, is one log line naming the computation and the failure; the caller
+        then uses the built-in rule (its result stays None) and the engine starts. On a GPU a failed timing may
+        leave the device's state in doubt (a capture that broke), so this chooser measures nothing more there."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a measurement must never take the engine down
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.failed[key] = why
+            self._refused.add((what, key))
+            rest = ""
+            if self.device.type == "cuda":
+                self.measures = False
+                rest = "; nothing more is measured on this GPU (the built-in rules from here)"
+            log.warning("%s for %s not measured (%s): the built-in rule%s", what, key, why, rest)
+
     def table(self) -> list[str]:
         """One line per planned computation: what runs at which row counts (and its one-row launch, if tuned)."""
         lines = []
-        for k in sorted({*self.chosen, *self.launches}):
+        for k in sorted({*self.chosen, *self.launches, *self.failed}):
             parts = [self.chosen[k].describe()] if k in self.chosen else []
             if k in self.launches:
                 parts.append(f"one row launched with {self.launches[k]}")
+            if k in self.failed:
+                parts.append(f"measuring failed ({self.failed[k]}), the built-in rule")
             lines.append(f"{k}: " + "; ".join(parts))
         return lines

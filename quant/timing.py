@@ -12,12 +12,14 @@ import importlib.metadata
 import os
 import platform
 import statistics
+import logging
 import time
 from collections.abc import Callable
 
 import torch
 
 PathFn = Callable[[torch.Tensor], torch.Tensor]
+log = logging.getLogger("quantserve.kernels")
 
 
 def cpu_key(threads: int | None = None) -> str:
@@ -82,16 +84,68 @@ def cpu_time_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.0
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
-_SIDE: dict[int, tuple] = {}  # CUDA device index -> (the timing stream, the timing graphs' memory pool)
+class CudaGraphAPI:
+    """What :func:`cuda_time_us` asks of CUDA, in one place: a CPU test stands in for it (tests/test_timing.py), so
+    the rules below hold in CI, not only on a lent GPU.
+
+    The rules (both broke an engine's start on an H100 when they were not kept, bench/RESULTS.md, 2026-11):
+
+    1. **A graph memory pool per timing, never captured into again.** The caching allocator frees a private pool
+       once the last graph captured into it is deleted; a later capture into the same handle trips its internal
+       assert (``use_count > 0``). So each timing takes a fresh handle (:meth:`pool`) for its graphs, and drops it
+       with them.
+    2. **A failed capture leaves the CUDA generator as it found it.** ``capture_begin`` puts the device's default
+       generator into capture mode before anything else can fail, and only a completed ``capture_end`` takes it
+       out: after a failure every later draw on the device raises ("Offset increment outside graph capture").
+       So the generator's state is cloned before the capture and put back (:meth:`restore_generator`) when the
+       capture fails."""
+
+    def __init__(self):
+        self._streams: dict[int, object] = {}
+
+    def stream(self, index: int):
+        """One timing stream per device: the warm-up and the capture run on it (cuBLAS keeps a workspace per
+        stream; a new stream per timing would leave one behind each time), never on the stream the engine's decode
+        graphs are captured on."""
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(index)
+        return self._streams[index]
+
+    def device(self, index: int):
+        return torch.cuda.device(index)
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def l2_bytes(self, index: int) -> int:
+        return getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 64 << 20
+
+    def flush_buffer(self, nbytes: int, index: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def generator(self, index: int) -> torch.Generator:
+        return torch.cuda.default_generators[index]
+
+    def save_generator(self, index: int):
+        return self.generator(index).clone_state()
+
+    def restore_generator(self, index: int, saved) -> None:
+        self.generator(index).graphsafe_set_state(saved)
 
 
-def _side(index: int) -> tuple:
-    """One stream and one graph memory pool per device for every timing: the warm-up and the capture run on the
-    same stream (cuBLAS keeps a workspace per stream; a new stream per timing would leave one behind each time),
-    never on the stream the engine's decode graphs are captured on."""
-    if index not in _SIDE:
-        _SIDE[index] = (torch.cuda.Stream(index), torch.cuda.graph_pool_handle())
-    return _SIDE[index]
+CUDA = CudaGraphAPI()  # the one instance cuda_time_us uses (a test swaps in its stand-in)
 
 
 def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner: int = 10,
@@ -105,40 +159,40 @@ def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner:
     graph of their own, replayed in turn with the first, and subtracted.
 
     The warm-up calls come first, outside the capture: they compile the kernels and allocate what the kernels keep
-    (the split-K counters). A call that cannot be captured (one that synchronises) raises: a failed capture may
-    leave the allocator mid-capture, so no eager fallback is tried after it. ``graph=False`` times eager calls
-    instead (host launch latency included), for a call known not to be capturable."""
+    (the split-K counters). Both graphs of one timing are captured into a pool of their own, dropped with them
+    (:class:`CudaGraphAPI`'s rules). A call that cannot be captured (one that synchronises) raises, the generator
+    put back as it was; no eager fallback is tried after it. ``graph=False`` times eager calls instead (host launch
+    latency included), for a call known not to be capturable."""
+    api = CUDA
     dev = torch.device(device if device is not None else "cuda")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(index):
-        stream, pool = _side(index)
-        stream.wait_stream(torch.cuda.current_stream())
-        flush = None
-        if cold:
-            l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 64 << 20
-            flush = torch.empty(2 * l2, dtype=torch.uint8, device=dev)
-        with torch.cuda.stream(stream):
+    with api.device(index):
+        stream = api.stream(index)
+        stream.wait_stream(api.current_stream())
+        flush = api.flush_buffer(2 * api.l2_bytes(index), index) if cold else None
+        with api.use_stream(stream):
             for _ in range(warm):
                 fn()
         stream.synchronize()
         if graph:
-            runs = [_capture(fn, inner, stream, pool, flush).replay]
+            pool = api.pool()  # this timing's own: never captured into once its graphs are gone (rule 1)
+            runs = [_capture(api, index, fn, inner, stream, pool, flush).replay]
             if flush is not None:
-                runs.append(_capture(None, inner, stream, pool, flush).replay)
+                runs.append(_capture(api, index, None, inner, stream, pool, flush).replay)
         else:
             runs = [lambda: _rounds(fn, inner, flush)] + ([lambda: _rounds(None, inner, flush)] if cold else [])
-        torch.cuda.current_stream().wait_stream(stream)
+        api.current_stream().wait_stream(stream)
         times: list[list[float]] = [[] for _ in runs]
         for _ in range(reps):
             for run, t in zip(runs, times):  # in turn: a clock change falls on both
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a, b = api.event(), api.event()
                 a.record()
                 run()
                 b.record()
                 b.synchronize()
                 t.append(a.elapsed_time(b) * 1e3 / inner)  # ms -> µs per call
         us = statistics.median(times[0]) - (statistics.median(times[1]) if flush is not None else 0.0)
-        del runs
+        del runs  # the graphs, and with them the pool's last users
     return max(us, 0.0)
 
 
@@ -151,15 +205,24 @@ def _rounds(fn, inner: int, flush) -> None:
             fn()
 
 
-def _capture(fn, inner: int, stream, pool, flush) -> "torch.cuda.CUDAGraph":
+def _capture(api: CudaGraphAPI, index: int, fn, inner: int, stream, pool, flush):
     """A graph of ``inner`` rounds of (``flush`` written over, where given; ``fn()``, where given), captured on
     ``stream`` into ``pool`` (torch.cuda.graph's context would also collect garbage and empty the allocator's cache
-    at each capture: hundreds of times in an engine's start)."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+    at each capture: hundreds of times in an engine's start). A capture that fails puts the device's generator back
+    as it was before it (:class:`CudaGraphAPI`'s rule 2) and raises."""
+    saved = api.save_generator(index)
+    g = api.graph()
+    try:
+        with api.use_stream(stream):
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                _rounds(fn, inner, flush)
+            finally:
+                g.capture_end()
+    except BaseException:
         try:
-            _rounds(fn, inner, flush)
-        finally:
-            g.capture_end()
+            api.restore_generator(index, saved)
+        except Exception as e:  # noqa: BLE001 - the capture's own error is the one to raise
+            log.warning("CUDA generator not restored after a failed capture (%s: %s)", type(e).__name__, e)
+        raise
     return g

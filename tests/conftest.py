@@ -21,6 +21,18 @@ if not torch.cuda.is_available():
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh runs a worker per core) each worker takes its share of the cores for
+    torch's intra-op threads, and the processes its tests start inherit it: two workers of two threads each on two
+    cores would spin against each other in OpenMP's barriers."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = max(1, cores // int(workers))
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """The converted default model is cached once per machine (conversion costs ~25 s), so tests use

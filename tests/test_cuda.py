@@ -298,7 +298,21 @@ def test_triton_glue_in_bf16_matches_the_eager_ops():
         q, k, _ = y.split([H * D, Hkv * D, Hkv * D], dim=-1)
         ops.rope_(q.view(T, H, D), k.view(T, Hkv, D), cos, sin)
         outs.append(y)
-    assert torch.equal(outs[0], outs[1])
+    # The rotary's contract in 16 bits: the rotation x*cos + rotate_half(x)*sin of the bf16 inputs, computed exactly
+    # and rounded within the bound of the model's eager arithmetic, which rounds each product and the sum to bf16:
+    # |error| <= 2u(|x cos| + |rotate_half(x) sin|), u = 2^-8. Bit equality with the eager ops is not the contract on
+    # a GPU: an H100 gave -1.0547 against the eager -1.0625 in the first row (one bf16 ulp; the compiled kernel's
+    # products and sum need not round where PyTorch's elementwise kernels do), while under the interpreter the
+    # kernel is held bit-equal to the eager ops (tests/glue_cases.check_rope).
+    x = qkv.double()[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    c, s_ = cos.double()[:, None], sin.double()[:, None]  # (T, 1, D)
+    exact = x * c + torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * s_
+    scale = (x * c).abs() + (torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1) * s_).abs()
+    bound = 2 * 2.0**-8 * scale * (1 + 2.0**-8) + 1e-30
+    for name, y in zip(("triton", "eager"), outs):
+        err = (y.double()[:, : (H + Hkv) * D].view(T, H + Hkv, D) - exact).abs()
+        assert (err <= bound).all(), f"{name}: rotation off by {float((err / bound).max()):.2f}x the bound"
+        assert torch.equal(y[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:])  # v untouched
     gu = torch.randn(T, 2 * 14336, device="cuda", generator=g).bfloat16() * 4
     assert_close_ulps(tri.silu_mul(gu), ref.silu_mul(gu))
     # GELU-tanh as x sigmoid(2u): nearer the exact value than the eager 0.5 x (1 + tanh u), which cancels for x < 0
@@ -350,13 +364,21 @@ def test_overlapped_steps_on_cuda_give_the_serial_tokens():
     assert got[True] == got[False] and [len(got[True][i]) for i in range(4)] == [10, 17, 24, 31]
 
 
-def test_a_cuda_build_records_the_allocators_peak(tiny_model_dir, text_file, tmp_path, cache_dir):
+def test_a_cuda_build_records_the_allocators_peak(request, text_file, tmp_path, cache_dir):
     """`quant build --device cuda`: the manifest has the CUDA allocator's peak beside the RSS peak (#14's record of
-    a GPU build's memory), and GPTQ ran there."""
+    a GPU build's memory), and GPTQ ran there. The tiny model takes the default model's tokenizer: where that
+    package is not installed (a lent GPU's image), the test skips, saying so."""
     import json
 
     from quant.build import build
     from quant.config import BuildConfig, CalibConfig
+    from quant.models import ModelSourceError, default_gguf_path
+
+    try:
+        default_gguf_path()
+    except ModelSourceError as e:
+        pytest.skip(f"needs the default model's tokenizer: {e}")
+    tiny_model_dir = request.getfixturevalue("tiny_model_dir")
 
     cfg = BuildConfig(scheme="w4a16", model=str(tiny_model_dir), out=str(tmp_path / "a"), device="cuda",
                       calib=CalibConfig(source=str(text_file), samples=4, seqlen=64))
@@ -365,3 +387,22 @@ def test_a_cuda_build_records_the_allocators_peak(tiny_model_dir, text_file, tmp
     assert m["build"]["device"].startswith("cuda")
     mem = m["memory"]
     assert 0 < mem["build_peak_device_allocated_bytes"] <= mem["build_peak_device_reserved_bytes"]
+
+
+def test_timings_one_after_another_and_a_failed_capture_leave_the_gpu_usable():
+    """quant.timing on the real CUDA graph API (tests/test_timing.py holds the same rules on a stand-in): timings
+    one after another each capture into a pool of their own (the allocator asserted when one pool outlived its
+    graphs), and a call that cannot be captured (it synchronises) raises without leaving the device's generator in
+    capture mode: random draws and timings after it work. Last in this file: were the device left broken, the
+    tests before it have run."""
+    from quant.timing import cuda_time_us
+
+    x = torch.randn(1024, 1024, device="cuda")
+    for _ in range(3):
+        assert cuda_time_us(lambda: x @ x, reps=3, inner=2) > 0
+    with pytest.raises(Exception):
+        cuda_time_us(lambda: (x @ x).sum().item(), reps=3, inner=2)
+    assert torch.randint(0, 10, (4,), device="cuda").shape == (4,)
+    torch.cuda.synchronize()
+    assert cuda_time_us(lambda: x @ x, reps=3, inner=2) > 0
+    assert not torch.cuda.is_current_stream_capturing()

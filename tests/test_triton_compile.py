@@ -133,8 +133,11 @@ def test_the_gpu_checks_parts_are_named_and_ordered():
     sys.path.insert(0, str(ROOT))
     from bench.gpu import parts
 
-    assert parts("headline, gemv,kernels") == ["headline", "gemv", "kernels"]
-    for bad in ("headline,gmev", ",", ""):
+    from bench.gpu import HELP_PARTS, PARTS
+
+    assert PARTS[:2] == ("headline", "bf16") and set(HELP_PARTS) == set(PARTS)  # the lease's order: headline first
+    assert parts("headline, gemv,linear") == ["headline", "gemv", "linear"]
+    for bad in ("headline,gmev", ",", "", "kernels"):
         with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
             parts(bad)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--only", "engine,nope"], capture_output=True,

@@ -1,0 +1,74 @@
+"""bench/gpu.py's report and options on the CPU: the section a lease appends to bench/RESULTS.md is written from
+rows shaped as each part writes them, so a formatting slip fails here, not after a lease's GPU time is spent."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import gpu
+
+
+def _engine_row(scheme: str, headline: bool) -> dict:
+    row = {"shape": "8B" + (" (headline rows)" if headline else ""), "scheme": scheme, "engine_start_s": 35.5,
+           "kernels": ["w4 4096x4096 bfloat16: measuring failed (RuntimeError: x), the built-in rule"],
+           "attention": "triton", "glue_ops": "triton", "cuda_graphs": "on", "weight_bytes": 5 << 30,
+           "allocated_after_load": 5 << 30, "kv_pool_bytes": 16 << 30, "kv_pool_alloc": 16 << 30, "b1_tok_s": 284.4,
+           "b1_serial_tok_s": 250.9, "read_bytes": 4539 << 20, "b1_bandwidth_share": 0.404, "ttft_512_ms": 26.6,
+           "syncs_per_step": 0.03, "sync_sites": [], "prefill512_peak_over_base": 264 << 20,
+           "prefill512_estimate": 264 << 20,
+           "b1_profile": {"wall_us_per_step": 3500.0, "device_busy_us_per_step": 3400.0, "kernels_per_step": 165.0,
+                          "top": [("w4_gemv_kernel", 2000.0, 128.0)]}}
+    if headline:
+        row["streams64x256_triton+graphs_tok_s"] = 8192.0
+    else:
+        row.update({"streams64x512_triton+graphs_tok_s": 8000.0, "b1_eager_tok_s": 100.0,
+                    "b1_eager_glue_tok_s": 200.0, "b1_static_kernels_tok_s": 288.9})
+    return row
+
+
+def test_the_report_holds_every_parts_rows():
+    results = {
+        "env": {"date": "2026-11-27", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"},
+        "linear": [{"op": "w4", "shape": "8B", "layer": "qkv", "n": 6144, "k": 4096, "m": 1, "dtype": "bfloat16",
+                    "rel_err": 1e-3, "triton_us": 11.8, "whole_us": 12.0, "sym_us": 11.0, "tinygemm_us": 11.0,
+                    "bf16_us": 20.0, "dequant_cublas_us": 40.0},
+                   {"op": "w4", "shape": "8B", "layer": "o", "n": 4096, "k": 4096, "m": 1024, "dtype": "bfloat16",
+                    "rel_err": 1e-3},  # checked, not timed: past the part's clock
+                   {"op": "int8", "shape": "8B", "layer": "o", "n": 4096, "k": 4096, "m": 1, "rel_err": 1e-3,
+                    "triton_us": 9.0, "int8pack_us": 12.0, "bf16_us": 20.0, "dequant_cublas_us": 30.0}],
+        "attention": [{"op": "decode_attention", "shape": "8B", "seqs": 1, "ctx": 4096, "max_err": 1e-3,
+                       "sdpa_vs_triton_max_diff": 1e-3, "splits": 8, "triton_us": 20.0, "sdpa_gather_us": 90.0,
+                       "triton_page_us": 25.0, "triton_fused_rope_us": 21.0, "triton_rope_then_attention_us": 24.0,
+                       "fused_rope_max_diff": 0.0},
+                      {"op": "prefill_attention", "shape": "8B", "chunk": 512, "past": 1024, "max_err": 1e-3,
+                       "triton_us": 200.0, "sdpa_us": 300.0, "triton_page_us": 210.0}],
+        "gemv_sweep": [{"op": "w4", "layer": "gate_up", "n": 28672, "k": 4096, "rule": (128, 64, 1, 4),
+                        "best": (128, 64, 2, 4), "searched": (128, 64, 2, 4), "searched_measured": 12,
+                        "search_s": 3.0, **{f"{k}_us": 40.0 for k in ("rule", "best", "searched", "sym", "v1", "v2",
+                                                                      "tinygemm")},
+                        **{f"{k}_bw_share": 0.4 for k in ("rule", "best", "searched", "sym", "v1", "v2", "tinygemm")},
+                        "gated_us": 41.0, "then_act_us": 45.0},
+                       {"op": "int8", "layer": "down", "n": 4096, "k": 14336, "rule": (64, 128, 2, 4),
+                        "best": (64, 128, 2, 4), "searched": (64, 128, 2, 4), "searched_measured": 8, "search_s": 2.0,
+                        **{f"{k}_us": 30.0 for k in ("rule", "best", "searched", "gemm")}}],
+        "engine": [_engine_row("w4a16", True), _engine_row("bf16", True), _engine_row("w4a16", False)],
+        "skipped": ["default model"],
+        "cut": ["linear: 12 rows checked but not timed (past 110 s)"],
+    }
+    md = gpu.markdown(results, ["linear: x"])
+    assert md.startswith("## GPU check 2026-11-27 on NVIDIA H100 80GB HBM3")
+    assert "FAILED: linear: x" in md
+    assert "random-weight bf16 8B (headline rows)" in md and "random-weight w4a16 8B (headline rows)" in md
+    assert "streams64x256_triton+graphs_tok_s 8192" in md
+    assert "cut to the part's time: linear: 12 rows checked but not timed" in md
+    assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line
+    assert "measuring failed (RuntimeError: x), the built-in rule" in md
+
+
+def test_a_parts_clock_cuts_timings_not_checks(monkeypatch):
+    t = [100.0]
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: t[0])
+    clock = gpu.Clock(limit=10.0)
+    assert not clock.over()
+    t[0] = 111.0
+    assert clock.over()
