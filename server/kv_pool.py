@@ -1,15 +1,24 @@
-"""The KV cache pool: preallocated from a memory budget, handed out in fixed-size blocks.
+"""The KV cache pool: preallocated from a memory budget, handed out in fixed-size blocks, full blocks of prompt
+shared between requests through a prefix cache.
 
 A request reserves, when admitted, every block it can ever need: (prompt + max_new_tokens) tokens
 rounded up to whole blocks. Reserving the worst case up front is what lets the engine promise it
 never runs out of KV memory because of a request it accepted; the price is that a request stopping
 early held blocks it did not use, which is why they are released the moment it finishes or is
 cancelled, and why its accounting reports both reserved and used bytes.
+
+Of those blocks, the ones holding a run of prompt tokens that an earlier request already wrote are not taken
+anew: they are mapped from the prefix cache (:class:`BlockPool`), and the request's prefill starts after them.
+Its accounting then says which of its blocks it shared (with the cache or another live request) and which it
+owned.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -87,10 +96,30 @@ def resolve_budget(spec: str | int | float, device: torch.device | str = "cpu") 
 
 
 class BlockPool:
-    """Fixed-size blocks of KV storage with all-or-nothing reservations per request."""
+    """Fixed-size blocks of KV storage: all-or-nothing reservations per request, and a prefix cache of full blocks
+    shared between requests (nano-vllm's block manager is the shape: a hash chain, reference counts, a free list).
+
+    1. A full block of prompt tokens is keyed by a hash chain: its key digests its parent block's key, its token
+       ids, and the pool's ``salt`` (what else decides its K/V: the model, the KV dtype, a LoRA identity).
+    2. Every block has a reference count: the requests that hold it. A block no request holds is free or, when it
+       is keyed, *cached*: kept with its K/V until its space is needed, then evicted least recently released first
+       (a released request's deepest block first, so a chain is cut from its end). A held block is never evicted,
+       and a block is written only by the request that took it fresh.
+    3. :meth:`try_reserve` with the request's prompt maps the longest cached run of the prompt's full blocks, never
+       the block holding its last token (whose logits must be computed: the last partial or full block is always
+       the request's own), and takes fresh blocks for the rest, from the free list first, then by evicting cached
+       blocks. All or nothing.
+    4. :meth:`publish` keys a request's full prompt blocks as its prefill writes them, so later requests map them;
+       a block whose key another block already holds (two requests prefilling the same prompt at once) stays
+       unkeyed, the request's own.
+    5. :meth:`release` drops the request's references: a block reaching zero goes to the cache (keyed) or the
+       free list.
+
+    With ``prefix_cache=False`` nothing is keyed: every block is taken fresh and freed on release.
+    """
 
     def __init__(self, layout: KVLayout, budget_bytes: int, device: torch.device | str = "cpu",
-                 allocate: bool = True):
+                 allocate: bool = True, prefix_cache: bool = True, salt: str = ""):
         self.layout = layout
         self.num_blocks = budget_bytes // layout.bytes_per_block
         if self.num_blocks < 1:
@@ -104,8 +133,23 @@ class BlockPool:
                         dtype=layout.dtype, device=device)
             if allocate else None
         )
+        self.prefix_cache = prefix_cache
+        # What else decides a block's K/V besides its tokens: the pool's layout, and what the engine adds.
+        self._root = hashlib.blake2b(f"{layout}|{salt}".encode(), digest_size=16).digest()
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: reuse the warmest blocks first
-        self._owned: dict[str, list[int]] = {}
+        self._refs = [0] * self.num_blocks
+        self._holders: list[set[str]] = [set() for _ in range(self.num_blocks)]
+        self._key_of: dict[int, bytes] = {}  # cached or published block -> its key
+        self._block_of: dict[bytes, int] = {}  # key -> block
+        self._cached: OrderedDict[int, None] = OrderedDict()  # keyed blocks no request holds, oldest first
+        self._owned: dict[str, list[int]] = {}  # request -> its block table
+        self._keys: dict[str, list[bytes]] = {}  # request -> the keys of its prompt's full blocks
+        self._published: dict[str, int] = {}  # request -> blocks of its table keyed so far (hits included)
+        self._hits: dict[str, int] = {}  # request -> blocks mapped from the cache at reservation
+        self._shared: dict[str, set[int]] = {}  # request -> its blocks another holder had or took while it held them
+        self.hit_tokens = 0  # prompt tokens mapped from the cache, over every admitted request
+        self.queried_tokens = 0  # prompt tokens of every admitted request
+        self.evictions = 0  # cached blocks given to another request's fresh blocks
 
     @property
     def capacity_tokens(self) -> int:
@@ -117,34 +161,161 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can take now: free, or cached and held by no request."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by at least one request, each counted once however many hold it."""
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Keyed blocks no request holds: kept for later hits, evicted when their space is needed."""
+        return len(self._cached)
 
     def can_ever_fit(self, tokens: int) -> bool:
         return self.layout.blocks_for(tokens) <= self.num_blocks
 
-    def try_reserve(self, request_id: str, tokens: int) -> list[int] | None:
-        """Reserve every block `tokens` can need, or nothing (None) if they are not free now."""
+    def _chain(self, prompt: list[int]) -> list[bytes]:
+        """The keys of the prompt's full blocks (step 1)."""
+        bs, parent, keys = self.layout.block_size, self._root, []
+        for i in range(len(prompt) // bs):
+            parent = hashlib.blake2b(parent + array("q", prompt[i * bs:(i + 1) * bs]).tobytes(),
+                                     digest_size=16).digest()
+            keys.append(parent)
+        return keys
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Blocks of ``prompt`` a reservation would map from the cache now (step 3), without taking them."""
+        return len(self._hits_for(self._chain(prompt) if self.prefix_cache else [], len(prompt)))
+
+    def _hits_for(self, keys: list[bytes], prompt_len: int) -> list[int]:
+        usable = (prompt_len - 1) // self.layout.block_size if prompt_len else 0  # before the last token's block
+        hits = []
+        for key in keys[:usable]:
+            b = self._block_of.get(key)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def try_reserve(self, request_id: str, tokens: int, prompt: list[int] | None = None) -> list[int] | None:
+        """Reserve every block ``tokens`` can need, or nothing (None) if they are not free now. With ``prompt``, its
+        cached full blocks come first in the table, mapped, not taken (:meth:`hit_blocks` says how many)."""
         if request_id in self._owned:
             raise ValueError(f"request {request_id} already holds KV blocks")
-        need = self.layout.blocks_for(tokens)
-        if need > len(self._free):
+        keys = self._chain(prompt) if prompt and self.prefix_cache else []
+        hits = self._hits_for(keys, len(prompt or ()))
+        fresh = self.layout.blocks_for(tokens) - len(hits)
+        idle_hits = sum(1 for b in hits if self._refs[b] == 0)  # cached blocks that must not be evicted for itself
+        if fresh > len(self._free) + len(self._cached) - idle_hits:
             return None
-        blocks = [self._free.pop() for _ in range(need)]
-        self._owned[request_id] = blocks
-        return blocks
+        shared = set(hits)
+        for b in hits:
+            if self._refs[b] == 0:
+                del self._cached[b]
+            for other in self._holders[b]:  # they share it from now on too
+                self._shared[other].add(b)
+            self._take(b, request_id)
+        table = hits + [self._take(self._fresh(), request_id) for _ in range(fresh)]
+        self._owned[request_id] = table
+        self._keys[request_id] = keys
+        self._published[request_id] = len(hits)
+        self._hits[request_id] = len(hits)
+        self._shared[request_id] = shared
+        if prompt:
+            self.queried_tokens += len(prompt)
+            self.hit_tokens += len(hits) * self.layout.block_size
+        return table
+
+    def _take(self, b: int, request_id: str) -> int:
+        self._refs[b] += 1
+        self._holders[b].add(request_id)
+        return b
+
+    def _fresh(self) -> int:
+        """A block to write: a free one, else the least recently released cached one, evicted (its key dropped)."""
+        if self._free:
+            return self._free.pop()
+        b, _ = self._cached.popitem(last=False)
+        del self._block_of[self._key_of.pop(b)]
+        self.evictions += 1
+        return b
+
+    def publish(self, request_id: str, tokens: int) -> int:
+        """Key the request's full prompt blocks among its first ``tokens`` positions (written by its prefill) so
+        later reservations map them (step 4); returns how many were keyed now."""
+        keys = self._keys.get(request_id)
+        if not keys:
+            return 0
+        table, done = self._owned[request_id], self._published[request_id]
+        upto = min(tokens // self.layout.block_size, len(keys))
+        keyed = 0
+        for i in range(done, upto):
+            b = table[i]
+            if keys[i] not in self._block_of and b not in self._key_of:
+                self._block_of[keys[i]] = b
+                self._key_of[b] = keys[i]
+                keyed += 1
+        self._published[request_id] = max(done, upto)
+        return keyed
+
+    def hit_blocks(self, request_id: str) -> int:
+        """Blocks the request mapped from the cache when it reserved: its first hit_blocks x block_size prompt
+        tokens need no prefill."""
+        return self._hits.get(request_id, 0)
+
+    def shared_blocks(self, request_id: str) -> int:
+        """Blocks of the request's table that the cache or another live request also held while it held them."""
+        return len(self._shared.get(request_id, ()))
 
     def release(self, request_id: str) -> int:
-        """Free a request's blocks at once; returns how many. Releasing twice is harmless."""
+        """Drop a request's references at once; returns how many blocks it held. Releasing twice is harmless."""
         blocks = self._owned.pop(request_id, [])
-        self._free.extend(reversed(blocks))
+        for d in (self._keys, self._published, self._hits, self._shared):
+            d.pop(request_id, None)
+        for b in reversed(blocks):  # the deepest block first: cached, it is evicted before its parents
+            self._refs[b] -= 1
+            self._holders[b].discard(request_id)
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
         return len(blocks)
 
     def blocks_of(self, request_id: str) -> list[int]:
         return self._owned[request_id]
+
+    def audit(self) -> None:
+        """The pool's own bookkeeping against a recount of its blocks: ValueError naming the first difference (a
+        leaked reference, a freed block still mapped, a held block in the cache)."""
+        refs = [0] * self.num_blocks
+        for rid, table in self._owned.items():
+            for b in table:
+                refs[b] += 1
+                if rid not in self._holders[b]:
+                    raise ValueError(f"block {b} is in {rid}'s table but not held by it")
+        if refs != self._refs:
+            b = next(i for i, (a, c) in enumerate(zip(refs, self._refs)) if a != c)
+            raise ValueError(f"block {b}: {self._refs[b]} references counted, {refs[b]} in the tables")
+        free, cached = set(self._free), set(self._cached)
+        if len(free) != len(self._free) or free & cached:
+            raise ValueError("a block is free twice, or both free and cached")
+        for b in range(self.num_blocks):
+            held = refs[b] > 0
+            if held + (b in free) + (b in cached) != 1:
+                raise ValueError(f"block {b} is {'held' if held else 'not held'}, "
+                                 f"{'free' if b in free else 'not free'}, {'cached' if b in cached else 'not cached'}")
+            if len(self._holders[b]) != refs[b]:
+                raise ValueError(f"block {b}: {refs[b]} references, {len(self._holders[b])} holders")
+            if b in free and b in self._key_of:
+                raise ValueError(f"free block {b} is still keyed")
+            if b in cached and b not in self._key_of:
+                raise ValueError(f"cached block {b} has no key")
+        if any(self._block_of.get(k) != b for b, k in self._key_of.items()) or len(self._block_of) != len(self._key_of):
+            raise ValueError("the key -> block and block -> key maps disagree")
 
     def stats(self) -> dict:
         return {
@@ -154,5 +325,9 @@ class BlockPool:
             "capacity_bytes": self.capacity_bytes,
             "used_blocks": self.used_blocks,
             "used_bytes": self.used_blocks * self.layout.bytes_per_block,
+            "cached_blocks": self.cached_blocks,
             "requests": len(self._owned),
+            "prefix_hit_tokens": self.hit_tokens,
+            "prefix_queried_tokens": self.queried_tokens,
+            "prefix_evictions": self.evictions,
         }

@@ -3,8 +3,6 @@ rows shaped as each part writes them, so a formatting slip fails here, not after
 
 from __future__ import annotations
 
-import pytest
-
 from bench import gpu
 
 

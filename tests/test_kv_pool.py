@@ -60,3 +60,149 @@ def test_resolve_budget():
     for bad in ("-5", "0", "lots", "1.5GiBs"):
         with pytest.raises(KVBudgetError, match="--memory-budget"):
             resolve_budget(bad)
+
+
+# ---------------------------------------------------------------------------------------------- the prefix cache
+
+TINY = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, block_size=4)
+
+
+def _pool(blocks: int, **kw) -> BlockPool:
+    return BlockPool(TINY, blocks * TINY.bytes_per_block, allocate=False, **kw)
+
+
+def test_a_published_prefix_is_mapped_not_taken_and_the_last_tokens_block_is_always_own():
+    pool = _pool(16)
+    prompt = list(range(10))  # blocks [0..3] [4..7], then 2 tokens
+    a = pool.try_reserve("a", 14, prompt)  # 4 blocks, none cached yet
+    assert pool.hit_blocks("a") == 0 and len(a) == 4
+    assert pool.publish("a", 8) == 2  # its prefill wrote 8 tokens: two full blocks keyed
+    b = pool.try_reserve("b", 14, prompt)
+    assert b[:2] == a[:2] and set(b[2:]).isdisjoint(a) and pool.hit_blocks("b") == 2
+    assert pool.used_blocks == 6 and pool.shared_blocks("a") == 2 and pool.shared_blocks("b") == 2
+    # A prompt ending on a block boundary: its last block holds the last token and is never mapped.
+    c = pool.try_reserve("c", 9, prompt[:8])
+    assert c[:1] == a[:1] and c[1] not in a and pool.hit_blocks("c") == 1
+    assert pool.try_reserve("d", 4, prompt[:4]) is not None and pool.hit_blocks("d") == 0
+    # Another salt (another model, KV dtype, adapter) shares nothing.
+    other = _pool(16, salt="another model")
+    other.try_reserve("a", 14, prompt)
+    other.publish("a", 8)
+    assert pool._chain(prompt) != other._chain(prompt)
+    pool.audit()
+
+
+def test_released_blocks_stay_cached_until_their_space_is_needed_then_lru():
+    pool = _pool(6)
+    p, q = [1] * 9, [2] * 9
+    pool.try_reserve("p", 9, p)
+    pool.publish("p", 9)
+    pool.release("p")
+    assert pool.cached_blocks == 2 and pool.free_blocks == 6 and pool.used_blocks == 0
+    pool.try_reserve("q", 9, q)
+    pool.publish("q", 9)
+    pool.release("q")
+    assert pool.cached_blocks == 4
+    assert pool.cached_prefix(p) == 2 and pool.cached_prefix(q) == 2
+    # A hit on p's prefix takes its two cached blocks back (never evicted for the request mapping them); its 3 fresh
+    # blocks are the 2 free ones, then the least recently released cached block: q's deepest.
+    assert pool.try_reserve("p2", 20, p) is not None and pool.hit_blocks("p2") == 2
+    assert pool.evictions == 1 and pool.cached_blocks == 1 and pool.free_blocks == 1
+    assert pool.cached_prefix(q) == 1  # q's chain lost its last block first: its first is still mapped
+    pool.audit()
+
+
+def test_a_held_block_is_never_evicted_and_a_full_pool_takes_nothing():
+    pool = _pool(4)
+    prompt = list(range(13))
+    pool.try_reserve("a", 16, prompt)
+    pool.publish("a", 12)
+    assert pool.try_reserve("b", 5) is None  # every block held: nothing evicted, nothing taken
+    assert pool.free_blocks == 0 and pool.evictions == 0
+    b = pool.try_reserve("b", 16, prompt)  # 3 mapped, 1 fresh: still too many (no free block)
+    assert b is None and pool.hit_blocks("b") == 0
+    pool.audit()
+
+
+def test_two_requests_prefilling_the_same_prompt_at_once_keep_one_key():
+    pool = _pool(8)
+    prompt = list(range(9))
+    a = pool.try_reserve("a", 9, prompt)
+    b = pool.try_reserve("b", 9, prompt)  # admitted before a published anything: no hit
+    assert pool.publish("a", 9) == 2 and pool.publish("b", 9) == 0  # b's copies stay its own
+    pool.release("b")
+    assert pool.cached_blocks == 0 and pool.free_blocks == 5  # freed, not cached
+    pool.release("a")
+    assert pool.cached_blocks == 2 and a and b
+    pool.audit()
+
+
+def test_without_the_prefix_cache_nothing_is_shared():
+    pool = _pool(8, prefix_cache=False)
+    prompt = list(range(9))
+    pool.try_reserve("a", 9, prompt)
+    assert pool.publish("a", 9) == 0
+    pool.try_reserve("b", 9, prompt)
+    assert pool.hit_blocks("b") == 0 and pool.used_blocks == 6
+    pool.release("a")
+    pool.release("b")
+    assert pool.cached_blocks == 0 and pool.free_blocks == 8
+    pool.audit()
+
+
+def test_audit_names_a_leaked_reference_and_a_freed_block_still_keyed():
+    pool = _pool(4)
+    pool.try_reserve("a", 9, list(range(9)))
+    pool.publish("a", 9)
+    pool._refs[0] += 1
+    with pytest.raises(ValueError, match="references counted"):
+        pool.audit()
+    pool._refs[0] -= 1
+    pool.release("a")
+    b = next(iter(pool._cached))
+    del pool._cached[b]
+    pool._free.append(b)
+    with pytest.raises(ValueError, match=f"free block {b} is still keyed"):
+        pool.audit()
+
+
+def test_random_traffic_keeps_the_books_and_maps_only_what_was_written():
+    """Seeded random reservations, prefills and releases over prompts that share prefixes: after every operation
+    the pool's books equal a recount; a mapped block holds exactly the tokens the mapping request's prompt has
+    there (a stand-in storage records what each block was written with); every reservation is all or nothing."""
+    import random
+
+    rng = random.Random(0)
+    pool = _pool(24)
+    written: dict[int, tuple] = {}  # block -> the tokens its writer put there
+    live: dict[str, list[int]] = {}
+    stems = [[rng.randrange(5) for _ in range(12)] for _ in range(3)]
+    def prefill(rid: str, upto: int) -> None:  # its prefill writes its own blocks, then publishes the full ones
+        prompt, table = live[rid], pool.blocks_of(rid)
+        for i in range(pool.hit_blocks(rid), upto // 4):
+            written[table[i]] = tuple(prompt[i * 4:(i + 1) * 4])
+        pool.publish(rid, upto)
+
+    for step in range(600):
+        r = rng.random()
+        if live and r < 0.25:
+            rid = rng.choice(sorted(live))
+            prefill(rid, rng.randrange(len(live[rid]) + 1))
+        elif live and r < 0.55:
+            rid = rng.choice(sorted(live))
+            prefill(rid, len(live[rid]))
+            live.pop(rid)
+            pool.release(rid)
+        else:
+            prompt = rng.choice(stems)[: rng.randrange(1, 13)] + [rng.randrange(5) for _ in range(rng.randrange(4))]
+            before = (pool.free_blocks, pool.used_blocks)
+            rid = f"r{step}"
+            table = pool.try_reserve(rid, len(prompt) + rng.randrange(1, 6), prompt)
+            if table is None:
+                assert (pool.free_blocks, pool.used_blocks) == before
+            else:
+                live[rid] = prompt
+                for i in range(pool.hit_blocks(rid)):
+                    assert written[table[i]] == tuple(prompt[i * 4:(i + 1) * 4])
+        pool.audit()
+    assert pool.hit_tokens > 0 and pool.evictions > 0
