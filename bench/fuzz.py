@@ -39,6 +39,9 @@ texts = st.one_of(st.text(max_size=40), st.sampled_from(EDGE_TEXT),
 
 
 _ABSENT = object()
+# A system prompt many valid requests begin with (several KV blocks' worth): the prefix cache shares its blocks
+# between requests that run at once, are cancelled, fail or time out, and the server's pool must still balance.
+SHARED_PREFIX = "You are a careful assistant who answers in plain words and checks each step twice. " * 3
 
 
 def _sampling_fields(limit_new_tokens: int) -> dict[str, tuple]:
@@ -103,7 +106,8 @@ def http_requests(draw, limit_new_tokens: int):
         role = st.sampled_from(["user", "system", "assistant"])
         if kind == "valid":
             message = st.fixed_dictionaries({"role": role, "content": good_text})
-            body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
+            system = st.just([{"role": "system", "content": SHARED_PREFIX}])
+            body["messages"] = draw(st.one_of(st.just([]), system)) + draw(st.lists(message, min_size=1, max_size=3))
         else:
             message = st.fixed_dictionaries({
                 "role": st.one_of(role, garbage),
@@ -114,7 +118,8 @@ def http_requests(draw, limit_new_tokens: int):
             if messages is not _ABSENT:
                 body["messages"] = messages
     elif kind == "valid":
-        body["prompt"] = draw(st.one_of(good_text, st.lists(st.integers(0, 40_000), min_size=1, max_size=6)))
+        body["prompt"] = draw(st.one_of(good_text, st.lists(st.integers(0, 40_000), min_size=1, max_size=6),
+                                        good_text.map(lambda t: SHARED_PREFIX + t)))
     else:
         prompt = draw(st.one_of(st.just(_ABSENT), texts, st.sampled_from(HUGE_TEXT + SURROGATES),
                                 st.lists(st.integers(-5, 2**40), max_size=6), st.lists(texts, min_size=1, max_size=2),
@@ -188,7 +193,7 @@ def grpc_requests(draw, limit_new_tokens: int):
         good_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() and _utf8(t))
         part = draw(st.sampled_from(["prompt", "prompt_ids", "messages"]))
         if part == "prompt":
-            req.prompt = draw(good_text)
+            req.prompt = draw(st.one_of(good_text, good_text.map(lambda t: SHARED_PREFIX + t)))
         elif part == "prompt_ids":
             req.prompt_ids.extend(draw(st.lists(st.integers(0, 40_000), min_size=1, max_size=8)))
         else:

@@ -63,6 +63,7 @@ class EngineConfig:
     max_queue: int = setting("max_queue")
     max_batch: int = setting("max_batch")
     max_prefill_tokens: int = setting("max_prefill_tokens")
+    prefix_cache: bool = setting("prefix_cache")  # server/kv_pool.py's BlockPool
     block_size: int = 16  # tokens per KV block
     dtype: str = setting("dtype")
     device: str = setting("device")
@@ -87,6 +88,8 @@ class EngineConfig:
         check_embeddings(self.embeddings, getattr(torch, self.dtype))
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self
 
 
@@ -194,15 +197,17 @@ class Engine:
         fraction = budget_fraction(config.memory_budget)
         # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
         # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
-        self.pool = BlockPool(self.layout, self.layout.bytes_per_block if fraction else
-                              resolve_budget(config.memory_budget, self.device), self.device)
+        # A block's K/V depends on its tokens and on these (the prefix cache's salt); the pool is the engine's own.
+        self._kv_salt = f"{model_name}|{scheme}|{config.dtype}"
+        self.pool = self._pool(self.layout.bytes_per_block if fraction else
+                               resolve_budget(config.memory_budget, self.device))
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
         chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
                           device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser)
         if fraction:
-            self.pool = BlockPool(self.layout, self._fraction_budget(fraction), self.device)
+            self.pool = self._pool(self._fraction_budget(fraction))
             self.runner.use_kv_storage(self.pool.storage)
         self.cuda_graphs = "off"
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -250,6 +255,10 @@ class Engine:
             self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )
+
+    def _pool(self, budget_bytes: int) -> BlockPool:
+        return BlockPool(self.layout, budget_bytes, self.device, prefix_cache=self.config.prefix_cache,
+                         salt=self._kv_salt)
 
     @classmethod
     def from_path(cls, spec: str | None, config: EngineConfig, cache_dir: Path) -> "Engine":
@@ -434,20 +443,24 @@ class Engine:
     # ------------------------------------------------------------------------------------ accounting
 
     def totals(self) -> EngineTotals:
+        p, bpb = self.pool, self.layout.bytes_per_block
         return EngineTotals(
-            weight_bytes=self.weight_bytes, kv_capacity_bytes=self.pool.capacity_bytes,
-            kv_used_bytes=self.pool.used_blocks * self.layout.bytes_per_block, kv_block_size=self.layout.block_size,
-            running=len(self.scheduler.running), queued=self._queued,
+            weight_bytes=self.weight_bytes, kv_capacity_bytes=p.capacity_bytes, kv_used_bytes=p.used_blocks * bpb,
+            kv_block_size=self.layout.block_size, running=len(self.scheduler.running), queued=self._queued,
+            kv_cached_bytes=p.cached_blocks * bpb, prefix_cache=p.prefix_cache, prefix_hit_tokens=p.hit_tokens,
+            prefix_queried_tokens=p.queried_tokens, prefix_evictions=p.evictions,
         )
 
     def _accounting(self, seq: Sequence) -> Accounting:
-        bpt = self.layout.bytes_per_token
+        bpt, bpb = self.layout.bytes_per_token, self.layout.bytes_per_block
         reserved_blocks = len(seq.blocks or ())  # None: never admitted; the scheduler keeps it after release
         return Accounting(
             prompt_tokens=len(seq.prompt), generated_tokens=len(seq.generated), kv_bytes_per_token=bpt,
-            kv_blocks_reserved=reserved_blocks, kv_bytes_reserved=reserved_blocks * self.layout.bytes_per_block,
+            kv_blocks_reserved=reserved_blocks, kv_bytes_reserved=reserved_blocks * bpb,
             kv_bytes_used=seq.kv_tokens * bpt, activation_peak_bytes=seq.activation_peak,
             attention=self.attention, engine=self.totals(),
+            kv_bytes_shared=seq.shared_blocks * bpb, kv_bytes_own=(reserved_blocks - seq.shared_blocks) * bpb,
+            prompt_tokens_cached=seq.cached,
         )
 
     def plan(self, shapes: list[capacity.Shape], check: Callable[[int, int], capacity.Refusal | None]
@@ -636,6 +649,7 @@ class Engine:
         logits = self.runner.forward(step)  # (S, V) fp32
         for seq, start, n in plan.prefill:
             seq.prefilled = start + n
+            self.pool.publish(seq.id, seq.prefilled)  # its full blocks written: later requests map them
         if not sampled:
             return None
         params = [s.params for s in sampled]

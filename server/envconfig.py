@@ -61,11 +61,13 @@ def serve_argv(env: Mapping[str, str]) -> list[str]:
         if value is None:
             continue
         try:
-            var.check(value)
+            parsed = var.check(value)
         except ValueError as e:
             raise EnvError(f"{var.name} must be {e}") from None
         if var.flag is None:
             positional.append(value)
+        elif isinstance(parsed, bool):  # a switch: --name or --no-name
+            flags.append(var.flag if parsed else "--no-" + var.flag[2:])
         else:
             flags += [var.flag, value]
     if not positional:

@@ -75,18 +75,25 @@ def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:
     return pb.MemoryAccounting(
         kv_bytes_per_token=a.kv_bytes_per_token, kv_blocks_reserved=a.kv_blocks_reserved,
         kv_bytes_reserved=a.kv_bytes_reserved, kv_bytes_used=a.kv_bytes_used,
-        activation_peak_bytes=a.activation_peak_bytes, attention=a.attention,
-        engine=pb.EngineMemory(weight_bytes=e.weight_bytes, kv_capacity_bytes=e.kv_capacity_bytes,
-                               kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
-                               queued=e.queued),
+        activation_peak_bytes=a.activation_peak_bytes, attention=a.attention, engine=totals_to_proto(e),
+        kv_bytes_shared=a.kv_bytes_shared, kv_bytes_own=a.kv_bytes_own, prompt_tokens_cached=a.prompt_tokens_cached,
     )
+
+
+def totals_to_proto(e) -> pb.EngineMemory:
+    return pb.EngineMemory(weight_bytes=e.weight_bytes, kv_capacity_bytes=e.kv_capacity_bytes,
+                           kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
+                           queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
+                           prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
+                           prefix_evictions=e.prefix_evictions)
 
 
 def final_to_proto(ev) -> pb.Final:
     a = ev.accounting
     return pb.Final(
         finish_reason=ev.finish_reason or "", stop=ev.stop or "", seed=ev.seed,
-        usage=pb.Usage(prompt_tokens=a.prompt_tokens if a else 0, completion_tokens=a.generated_tokens if a else 0),
+        usage=pb.Usage(prompt_tokens=a.prompt_tokens if a else 0, completion_tokens=a.generated_tokens if a else 0,
+                       cached_tokens=a.prompt_tokens_cached if a else 0),
         memory=accounting_to_proto(a) if a else None, ttft_s=ev.ttft_s or 0.0, duration_s=ev.duration_s or 0.0,
     )
 

@@ -205,7 +205,8 @@ def _accounting(a: Accounting | None) -> dict | None:
 
 def _usage(a: Accounting | None) -> dict:
     p, c = (a.prompt_tokens, a.generated_tokens) if a else (0, 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": a.prompt_tokens_cached if a else 0}}
 
 
 def _trace(svc: Service, steps) -> list[dict]:

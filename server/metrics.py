@@ -36,6 +36,14 @@ class Metrics:
               registry=r).set_function(lambda: totals().kv_used_bytes)
         Gauge("quantserve_weight_bytes", "Weights as held in memory.",
               registry=r).set_function(lambda: totals().weight_bytes)
+        Gauge("quantserve_kv_cached_bytes", "Prefix-cache KV blocks no running request holds (evicted when needed).",
+              registry=r).set_function(lambda: totals().kv_cached_bytes)
+        Gauge("quantserve_prefix_cache_hit_rate", "Prompt tokens mapped from the prefix cache / prompt tokens admitted.",
+              registry=r).set_function(lambda: totals().prefix_hit_rate)
+        Gauge("quantserve_prefix_cache_hit_tokens", "Prompt tokens mapped from the prefix cache (a counter).",
+              registry=r).set_function(lambda: totals().prefix_hit_tokens)
+        Gauge("quantserve_prefix_cache_evictions", "Cached KV blocks evicted for other requests' blocks (a counter).",
+              registry=r).set_function(lambda: totals().prefix_evictions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

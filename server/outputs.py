@@ -41,6 +41,15 @@ class EngineTotals:
     kv_block_size: int
     running: int
     queued: int  # accepted, waiting for KV blocks or a batch slot
+    kv_cached_bytes: int = 0  # prefix-cache blocks no running request holds: kept for hits, evicted when needed
+    prefix_cache: bool = False  # whether prompt prefixes are shared (server/kv_pool.py)
+    prefix_hit_tokens: int = 0  # prompt tokens mapped from the cache, since the engine started
+    prefix_queried_tokens: int = 0  # prompt tokens of every admitted request, since the engine started
+    prefix_evictions: int = 0  # cached blocks evicted for another request's fresh blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,12 @@ class Accounting:
     activation_peak_bytes: int  # estimated peak of this request's prefill steps (quant.memory)
     attention: str  # the attention implementation the estimate assumed (the engine's)
     engine: EngineTotals
+    # Of kv_bytes_reserved: the blocks it mapped from the prefix cache, or that another live request also held while
+    # it held them (shared), and the rest (own): own + shared = reserved. A shared block is counted once in the
+    # engine's kv_used_bytes however many requests hold it.
+    kv_bytes_shared: int = 0
+    kv_bytes_own: int = 0
+    prompt_tokens_cached: int = 0  # prompt tokens it took from the prefix cache instead of prefilling them
 
     def to_dict(self) -> dict:
         return asdict(self)

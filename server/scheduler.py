@@ -4,7 +4,8 @@ Requests wait in FIFO order until the KV pool can hold their whole reservation (
 rounded up to blocks) and the batch has a free slot; strict FIFO, so a large request at the head is not
 starved by small ones behind it. Every step:
 
-1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing);
+1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing; the prompt's blocks the
+   prefix cache holds are mapped instead, and its prefill starts after them);
 2. every running request that has finished its prompt decodes one token (the token sampled for it last may still
    be on the device: with the engine's overlapped steps it is fed from there, ``Sequence.pending``);
 3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
@@ -36,6 +37,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     blocks: list[int] | None = None
     prefilled: int = 0  # prompt tokens whose K/V is in the cache
+    cached: int = 0  # prompt tokens mapped from the prefix cache at admission (never prefilled by this request)
+    shared_blocks: int = 0  # blocks of its table another holder had too (server/kv_pool.py), counted at release
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     activation_peak: int = 0  # the largest estimate among this request's prefill chunks
@@ -98,17 +101,21 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         seq.done = True
         self.running.remove(seq)
+        seq.shared_blocks = self.pool.shared_blocks(seq.id)
         self.pool.release(seq.id)
 
     def admit(self) -> list[Sequence]:
+        """Admit from the head of the queue while it fits. A request's prompt blocks that the prefix cache holds
+        are mapped, not reserved anew, and its prefill starts after them."""
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            blocks = self.pool.try_reserve(seq.id, seq.reserve_tokens)
+            blocks = self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt)
             if blocks is None:
                 break  # strict FIFO: wait for blocks rather than let later requests overtake
             self.waiting.popleft()
             seq.blocks = blocks
+            seq.cached = seq.prefilled = self.pool.hit_blocks(seq.id) * self.pool.layout.block_size
             self.running.append(seq)
             admitted.append(seq)
         return admitted

@@ -68,6 +68,15 @@ def one_of(*choices: str) -> Callable[[str], str]:
     return check
 
 
+def boolean(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"1, true, yes, on, 0, false, no or off, got {v!r}")
+
+
 def text(v: str) -> str:
     if not v.strip():
         raise ValueError("a non-empty value")
@@ -80,7 +89,7 @@ def text(v: str) -> str:
 @dataclass(frozen=True)
 class Setting:
     name: str
-    type: type  # what the flag parses: int, float or str
+    type: type  # what the flag parses: int, float, str, or bool (--name / --no-name)
     default: Any  # the flag's default, and the dataclass field's
     help: str
     config: str | None  # "serve", "engine", "limits"; None: the command line only
@@ -112,6 +121,8 @@ class Setting:
             return self.check(value)
         if self.choices is not None:
             return one_of(*self.choices)(value)
+        if self.type is bool:
+            return boolean(value)
         return at_least(1)(value) if self.type is int else text(value)
 
     def to_config(self, value: Any) -> Any:
@@ -133,6 +144,9 @@ SETTINGS: tuple[Setting, ...] = (
       "engine"),
     S("max_batch", int, 64, "requests running at once", "engine"),
     S("max_prefill_tokens", int, 256, "prompt tokens per engine step (chunked prefill)", "engine"),
+    S("prefix_cache", bool, True, "share the KV blocks of prompt prefixes between requests: a request maps the full "
+      "blocks an earlier one wrote and prefills only the rest; unreferenced cached blocks are evicted least recently "
+      "used when space is needed", "engine"),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),
     S("max_prompt_tokens", int, None, "limit on prompt tokens (default: the model's context length)", "limits"),
     S("max_request_bytes", int, 4 * 2**20, "limit on a request's size (one message / body)", "limits"),
@@ -179,7 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             groups[s.exclusive] = parser.add_mutually_exclusive_group()
         to = groups[s.exclusive] if s.exclusive else parser
         kw: dict[str, Any] = {"default": s.default, "help": described(s, s.default)}
-        if s.type is not str:
+        if s.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+            kw["help"] = s.help  # BooleanOptionalAction says the default itself
+        elif s.type is not str:
             kw["type"] = s.type
         if s.choices is not None:
             kw["choices"] = list(s.choices)

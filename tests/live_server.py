@@ -45,12 +45,14 @@ class Running:
         return f"127.0.0.1:{self.ports['grpc']}"
 
     def assert_idle(self, timeout: float = 20.0) -> None:
-        """Every request made so far (finished, cancelled or timed out) has given its KV blocks back."""
+        """Every request made so far (finished, cancelled or timed out) has given its KV blocks back, shared ones
+        included."""
         eng = self.engine
         end = time.monotonic() + timeout
         while time.monotonic() < end and (eng.pool.used_blocks or eng.scheduler.has_work):
             time.sleep(0.01)
         assert eng.pool.used_blocks == 0 and eng.pool.stats()["requests"] == 0
+        eng.pool.audit()  # the pool's books equal a recount: no leaked reference, no freed block still mapped
 
     def shutdown(self):
         self.loop.call_soon_threadsafe(self.stop.set)

@@ -63,10 +63,16 @@ def cli(capsys, server, transport: str, command: str, *args: str, key: str | Non
 
 def comparable(r):
     """A result without what legitimately differs between calls and transports (timings, request id, the ids
-    of logprob alternatives: an HTTP completion keys them by text)."""
+    of logprob alternatives: an HTTP completion keys them by text, what the prefix cache held when it arrived)."""
     d = to_dict(r)
     for k in ("ttft_s", "duration_s", "request_id", "transport"):
         d.pop(k)
+    d["usage"].pop("cached_tokens")
+    if d["memory"]:
+        for k in ("kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "activation_peak_bytes"):
+            d["memory"].pop(k)
+        for k in ("kv_cached_bytes", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions"):
+            d["memory"]["engine"].pop(k)
     for lp in d["logprobs"]:
         lp.pop("token_id")
         lp["top"] = sorted((a["token"], a["logprob"]) for a in lp["top"])

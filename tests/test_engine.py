@@ -36,6 +36,7 @@ def assert_idle(engine: Engine) -> None:
     assert wait_until(lambda: engine.pool.used_blocks == 0 and not engine.scheduler.has_work), engine.pool.stats()
     assert engine.pool.stats()["requests"] == 0
     assert engine._queued == 0
+    engine.pool.audit()  # with the prefix cache on (the default): every reference given back, nothing mapped freed
 
 
 def greedy(n, **kw) -> SamplingParams:

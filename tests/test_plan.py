@@ -5,6 +5,7 @@ inputs, and `quant estimate --requests` against the live server's plan."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -155,11 +156,13 @@ def test_plan_matches_the_accounting_of_real_requests(server, http):
     target = server.http.removeprefix("http://") if http else server.grpc_target
     grid = [RequestShape(5, 8), RequestShape(70, 3), RequestShape(130, 20), RequestShape(10, 65),
             RequestShape(600, 4)]
+    rng = random.Random(int(http))  # prompts no earlier request began with: the Plan is for uncached prompts
     with Client(target, http=http) as c:
         plan = c.plan(grid)
         for shape, p in zip(grid, plan.shapes):
             try:
-                r = c.generate([11] * shape.prompt_tokens, max_new_tokens=shape.max_new_tokens, seed=1)
+                r = c.generate([rng.randrange(3, 1000) for _ in range(shape.prompt_tokens)],
+                               max_new_tokens=shape.max_new_tokens, seed=1)
             except ClientError as e:
                 assert (p.refused, p.refusal.code, p.refusal.message, p.refusal.param) == (1, e.code, e.message,
                                                                                            e.param)

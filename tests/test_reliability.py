@@ -46,19 +46,24 @@ def assert_idle_and_healthy(s) -> None:
 
 
 def test_fuzz_http(server):
+    hits = server.engine.totals().prefix_hit_tokens
     seen = fuzz_http(server.http, 300, LIMIT_NEW)
     print(dict(seen))
     assert sum(seen.values()) == 300, seen
-    # The generator must reach both sides of the contract, or it tests nothing.
+    # The generator must reach both sides of the contract, or it tests nothing; and shared KV blocks, or the
+    # pool's recount at the end (assert_idle) checks no sharing.
     assert seen["http 400"] >= 50 and seen["http 200"] + seen["http 200 stream"] >= 15, seen
+    assert server.engine.totals().prefix_hit_tokens > hits
     assert_idle_and_healthy(server)
 
 
 def test_fuzz_grpc(server):
+    hits = server.engine.totals().prefix_hit_tokens
     seen = fuzz_grpc(server.grpc_target, 300, LIMIT_NEW)
     print(dict(seen))
     assert sum(seen.values()) == 300, seen
     assert seen["grpc INVALID_ARGUMENT"] >= 50 and seen["grpc OK"] >= 15, seen
+    assert server.engine.totals().prefix_hit_tokens > hits
     assert_idle_and_healthy(server)
 
 

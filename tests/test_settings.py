@@ -4,6 +4,7 @@ pipeline's `quant` only hands over to."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from server import settings
 from server.cli import build_parser, config_from_args
 from server.engine import EngineConfig
-from server.envconfig import VARS, serve_argv
+from server.envconfig import VARS, EnvError, serve_argv
 from server.serve import ServeConfig
 from server.service import Limits
 
@@ -32,9 +33,10 @@ def test_every_row_is_a_flag_with_its_type_default_and_help():
     assert list(actions) == [s.name for s in settings.SETTINGS]  # nothing else, in the table's order
     for s in settings.SETTINGS:
         a = actions[s.name]
-        assert a.option_strings == ([s.flag] if s.flag else [])
+        switch = isinstance(a, argparse.BooleanOptionalAction)  # --name / --no-name
+        assert a.option_strings == ([s.flag, "--no-" + s.flag[2:]] if switch else [s.flag] if s.flag else [])
         assert a.default == s.default and s.help in a.help
-        assert (a.type or str) is s.type
+        assert (bool if switch else a.type or str) is s.type
         assert a.choices == (list(s.choices) if s.choices else None)
     # --api-key and --api-key-file are mutually exclusive
     with pytest.raises(SystemExit):
@@ -48,9 +50,13 @@ def test_every_row_but_the_key_itself_is_an_environment_variable():
     assert settings.BY_NAME["grace"].var == "QUANTSERVE_GRACE_SECONDS"
     # each variable becomes its row's flag, and that flag parses back to the variable's value
     env = {"QUANTSERVE_ARTIFACT": "/a", "QUANTSERVE_MAX_BATCH": "3", "QUANTSERVE_GRACE_SECONDS": "2.5",
-           "QUANTSERVE_DTYPE": "float32", "QUANTSERVE_GRPC_PORT": "-1"}
+           "QUANTSERVE_DTYPE": "float32", "QUANTSERVE_GRPC_PORT": "-1", "QUANTSERVE_PREFIX_CACHE": "off"}
     args = build_parser().parse_args(serve_argv(env))
     assert (args.artifact, args.max_batch, args.grace, args.dtype, args.grpc_port) == ("/a", 3, 2.5, "float32", -1)
+    assert args.prefix_cache is False and "--no-prefix-cache" in serve_argv(env)
+    assert build_parser().parse_args(serve_argv({**env, "QUANTSERVE_PREFIX_CACHE": "1"})).prefix_cache is True
+    with pytest.raises(EnvError, match="QUANTSERVE_PREFIX_CACHE must be 1, true"):
+        serve_argv({**env, "QUANTSERVE_PREFIX_CACHE": "maybe"})
     assert args.host == "0.0.0.0"  # the container's default, not the command line's
 
 
@@ -84,6 +90,8 @@ def test_flags_land_in_their_configs():
     cfg = config_from_args(args, api_key="k")
     assert (cfg.artifact, cfg.grpc_port, cfg.http_port, cfg.grace_s, cfg.api_key) == ("m", None, 0, 3.0, "k")
     assert (cfg.engine.max_batch, cfg.engine.dtype, cfg.engine.threads) == (5, "float32", 2)
+    assert cfg.engine.prefix_cache is True
+    assert config_from_args(build_parser().parse_args(["--no-prefix-cache"]), None).engine.prefix_cache is False
     assert cfg.limits.max_prompt_tokens == 100
 
 

@@ -34,8 +34,11 @@ def summary(r: Result) -> str:
     parts = [f"{n} token{'' if n == 1 else 's'} (prompt {r.usage.prompt_tokens})", f"finish {reason}", f"seed {r.seed}"]
     if r.memory is not None:
         m = r.memory
-        parts += [f"KV reserved {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}",
-                  f"activation peak {human_bytes(m.activation_peak_bytes)}"]
+        parts.append(f"KV reserved {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}")
+        if m.kv_bytes_shared:
+            parts.append(f"shared {human_bytes(m.kv_bytes_shared)} / own {human_bytes(m.kv_bytes_own)}, "
+                         f"{m.prompt_tokens_cached} prompt tokens cached")
+        parts.append(f"activation peak {human_bytes(m.activation_peak_bytes)}")
     if r.ttft_s is not None and r.duration_s is not None:
         parts.append(f"ttft {r.ttft_s * 1000:.0f} ms, {r.duration_s:.2f} s")
     return "[" + " · ".join(parts) + "]"
@@ -57,7 +60,10 @@ def info_table(i: ModelInfo, transport: str) -> Table:
         m = i.memory
         rows += [("weights", human_bytes(m.weight_bytes)), ("KV pool capacity", human_bytes(m.kv_capacity_bytes)),
                  ("KV pool in use", human_bytes(m.kv_used_bytes)), ("KV block size", f"{m.kv_block_size} tokens"),
-                 ("running / queued", f"{m.running} / {m.queued}")]
+                 ("running / queued", f"{m.running} / {m.queued}"),
+                 ("prefix cache", f"{human_bytes(m.kv_cached_bytes)} cached, hit rate {100 * m.prefix_hit_rate:.1f}% "
+                  f"({m.prefix_hit_tokens} of {m.prefix_queried_tokens} prompt tokens), {m.prefix_evictions} "
+                  "evictions" if m.prefix_cache else "off")]
     else:
         rows.append(("memory totals", "n/a"))
     rows += [("max new tokens (limit)", na(i.max_new_tokens_limit)), ("max prompt tokens", na(i.max_prompt_tokens))]

@@ -52,14 +52,18 @@ def request_to_proto(req: Request) -> pb.GenerateRequest:
 def _engine(e: pb.EngineMemory) -> EngineMemory:
     return EngineMemory(weight_bytes=e.weight_bytes, kv_capacity_bytes=e.kv_capacity_bytes,
                         kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
-                        queued=e.queued)
+                        queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
+                        prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
+                        prefix_evictions=e.prefix_evictions)
 
 
 def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
     return MemoryAccounting(kv_bytes_per_token=m.kv_bytes_per_token, kv_blocks_reserved=m.kv_blocks_reserved,
                             kv_bytes_reserved=m.kv_bytes_reserved, kv_bytes_used=m.kv_bytes_used,
                             activation_peak_bytes=m.activation_peak_bytes, attention=m.attention,
-                            engine=_engine(m.engine) if m.HasField("engine") else None)
+                            engine=_engine(m.engine) if m.HasField("engine") else None,
+                            kv_bytes_shared=m.kv_bytes_shared, kv_bytes_own=m.kv_bytes_own,
+                            prompt_tokens_cached=m.prompt_tokens_cached)
 
 
 def _logprobs(lps) -> tuple[TokenLogprob, ...]:
@@ -78,7 +82,7 @@ def _trace(steps) -> tuple[TraceStep, ...]:
 def _final(request_id: str, f: pb.Final) -> dict:
     """Result fields that come from the proto's Final (the rest come from the text / ids / lists)."""
     return dict(request_id=request_id, finish_reason=f.finish_reason, stop=f.stop or None, seed=f.seed,
-                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
+                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_tokens),
                 memory=_memory(f.memory) if f.HasField("memory") else None,
                 ttft_s=f.ttft_s, duration_s=f.duration_s, transport="grpc")
 

@@ -77,9 +77,12 @@ def _text(choice: dict) -> str:
 
 def _usage(u: Any, memory: Any) -> Usage:
     if isinstance(u, dict):
-        return Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+        details = u.get("prompt_tokens_details") or {}
+        return Usage(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)),
+                     int(details.get("cached_tokens", 0)))
     m = memory or {}  # the memory object carries the same counts
-    return Usage(int(m.get("prompt_tokens", 0)), int(m.get("generated_tokens", 0)))
+    return Usage(int(m.get("prompt_tokens", 0)), int(m.get("generated_tokens", 0)),
+                 int(m.get("prompt_tokens_cached", 0)))
 
 
 def _final(body: dict, choice: dict, usage: Any) -> dict:

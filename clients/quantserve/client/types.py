@@ -117,6 +117,7 @@ class TraceStep:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (OpenAI's prompt_tokens_details)
 
     @property
     def total_tokens(self) -> int:
@@ -133,6 +134,15 @@ class EngineMemory:
     kv_block_size: int  # tokens per KV block
     running: int
     queued: int
+    kv_cached_bytes: int = 0  # prefix-cache blocks no running request holds (evicted when space is needed)
+    prefix_cache: bool = False  # whether the server shares prompt prefixes between requests
+    prefix_hit_tokens: int = 0  # prompt tokens mapped from the cache since the server started
+    prefix_queried_tokens: int = 0  # prompt tokens of every admitted request since the server started
+    prefix_evictions: int = 0  # cached blocks evicted for other requests' blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,11 @@ class MemoryAccounting:
     activation_peak_bytes: int
     attention: str
     engine: EngineMemory | None
+    # Of kv_bytes_reserved: blocks mapped from the prefix cache or held by another request too (shared), and the
+    # rest (own); own + shared = reserved.
+    kv_bytes_shared: int = 0
+    kv_bytes_own: int = 0
+    prompt_tokens_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,7 +277,8 @@ def trace_from_dict(d: Mapping[str, Any]) -> TraceStep:
 def engine_from_dict(d: Mapping[str, Any] | None) -> EngineMemory | None:
     if not d:
         return None
-    return EngineMemory(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(EngineMemory)})
+    return EngineMemory(**{f.name: (bool if f.name == "prefix_cache" else int)(d.get(f.name, 0))
+                           for f in dataclasses.fields(EngineMemory)})
 
 
 def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
@@ -270,7 +286,7 @@ def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
     if not d:
         return None
     ints = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used",
-            "activation_peak_bytes")
+            "activation_peak_bytes", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached")
     return MemoryAccounting(**{k: int(d.get(k, 0)) for k in ints}, attention=str(d.get("attention", "")),
                             engine=engine_from_dict(d.get("engine")))
 

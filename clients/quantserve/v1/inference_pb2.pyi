@@ -99,31 +99,43 @@ class TraceStep(_message.Message):
     def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineMemory(_message.Message):
-    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued")
+    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions")
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     weight_bytes: int
     kv_capacity_bytes: int
     kv_used_bytes: int
     kv_block_size: int
     running: int
     queued: int
-    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    kv_cached_bytes: int
+    prefix_cache: bool
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    prefix_evictions: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ...) -> None: ...
 
 class MemoryAccounting(_message.Message):
-    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine")
+    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached")
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +143,9 @@ class MemoryAccounting(_message.Message):
     ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SHARED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_OWN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_per_token: int
     kv_blocks_reserved: int
     kv_bytes_reserved: int
@@ -138,7 +153,10 @@ class MemoryAccounting(_message.Message):
     activation_peak_bytes: int
     attention: str
     engine: EngineMemory
-    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ...) -> None: ...
+    kv_bytes_shared: int
+    kv_bytes_own: int
+    prompt_tokens_cached: int
+    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop", "seed", "usage", "memory", "ttft_s", "duration_s")

@@ -1,0 +1,228 @@
+"""The prefix cache in the engine (server/kv_pool.py's BlockPool, mapped at admission by server/scheduler.py): a
+request whose prompt starts with full blocks an earlier request wrote prefills only the rest and gets, token for
+token, what it gets without the cache; its accounting splits the blocks it shared from those it owned, and the
+pool's books equal a recount after every test."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from archs import ARCHITECTURES
+from server.engine import Engine, EngineConfig
+from server.sampling import SamplingParams
+
+BS = 16  # the engine's block size
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, **kw)
+
+
+def sampled(n: int, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=seed, max_new_tokens=n, min_tokens=n,
+                          logprobs=3)
+
+
+def make(path, cache_dir, prefix_cache=True, budget="2MiB", **kw) -> Engine:
+    kw = {"max_prefill_tokens": 64, **kw}
+    return Engine.from_path(str(path), EngineConfig(memory_budget=budget, dtype="float32", prefix_cache=prefix_cache,
+                                                    **kw), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, cache_dir):
+    on, off = make(tiny_model_dir, cache_dir), make(tiny_model_dir, cache_dir, prefix_cache=False)
+    yield on, off
+    for e in (on, off):
+        e.close()
+
+
+def assert_same(got, want) -> None:
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) <= 1e-5
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= 1e-5
+
+
+def assert_books(engine: Engine) -> None:
+    engine.pool.audit()
+    assert engine.pool.used_blocks == 0 and not engine.scheduler.has_work
+
+
+def test_outputs_with_the_cache_equal_those_without_and_say_what_was_cached(engines):
+    """Prompts sharing a 48-token stem, one after another: ending on a block boundary (32), just past it (33, 35),
+    a whole stem, past it, and diverging inside the second block. The cached tokens are the full blocks before the
+    block of the prompt's last token that an earlier request wrote; greedy and seeded outputs, logprobs included,
+    equal the uncached engine's."""
+    on, off = engines
+    stem = ids(48, 1)
+    prompts = [stem[:32], stem[:32] + [7], stem[:33] + [9, 9], stem, stem + ids(5, 2), stem[:16] + ids(20, 3)]
+    first = [0, 32, 32, 32, 48, 16]  # the first pass: what earlier prompts of the pass published
+    again = [16, 32, 32, 32, 48, 32]  # the second: a prompt ending on a boundary maps all but its last block
+    for params, cached in ((greedy(8, logprobs=3), first), (sampled(8, 11), again)):
+        for p, want_cached in zip(prompts, cached):
+            got, want = on.complete(p, params), off.complete(p, params)
+            assert_same(got, want)
+            a = got.accounting
+            assert a.prompt_tokens_cached == want_cached and want.accounting.prompt_tokens_cached == 0
+            assert a.kv_bytes_own + a.kv_bytes_shared == a.kv_bytes_reserved
+            assert a.kv_bytes_shared == want_cached // BS * on.layout.bytes_per_block
+            assert want.accounting.kv_bytes_shared == 0
+    t = on.totals()
+    assert t.prefix_cache and not off.totals().prefix_cache
+    assert t.prefix_hit_tokens == sum(first) + sum(again) and t.prefix_queried_tokens == 2 * sum(map(len, prompts))
+    assert t.kv_cached_bytes == on.pool.cached_blocks * on.layout.bytes_per_block > 0
+    for e in engines:
+        assert_books(e)
+
+
+def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
+    """A leader prefills a 40-token prompt; three followers extending it map its two full blocks while it still
+    runs. While all four run, the engine's used KV counts the shared blocks once (5 + 3 x 2 blocks, not 5 + 3 x 4);
+    each response's own + shared = reserved, the leader's shared blocks being the ones the followers mapped; the
+    followers' tokens are the uncached engine's."""
+    on, off = engines
+    prompt = ids(40, 5)
+    bpb = on.layout.bytes_per_block
+    leader_first, leader_done = threading.Event(), []
+    on.submit(prompt, greedy(30), lambda ev: (leader_first.set(), ev.finished and leader_done.append(ev)))
+    assert leader_first.wait(30)  # its prefill is done: its two full blocks are published
+    firsts, finals = threading.Semaphore(0), {}
+    used = []
+
+    def sink(i):
+        def f(ev):
+            if ev.token_ids and not ev.finished and i not in finals:
+                firsts.release()
+            if ev.finished:
+                finals[i] = ev
+        return f
+
+    for i in range(3):
+        on.submit(prompt + [100 + i], greedy(20), sink(i))
+    for _ in range(3):
+        assert firsts.acquire(timeout=30)
+    if not leader_done:
+        used.append(on.totals().kv_used_bytes)
+    assert used and used[0] == (5 + 3 * 2) * bpb
+    for _ in range(3000):
+        if leader_done and len(finals) == 3:
+            break
+        threading.Event().wait(0.005)
+    leader = leader_done[0].accounting
+    assert leader.prompt_tokens_cached == 0 and leader.kv_bytes_shared == 2 * bpb
+    assert leader.kv_bytes_own + leader.kv_bytes_shared == leader.kv_bytes_reserved == 5 * bpb
+    for i, ev in sorted(finals.items()):
+        a = ev.accounting
+        assert a.prompt_tokens_cached == 32 and a.kv_bytes_shared == 2 * bpb
+        assert a.kv_bytes_own == a.kv_bytes_reserved - 2 * bpb == 2 * bpb
+        assert on.pool.cached_prefix(prompt + [100 + i]) == 2
+    assert_books(on)
+
+
+def test_a_full_pool_evicts_cached_blocks_least_recently_used_and_stays_exact(tiny_model_dir, cache_dir):
+    """A pool of 8 blocks: prompts of five stems (two full blocks each) fill it with cached blocks; each new request evicts the
+    least recently released ones it needs, never a block a running request holds, and outputs stay the uncached
+    ones."""
+    bpb_engine = make(tiny_model_dir, cache_dir, budget="4MiB")
+    small = bpb_engine.layout.bytes_per_block * 8
+    bpb_engine.close()
+    on = make(tiny_model_dir, cache_dir, budget=str(small))
+    off = make(tiny_model_dir, cache_dir, prefix_cache=False, budget=str(small))
+    try:
+        stems = [ids(40, 20 + i) for i in range(5)]
+        for rnd in range(2):
+            for s in stems:
+                p = s + ids(3, 50 + rnd)
+                assert_same(on.complete(p, greedy(20, logprobs=2)), off.complete(p, greedy(20, logprobs=2)))
+                on.pool.audit()
+        assert on.pool.evictions > 0 and on.totals().prefix_evictions == on.pool.evictions
+        assert on.pool.free_blocks == on.pool.num_blocks
+    finally:
+        on.close()
+        off.close()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_family_gives_the_uncached_tokens(arch, arch_dirs, cache_dir):
+    """Each registered family (sliding-window layers, partial rotary, soft-capping among them) over a 32-token stem
+    that spans its window: the cached request's greedy tokens and logprobs equal the same engine's with the cache
+    switched off."""
+    engine = make(arch_dirs(arch), cache_dir, budget="8MiB", max_prefill_tokens=16)
+    try:
+        stem = ids(33, 7)
+        engine.complete(stem, greedy(2))  # publishes its two full blocks
+        prompts = [stem[:32] + ids(9, 8), stem + ids(16, 9)]
+        cached = [engine.complete(p, greedy(12, logprobs=2)) for p in prompts]
+        assert [c.accounting.prompt_tokens_cached for c in cached] == [32, 32]
+        engine.pool.prefix_cache = False  # the same engine, nothing mapped
+        for p, c in zip(prompts, cached):
+            u = engine.complete(p, greedy(12, logprobs=2))
+            assert u.accounting.prompt_tokens_cached == 0
+            assert_same(c, u)
+        assert_books(engine)
+    finally:
+        engine.close()
+
+
+def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_model_dir, cache_dir, monkeypatch):
+    """With shared blocks in flight: a leader cancelled while followers hold its blocks (they go on, and give the
+    uncached tokens), a step that fails with a follower in it, and close() with requests sharing blocks; after each
+    the pool's books equal a recount and nothing is held."""
+    on, off = make(tiny_model_dir, cache_dir), make(tiny_model_dir, cache_dir, prefix_cache=False)
+    try:
+        prompt = ids(40, 30)
+        started = threading.Event()
+        h = on.submit(prompt, greedy(200), lambda ev: started.set())
+        assert started.wait(30)
+        follower = prompt + [5]
+        got = on.complete(follower, greedy(10))  # admitted while the leader runs: maps its two blocks
+        assert got.accounting.prompt_tokens_cached == 32
+        h.cancel()
+        assert got.token_ids == off.complete(follower, greedy(10)).token_ids
+        for _ in range(2000):
+            if on.pool.used_blocks == 0:
+                break
+            threading.Event().wait(0.005)
+        assert_books(on)
+        assert on.pool.cached_prefix(follower) == 2  # the cancelled leader's published blocks stay cached
+
+        real = on.runner.forward
+        calls = []
+
+        def fail_once(step):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("planted")
+            return real(step)
+
+        monkeypatch.setattr(on.runner, "forward", fail_once)
+        failed = on.complete(prompt + [6], greedy(5))
+        assert failed.finish_reason == "error"
+        assert_books(on)
+        ok = on.complete(prompt + [6], greedy(5))
+        assert ok.accounting.prompt_tokens_cached == 32 and ok.finish_reason == "length"
+        assert_books(on)
+
+        events = []
+        for i in range(3):
+            on.submit(prompt + [7 + i], greedy(300), lambda ev: ev.finished and events.append(ev))
+        for _ in range(2000):
+            if on.pool.used_blocks > 2:
+                break
+            threading.Event().wait(0.005)
+        on.close()
+        assert len(events) == 3 and {ev.finish_reason for ev in events} == {"cancelled"}
+        on.pool.audit()
+        assert on.pool.used_blocks == 0
+    finally:
+        on.close()
+        off.close()
