@@ -54,7 +54,7 @@ class EngineTotals:
 
 @dataclass(frozen=True)
 class Accounting:
-    """One request's memory accounting (DESIGN.md, "Per-request memory accounting")."""
+    """One request's memory accounting (docs/design.md, "Per-request memory accounting")."""
 
     prompt_tokens: int
     generated_tokens: int

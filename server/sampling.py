@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and the batched sampler (DESIGN.md, "Sampling: the documented order").
+"""Per-request sampling parameters and the batched sampler (docs/design.md, "Sampling: the documented order").
 
 For every request and every generated token the sampler applies, on fp32 logits:
 
