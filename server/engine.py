@@ -48,7 +48,7 @@ from server.outputs import (
 )
 from server.runner import ModelRunner, build_step
 from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
-from server.scheduler import Scheduler, Sequence
+from server.scheduler import Group, Scheduler, Sequence
 from server.settings import setting
 
 log = logging.getLogger("quantserve.engine")
@@ -373,15 +373,29 @@ class Engine:
         """Admission checks that need no queue state: raise RequestError naming the parameter and numbers."""
         capacity.check_shape(prompt_tokens, max_new_tokens, self.context_length, self.pool.num_blocks, self.layout)
 
-    def submit(self, prompt, params: SamplingParams, sink, request_id: str | None = None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams, sink, request_id: str | None = None, n: int = 1
+               ) -> RequestHandle:
         """Queue a request; ``sink(event)`` is called from the engine thread for each event. Raises
-        RequestError (invalid, never fits), OverloadedError (queue full) or EngineClosedError before any work."""
+        RequestError (invalid, never fits), OverloadedError (queue full) or EngineClosedError before any work.
+
+        ``n`` > 1: that many samples of the prompt, admitted together; the prompt is prefilled once (its full blocks
+        before the block of its last token shared, server/kv_pool.py) and sample i draws with seed
+        ``(seed + i) mod 2**63``, so it is what a request of that seed alone gives. Events carry ``index`` (i);
+        each sample ends with its own final event."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_batch:
+            raise RequestError("n", f"n must be an integer in [1, {self.config.max_batch}] (--max-batch), got {n!r}")
         if not self._accepting:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         ids = self._prompt_ids(prompt)
         self.check(len(ids), params.max_new_tokens)
+        if n > 1:
+            need = self.pool.group_blocks(len(ids), len(ids) + params.max_new_tokens, n)
+            if need > self.pool.num_blocks:
+                raise RequestError("n", f"{n} samples of {len(ids)} prompt + {params.max_new_tokens} new tokens need "
+                                        f"{need} KV blocks with the prompt's shared; the pool has "
+                                        f"{self.pool.num_blocks}")
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
         rid = request_id or f"req-{next(self._ids)}"
         with self._lock:
@@ -396,6 +410,12 @@ class Engine:
             self._queued += 1
             self._live.add(rid)
         seq = Sequence(rid, ids, params.with_seed(seed), sink)
+        if n > 1:
+            group = Group(rid, left=n)
+            group.members = [seq] + [Sequence(f"{rid}/{i}", ids, params.with_seed((seed + i) % SEED_LIMIT), sink,
+                                              arrival=seq.arrival, index=i) for i in range(1, n)]
+            for m in group.members:
+                m.group = group
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))
 
@@ -419,6 +439,18 @@ class Engine:
 
     def complete(self, prompt, params: SamplingParams, request_id: str | None = None) -> out.Completion:
         return out.collect(self.stream(prompt, params, request_id)[1])
+
+    def samples(self, prompt, params: SamplingParams, n: int, request_id: str | None = None) -> list[out.Completion]:
+        """``n`` samples of one prompt (:meth:`submit`'s ``n``), in index order, once all have finished."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit(prompt, params, q.put, request_id, n)
+        events: dict[int, list[Event]] = {i: [] for i in range(n)}
+        left = n
+        while left:
+            ev = q.get()
+            events[ev.index].append(ev)
+            left -= ev.finished
+        return [out.collect(events[i]) for i in range(n)]
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
         """Async iterator of a request's events. Submission (tokenization) runs off the event loop; leaving
@@ -533,12 +565,17 @@ class Engine:
     def _final(self, seq: Sequence, reason: str, text: str = "", token_ids=(),
                logprobs=(), trace=(), stop=None, error=None) -> None:
         now = time.monotonic()
-        with self._lock:
-            self._live.discard(seq.id)
+        g = seq.group
+        if g is not None:
+            g.left -= 1
+        if g is None or g.left == 0:  # the request's last sample: its id is free again
+            with self._lock:
+                self._live.discard(seq.request_id)
         self._emit(seq, Event(
-            seq.id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason, stop,
-            self._accounting(seq), error,
+            seq.request_id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason,
+            stop, self._accounting(seq), error,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival, now - seq.arrival,
+            index=seq.index,
         ))
 
     def _dequeued(self) -> None:
@@ -547,8 +584,9 @@ class Engine:
 
     def _apply(self, cmd: str, arg) -> None:
         if cmd == "add":
-            arg.state["detok"] = IncrementalDetokenizer(self.tokenizer, arg.prompt)
-            arg.state["stop"] = StopMatcher(arg.params.stop)
+            for seq in arg.group.members if arg.group is not None else [arg]:
+                seq.state["detok"] = IncrementalDetokenizer(self.tokenizer, seq.prompt)
+                seq.state["stop"] = StopMatcher(seq.params.stop)
             self.scheduler.add(arg)
         elif cmd == "cancel":
             self._cancel(arg)
@@ -558,10 +596,11 @@ class Engine:
     def _cancel(self, request_id: str, error: str | None = None) -> None:
         found = self.scheduler.remove(request_id)
         if found is not None:
-            seq, was_waiting = found
+            seqs, was_waiting = found
             if was_waiting:
                 self._dequeued()
-            self._final(seq, out.CANCELLED, error=error)
+            for seq in seqs:
+                self._final(seq, out.CANCELLED, error=error)
 
     def _drain_inbox(self, block: bool) -> None:
         """Apply every queued command; when ``block``, wait up to 0.5 s for the first one."""
@@ -617,15 +656,18 @@ class Engine:
                 inflight = launched
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> None:
-        for seq in seqs:
-            if not seq.done:
-                self.scheduler.finish(seq)
-                self._final(seq, out.ERROR, error=f"internal error: {type(e).__name__}")
+        failed = [s for s in seqs if not s.done]
+        # A request's samples waiting for its first sample's prefill would wait for ever: they fail with it.
+        failed += [m for s in failed if s.group is not None and s.index == 0 for m in s.group.members[1:]
+                   if not m.done and m.waiting_for_leader and m not in failed]
+        for seq in failed:
+            self.scheduler.finish(seq)
+            self._final(seq, out.ERROR, error=f"internal error: {type(e).__name__}")
 
     def _cancel_all(self, why: str) -> None:
         self._drain_inbox(block=False)  # commands that arrived meanwhile: adds must still get their final event
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self._cancel(seq.id, error=why)
+        for rid in dict.fromkeys(s.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
+            self._cancel(rid, error=why)
 
     def _launch(self, plan, prev: "_Launched | None") -> "_Launched | None":
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
@@ -733,7 +775,7 @@ class Engine:
         elif len(seq.generated) >= p.max_new_tokens:
             reason = out.LENGTH
         if reason is None:
-            self._emit(seq, Event(seq.id, p.seed, text, (tok,), logprobs, steps))
+            self._emit(seq, Event(seq.request_id, p.seed, text, (tok,), logprobs, steps, index=seq.index))
             return
         if stop is None or stop == "<eos>":  # held text was not a stop after all
             tail, stopped = matcher.push(detok.flush()) if len(seq.generated) > p.min_tokens else (detok.flush(), False)

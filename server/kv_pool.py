@@ -229,6 +229,51 @@ class BlockPool:
             self.hit_tokens += len(hits) * self.layout.block_size
         return table
 
+    def group_blocks(self, prompt_tokens: int, tokens: int, n: int) -> int:
+        """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`)."""
+        total = self.layout.blocks_for(tokens)
+        return total + (n - 1) * (total - self.shared_in_group(prompt_tokens))
+
+    def shared_in_group(self, prompt_tokens: int) -> int:
+        """Blocks of a prompt its samples share: the full blocks before the block of its last token."""
+        return (prompt_tokens - 1) // self.layout.block_size if prompt_tokens else 0
+
+    def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int]) -> list[list[int]] | None:
+        """Reserve ``n = len(request_ids)`` samples of one prompt at once, or nothing (None): the first is reserved as
+        :meth:`try_reserve` does (its cached prefix mapped); each other maps the first's blocks of the prompt's full
+        blocks before its last token's block (:meth:`shared_in_group`: the first prefills them, the others wait for
+        that) and takes fresh blocks for the rest. Their tables, in order."""
+        leader, *others = request_ids
+        for rid in others:
+            if rid in self._owned:
+                raise ValueError(f"request {rid} already holds KV blocks")
+        total = self.layout.blocks_for(tokens)
+        k = self.shared_in_group(len(prompt))
+        keys = self._chain(prompt) if self.prefix_cache else []
+        hits = self._hits_for(keys, len(prompt))
+        idle_hits = sum(1 for b in hits if self._refs[b] == 0)
+        if (total - len(hits)) + len(others) * (total - k) > len(self._free) + len(self._cached) - idle_hits:
+            return None
+        first = self.try_reserve(leader, tokens, prompt)
+        assert first is not None  # checked above
+        tables = [first]
+        for rid in others:
+            self._shared[rid] = set()
+            for b in first[:k]:
+                for other in self._holders[b]:
+                    self._shared[other].add(b)
+                self._shared[rid].add(b)
+                self._take(b, rid)
+            table = first[:k] + [self._take(self._fresh(), rid) for _ in range(total - k)]
+            self._owned[rid] = table
+            self._keys[rid] = keys
+            self._published[rid] = k
+            self._hits[rid] = 0
+            self.queried_tokens += len(prompt)
+            self.hit_tokens += k * self.layout.block_size  # not prefilled by this sample: the first's
+            tables.append(table)
+        return tables
+
     def _take(self, b: int, request_id: str) -> int:
         self._refs[b] += 1
         self._holders[b].add(request_id)

@@ -113,6 +113,7 @@ class Event:
     error: str | None = None
     ttft_s: float | None = None  # on the final event: time from submit to the first token
     duration_s: float | None = None  # on the final event: time from submit to the end
+    index: int = 0  # which sample of the request (a request of n samples: 0 .. n-1, each with its own final event)
 
 
 @dataclass(frozen=True)

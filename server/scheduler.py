@@ -27,8 +27,22 @@ from server.sampling import SamplingParams
 
 
 @dataclass(eq=False)
+class Group:
+    """The samples of one request with ``n`` > 1: admitted together, the first prefilling the prompt's shared
+    blocks and the others their own last block once it has (server/kv_pool.py's ``try_reserve_group``)."""
+
+    id: str  # the request's id (each sample's Sequence.id is this, then "/1", "/2", ...)
+    members: list["Sequence"] = field(default_factory=list)
+    left: int = 0  # samples not finished yet
+
+    @property
+    def leader(self) -> "Sequence":
+        return self.members[0]
+
+
+@dataclass(eq=False)
 class Sequence:
-    """One request's state inside the engine."""
+    """One request's state inside the engine (one sample of it, when it asked for several)."""
 
     id: str
     prompt: list[int]
@@ -45,6 +59,17 @@ class Sequence:
     state: dict = field(default_factory=dict)  # the engine's per-request helpers (detokenizer, stop matcher)
     pending: int = 0  # tokens sampled by launched steps not read yet: 0 or 1 when planning (2 while launching the next)
     done: bool = False  # finished or cancelled: a launched step's sample for it is dropped
+    group: Group | None = None  # its request's samples, when it asked for several
+    index: int = 0  # which sample of its request
+    wait_tokens: int = 0  # a sample after the first: prefills once the first has prefilled this many tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.group.id if self.group is not None else self.id
+
+    @property
+    def waiting_for_leader(self) -> bool:
+        return self.group is not None and self.index > 0 and self.group.leader.prefilled < self.wait_tokens
 
     @property
     def reserve_tokens(self) -> int:
@@ -85,18 +110,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, request_id: str) -> tuple[Sequence, bool] | None:
-        """Take a request out wherever it is, releasing its blocks; (sequence, was it waiting?) or None."""
+    def remove(self, request_id: str) -> tuple[list[Sequence], bool] | None:
+        """Take a request (all its samples) out wherever it is, releasing its blocks; (its sequences not done yet,
+        was it waiting?) or None."""
         for seq in self.waiting:
-            if seq.id == request_id:
+            if seq.request_id == request_id:
                 self.waiting.remove(seq)
-                seq.done = True
-                return seq, True
-        for seq in self.running:
-            if seq.id == request_id:
-                self.finish(seq)
-                return seq, False
-        return None
+                members = seq.group.members if seq.group is not None else [seq]
+                for m in members:
+                    m.done = True
+                return members, True
+        found = [s for s in self.running if s.request_id == request_id]
+        for seq in found:
+            self.finish(seq)
+        return (found, False) if found else None
 
     def finish(self, seq: Sequence) -> None:
         seq.done = True
@@ -105,18 +132,30 @@ class Scheduler:
         self.pool.release(seq.id)
 
     def admit(self) -> list[Sequence]:
-        """Admit from the head of the queue while it fits. A request's prompt blocks that the prefix cache holds
-        are mapped, not reserved anew, and its prefill starts after them."""
+        """Admit from the head of the queue while it fits; the requests admitted (a request of several samples
+        once, by its first). A request's prompt blocks that the prefix cache holds are mapped, not reserved anew,
+        and its prefill starts after them; a request's samples are admitted together, sharing its prompt's
+        blocks."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
+        bs = self.pool.layout.block_size
+        while self.waiting:
             seq = self.waiting[0]
-            blocks = self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt)
-            if blocks is None:
+            members = seq.group.members if seq.group is not None else [seq]
+            if len(self.running) + len(members) > self.max_batch:
+                break
+            if seq.group is None:
+                tables = [self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt)]
+            else:
+                tables = self.pool.try_reserve_group([m.id for m in members], seq.reserve_tokens, seq.prompt)
+            if tables is None or tables[0] is None:
                 break  # strict FIFO: wait for blocks rather than let later requests overtake
             self.waiting.popleft()
-            seq.blocks = blocks
-            seq.cached = seq.prefilled = self.pool.hit_blocks(seq.id) * self.pool.layout.block_size
-            self.running.append(seq)
+            shared = self.pool.shared_in_group(len(seq.prompt)) * bs
+            for m, table in zip(members, tables):
+                m.blocks = table
+                m.cached = m.prefilled = self.pool.hit_blocks(m.id) * bs if m is seq else shared
+                m.wait_tokens = 0 if m is seq else shared
+                self.running.append(m)
             admitted.append(seq)
         return admitted
 
@@ -129,7 +168,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if seq.in_prompt:
+            if seq.in_prompt and not seq.waiting_for_leader:
                 n = min(len(seq.prompt) - seq.prefilled, budget)
                 prefill.append((seq, seq.prefilled, n))
                 budget -= n

@@ -12,6 +12,7 @@ import torch
 
 from archs import ARCHITECTURES
 from server.engine import Engine, EngineConfig
+from server.outputs import RequestError
 from server.sampling import SamplingParams
 
 BS = 16  # the engine's block size
@@ -226,3 +227,48 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
     finally:
         on.close()
         off.close()
+
+
+# ------------------------------------------------------------------------------------------- n samples
+
+
+def test_n_samples_share_one_prefill_and_each_is_its_seed_alone(engines):
+    """A request of n = 4 samples of a 40-token prompt: admitted together, the first prefills the two shared
+    blocks, the others their own last block; sample i equals a request of seed s + i alone (tokens and
+    logprobs), each says what it shared, and while they run the four hold 2 + 4 x 2 blocks, not 4 x 4."""
+    on, off = engines
+    prompt = ids(40, 40)
+    params = sampled(12, seed=123)
+    got = on.samples(prompt, params, 4)
+    for i, c in enumerate(got):
+        alone = off.complete(prompt, params.with_seed(123 + i))
+        assert c.seed == 123 + i
+        assert_same(c, alone)
+        a = c.accounting
+        assert a.kv_bytes_own + a.kv_bytes_shared == a.kv_bytes_reserved == 4 * on.layout.bytes_per_block
+        assert a.kv_bytes_shared == 2 * on.layout.bytes_per_block
+        assert a.prompt_tokens_cached == (32 if i else 0)  # the first prefilled them (nothing was cached)
+    assert len({c.token_ids for c in got}) > 1  # four seeds, not one sample four times
+    assert on.pool.group_blocks(40, 52, 4) == 4 + 3 * 2
+    assert_books(on)
+
+
+def test_n_is_checked_and_a_cancelled_request_ends_every_sample(engines):
+    on, _ = engines
+    with pytest.raises(RequestError, match=r"n must be an integer in \[1, 64\]"):
+        on.submit([5, 6, 7], greedy(2), print, n=0)
+    with pytest.raises(RequestError, match="KV blocks with the prompt's shared; the pool has"):
+        on.submit(ids(100, 1), greedy(400), print, n=64)
+    events = []
+    started = threading.Event()
+    h = on.submit(ids(40, 41), greedy(300), lambda ev: (started.set(), events.append(ev)), n=3)
+    assert started.wait(30)
+    h.cancel()
+    for _ in range(2000):
+        if sum(ev.finished for ev in events) == 3:
+            break
+        threading.Event().wait(0.005)
+    finals = [ev for ev in events if ev.finished]
+    assert sorted(ev.index for ev in finals) == [0, 1, 2] and {ev.finish_reason for ev in finals} == {"cancelled"}
+    assert {ev.request_id for ev in events} == {h.id}
+    assert_books(on)
