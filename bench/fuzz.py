@@ -99,7 +99,7 @@ def http_requests(draw, limit_new_tokens: int):
     body = _field_values(draw, table, kind, loose=True)
     if chat and body.get("top_logprobs") is not None and kind == "valid":
         body["logprobs"] = True
-    if draw(st.integers(0, 9)) == 0:  # fields we refuse by name, or do not know
+    if draw(st.integers(0, 9)) == 0:  # n samples; a field we refuse by name, or do not know
         body[draw(st.sampled_from(["n", "best_of", "unknown_field"]))] = 2
     good_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip())
     if chat:
@@ -144,8 +144,10 @@ def check_http(r: httpx.Response, limit_new_tokens: int) -> str:
         assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") or chunks[-1].get("usage")
         return "http 200 stream"
     j = r.json()
-    assert len(j["choices"]) == 1 and j["choices"][0]["finish_reason"] in ("length", "stop"), j
-    assert 0 <= j["usage"]["completion_tokens"] <= limit_new_tokens and isinstance(j["seed"], int), j
+    n = len(j["choices"])  # the body's n (1 when absent)
+    assert n >= 1 and [c["index"] for c in j["choices"]] == list(range(n)), j
+    assert all(c["finish_reason"] in ("length", "stop") for c in j["choices"]), j
+    assert 0 <= j["usage"]["completion_tokens"] <= n * limit_new_tokens and isinstance(j["seed"], int), j
     return "http 200"
 
 

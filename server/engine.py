@@ -452,21 +452,24 @@ class Engine:
             left -= ev.finished
         return [out.collect(events[i]) for i in range(n)]
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
-        """Async iterator of a request's events. Submission (tokenization) runs off the event loop; leaving
-        the iteration early (client gone, task cancelled) cancels the request in the engine."""
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, n: int = 1):
+        """Async iterator of a request's events (of its ``n`` samples, interleaved, each with its ``index``) until
+        every sample's final event. Submission (tokenization) runs off the event loop; leaving the iteration early
+        (client gone, task cancelled) cancels the request in the engine."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
         def sink(ev: Event) -> None:
             loop.call_soon_threadsafe(q.put_nowait, ev)
 
-        handle = await asyncio.to_thread(self.submit, prompt, params, sink, request_id)
+        handle = await asyncio.to_thread(self.submit, prompt, params, sink, request_id, n)
+        left = n
         finished = False
         try:
             while not finished:
                 ev = await q.get()
-                finished = ev.finished
+                left -= ev.finished
+                finished = left == 0
                 yield ev
         finally:
             if not finished:

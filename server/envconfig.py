@@ -33,9 +33,10 @@ class Var:
     check: Callable[[str], object]  # raises ValueError with what a valid value looks like
     default: str | None  # the container's value when unset (None: leave it to quant serve)
     help: str
+    switch: bool = False  # a yes/no setting: --name or --no-name, no value
 
 
-VARS = tuple(Var(s.var, s.flag, s.parse_env, s.env_default, described(s, s.env_default or s.default))
+VARS = tuple(Var(s.var, s.flag, s.parse_env, s.env_default, described(s, s.env_default or s.default), s.type is bool)
              for s in SETTINGS if s.var is not None)
 OTHER_KNOWN = {"QUANTSERVE_CACHE": "cache dir of converted models (read by quant itself)"}  # not a serve flag
 
@@ -66,7 +67,7 @@ def serve_argv(env: Mapping[str, str]) -> list[str]:
             raise EnvError(f"{var.name} must be {e}") from None
         if var.flag is None:
             positional.append(value)
-        elif isinstance(parsed, bool):  # a switch: --name or --no-name
+        elif var.switch:  # --name or --no-name
             flags.append(var.flag if parsed else "--no-" + var.flag[2:])
         else:
             flags += [var.flag, value]

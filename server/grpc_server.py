@@ -98,6 +98,11 @@ def final_to_proto(ev) -> pb.Final:
     )
 
 
+def _n(request) -> int:
+    """GenerateRequest.n: 1 when unset; the engine checks the value (an explicit 0 is refused, naming n)."""
+    return request.n if request.HasField("n") else 1
+
+
 # ---------------------------------------------------------------------------------------- service
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -107,20 +112,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         params = params_from_proto(request.sampling, self.svc.default_max_new_tokens)
         prompt = await prompt_from_proto(self.svc, request)
-        c = await self.svc.complete(prompt, params, "grpc", request.request_id or None)
-        return pb.GenerateResponse(request_id=c.request_id, text=c.text, token_ids=c.token_ids,
-                                   logprobs=_logprobs(self.svc, c.logprobs), trace=_trace(self.svc, c.trace),
-                                   final=final_to_proto(c))
+        cs = await self.svc.complete_n(prompt, params, "grpc", request.request_id or None, _n(request))
+        choices = [pb.Choice(index=i, text=c.text, token_ids=c.token_ids, logprobs=_logprobs(self.svc, c.logprobs),
+                             trace=_trace(self.svc, c.trace), final=final_to_proto(c)) for i, c in enumerate(cs)]
+        first = choices[0]
+        return pb.GenerateResponse(request_id=cs[0].request_id, text=first.text, token_ids=first.token_ids,
+                                   logprobs=first.logprobs, trace=first.trace, final=first.final, choices=choices)
 
     async def GenerateStream(self, request, context):
         params = params_from_proto(request.sampling, self.svc.default_max_new_tokens)
         ev: Event
         prompt = await prompt_from_proto(self.svc, request)
-        async for ev in self.svc.run(prompt, params, "grpc", request.request_id or None):
+        async for ev in self.svc.run(prompt, params, "grpc", request.request_id or None, _n(request)):
             yield pb.GenerateStreamResponse(
                 request_id=ev.request_id, seed=ev.seed, text=ev.text, token_ids=ev.token_ids,
                 logprobs=_logprobs(self.svc, ev.logprobs), trace=_trace(self.svc, ev.trace),
-                final=final_to_proto(ev) if ev.finished else None,
+                final=final_to_proto(ev) if ev.finished else None, index=ev.index,
             )
 
     async def Tokenize(self, request, context):

@@ -175,9 +175,8 @@ async def _unless_disconnected(request: Request, work):
 
 
 def _unsupported(body: _Body) -> None:
-    """Parameters we do not implement are refused by name rather than silently ignored."""
-    if body.n != 1:
-        raise RequestError("n", f"n must be 1 (one completion per request), got {body.n}")
+    """Parameters we do not implement are refused by name rather than silently ignored (``n`` is checked by the
+    engine, against --max-batch and the KV pool)."""
     if body.presence_penalty != 0 or body.frequency_penalty != 0:
         name = "presence_penalty" if body.presence_penalty != 0 else "frequency_penalty"
         raise RequestError(name, f"{name} is not supported (use repetition_penalty)")
@@ -203,8 +202,11 @@ def _accounting(a: Accounting | None) -> dict | None:
     return a.to_dict() if a else None
 
 
-def _usage(a: Accounting | None) -> dict:
-    p, c = (a.prompt_tokens, a.generated_tokens) if a else (0, 0)
+def _usage(a: Accounting | None, generated: int | None = None) -> dict:
+    """OpenAI's usage: the prompt once, the tokens of every sample (``generated``, default the request's own), and
+    the prompt tokens taken from the prefix cache."""
+    p = a.prompt_tokens if a else 0
+    c = generated if generated is not None else a.generated_tokens if a else 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": a.prompt_tokens_cached if a else 0}}
 
@@ -297,46 +299,60 @@ def create_app(svc: Service) -> FastAPI:
         return {"token_ids": ids, "tokens": tokens}
 
     async def respond(request: Request, prompt, params: SamplingParams, stream: bool, chat: bool,
-                      include_usage: bool):
+                      include_usage: bool, n: int):
+        """One completion or chat request of ``n`` samples (OpenAI's ``choices[i]``; sample i draws with seed
+        + i); a sample's own seed and memory ride in its choice when n > 1, the first's at the top level."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            c = await _unless_disconnected(request, svc.complete(prompt, params, "http", rid))
-            if c is None:
+            cs = await _unless_disconnected(request, svc.complete_n(prompt, params, "http", rid, n))
+            if cs is None:
                 return Response(status_code=499)  # nobody is listening; the engine has dropped the request
-            lp = None
-            if params.logprobs is not None:
-                lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs)
-            choice = {"index": 0, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
-                      "token_ids": list(c.token_ids)}
-            choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
-            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice],
-                    "usage": _usage(c.accounting), "seed": c.seed, "memory": _accounting(c.accounting),
-                    "stop": c.stop, "ttft_s": c.ttft_s, "duration_s": c.duration_s}
+            choices = []
+            for i, c in enumerate(cs):
+                lp = None
+                if params.logprobs is not None:
+                    lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs)
+                choice = {"index": i, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
+                          "token_ids": list(c.token_ids)}
+                choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
+                if n > 1:
+                    choice.update(seed=c.seed, memory=_accounting(c.accounting), stop=c.stop)
+                    if params.trace:
+                        choice["trace"] = _trace(svc, c.trace)
+                choices.append(choice)
+            c = cs[0]
+            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                    "usage": _usage(c.accounting, sum(x.accounting.generated_tokens for x in cs if x.accounting)),
+                    "seed": c.seed, "memory": _accounting(c.accounting),
+                    "stop": c.stop, "ttft_s": c.ttft_s, "duration_s": max(x.duration_s or 0.0 for x in cs)}
             if params.trace:
                 body["trace"] = _trace(svc, c.trace)
             return body
-        events = svc.run(prompt, params, "http", rid)
+        events = svc.run(prompt, params, "http", rid, n)
         first = await anext(events)  # errors before the first event become a proper status code
 
         async def sse():
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-            ev, started, text_pos = first, False, 0
+            ev, started, text_pos, left = first, set(), [0] * n, n
+            generated, usage_of = 0, None
             try:
                 while True:
-                    choice: dict = {"index": 0, "finish_reason": _reason(ev.finish_reason) if ev.finished else None,
+                    i = ev.index
+                    choice: dict = {"index": i, "finish_reason": _reason(ev.finish_reason) if ev.finished else None,
                                     "token_ids": list(ev.token_ids)}
                     if chat:
-                        choice["delta"] = {"content": ev.text} if started else {"role": "assistant", "content": ev.text}
+                        choice["delta"] = ({"content": ev.text} if i in started
+                                           else {"role": "assistant", "content": ev.text})
                         if params.logprobs is not None:
                             choice["logprobs"] = _chat_logprobs(svc, ev.logprobs)
                     else:
                         choice["text"] = ev.text
-                        choice["logprobs"] = (_completion_logprobs(svc, ev.logprobs, text_pos)
+                        choice["logprobs"] = (_completion_logprobs(svc, ev.logprobs, text_pos[i])
                                               if params.logprobs is not None else None)
-                    text_pos += len(ev.text)
-                    started = True
+                    text_pos[i] += len(ev.text)
+                    started.add(i)
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
                              "choices": [choice], "seed": ev.seed}
                     if params.trace and ev.trace:
@@ -344,12 +360,16 @@ def create_app(svc: Service) -> FastAPI:
                     if ev.finished:
                         chunk.update(memory=_accounting(ev.accounting), stop=ev.stop, ttft_s=ev.ttft_s,
                                      duration_s=ev.duration_s)
+                        left -= 1
+                        generated += ev.accounting.generated_tokens if ev.accounting else 0
+                        if i == 0:
+                            usage_of = ev.accounting
                     yield f"data: {json.dumps(chunk)}\n\n"
-                    if ev.finished:
+                    if left == 0:
                         if include_usage:
                             yield "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": created,
                                                          "model": model_name, "choices": [],
-                                                         "usage": _usage(ev.accounting)}) + "\n\n"
+                                                         "usage": _usage(usage_of, generated)}) + "\n\n"
                         break
                     ev = await anext(events)
                 yield "data: [DONE]\n\n"
@@ -374,7 +394,7 @@ def create_app(svc: Service) -> FastAPI:
         max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
         params = params_from_body(body, max_tokens, body.logprobs)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(request, prompt, params, body.stream, False, include_usage)
+        return await respond(request, prompt, params, body.stream, False, include_usage, body.n)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -387,7 +407,7 @@ def create_app(svc: Service) -> FastAPI:
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
         prompt = await svc.chat_prompt(messages)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(request, prompt, params, body.stream, True, include_usage)
+        return await respond(request, prompt, params, body.stream, True, include_usage, body.n)
 
     return app
 

@@ -194,10 +194,11 @@ class Service:
         return ids
 
     async def run(self, prompt: str | list[int], params: SamplingParams, transport: str,
-                  request_id: str | None = None) -> AsyncIterator[Event]:
-        """The request's events; raises the engine's errors (see :func:`classify`) before the first event.
-        A final event cancelled by the server's shutdown is raised as EngineClosedError. Leaving the iteration
-        early cancels the request in the engine (and frees its KV blocks)."""
+                  request_id: str | None = None, n: int = 1) -> AsyncIterator[Event]:
+        """The request's events (of its ``n`` samples, interleaved, each with its ``index``); raises the engine's
+        errors (see :func:`classify`) before the first event. A final event cancelled by the server's shutdown is
+        raised as EngineClosedError, a sample's error as the request's. Leaving the iteration early cancels the
+        request in the engine (and frees its KV blocks)."""
         t0 = time.monotonic()
         outcome, first, last_tok_at, n_tokens, n_prompt, rid = "error", None, None, 0, 0, request_id
         try:
@@ -205,7 +206,7 @@ class Service:
             self.check_params(params)
             ids = await self.prompt_ids(prompt)
             n_prompt = len(ids)
-            async for ev in self.engine.generate(ids, params, request_id):
+            async for ev in self.engine.generate(ids, params, request_id, n):
                 rid = ev.request_id
                 now = time.monotonic()
                 if ev.token_ids:
@@ -223,7 +224,8 @@ class Service:
                     outcome = ev.finish_reason or "error"
                     if ev.finish_reason == out.CANCELLED and ev.error:
                         outcome = "unavailable"
-                        yield Event(ev.request_id, ev.seed, ev.text, ev.token_ids, ev.logprobs, ev.trace)
+                        yield Event(ev.request_id, ev.seed, ev.text, ev.token_ids, ev.logprobs, ev.trace,
+                                    index=ev.index)
                         raise EngineClosedError(f"the server stopped before the request finished ({ev.error})")
                     if ev.finish_reason == out.ERROR:
                         raise RuntimeError(f"engine error in request {ev.request_id}: {ev.error}")
@@ -247,6 +249,14 @@ class Service:
     async def complete(self, prompt, params: SamplingParams, transport: str,
                        request_id: str | None = None) -> out.Completion:
         return out.collect([ev async for ev in self.run(prompt, params, transport, request_id)])
+
+    async def complete_n(self, prompt, params: SamplingParams, transport: str, request_id: str | None = None,
+                         n: int = 1) -> list[out.Completion]:
+        """Every sample of a request, in index order."""
+        events: list[list[Event]] = [[] for _ in range(n)]
+        async for ev in self.run(prompt, params, transport, request_id, n):
+            events[ev.index].append(ev)
+        return [out.collect(e) for e in events]
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
         ids = await self.prompt_ids(text)

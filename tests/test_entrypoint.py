@@ -25,17 +25,22 @@ def test_every_variable_maps_to_its_flag():
            "QUANTSERVE_EMBEDDINGS": "float", "QUANTSERVE_KERNELS": "static",
            "QUANTSERVE_GRACE_SECONDS": "25", "QUANTSERVE_TLS_CERT": "/tls/c.pem", "QUANTSERVE_TLS_KEY": "/tls/k.pem",
            "QUANTSERVE_API_KEY_FILE": "/secrets/key", "QUANTSERVE_LOG_LEVEL": "WARNING", "QUANTSERVE_CACHE": "/c",
-           "PATH": "/usr/bin"}
+           "QUANTSERVE_PREFIX_CACHE": "false", "PATH": "/usr/bin"}
     argv = serve_argv(env)
     assert argv[0] == "/artifacts/m"
-    pairs = dict(zip(argv[1::2], argv[2::2]))
-    assert pairs == {v.flag: env.get(v.name, v.default) for v in VARS if v.flag}  # every flag, nothing else
+    switches = {v.flag for v in VARS if v.switch}
+    assert switches == {"--prefix-cache"}
+    rest = [a for a in argv[1:] if a not in ("--prefix-cache", "--no-prefix-cache")]
+    assert [a for a in argv[1:] if a not in rest] == ["--no-prefix-cache"]  # a switch is its flag alone
+    pairs = dict(zip(rest[0::2], rest[1::2]))
+    assert pairs == {v.flag: env.get(v.name, v.default) for v in VARS if v.flag and not v.switch}  # nothing else
     assert pairs["--host"] == "0.0.0.0"  # the container default
     # The flags are quant serve's own: its parser takes them all.
     from server.cli import build_parser
 
     parsed = build_parser().parse_args(argv)
     assert (parsed.grpc_port, parsed.max_batch, parsed.grace, parsed.api_key_file) == (-1, 8, 25.0, "/secrets/key")
+    assert parsed.prefix_cache is False
 
 
 @pytest.mark.parametrize("env,msg", [

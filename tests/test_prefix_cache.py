@@ -272,3 +272,74 @@ def test_n_is_checked_and_a_cancelled_request_ends_every_sample(engines):
     assert sorted(ev.index for ev in finals) == [0, 1, 2] and {ev.finish_reason for ev in finals} == {"cancelled"}
     assert {ev.request_id for ev in events} == {h.id}
     assert_books(on)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, cache_dir):
+    from live_server import start
+
+    s = start(tiny_model_dir, cache_dir)
+    yield s
+    s.shutdown()
+
+
+def test_n_over_http_grpc_the_openai_sdk_and_the_client(server):
+    """n = 3 through every door: the openai SDK's completions and chat (choices[i], streaming interleaved by index),
+    gRPC's Generate (choices) and GenerateStream (index), the Python client (Result.samples) over both transports;
+    sample i is the request of seed + i alone, and the response says what the prefix cache gave."""
+    import grpc
+    import openai
+
+    from quantserve.client import Client
+    from quantserve.v1 import inference_pb2 as pb
+    from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
+    prompt = ids(40, 60)
+    kw = dict(temperature=0.9, top_p=0.95, seed=7, max_tokens=6)
+    oa = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+    r = oa.completions.create(model="m", prompt=prompt, n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [oa.completions.create(model="m", prompt=prompt, **{**kw, "seed": 7 + i}) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == 40 and r.usage.completion_tokens == 18
+    assert alone[1].usage.prompt_tokens_details.cached_tokens == 32  # the n request published the stem
+    streamed = {}
+    for chunk in oa.completions.create(model="m", prompt=prompt, n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in r.choices]
+    chat = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me about rivers"}],
+                                      n=2, temperature=0.8, seed=3, max_tokens=5)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content is not None for c in chat.choices)
+
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(server.grpc_target))
+    req = pb.GenerateRequest(prompt_ids=prompt, n=3, sampling=pb.SamplingParameters(
+        temperature=0.9, top_p=0.95, seed=7, max_new_tokens=6))
+    g = stub.Generate(req, timeout=60)
+    assert [c.index for c in g.choices] == [0, 1, 2] and [c.final.seed for c in g.choices] == [7, 8, 9]
+    by_index = {}
+    for m in stub.GenerateStream(req, timeout=60):
+        by_index.setdefault(m.index, []).extend(m.token_ids)
+    assert [by_index[i] for i in range(3)] == [list(c.token_ids) for c in g.choices]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.GenerateRequest(prompt_ids=prompt, n=0), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be an integer" in e.value.details()
+
+    for http in (False, True):
+        target = server.http.removeprefix("http://") if http else server.grpc_target
+        with Client(target, http=http) as c:
+            res = c.generate(prompt, n=3, temperature=0.9, top_p=0.95, seed=7, max_new_tokens=6)
+            assert [s.seed for s in res.samples] == [7, 8, 9]
+            assert [s.token_ids for s in res.samples] == [tuple(c.token_ids) for c in g.choices]
+            for s in res.samples:
+                m = s.memory
+                assert m.kv_bytes_own + m.kv_bytes_shared == m.kv_bytes_reserved and m.kv_bytes_shared > 0
+    bad = httpx_post(server.http + "/v1/completions", {"prompt": "x", "n": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    server.assert_idle()
+
+
+def httpx_post(url: str, body: dict):
+    import httpx
+
+    return httpx.post(url, json=body, timeout=60)

@@ -109,7 +109,7 @@ def test_openai_client_completions_chat_and_streaming(server):
     ({"prompt": "x", "top_k": -3}, "top_k"),
     ({"prompt": "x", "max_tokens": 0}, "max_new_tokens"),
     ({"prompt": "x", "max_tokens": 10**6}, "max_new_tokens"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--ids", action="store_true", help="PROMPT is a comma-separated list of token ids")
         if name == "generate":
             c.add_argument("--json", action="store_true", help="print the whole result as JSON")
+            c.add_argument("--n", type=int, default=1, help="samples of the prompt (the server prefills it once; "
+                                                            "sample i draws with seed + i; default 1)")
     c = cmd("chat", "chat: one user message per stdin line (the server applies the chat template); "
                     "'/exit' or end of input ends", [conn, samp])
     c.add_argument("--system", help="a system message to start the conversation with")
@@ -171,14 +173,17 @@ def _write(text: str) -> None:
 
 def cmd_generate(a, out: Console, err: Console) -> None:
     with _client(a) as c:
-        r = c.generate(_prompt(a), **_sampling(a))
+        r = c.generate(_prompt(a), n=a.n, **_sampling(a))
     if a.json:
         _write(json.dumps(to_dict(r), indent=1) + "\n")
         return
-    _write(r.text + "\n")
     from quantserve.client.render import summary
 
-    err.print(summary(r), markup=False, highlight=False, style="dim")
+    for i, s in enumerate(r.samples or (r,)):
+        if r.samples:
+            err.print(f"--- sample {i} (seed {s.seed})", markup=False, highlight=False, style="dim")
+        _write(s.text + "\n")
+        err.print(summary(s), markup=False, highlight=False, style="dim")
 
 
 def cmd_stream(a, out: Console, err: Console) -> None:

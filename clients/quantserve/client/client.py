@@ -62,17 +62,18 @@ def make_sampling(**kw: Any) -> Sampling:
     return Sampling(**out)
 
 
-def prompt_request(prompt: Prompt, sampling: Sampling, request_id: str | None = None) -> Request:
+def prompt_request(prompt: Prompt, sampling: Sampling, request_id: str | None = None, n: int = 1) -> Request:
     if isinstance(prompt, str):
-        return Request(prompt=prompt, sampling=sampling, request_id=request_id)
+        return Request(prompt=prompt, sampling=sampling, request_id=request_id, n=n)
     ids = tuple(prompt)
     if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
         raise ClientError(INVALID_ARGUMENT, "prompt must be a string or a sequence of token ids (integers)",
                           "prompt_ids")
-    return Request(prompt_ids=tuple(int(i) for i in ids), sampling=sampling, request_id=request_id)
+    return Request(prompt_ids=tuple(int(i) for i in ids), sampling=sampling, request_id=request_id, n=n)
 
 
-def chat_request(messages: Iterable[MessageLike], sampling: Sampling, request_id: str | None = None) -> Request:
+def chat_request(messages: Iterable[MessageLike], sampling: Sampling, request_id: str | None = None,
+                 n: int = 1) -> Request:
     """Messages as Message objects, {"role", "content"} mappings or (role, content) pairs."""
     out = []
     for i, m in enumerate(messages):
@@ -85,7 +86,7 @@ def chat_request(messages: Iterable[MessageLike], sampling: Sampling, request_id
         else:
             raise ClientError(INVALID_ARGUMENT, f"messages[{i}] must be a Message, a {{role, content}} mapping or "
                                                 f"a (role, content) pair of strings, got {m!r}", "messages")
-    return Request(messages=tuple(out), sampling=sampling, request_id=request_id)
+    return Request(messages=tuple(out), sampling=sampling, request_id=request_id, n=n)
 
 
 def make_options(target: str | None, http: bool, tls: bool, ca_file: str | None, api_key: str | None,
@@ -132,17 +133,20 @@ class Client:
     def transport(self) -> str:
         return self.options.transport
 
-    def generate(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Result:
-        """The whole completion of a text prompt (or of token ids)."""
-        return self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id))
+    def generate(self, prompt: Prompt, *, request_id: str | None = None, n: int = 1, **sampling: Any) -> Result:
+        """The whole completion of a text prompt (or of token ids). ``n`` > 1: that many samples, the prompt
+        prefilled once on the server; ``Result.samples`` holds them (sample i drew with seed + i)."""
+        return self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
     def stream(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Iterator[StreamChunk]:
         """Chunks as they are generated; the last one carries ``result``. Stopping early cancels the request."""
         return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
 
-    def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, **sampling: Any) -> Result:
-        """The assistant's reply to a conversation (the server applies the model's chat template)."""
-        return self._t.generate(chat_request(messages, make_sampling(**sampling), request_id))
+    def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
+             **sampling: Any) -> Result:
+        """The assistant's reply to a conversation (the server applies the model's chat template); ``n`` as in
+        :meth:`generate`."""
+        return self._t.generate(chat_request(messages, make_sampling(**sampling), request_id, n))
 
     def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
                     **sampling: Any) -> Iterator[StreamChunk]:
@@ -193,16 +197,17 @@ class AsyncClient:
     def transport(self) -> str:
         return self.options.transport
 
-    async def generate(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Result:
-        return await self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id))
+    async def generate(self, prompt: Prompt, *, request_id: str | None = None, n: int = 1,
+                       **sampling: Any) -> Result:
+        return await self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
     def stream(self, prompt: Prompt, *, request_id: str | None = None,
                **sampling: Any) -> AsyncIterator[StreamChunk]:
         return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
 
-    async def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+    async def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
                    **sampling: Any) -> Result:
-        return await self._t.generate(chat_request(messages, make_sampling(**sampling), request_id))
+        return await self._t.generate(chat_request(messages, make_sampling(**sampling), request_id, n))
 
     def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
                     **sampling: Any) -> AsyncIterator[StreamChunk]:

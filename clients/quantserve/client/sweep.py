@@ -1,4 +1,5 @@
-"""The sampling sweep: every (temperature, top_k, top_p) combination x seeds 0..S-1, concurrently.
+"""The sampling sweep: every (temperature, top_k, top_p) combination x seeds 0..S-1, concurrently, a cell's seeds
+as the samples of one request (``n``).
 
 Each request asks for logprobs=0 (each generated token's logprob under the model's raw distribution) and
 trace=1 (the exact per-step entropy of the distribution the token was drawn from); :mod:`quantserve.client.metrics`
@@ -76,25 +77,35 @@ def parse_list(text: str, kind: type, name: str) -> tuple:
     return vals
 
 
+MAX_N = 16  # samples per request: a cell's seeds go in requests of up to this many (the server's n)
+
+
 def run_sweep(client: Client, spec: SweepSpec,
               progress: Callable[[int, int], None] | None = None) -> list[SweepRow]:
-    """Run every request of the grid (``spec.concurrency`` at a time over the one thread-safe client) and
-    return one row per cell. The first failing request's ClientError is raised (the rest are cancelled)."""
-    jobs = [(cell, seed) for cell in spec.cells() for seed in range(spec.seeds)]
+    """Run every cell of the grid (``spec.concurrency`` requests at a time over the one thread-safe client) and
+    return one row per cell. A cell's seeds 0..S-1 are the samples of one request (``n``, up to :data:`MAX_N`
+    per request): the server prefills the prompt once for them, and sample i draws with seed i, so each is what
+    a request of that seed alone gives. The first failing request's ClientError is raised (the rest are
+    cancelled). ``progress(done, total)`` counts samples."""
+    jobs = [(cell, first, min(MAX_N, spec.seeds - first)) for cell in spec.cells()
+            for first in range(0, spec.seeds, MAX_N)]
 
-    def one(job) -> Result:
-        (t, k, p), seed = job
-        return client.generate(spec.prompt, temperature=t, top_k=k, top_p=p, seed=seed,
-                               max_new_tokens=spec.max_new_tokens, logprobs=0, trace=1)
+    def one(job) -> list[Result]:
+        (t, k, p), first, n = job
+        r = client.generate(spec.prompt, temperature=t, top_k=k, top_p=p, seed=first, n=n,
+                            max_new_tokens=spec.max_new_tokens, logprobs=0, trace=1)
+        return list(r.samples) if n > 1 else [r]
 
     results: dict[tuple, list[Result]] = {cell: [] for cell in spec.cells()}
     with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
         futures = [(job, pool.submit(one, job)) for job in jobs]
         try:
-            for done, (job, fut) in enumerate(futures, 1):
-                results[job[0]].append(fut.result())
+            done = 0
+            for job, fut in futures:
+                results[job[0]].extend(fut.result())
+                done += job[2]
                 if progress:
-                    progress(done, len(futures))
+                    progress(done, spec.requests)
         except BaseException:
             for _, f in futures:
                 f.cancel()

@@ -37,6 +37,11 @@ def request_to_proto(req: Request) -> pb.GenerateRequest:
         except (TypeError, ValueError) as e:  # wrong type / out of int64: the proto refuses it here
             raise ClientError(INVALID_ARGUMENT, f"{name}: {e}", name) from None
     out = pb.GenerateRequest(sampling=s, request_id=req.request_id or "")
+    if req.n != 1:
+        try:
+            out.n = req.n
+        except (TypeError, ValueError) as e:
+            raise ClientError(INVALID_ARGUMENT, f"n: {e}", "n") from None
     if req.messages is not None:
         out.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in req.messages)
     elif req.prompt_ids is not None:
@@ -88,8 +93,10 @@ def _final(request_id: str, f: pb.Final) -> dict:
 
 
 def result_from_proto(r: pb.GenerateResponse) -> Result:
+    samples = tuple(Result(text=c.text, token_ids=tuple(c.token_ids), logprobs=_logprobs(c.logprobs),
+                           trace=_trace(c.trace), **_final(r.request_id, c.final)) for c in r.choices)
     return Result(text=r.text, token_ids=tuple(r.token_ids), logprobs=_logprobs(r.logprobs), trace=_trace(r.trace),
-                  **_final(r.request_id, r.final))
+                  **_final(r.request_id, r.final), samples=samples if len(samples) > 1 else ())
 
 
 def _chunk(m: pb.GenerateStreamResponse, joined: _Joined) -> StreamChunk:

@@ -11,6 +11,7 @@ the server names the request itself and the result carries that id).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 import time
@@ -50,6 +51,8 @@ def path_and_body(req: Request, stream: bool) -> tuple[str, dict[str, Any]]:
         body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
     else:
         body["prompt"] = list(req.prompt_ids) if req.prompt_ids is not None else (req.prompt or "")
+    if req.n != 1:
+        body["n"] = req.n
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
@@ -95,10 +98,19 @@ def _final(body: dict, choice: dict, usage: Any) -> dict:
 
 def result_from_body(body: dict) -> Result:
     try:
-        choice = body["choices"][0]
-        return Result(text=_text(choice), token_ids=_ids(choice), logprobs=_logprobs(choice.get("logprobs")),
-                      trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()),
-                      **_final(body, choice, body.get("usage")))
+        choices = body["choices"]
+        first = Result(text=_text(choices[0]), token_ids=_ids(choices[0]),
+                       logprobs=_logprobs(choices[0].get("logprobs")),
+                       trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()),
+                       **_final(body, choices[0], body.get("usage")))
+        if len(choices) == 1:
+            return first
+        # n > 1: each choice carries its own seed, stop and memory (its usage: the prompt once, its own tokens)
+        samples = tuple(Result(text=_text(c), token_ids=_ids(c), logprobs=_logprobs(c.get("logprobs")),
+                               trace=tuple(trace_from_dict(t) for t in c.get("trace") or ()),
+                               **_final({**body, **{k: c.get(k) for k in ("seed", "stop", "memory")}}, c, None))
+                        for c in sorted(choices, key=lambda c: c["index"]))
+        return dataclasses.replace(first, samples=samples)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise ClientError(INTERNAL, f"unexpected response from the server: {type(e).__name__}: {e}") from None
 

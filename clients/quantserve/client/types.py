@@ -180,6 +180,9 @@ class Result:
     ttft_s: float | None = None  # server-side time to first token (from arrival)
     duration_s: float | None = None  # server-side duration
     transport: str = "grpc"
+    # A request of n > 1 samples: every sample in index order (each with its own seed and memory), the first
+    # being this Result's own fields; () for n = 1.
+    samples: tuple["Result", ...] = ()
 
     def token_keys(self) -> tuple:
         """The generated tokens as comparable keys: ids when the transport gives them, else the tokens' texts
@@ -393,3 +396,4 @@ class Request:
     messages: tuple[Message, ...] | None = None
     sampling: Sampling = Sampling()
     request_id: str | None = None
+    n: int = 1  # samples of the prompt; sample i draws with seed + i (the server's rule)

@@ -41,18 +41,20 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "sampling", "request_id", "messages")
+    __slots__ = ("prompt", "prompt_ids", "sampling", "request_id", "messages", "n")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParameters
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "prob")
@@ -176,24 +178,42 @@ class Final(_message.Message):
     duration_s: float
     def __init__(self, finish_reason: _Optional[str] = ..., stop: _Optional[str] = ..., seed: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., memory: _Optional[_Union[MemoryAccounting, _Mapping]] = ..., ttft_s: _Optional[float] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
+class Choice(_message.Message):
+    __slots__ = ("index", "text", "token_ids", "logprobs", "trace", "final")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    trace: _containers.RepeatedCompositeFieldContainer[TraceStep]
+    final: Final
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "trace", "final")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "trace", "final", "choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     trace: _containers.RepeatedCompositeFieldContainer[TraceStep]
     final: Final
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[Choice]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "seed", "text", "token_ids", "logprobs", "trace", "final")
+    __slots__ = ("request_id", "seed", "text", "token_ids", "logprobs", "trace", "final", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +221,7 @@ class GenerateStreamResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seed: int
     text: str
@@ -208,7 +229,8 @@ class GenerateStreamResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     trace: _containers.RepeatedCompositeFieldContainer[TraceStep]
     final: Final
-    def __init__(self, request_id: _Optional[str] = ..., seed: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., seed: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., trace: _Optional[_Iterable[_Union[TraceStep, _Mapping]]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
