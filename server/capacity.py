@@ -1,9 +1,11 @@
 """Capacity planning: what the engine would do with requests of given shapes, answered from its own accounting.
 
-For each request shape (prompt tokens, max new tokens, how many):
+For each request shape (prompt tokens, max new tokens, how many, samples per request ``n``):
 
 - KV reserved per request: ceil((prompt + max_new) / block_size) blocks x bytes per block, the reservation the
-  scheduler makes at admission and ``Accounting.kv_bytes_reserved`` later reports;
+  scheduler makes at admission and ``Accounting.kv_bytes_reserved`` later reports; a request of ``n`` samples
+  reserves that per sample, its samples sharing the prompt's full blocks before its last token's block, which the
+  pool holds once (:func:`blocks_of`);
 - the prefill activation peak: the largest ``Engine.activation_estimate`` over the request's prefill chunks
   (``max_prefill_tokens`` each) when it prefills alone, what ``Accounting.activation_peak_bytes`` reports
   for it then (a prompt sharing a step's prefill budget with others is cut into smaller chunks);
@@ -42,6 +44,7 @@ class Shape:
     prompt_tokens: int
     max_new_tokens: int
     count: int = 1
+    n: int = 1  # samples per request (they share the prompt's full blocks before its last token's block)
 
 
 def validate(shapes: list[Shape]) -> list[Shape]:
@@ -51,7 +54,7 @@ def validate(shapes: list[Shape]) -> list[Shape]:
     if len(shapes) > MAX_SHAPES:
         raise RequestError("requests", f"at most {MAX_SHAPES} request shapes per plan, got {len(shapes)}")
     for i, s in enumerate(shapes):
-        for name in ("prompt_tokens", "max_new_tokens", "count"):
+        for name in ("prompt_tokens", "max_new_tokens", "count", "n"):
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"requests[{i}].{name}", f"requests[{i}].{name} must be an integer >= 1, got {v!r}")
@@ -102,6 +105,25 @@ def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, nu
         )
 
 
+def blocks_of(prompt_tokens: int, max_new_tokens: int, n: int, block_size: int) -> int:
+    """KV blocks a request of ``n`` samples reserves with nothing cached: each sample's ceil((prompt + max_new) /
+    block_size), its samples sharing the prompt's full blocks before the block of its last token
+    (server/kv_pool.py's group_blocks, which this must equal)."""
+    total = math.ceil((prompt_tokens + max_new_tokens) / block_size)
+    return total + (n - 1) * (total - (prompt_tokens - 1) // block_size)
+
+
+def check_n(n: int, prompt_tokens: int, max_new_tokens: int, max_batch: int, num_blocks: int,
+            block_size: int) -> None:
+    """The engine's admission check of a request's ``n`` (after :func:`check_shape`): RequestError naming it."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_batch:
+        raise RequestError("n", f"n must be an integer in [1, {max_batch}] (--max-batch), got {n!r}")
+    need = blocks_of(prompt_tokens, max_new_tokens, n, block_size)
+    if n > 1 and need > num_blocks:
+        raise RequestError("n", f"{n} samples of {prompt_tokens} prompt + {max_new_tokens} new tokens need {need} KV "
+                                f"blocks with the prompt's shared; the pool has {num_blocks}")
+
+
 @dataclass(frozen=True)
 class EngineState:
     """What admission depends on, at one moment."""
@@ -113,7 +135,7 @@ class EngineState:
     running: int
     max_batch: int
     max_prefill_tokens: int
-    waiting: tuple[int, ...]  # blocks each waiting request needs, in queue order
+    waiting: tuple[tuple[int, int], ...]  # (blocks, samples) each waiting request needs, in queue order
     queued: int  # accepted and not yet admitted (>= len(waiting): also those still on their way in)
     max_queue: int
 
@@ -134,8 +156,8 @@ class Refusal:
 @dataclass(frozen=True)
 class ShapePlan:
     shape: Shape
-    kv_blocks: int  # per request
-    kv_bytes_reserved: int  # per request
+    kv_blocks: int  # per request: its samples' blocks in the pool, those they share counted once
+    kv_bytes_reserved: int  # per sample: what each sample's Accounting.kv_bytes_reserved reports
     activation_peak_bytes: int
     fit_now: int
     fit_now_limited_by: str  # "kv_blocks", "max_batch", or "refused" (the shape itself is refused)
@@ -145,6 +167,7 @@ class ShapePlan:
     queued: int
     refused: int
     refusal: Refusal | None = None  # why the refused ones were refused (the first reason met)
+    kv_blocks_shared: int = 0  # per request of n > 1: the blocks all its samples hold (counted once in kv_blocks)
 
 
 @dataclass(frozen=True)
@@ -154,9 +177,9 @@ class PlanResult:
     outcomes: tuple[str, ...] = field(default=())  # one per request, in the order sent
 
 
-def _fit(blocks_free: int, slots_free: int, need: int) -> tuple[int, str]:
-    by_kv = blocks_free // need
-    return (by_kv, "kv_blocks") if by_kv <= slots_free else (slots_free, "max_batch")
+def _fit(blocks_free: int, slots_free: int, need: int, n: int) -> tuple[int, str]:
+    by_kv, by_batch = blocks_free // need, slots_free // n
+    return (by_kv, "kv_blocks") if by_kv <= by_batch else (by_batch, "max_batch")
 
 
 def prefill_peak(prompt_tokens: int, chunk: int, estimate: Callable[[int, int], int]) -> int:
@@ -172,19 +195,26 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     free, running, queued = state.free_blocks, state.running, state.queued
     waiting = list(state.waiting)
     # What the engine's next admission does with the requests already waiting.
-    while waiting and running < state.max_batch and waiting[0] <= free:
-        free -= waiting.pop(0)
-        running += 1
+    while waiting and running + waiting[0][1] <= state.max_batch and waiting[0][0] <= free:
+        blocks, samples = waiting.pop(0)
+        free -= blocks
+        running += samples
         queued -= 1
     ahead = len(waiting)  # still waiting: FIFO keeps every new request behind them
     out, outcomes = [], []
     for s in shapes:
-        need = math.ceil((s.prompt_tokens + s.max_new_tokens) / state.block_size)
+        per_sample = math.ceil((s.prompt_tokens + s.max_new_tokens) / state.block_size)
+        need = blocks_of(s.prompt_tokens, s.max_new_tokens, s.n, state.block_size)
         refusal = check(s.prompt_tokens, s.max_new_tokens)  # None: the shape itself is servable
+        if refusal is None:
+            try:
+                check_n(s.n, s.prompt_tokens, s.max_new_tokens, state.max_batch, state.num_blocks, state.block_size)
+            except RequestError as e:
+                refusal = Refusal("INVALID_ARGUMENT", str(e), e.param)
         servable = refusal is None
         if servable:
-            fit_now = _fit(state.free_blocks, state.max_batch - state.running, need)
-            fit_empty = _fit(state.num_blocks, state.max_batch, need)
+            fit_now = _fit(state.free_blocks, state.max_batch - state.running, need, s.n)
+            fit_empty = _fit(state.num_blocks, state.max_batch, need, s.n)
         else:
             fit_now = fit_empty = (0, "refused")
         counts = {ADMITTED: 0, QUEUED: 0, REFUSED: 0}
@@ -195,16 +225,17 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
                 o = REFUSED
                 refusal = Refusal("RESOURCE_EXHAUSTED", f"overloaded: {queued} requests are already waiting "
                                                         f"(--max-queue {state.max_queue})")
-            elif ahead == 0 and running < state.max_batch and need <= free:
-                o, free, running = ADMITTED, free - need, running + 1
+            elif ahead == 0 and running + s.n <= state.max_batch and need <= free:
+                o, free, running = ADMITTED, free - need, running + s.n
             else:
                 o, queued, ahead = QUEUED, queued + 1, ahead + 1
             counts[o] += 1
             outcomes.append(o)
         peak = prefill_peak(s.prompt_tokens, state.max_prefill_tokens, estimate) if servable else 0
         out.append(ShapePlan(
-            s, need, need * state.bytes_per_block, peak, *fit_now, *fit_empty,
+            s, need, per_sample * state.bytes_per_block, peak, *fit_now, *fit_empty,
             counts[ADMITTED], counts[QUEUED], counts[REFUSED], refusal if counts[REFUSED] else None,
+            (s.prompt_tokens - 1) // state.block_size if s.n > 1 else 0,
         ))
     return PlanResult(tuple(out), state, tuple(outcomes))
 
@@ -217,8 +248,8 @@ def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, atte
     def shape_plan(p: ShapePlan) -> dict:
         d = {
             "shape": {"prompt_tokens": p.shape.prompt_tokens, "max_new_tokens": p.shape.max_new_tokens,
-                      "count": p.shape.count},
-            "kv_blocks": p.kv_blocks, "kv_bytes_reserved": p.kv_bytes_reserved,
+                      "count": p.shape.count, "n": p.shape.n},
+            "kv_blocks": p.kv_blocks, "kv_blocks_shared": p.kv_blocks_shared, "kv_bytes_reserved": p.kv_bytes_reserved,
             "activation_peak_bytes": p.activation_peak_bytes,
             "fit_now": p.fit_now, "fit_now_limited_by": p.fit_now_limited_by,
             "fit_empty": p.fit_empty, "fit_empty_limited_by": p.fit_empty_limited_by,
@@ -308,7 +339,7 @@ def estimate_command(args, console, cache_dir) -> int:
     from quantserve.client.types import parse_shape, plan_from_dict
 
     try:
-        shapes = [Shape(s.prompt_tokens, s.max_new_tokens, s.count)
+        shapes = [Shape(s.prompt_tokens, s.max_new_tokens, s.count, s.n)
                   for s in map(parse_shape, args.requests.split(","))]
         result = offline(args.model, cache_dir, shapes, dtype=args.dtype, memory_budget=args.memory_budget,
                          max_batch=args.max_batch, max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens)

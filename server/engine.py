@@ -384,18 +384,12 @@ class Engine:
         each sample ends with its own final event."""
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_batch:
-            raise RequestError("n", f"n must be an integer in [1, {self.config.max_batch}] (--max-batch), got {n!r}")
         if not self._accepting:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         ids = self._prompt_ids(prompt)
         self.check(len(ids), params.max_new_tokens)
-        if n > 1:
-            need = self.pool.group_blocks(len(ids), len(ids) + params.max_new_tokens, n)
-            if need > self.pool.num_blocks:
-                raise RequestError("n", f"{n} samples of {len(ids)} prompt + {params.max_new_tokens} new tokens need "
-                                        f"{need} KV blocks with the prompt's shared; the pool has "
-                                        f"{self.pool.num_blocks}")
+        capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.pool.num_blocks,
+                         self.layout.block_size)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
         rid = request_id or f"req-{next(self._ids)}"
         with self._lock:
@@ -518,7 +512,9 @@ class Engine:
             state = capacity.EngineState(
                 self.pool.num_blocks, self.pool.free_blocks, self.layout.block_size, self.layout.bytes_per_block,
                 len(self.scheduler.running), self.config.max_batch, self.config.max_prefill_tokens,
-                tuple(self.layout.blocks_for(s.reserve_tokens) for s in self.scheduler.waiting), self._queued,
+                tuple((self.pool.group_blocks(len(s.prompt), s.reserve_tokens, len(s.group.members)),
+                       len(s.group.members)) if s.group is not None else (self.layout.blocks_for(s.reserve_tokens), 1)
+                      for s in self.scheduler.waiting), self._queued,
                 self.config.max_queue,
             )
             fut.set_result(capacity.plan(shapes, state, check, self.activation_estimate))

@@ -135,8 +135,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     async def Plan(self, request, context):
-        shapes = [Shape(r.prompt_tokens, r.max_new_tokens, r.count if r.HasField("count") else 1)
-                  for r in request.requests]
+        shapes = [Shape(r.prompt_tokens, r.max_new_tokens, r.count if r.HasField("count") else 1,
+                        r.n if r.HasField("n") else 1) for r in request.requests]
         return json_format.ParseDict(await self.svc.plan(shapes), pb.PlanResponse())
 
     async def ModelInfo(self, request, context):

@@ -84,6 +84,7 @@ class ShapeBody(BaseModel):
     prompt_tokens: int
     max_new_tokens: int
     count: int = 1
+    n: int = 1  # samples per request
 
 
 class PlanBody(BaseModel):
@@ -102,7 +103,7 @@ class PlanBody(BaseModel):
             given = [k for k, v in one.items() if v is not None]
             if given:
                 raise RequestError(given[0], f"give requests or {given[0]}, not both")
-            return [Shape(r.prompt_tokens, r.max_new_tokens, r.count) for r in self.requests]
+            return [Shape(r.prompt_tokens, r.max_new_tokens, r.count, r.n) for r in self.requests]
         one["concurrency"] = 1 if self.concurrency is None else self.concurrency
         for name, v in one.items():
             if v is None:

@@ -230,7 +230,8 @@ class BlockPool:
         return table
 
     def group_blocks(self, prompt_tokens: int, tokens: int, n: int) -> int:
-        """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`)."""
+        """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`;
+        server/capacity.py's blocks_of plans with the same arithmetic, and the tests hold them equal)."""
         total = self.layout.blocks_for(tokens)
         return total + (n - 1) * (total - self.shared_in_group(prompt_tokens))
 

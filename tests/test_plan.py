@@ -60,8 +60,8 @@ def test_batch_slots_and_waiting_requests_of_the_snapshot():
     assert r.outcomes == ("admitted", "queued") and r.shapes[0].fit_now_limited_by == "max_batch"
     # The waiting head that fits is admitted first (what the engine's next admission does); one that does not
     # keeps everything behind it queued.
-    assert capacity.plan([Shape(1, 1)], _state(waiting=(3,), queued=1), _ok, _est).outcomes == ("admitted",)
-    r = capacity.plan([Shape(1, 1)], _state(free_blocks=2, waiting=(3,), queued=1), _ok, _est)
+    assert capacity.plan([Shape(1, 1)], _state(waiting=((3, 1),), queued=1), _ok, _est).outcomes == ("admitted",)
+    r = capacity.plan([Shape(1, 1)], _state(free_blocks=2, waiting=((3, 1),), queued=1), _ok, _est)
     assert r.outcomes == ("queued",) and r.shapes[0].fit_now == 2
 
 
@@ -246,7 +246,7 @@ def test_the_client_and_cli_refuse_a_plan_without_one_clear_shape(server, capsys
             assert e.value.code == "invalid_argument" and e.value.param == param
     for args, says in ((["plan"], "needs --prompt-tokens"),
                        (["plan", "--shape", "5x5", "--max-new-tokens", "5"], "not both"),
-                       (["plan", "--shape", "5x"], "--shape: a request shape is PROMPTxMAX_NEW[xCOUNT]")):
+                       (["plan", "--shape", "5x"], "--shape: a request shape is PROMPTxMAX_NEW[xCOUNT[xN]]")):
         assert main([*args, "--target", server.grpc_target]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err, err

@@ -343,3 +343,43 @@ def httpx_post(url: str, body: dict):
     import httpx
 
     return httpx.post(url, json=body, timeout=60)
+
+
+def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admitted(tiny_model_dir, cache_dir):
+    """capacity.blocks_of (the plan's arithmetic) equals the pool's group reservation; a Plan of 5 requests of
+    n = 4 samples (200-token prompt, 40 new: 15 blocks a sample, 12 of them shared, 24 a request) on a 100-block
+    pool says 4 admitted and 1 queued, and the engine then runs exactly 16 samples with one request waiting."""
+    from server import capacity
+    from server.capacity import Shape
+
+    probe = make(tiny_model_dir, cache_dir)
+    bpb = probe.layout.bytes_per_block
+    for p_len, new, n in ((200, 40, 4), (32, 1, 3), (33, 15, 2), (1, 5, 7), (1024, 128, 8)):
+        assert capacity.blocks_of(p_len, new, n, BS) == probe.pool.group_blocks(p_len, p_len + new, n)
+    probe.close()
+    eng = make(tiny_model_dir, cache_dir, budget=str(100 * bpb))
+    try:
+        plan = eng.plan([Shape(200, 40, 5, 4)], lambda n, m: None).result(30)
+        s = plan.shapes[0]
+        assert (s.kv_blocks, s.kv_blocks_shared, s.kv_bytes_reserved) == (24, 12, 15 * bpb)
+        assert (s.fit_now, s.admitted, s.queued, s.refused) == (4, 4, 1, 0)
+        assert plan.outcomes == ("admitted",) * 4 + ("queued",)
+        started: set = set()  # (request, sample) that have a token
+        handles = [eng.submit(ids(200, 70 + i), greedy(40), lambda ev: ev.token_ids and started.add(
+            (ev.request_id, ev.index)), n=4) for i in range(5)]
+        for _ in range(6000):
+            if len(started) >= 16:
+                break
+            threading.Event().wait(0.005)
+        assert len(started) == 16
+        t = eng.totals()
+        assert (t.running, t.queued, t.kv_used_bytes) == (16, 1, 96 * bpb)
+        for h in handles:
+            h.cancel()
+        for _ in range(3000):
+            if eng.pool.used_blocks == 0 and not eng.scheduler.has_work:
+                break
+            threading.Event().wait(0.005)
+        assert_books(eng)
+    finally:
+        eng.close()

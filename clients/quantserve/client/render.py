@@ -77,19 +77,20 @@ def plan_table(p: Plan, transport: str) -> Group:
     """One row per shape: KV per request, how many fit now / when idle (and what limits it), the activation
     peak, and the outcomes of sending them now; a refusal's reason on the line below its row; then the pool."""
     t = Table(title=f"capacity plan ({transport})", title_justify="left")
-    for name in ("prompt", "max new", "count", "KV / request", "fit now", "fit idle", "activation peak",
+    for name in ("prompt", "max new", "count", "n", "KV / request", "fit now", "fit idle", "activation peak",
                  "admitted", "queued", "refused"):
         t.add_column(name, justify="right")
     notes = []
+    e = p.engine
+    bpb = e.kv_capacity_bytes // p.kv_capacity_blocks if e is not None and p.kv_capacity_blocks else 0
     for i, s in enumerate(p.shapes):
-        t.add_row(str(s.shape.prompt_tokens), str(s.shape.max_new_tokens), str(s.shape.count),
-                  f"{human_bytes(s.kv_bytes_reserved)} ({s.kv_blocks} blocks)",
+        shared = f", {s.kv_blocks_shared} shared" if s.kv_blocks_shared else ""
+        t.add_row(str(s.shape.prompt_tokens), str(s.shape.max_new_tokens), str(s.shape.count), str(s.shape.n),
+                  f"{human_bytes(s.kv_blocks * bpb)} ({s.kv_blocks} blocks{shared})",
                   f"{s.fit_now} ({s.fit_now_limited_by})", f"{s.fit_empty} ({s.fit_empty_limited_by})",
                   human_bytes(s.activation_peak_bytes), str(s.admitted), str(s.queued), str(s.refused))
         if s.refusal is not None:
             notes.append(Text(f"shape {i + 1} refused: {s.refusal.code}: {s.refusal.message}"))
-    e = p.engine
-    bpb = e.kv_capacity_bytes // p.kv_capacity_blocks if e is not None and p.kv_capacity_blocks else 0
     pool = Text(f"KV pool: {p.kv_free_blocks} of {p.kv_capacity_blocks} blocks free "
                 f"({human_bytes(p.kv_free_blocks * bpb)} of {human_bytes(p.kv_capacity_blocks * bpb)}), "
                 f"{p.kv_bytes_per_token} bytes / token; running {e.running if e else 'n/a'} of max {p.max_batch}, "

@@ -80,15 +80,16 @@ def parse_list(text: str, kind: type, name: str) -> tuple:
 MAX_N = 16  # samples per request: a cell's seeds go in requests of up to this many (the server's n)
 
 
-def run_sweep(client: Client, spec: SweepSpec,
-              progress: Callable[[int, int], None] | None = None) -> list[SweepRow]:
+def run_sweep(client: Client, spec: SweepSpec, progress: Callable[[int, int], None] | None = None,
+              per_request: int = MAX_N) -> list[SweepRow]:
     """Run every cell of the grid (``spec.concurrency`` requests at a time over the one thread-safe client) and
     return one row per cell. A cell's seeds 0..S-1 are the samples of one request (``n``, up to :data:`MAX_N`
     per request): the server prefills the prompt once for them, and sample i draws with seed i, so each is what
     a request of that seed alone gives. The first failing request's ClientError is raised (the rest are
-    cancelled). ``progress(done, total)`` counts samples."""
-    jobs = [(cell, first, min(MAX_N, spec.seeds - first)) for cell in spec.cells()
-            for first in range(0, spec.seeds, MAX_N)]
+    cancelled). ``progress(done, total)`` counts samples. ``per_request=1``: a request per seed (what the sweep
+    did before ``n``; bench/prefix_cache.py compares the two)."""
+    jobs = [(cell, first, min(per_request, spec.seeds - first)) for cell in spec.cells()
+            for first in range(0, spec.seeds, per_request)]
 
     def one(job) -> list[Result]:
         (t, k, p), first, n = job

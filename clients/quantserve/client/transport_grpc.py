@@ -118,7 +118,7 @@ def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
 
 def plan_to_proto(shapes: tuple[RequestShape, ...]) -> pb.PlanRequest:
     return pb.PlanRequest(requests=[pb.RequestShape(prompt_tokens=s.prompt_tokens, max_new_tokens=s.max_new_tokens,
-                                                    count=s.count) for s in shapes])
+                                                    count=s.count, n=s.n) for s in shapes])
 
 
 def plan_from_proto(m: pb.PlanResponse) -> Plan:

@@ -121,8 +121,8 @@ def _ids(choice: dict) -> tuple[int, ...] | None:
 
 
 def plan_body(shapes: tuple[RequestShape, ...]) -> dict:
-    return {"requests": [{"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens, "count": s.count}
-                         for s in shapes]}
+    return {"requests": [{"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens, "count": s.count,
+                          "n": s.n} for s in shapes]}
 
 
 def _plan(body: dict) -> Plan:

@@ -301,6 +301,7 @@ class RequestShape:
     prompt_tokens: int
     max_new_tokens: int
     count: int = 1
+    n: int = 1  # samples per request (they share the prompt's blocks on the server)
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,7 @@ class ShapePlan:
     queued: int
     refused: int
     refusal: Refusal | None = None
+    kv_blocks_shared: int = 0  # n > 1: the prompt's blocks every sample of a request holds (once in kv_blocks)
 
 
 @dataclass(frozen=True)
@@ -344,10 +346,12 @@ class Plan:
 
 
 def parse_shape(text: str) -> RequestShape:
-    """``PROMPTxMAX_NEW[xCOUNT]`` (``512x256x8``) as a RequestShape; ValueError saying the form otherwise."""
+    """``PROMPTxMAX_NEW[xCOUNT[xN]]`` (``512x256x8``; ``1024x128x4x8``: 4 requests of 8 samples) as a RequestShape;
+    ValueError saying the form otherwise."""
     parts = text.strip().lower().split("x")
-    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT] in whole numbers, e.g. 512x256x8; got {text!r}")
+    if len(parts) not in (2, 3, 4) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT[xN]] in whole numbers, e.g. 512x256x8; "
+                         f"got {text!r}")
     return RequestShape(*(int(p) for p in parts))
 
 
@@ -361,7 +365,8 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
     def shape_plan(p: Mapping[str, Any]) -> ShapePlan:
         r = p.get("refusal")
         refusal = Refusal(str(r["code"]).lower(), str(r["message"]), r.get("param") or None) if r else None
-        return ShapePlan(shape=RequestShape(**ints(p["shape"], RequestShape)), refusal=refusal,
+        shape = {**ints(p["shape"], RequestShape), "n": int(p["shape"].get("n", 1))}  # absent: an older server
+        return ShapePlan(shape=RequestShape(**shape), refusal=refusal,
                          fit_now_limited_by=str(p["fit_now_limited_by"]),
                          fit_empty_limited_by=str(p["fit_empty_limited_by"]), **ints(p, ShapePlan))
 

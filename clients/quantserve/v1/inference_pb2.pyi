@@ -283,14 +283,16 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestShape(_message.Message):
-    __slots__ = ("prompt_tokens", "max_new_tokens", "count")
+    __slots__ = ("prompt_tokens", "max_new_tokens", "count", "n")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     max_new_tokens: int
     count: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., count: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("requests",)
@@ -309,7 +311,7 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class ShapePlan(_message.Message):
-    __slots__ = ("shape", "kv_blocks", "kv_bytes_reserved", "activation_peak_bytes", "fit_now", "fit_now_limited_by", "fit_empty", "fit_empty_limited_by", "admitted", "queued", "refused", "refusal")
+    __slots__ = ("shape", "kv_blocks", "kv_bytes_reserved", "activation_peak_bytes", "fit_now", "fit_now_limited_by", "fit_empty", "fit_empty_limited_by", "admitted", "queued", "refused", "refusal", "kv_blocks_shared")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +324,7 @@ class ShapePlan(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
     shape: RequestShape
     kv_blocks: int
     kv_bytes_reserved: int
@@ -334,7 +337,8 @@ class ShapePlan(_message.Message):
     queued: int
     refused: int
     refusal: Refusal
-    def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+    kv_blocks_shared: int
+    def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., kv_blocks_shared: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
     __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention")
