@@ -342,3 +342,56 @@ def test_triton_fused_rotary_refuses_what_it_cannot_read():
         with pytest.raises(ValueError, match=message):
             paged_attention(args["q"], kc, kc, args["meta"], spec, 16,
                             rope=(args["k"], args["v"], args["cos"], args["sin"]))
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_backends_read_a_shared_prefix_through_their_tables(backend_name):
+    """The prefix cache's tables (server/kv_pool.py): three requests whose tables begin with the same two physical
+    blocks (a 32-token prompt stem written once), then blocks of their own, in one step: a decode row after a
+    past of 45, a prefill chunk of 20 after the stem (a cache hit), and a chunk of 10 after a past of 40; each
+    reads the shared blocks through its own table and matches the reference over stem + its own tokens."""
+    spec = SPECS["window"] if backend_name == "sdpa" else SPECS["plain"]
+    g = torch.Generator().manual_seed(11)
+    cls = BACKENDS[backend_name]
+    bs, blocks, stem = 16, 24, 32
+    backend = cls(torch.zeros(cls.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim)), bs, [spec],
+                  fastops.Ops("eager"))
+    free = torch.randperm(blocks, generator=g).tolist()
+    shared, free = free[:2], free[2:]
+    k_stem = torch.randn(stem, spec.kv_heads, spec.head_dim, generator=g)
+    v_stem = torch.randn(stem, spec.kv_heads, spec.head_dim, generator=g)
+    for p in range(stem):
+        s = shared[p // bs] * bs + p % bs
+        backend.kv[0, 0, s], backend.kv[0, 1, s] = k_stem[p], v_stem[p]
+    reqs = []  # (past, new, table, k_all, v_all)
+    for past, new in ((45, 1), (32, 20), (40, 10)):
+        n = -(-(past + new) // bs)
+        table, free = shared + free[:n - 2], free[n - 2:]
+        k_all = torch.cat([k_stem, torch.randn(past + new - stem, spec.kv_heads, spec.head_dim, generator=g)])
+        v_all = torch.cat([v_stem, torch.randn(past + new - stem, spec.kv_heads, spec.head_dim, generator=g)])
+        for p in range(stem, past):  # its own past, as its earlier steps wrote it
+            s = table[p // bs] * bs + p % bs
+            backend.kv[0, 0, s], backend.kv[0, 1, s] = k_all[p], v_all[p]
+        reqs.append((past, new, table, k_all, v_all))
+    q = torch.randn(sum(r[1] for r in reqs), spec.heads, spec.head_dim, generator=g)
+    k = torch.cat([r[3][r[0]:] for r in reqs])
+    v = torch.cat([r[4][r[0]:] for r in reqs])
+    pos, slots, chunks, t0 = [], [], [], 0
+    for i, (past, new, table, _, _) in enumerate(reqs):
+        pos += list(range(past, past + new))
+        slots += [table[p // bs] * bs + p % bs for p in range(past, past + new)]
+        if i:
+            chunks.append((t0, new, past, table))
+        t0 += new
+    step = StepInputs(torch.zeros(len(pos), dtype=torch.int64), torch.tensor(pos), torch.tensor(slots),
+                      torch.tensor([0]), [(reqs[0][0], reqs[0][2])], chunks, bs)
+    got = backend.forward(q, k, v, 0, backend.prepare(step))
+    want, t0 = [], 0
+    for past, new, _, k_all, v_all in reqs:
+        want.append(R.attention(q[t0:t0 + new], k_all, v_all, torch.arange(past, past + new),
+                                torch.arange(past + new), spec))
+        t0 += new
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    for p in range(stem):  # the shared blocks are as the stem wrote them: no request wrote into them
+        s = shared[p // bs] * bs + p % bs
+        assert torch.equal(backend.kv[0, 0, s], k_stem[p]) and torch.equal(backend.kv[0, 1, s], v_stem[p])

@@ -138,9 +138,11 @@ class Client:
         prefilled once on the server; ``Result.samples`` holds them (sample i drew with seed + i)."""
         return self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
-    def stream(self, prompt: Prompt, *, request_id: str | None = None, **sampling: Any) -> Iterator[StreamChunk]:
-        """Chunks as they are generated; the last one carries ``result``. Stopping early cancels the request."""
-        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
+    def stream(self, prompt: Prompt, *, request_id: str | None = None, n: int = 1,
+               **sampling: Any) -> Iterator[StreamChunk]:
+        """Chunks as they are generated; a sample's last one carries ``result`` (``n`` > 1: the samples' chunks
+        interleave, each with its ``index``). Stopping early cancels the request."""
+        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
     def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
              **sampling: Any) -> Result:
@@ -148,9 +150,9 @@ class Client:
         :meth:`generate`."""
         return self._t.generate(chat_request(messages, make_sampling(**sampling), request_id, n))
 
-    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
                     **sampling: Any) -> Iterator[StreamChunk]:
-        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id))
+        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id, n))
 
     def tokenize(self, text: str) -> Tokens:
         """The server tokenizer's ids and token texts."""
@@ -201,17 +203,17 @@ class AsyncClient:
                        **sampling: Any) -> Result:
         return await self._t.generate(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
-    def stream(self, prompt: Prompt, *, request_id: str | None = None,
+    def stream(self, prompt: Prompt, *, request_id: str | None = None, n: int = 1,
                **sampling: Any) -> AsyncIterator[StreamChunk]:
-        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id))
+        return self._t.stream(prompt_request(prompt, make_sampling(**sampling), request_id, n))
 
     async def chat(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
                    **sampling: Any) -> Result:
         return await self._t.generate(chat_request(messages, make_sampling(**sampling), request_id, n))
 
-    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None,
+    def chat_stream(self, messages: Iterable[MessageLike], *, request_id: str | None = None, n: int = 1,
                     **sampling: Any) -> AsyncIterator[StreamChunk]:
-        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id))
+        return self._t.stream(chat_request(messages, make_sampling(**sampling), request_id, n))
 
     async def tokenize(self, text: str) -> Tokens:
         return await self._t.tokenize(text)

@@ -6,6 +6,7 @@ how they wait. Every grpc.RpcError leaves as a :class:`ClientError` (errors.from
 
 from __future__ import annotations
 
+import dataclasses
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -99,13 +100,14 @@ def result_from_proto(r: pb.GenerateResponse) -> Result:
                   **_final(r.request_id, r.final), samples=samples if len(samples) > 1 else ())
 
 
-def _chunk(m: pb.GenerateStreamResponse, joined: _Joined) -> StreamChunk:
+def _chunk(m: pb.GenerateStreamResponse, joined: dict[int, _Joined]) -> StreamChunk:
+    """A message as a chunk, joined into its sample's result (``joined``: sample index -> what arrived so far)."""
     c = StreamChunk(text=m.text, token_ids=tuple(m.token_ids), logprobs=_logprobs(m.logprobs), trace=_trace(m.trace),
-                    seed=m.seed)
-    joined.add(c)
+                    seed=m.seed, index=m.index)
+    j = joined.setdefault(m.index, _Joined())
+    j.add(c)
     if m.HasField("final"):
-        c = StreamChunk(c.text, c.token_ids, c.logprobs, c.trace, c.seed, joined.result(**_final(m.request_id,
-                                                                                                 m.final)))
+        c = dataclasses.replace(c, result=j.result(**_final(m.request_id, m.final)))
     return c
 
 
@@ -175,12 +177,14 @@ class GrpcTransport:
     def stream(self, req: Request) -> Iterator[StreamChunk]:
         msg = request_to_proto(req)
         call = self._stub.GenerateStream(msg, **self._kw)
-        joined = _Joined()
+        joined: dict[int, _Joined] = {}
+        left = req.n  # samples whose result has not arrived
         try:
             for m in call:
                 chunk = _chunk(m, joined)
                 yield chunk
-                if chunk.result is not None:
+                left -= chunk.result is not None
+                if left == 0:
                     return
             raise _no_final()
         except grpc.RpcError as e:
@@ -233,12 +237,14 @@ class AsyncGrpcTransport:
     async def stream(self, req: Request) -> AsyncIterator[StreamChunk]:
         msg = request_to_proto(req)
         call = self._stub.GenerateStream(msg, **self._kw)
-        joined = _Joined()
+        joined: dict[int, _Joined] = {}
+        left = req.n
         try:
             async for m in call:
                 chunk = _chunk(m, joined)
                 yield chunk
-                if chunk.result is not None:
+                left -= chunk.result is not None
+                if left == 0:
                     return
             raise _no_final()
         except grpc.RpcError as e:

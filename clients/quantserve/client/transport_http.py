@@ -156,13 +156,15 @@ def tokens_from_body(body: dict) -> Tokens:
 
 
 class _Events:
-    """Server-sent events -> StreamChunks. The chunk with finish_reason is held back until the usage chunk (or
-    [DONE]) arrives, then given out with the joined Result."""
+    """Server-sent events -> StreamChunks. A sample's chunk with finish_reason is held back until the usage chunk
+    (or [DONE]) arrives, then given out with its joined Result (a request of ``n`` samples: each one's, in index
+    order; their usage from each sample's own memory, the request's usage counting the prompt once)."""
 
-    def __init__(self, deadline: float | None):
+    def __init__(self, deadline: float | None, n: int = 1):
         self.deadline = deadline
-        self.joined = _Joined()
-        self.last: tuple[StreamChunk, dict, dict] | None = None  # the finishing chunk, its body and choice
+        self.n = n
+        self.joined: dict[int, _Joined] = {}
+        self.last: dict[int, tuple[StreamChunk, dict, dict]] = {}  # index -> the finishing chunk, its body, choice
         self.done = False
 
     def feed(self, line: str) -> list[StreamChunk]:
@@ -183,23 +185,25 @@ class _Events:
         if not body.get("choices"):
             return self.finish(body.get("usage"))
         choice = body["choices"][0]
+        i = int(choice.get("index", 0))
         chunk = StreamChunk(text=_text(choice), token_ids=_ids(choice), logprobs=_logprobs(choice.get("logprobs")),
-                            trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()), seed=body.get("seed"))
-        self.joined.add(chunk)
+                            trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()), seed=body.get("seed"),
+                            index=i)
+        self.joined.setdefault(i, _Joined()).add(chunk)
         if choice.get("finish_reason") is not None:
-            self.last = (chunk, body, choice)
+            self.last[i] = (chunk, body, choice)
             return []
         return [chunk]
 
     def finish(self, usage: Any) -> list[StreamChunk]:
         if self.done:  # [DONE] after the usage chunk
             return []
-        if self.last is None:
+        if len(self.last) < self.n:
             raise ClientError(INTERNAL, "the stream ended without a final chunk")
         self.done = True
-        c, body, choice = self.last
-        return [StreamChunk(c.text, c.token_ids, c.logprobs, c.trace, c.seed,
-                            self.joined.result(**_final(body, choice, usage)))]
+        return [dataclasses.replace(c, result=self.joined[i].result(**_final(body, choice,
+                                                                             usage if self.n == 1 else None)))
+                for i, (c, body, choice) in sorted(self.last.items())]
 
 
 def _decode(r: httpx.Response) -> Any:
@@ -241,7 +245,7 @@ class HttpTransport:
 
     def stream(self, req: Request) -> Iterator[StreamChunk]:
         path, body = path_and_body(req, stream=True)
-        events = _Events(None if self._timeout is None else time.monotonic() + self._timeout)
+        events = _Events(None if self._timeout is None else time.monotonic() + self._timeout, req.n)
         try:
             with self._http.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
@@ -300,7 +304,7 @@ class AsyncHttpTransport:
 
     async def stream(self, req: Request) -> AsyncIterator[StreamChunk]:
         path, body = path_and_body(req, stream=True)
-        events = _Events(None if self._timeout is None else time.monotonic() + self._timeout)
+        events = _Events(None if self._timeout is None else time.monotonic() + self._timeout, req.n)
         try:
             async with self._http.stream("POST", path, json=body) as r:
                 if r.status_code != 200:

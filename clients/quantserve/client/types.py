@@ -202,6 +202,7 @@ class StreamChunk:
     trace: tuple[TraceStep, ...] = ()
     seed: int | None = None
     result: Result | None = None
+    index: int = 0  # which sample (a request of n > 1: chunks of the samples interleave; each ends with a result)
 
 
 @dataclass(frozen=True)
