@@ -587,6 +587,14 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
         # TTFT of a 512-token prompt (1 new token), median of 3
         ttft = [run_requests(eng, [prompt(512)], 1)[0] for _ in range(3)]
         row["ttft_512_ms"] = statistics.median(ttft) * 1e3
+        # the prefix cache: a 1024-token prefix an earlier request wrote + a 32-token suffix, against 1056 tokens no
+        # request began with (median of 3 each)
+        stem = prompt(1024)
+        run_requests(eng, [stem + prompt(32)], 1)  # publishes the stem's 64 blocks
+        row["ttft_shared1024_cached_ms"] = statistics.median(
+            [run_requests(eng, [stem + prompt(32)], 1)[0] for _ in range(3)]) * 1e3
+        row["ttft_shared1024_uncached_ms"] = statistics.median(
+            [run_requests(eng, [prompt(1056)], 1)[0] for _ in range(3)]) * 1e3
         # host syncs per decode step, counted by torch's sync debug mode over one batch-1 request
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -792,7 +800,10 @@ def markdown(results: dict, failures: list) -> str:
                    f"{r.get('engine_start_s', 0):.1f} s with the measuring)"
                    + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"
                       " read per token)" if "b1_bandwidth_share" in r else "")
-                   + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms; host syncs per decode step {r['syncs_per_step']:.2f} (plus the "
+                   + f"; TTFT(512) {r['ttft_512_ms']:.1f} ms"
+                   + (f"; TTFT of 1024 cached + 32 tokens {r['ttft_shared1024_cached_ms']:.1f} ms against 1056 "
+                      f"uncached {r['ttft_shared1024_uncached_ms']:.1f} ms" if "ttft_shared1024_cached_ms" in r else "")
+                   + f"; host syncs per decode step {r['syncs_per_step']:.2f} (plus the "
                    "wait on each step's samples' event, which sync debug mode does not count); "
                    + ", ".join(f"{k} {v:.0f}" for k, v in r.items() if k.startswith("streams"))
                    + f"; weights {r['weight_bytes'] / 2**20:.1f} MiB counted vs {r['allocated_after_load'] / 2**20:.1f}"

@@ -18,6 +18,7 @@ def _engine_row(scheme: str, headline: bool) -> dict:
                           "top": [("w4_gemv_kernel", 2000.0, 128.0)]}}
     if headline:
         row["streams64x256_triton+graphs_tok_s"] = 8192.0
+        row.update(ttft_shared1024_cached_ms=9.5, ttft_shared1024_uncached_ms=52.0)
     else:
         row.update({"streams64x512_triton+graphs_tok_s": 8000.0, "b1_eager_tok_s": 100.0,
                     "b1_eager_glue_tok_s": 200.0, "b1_static_kernels_tok_s": 288.9})
@@ -58,6 +59,7 @@ def test_the_report_holds_every_parts_rows():
     assert "FAILED: linear: x" in md
     assert "random-weight bf16 8B (headline rows)" in md and "random-weight w4a16 8B (headline rows)" in md
     assert "streams64x256_triton+graphs_tok_s 8192" in md
+    assert "TTFT of 1024 cached + 32 tokens 9.5 ms against 1056 uncached 52.0 ms" in md
     assert "cut to the part's time: linear: 12 rows checked but not timed" in md
     assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line
     assert "measuring failed (RuntimeError: x), the built-in rule" in md

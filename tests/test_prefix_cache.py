@@ -410,3 +410,22 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
         assert_books(eng)
     finally:
         eng.close()
+
+
+def test_the_sweep_sends_a_cells_seeds_as_n_and_gets_the_rows_of_a_request_per_seed(server):
+    """quant-client sweep: a cell's seeds as the samples of one request (a greedy cell as one sample standing for
+    each seed) give, in float32, the rows of a request per seed (the same tokens; logprobs computed in other
+    batches, equal within 1e-6)."""
+    from quantserve.client import Client
+    from quantserve.client.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(prompt="The old mill by the river", temperatures=(0.0, 0.9), top_ks=(0, 40), top_ps=(0.9,),
+                     seeds=3, max_new_tokens=6, concurrency=3)
+    seen = []
+    with Client(server.grpc_target) as c:
+        by_n = run_sweep(c, spec, progress=lambda done, total: seen.append((done, total)))
+        per_seed = run_sweep(c, spec, per_request=1)
+    for a, b in zip(by_n, per_seed, strict=True):  # logprobs of the same tokens in other batches: within 1e-6
+        assert a.as_dict() == pytest.approx(b.as_dict(), rel=1e-6, abs=1e-6)
+    assert seen[-1] == (12, 12)
+    server.assert_idle()

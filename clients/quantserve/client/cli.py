@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", default="1.0,0.9,0.5", help="comma-separated (default 1.0,0.9,0.5)")
     c.add_argument("--seeds", type=int, default=5, help="seeds 0..S-1 per cell (default 5)")
     c.add_argument("--max-new-tokens", type=int, help="(default: the server's)")
-    c.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    c.add_argument("--concurrency", type=int, default=16, help="requests in flight, each a cell's seeds as n "
+                                                                "samples (default 16)")
     c.add_argument("--csv", metavar="FILE", help="write one row per cell")
     c.add_argument("--json", metavar="FILE", help="write one row per cell (the input of 'plot --sweep')")
     c = cmd("plot", "PNG of a trace step (--trace) or of a sweep metric (--sweep); local, no server", [])

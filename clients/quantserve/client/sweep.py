@@ -34,7 +34,7 @@ class SweepSpec:
     top_ps: tuple[float, ...]
     seeds: int  # seeds 0 .. seeds-1 per cell
     max_new_tokens: int | None = None  # None: the server's default
-    concurrency: int = 4
+    concurrency: int = 16  # requests in flight (each of up to MAX_N samples; the server queues what exceeds its batch)
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -86,16 +86,24 @@ def run_sweep(client: Client, spec: SweepSpec, progress: Callable[[int, int], No
     return one row per cell. A cell's seeds 0..S-1 are the samples of one request (``n``, up to :data:`MAX_N`
     per request): the server prefills the prompt once for them, and sample i draws with seed i, so each is what
     a request of that seed alone gives. The first failing request's ClientError is raised (the rest are
-    cancelled). ``progress(done, total)`` counts samples. ``per_request=1``: a request per seed (what the sweep
-    did before ``n``; bench/prefix_cache.py compares the two)."""
-    jobs = [(cell, first, min(per_request, spec.seeds - first)) for cell in spec.cells()
-            for first in range(0, spec.seeds, per_request)]
+    cancelled). A greedy cell (temperature 0) is one sample: every seed draws the same tokens there, so its result
+    stands for each seed. ``progress(done, total)`` counts samples. ``per_request=1``: a request per seed, greedy
+    cells included (what the sweep did before ``n``; bench/prefix_cache.py compares the two)."""
+    def seeds_of(cell) -> int:
+        # A greedy cell draws the same tokens whatever the seed: one sample, its result standing for each seed.
+        return 1 if cell[0] == 0 and per_request > 1 else spec.seeds
+
+    jobs = [(cell, first, min(per_request, seeds_of(cell) - first)) for cell in spec.cells()
+            for first in range(0, seeds_of(cell), per_request)]
 
     def one(job) -> list[Result]:
         (t, k, p), first, n = job
         r = client.generate(spec.prompt, temperature=t, top_k=k, top_p=p, seed=first, n=n,
                             max_new_tokens=spec.max_new_tokens, logprobs=0, trace=1)
-        return list(r.samples) if n > 1 else [r]
+        got = list(r.samples) if n > 1 else [r]
+        if seeds_of((t, k, p)) == 1:
+            got = [dataclasses.replace(got[0], seed=s) for s in range(spec.seeds)]
+        return got
 
     results: dict[tuple, list[Result]] = {cell: [] for cell in spec.cells()}
     with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
@@ -103,8 +111,9 @@ def run_sweep(client: Client, spec: SweepSpec, progress: Callable[[int, int], No
         try:
             done = 0
             for job, fut in futures:
-                results[job[0]].extend(fut.result())
-                done += job[2]
+                got = fut.result()
+                results[job[0]].extend(got)
+                done += len(got)
                 if progress:
                     progress(done, spec.requests)
         except BaseException:
