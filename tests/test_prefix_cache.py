@@ -429,3 +429,29 @@ def test_the_sweep_sends_a_cells_seeds_as_n_and_gets_the_rows_of_a_request_per_s
         assert a.as_dict() == pytest.approx(b.as_dict(), rel=1e-6, abs=1e-6)
     assert seen[-1] == (12, 12)
     server.assert_idle()
+
+
+@pytest.mark.slow
+def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cache_dir):
+    """The real model: prompts sharing a 200-token stem (a system prompt and a question), one after another, with
+    the cache and without, greedy and seeded: the same tokens, logprobs within 1e-5."""
+    on = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256),
+                          cache_dir)
+    off = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256,
+                                              prefix_cache=False), cache_dir)
+    try:
+        system = ("You are a helpful assistant who knows the history of rivers, mills and market towns, and who "
+                  "answers in short plain sentences. ") * 10
+        stem = on.tokenize(system)[:200]
+        assert len(stem) == 200
+        prompts = [stem + on.tokenize(q) for q in (" Where do rivers begin?", " Why were mills built by water?",
+                                                   " What is a market town?")]
+        for params in (greedy(8, logprobs=2), sampled(8, 5)):
+            for p in prompts:
+                got, want = on.complete(p, params), off.complete(p, params)
+                assert_same(got, want)
+        assert on.totals().prefix_hit_tokens >= 5 * 192  # every prompt after the first took 12 blocks
+        assert_books(on)
+    finally:
+        on.close()
+        off.close()
