@@ -10,7 +10,9 @@ For each request shape (prompt tokens, max new tokens, how many, samples per req
   (``max_prefill_tokens`` each) when it prefills alone, what ``Accounting.activation_peak_bytes`` reports
   for it then (a prompt sharing a step's prefill budget with others is cut into smaller chunks);
 - how many such requests the engine could run at once, now and when empty: free KV blocks / blocks per
-  request, capped by the free batch slots (``limited_by`` says which bound);
+  request, capped by the free batch slots (``limited_by`` says which bound). Shapes carry no tokens, so the plan
+  counts no prefix-cache hit: a request whose prompt begins with blocks the cache holds needs fewer (the plan is
+  the bound, exact when nothing it plans is cached);
 - the outcome of each request if the shapes were sent now, in order, each after the engine has taken the
   previous one:
 

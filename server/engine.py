@@ -52,6 +52,7 @@ from server.scheduler import Group, Scheduler, Sequence
 from server.settings import setting
 
 log = logging.getLogger("quantserve.engine")
+_PAD_ID = "__cuda_graph_padding__"  # the pool id of the CUDA graphs' padding block (in use from the start)
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,14 @@ class Engine:
             self.pool = self._pool(self._fraction_budget(fraction))
             self.runner.use_kv_storage(self.pool.storage)
         self.cuda_graphs = "off"
+        self._held_ids: set[str] = set()  # pool ids the engine holds itself (never a request's)
         if self.device.type == "cuda" and config.cuda_graphs:
             # The graphs' padding rows read and write one block of their own.
             if self.pool.num_blocks < 2:
                 self.cuda_graphs = "off (the KV pool has no block to spare for padding rows)"
             else:
-                pad = self.pool.try_reserve("__cuda_graph_padding__", 1)
+                pad = self.pool.try_reserve(_PAD_ID, 1)
+                self._held_ids.add(_PAD_ID)
                 self.cuda_graphs = self.runner.enable_cuda_graphs(
                     config.max_batch, self.layout.blocks_for(self.context_length), pad[0])
         # Pages of the weights file that fusing or int8 embeddings replaced leave the resident set, and what is held
@@ -242,7 +245,7 @@ class Engine:
         self._tok_lock = threading.Lock()  # a fast tokenizer must not be used from two threads at once
         self._deferred: list | None = None  # events of the step being advanced, delivered after it
         self._queued = 0
-        self._live: set[str] = set()
+        self._live: set[str] = set(self._held_ids)  # ids in use: requests', their samples', the engine's own
         self._accepting = True
         self._stop_at: float | None = None  # monotonic deadline once close() was called
         self._ids = itertools.count()
@@ -255,6 +258,11 @@ class Engine:
             self.weight_bytes / 2**20,
             self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )
+
+    @property
+    def usable_blocks(self) -> int:
+        """KV blocks requests can reserve: the pool's, less those the engine holds itself (CUDA graphs' padding)."""
+        return self.pool.num_blocks - sum(len(self.pool.blocks_of(i)) for i in self._held_ids)
 
     def _pool(self, budget_bytes: int) -> BlockPool:
         return BlockPool(self.layout, budget_bytes, self.device, prefix_cache=self.config.prefix_cache,
@@ -371,7 +379,7 @@ class Engine:
 
     def check(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Admission checks that need no queue state: raise RequestError naming the parameter and numbers."""
-        capacity.check_shape(prompt_tokens, max_new_tokens, self.context_length, self.pool.num_blocks, self.layout)
+        capacity.check_shape(prompt_tokens, max_new_tokens, self.context_length, self.usable_blocks, self.layout)
 
     def submit(self, prompt, params: SamplingParams, sink, request_id: str | None = None, n: int = 1
                ) -> RequestHandle:
@@ -388,25 +396,28 @@ class Engine:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         ids = self._prompt_ids(prompt)
         self.check(len(ids), params.max_new_tokens)
-        capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.pool.num_blocks,
+        capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.usable_blocks,
                          self.layout.block_size)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
         rid = request_id or f"req-{next(self._ids)}"
+        sample_ids = [rid] + [f"{rid}/{i}" for i in range(1, n)]  # the pool's and scheduler's keys of its samples
         with self._lock:
             if not self._accepting:
                 raise EngineClosedError("the engine is shutting down and takes no new requests")
-            if rid in self._live:
-                raise RequestError("request_id", f"request id {rid!r} is already in use")
+            taken = next((i for i in sample_ids if i in self._live), None)
+            if taken is not None:
+                what = "request id" if taken == rid else f"request id {rid!r} names its samples {rid + '/i'!r};"
+                raise RequestError("request_id", f"{what} {taken!r} is already in use")
             if self._queued >= self.config.max_queue:
                 raise OverloadedError(
                     f"overloaded: {self._queued} requests are already waiting (--max-queue {self.config.max_queue})"
                 )
             self._queued += 1
-            self._live.add(rid)
+            self._live.update(sample_ids)
         seq = Sequence(rid, ids, params.with_seed(seed), sink)
         if n > 1:
             group = Group(rid, left=n)
-            group.members = [seq] + [Sequence(f"{rid}/{i}", ids, params.with_seed((seed + i) % SEED_LIMIT), sink,
+            group.members = [seq] + [Sequence(sample_ids[i], ids, params.with_seed((seed + i) % SEED_LIMIT), sink,
                                               arrival=seq.arrival, index=i) for i in range(1, n)]
             for m in group.members:
                 m.group = group
@@ -510,7 +521,7 @@ class Engine:
             return
         try:
             state = capacity.EngineState(
-                self.pool.num_blocks, self.pool.free_blocks, self.layout.block_size, self.layout.bytes_per_block,
+                self.usable_blocks, self.pool.free_blocks, self.layout.block_size, self.layout.bytes_per_block,
                 len(self.scheduler.running), self.config.max_batch, self.config.max_prefill_tokens,
                 tuple((self.pool.group_blocks(len(s.prompt), s.reserve_tokens, len(s.group.members)),
                        len(s.group.members)) if s.group is not None else (self.layout.blocks_for(s.reserve_tokens), 1)
@@ -558,8 +569,8 @@ class Engine:
         try:
             seq.sink(ev)
         except Exception:  # noqa: BLE001 - a caller's broken sink (closed loop) must not stop the engine
-            log.warning("request %s: event sink failed; cancelling it", seq.id, exc_info=True)
-            self._inbox.put(("cancel", seq.id))
+            log.warning("request %s: event sink failed; cancelling it", seq.request_id, exc_info=True)
+            self._inbox.put(("cancel", seq.request_id))
 
     def _final(self, seq: Sequence, reason: str, text: str = "", token_ids=(),
                logprobs=(), trace=(), stop=None, error=None) -> None:
@@ -567,9 +578,9 @@ class Engine:
         g = seq.group
         if g is not None:
             g.left -= 1
-        if g is None or g.left == 0:  # the request's last sample: its id is free again
+        if g is None or g.left == 0:  # the request's last sample: its ids are free again
             with self._lock:
-                self._live.discard(seq.request_id)
+                self._live.difference_update([m.id for m in g.members] if g is not None else [seq.id])
         self._emit(seq, Event(
             seq.request_id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason,
             stop, self._accounting(seq), error,

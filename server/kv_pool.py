@@ -270,9 +270,7 @@ class BlockPool:
             self._keys[rid] = keys
             self._published[rid] = k
             self._hits[rid] = 0
-            self.queried_tokens += len(prompt)
-            self.hit_tokens += k * self.layout.block_size  # not prefilled by this sample: the first's
-            tables.append(table)
+            tables.append(table)  # (its prompt blocks came from its first sample, not the cache: no hit counted)
         return tables
 
     def _take(self, b: int, request_id: str) -> int:

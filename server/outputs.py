@@ -70,7 +70,9 @@ class Accounting:
     # engine's kv_used_bytes however many requests hold it.
     kv_bytes_shared: int = 0
     kv_bytes_own: int = 0
-    prompt_tokens_cached: int = 0  # prompt tokens it took from the prefix cache instead of prefilling them
+    # Prompt tokens it did not prefill: mapped from the prefix cache or, for a sample after its request's first,
+    # from the first sample's blocks.
+    prompt_tokens_cached: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

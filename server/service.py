@@ -253,10 +253,10 @@ class Service:
     async def complete_n(self, prompt, params: SamplingParams, transport: str, request_id: str | None = None,
                          n: int = 1) -> list[out.Completion]:
         """Every sample of a request, in index order."""
-        events: list[list[Event]] = [[] for _ in range(n)]
+        events: dict[int, list[Event]] = {}  # filled as samples arrive: n itself is the engine's to check
         async for ev in self.run(prompt, params, transport, request_id, n):
-            events[ev.index].append(ev)
-        return [out.collect(e) for e in events]
+            events.setdefault(ev.index, []).append(ev)
+        return [out.collect(events[i]) for i in sorted(events)]
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
         ids = await self.prompt_ids(text)

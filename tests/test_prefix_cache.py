@@ -280,6 +280,25 @@ def test_n_is_checked_and_a_cancelled_request_ends_every_sample(engines):
         on.submit([5, 6, 7], greedy(2), print, n=0)
     with pytest.raises(RequestError, match="KV blocks with the prompt's shared; the pool has"):
         on.submit(ids(100, 1), greedy(400), print, n=64)
+    # A sample's pool id is its request's id and "/i": taken ids are refused, whichever comes first.
+    hold = on.submit(ids(20, 1), greedy(300), print, request_id="x", n=2)
+    with pytest.raises(RequestError, match="'x/1' is already in use"):
+        on.submit([5, 6], greedy(2), print, request_id="x/1")
+    hold2 = on.submit([5, 6], greedy(300), print, request_id="y/1")
+    with pytest.raises(RequestError, match="request id 'y' names its samples 'y/i'; 'y/1' is already in use"):
+        on.submit([5, 6], greedy(2), print, request_id="y", n=2)
+    hold.cancel()
+    hold2.cancel()
+    # A sink that fails for a later sample cancels the whole request (its blocks back at once, not at its end).
+    def broken(ev):
+        if ev.index == 1:
+            raise RuntimeError("the caller went away")
+    on.submit(ids(40, 42), greedy(300), broken, n=2)
+    for _ in range(3000):
+        if on.pool.used_blocks == 0 and not on.scheduler.has_work:
+            break
+        threading.Event().wait(0.005)
+    assert_books(on)
     events = []
     started = threading.Event()
     h = on.submit(ids(40, 41), greedy(300), lambda ev: (started.set(), events.append(ev)), n=3)
@@ -437,8 +456,6 @@ def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cac
     the cache and without, greedy and seeded: the same tokens, logprobs within 1e-5."""
     on = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256),
                           cache_dir)
-    off = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256,
-                                              prefix_cache=False), cache_dir)
     try:
         system = ("You are a helpful assistant who knows the history of rivers, mills and market towns, and who "
                   "answers in short plain sentences. ") * 10
@@ -446,12 +463,15 @@ def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cac
         assert len(stem) == 200
         prompts = [stem + on.tokenize(q) for q in (" Where do rivers begin?", " Why were mills built by water?",
                                                    " What is a market town?")]
-        for params in (greedy(8, logprobs=2), sampled(8, 5)):
-            for p in prompts:
-                got, want = on.complete(p, params), off.complete(p, params)
-                assert_same(got, want)
-        assert on.totals().prefix_hit_tokens >= 5 * 192  # every prompt after the first took 12 blocks
+        runs = {}
+        for cache in (False, True):  # the same engine, its pool mapping nothing, then with its cache
+            on.pool.prefix_cache = cache
+            runs[cache] = [on.complete(p, params) for params in (greedy(8, logprobs=2), sampled(8, 5))
+                           for p in prompts]
+        for i, (got, want) in enumerate(zip(runs[True], runs[False], strict=True)):
+            assert want.accounting.prompt_tokens_cached == 0
+            assert got.accounting.prompt_tokens_cached == (192 if i else 0)  # 12 blocks of the stem, once written
+            assert_same(got, want)
         assert_books(on)
     finally:
         on.close()
-        off.close()
