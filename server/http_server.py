@@ -33,9 +33,12 @@ _OPEN_PATHS = ("/health", "/metrics")
 
 
 class _OpenAIBody(BaseModel):
-    """What OpenAI's completions and chat bodies share, spelt their way."""
+    """What OpenAI's completions and chat bodies share, spelt their way. A field this server does not know is
+    refused by name (400), as OpenAI's API does, so that no control a client relies on is dropped silently; the
+    fields below that change nothing here (``user``, ``metadata``, ``store``, ``service_tier``) are taken and
+    ignored, as documented in the README."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -46,7 +49,10 @@ class _OpenAIBody(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
-    user: str | None = None
+    user: str | None = None  # these four change nothing here
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 # Sampling controls (quantserve.client.types.Sampling, the one list) that the OpenAI body spells its own way, per endpoint:

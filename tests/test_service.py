@@ -111,6 +111,7 @@ def test_openai_client_completions_chat_and_streaming(server):
     ({"prompt": "x", "max_tokens": 10**6}, "max_new_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),  # a field this server does not know: refused by name, not dropped
     ({"prompt": ""}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "word " * 600}, "prompt"),
@@ -121,6 +122,15 @@ def test_http_invalid_requests_get_400_naming_the_parameter(server, body, param)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param.split("_")[0] in err["message"]
+
+
+def test_http_fields_that_change_nothing_are_taken(server):
+    """user, metadata, store and service_tier are OpenAI fields that change nothing here: taken, not refused."""
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})):
+        r = httpx.post(server.http + path, json={**body, "user": "u-1", "metadata": {"k": "v"}, "store": False,
+                                                 "service_tier": "auto"}, timeout=30)
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path,body,param", [
