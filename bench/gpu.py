@@ -812,12 +812,12 @@ def markdown(results: dict, failures: list) -> str:
                    f" allocator peak {r['prefill512_peak_over_base'] / 2**20:.1f} MiB")
     for r in results.get("engine", []):
         if r.get("kernels"):
-            out += ["", f"Kernels the {r['shape']} engine measured (`ModelInfo.kernels`):", ""]
+            out += ["", f"Kernels the {r.get('scheme', 'w4a16')} {r['shape']} engine measured (`ModelInfo.kernels`):", ""]
             out += [f"- {line}" for line in r["kernels"]]
     for r in results.get("engine", []):
         p = r.get("b1_profile")
         if p:
-            out += ["", f"Batch-1 decode step of the {r['shape']} engine under torch.profiler (64 steps after a "
+            out += ["", f"Batch-1 decode step of the {r.get('scheme', 'w4a16')} {r['shape']} engine under torch.profiler (64 steps after a "
                         f"16-token prompt): {p['wall_us_per_step']:.0f} us per step wall, the device busy "
                         f"{p['device_busy_us_per_step']:.0f} us of it, {p['kernels_per_step']:.0f} kernels per step.",
                     "", "| kernel | us per step | calls per step |", "|---|---|---|"]

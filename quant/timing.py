@@ -98,7 +98,11 @@ class CudaGraphAPI:
        generator into capture mode before anything else can fail, and only a completed ``capture_end`` takes it
        out: after a failure every later draw on the device raises ("Offset increment outside graph capture").
        So the generator's state is cloned before the capture and put back (:meth:`restore_generator`) when the
-       capture fails."""
+       capture fails.
+    3. **A failed capture leaves the allocator as it found it.** ``capture_end`` ends the stream capture before it
+       stops routing allocations into the pool, and a graph whose capture never ended never releases its pool: after
+       an invalidated capture the allocator would keep a capture "under way" (the next ``empty_cache`` asserts) and a
+       pool reference for ever. :meth:`abandon_capture` undoes both."""
 
     def __init__(self):
         self._streams: dict[int, object] = {}
@@ -144,6 +148,20 @@ class CudaGraphAPI:
     def restore_generator(self, index: int, saved) -> None:
         self.generator(index).graphsafe_set_state(saved)
 
+    def abandon_capture(self, index: int, pool, graph) -> None:
+        """After a capture that failed once ``capture_begin`` had returned (rule 3): stop routing allocations into
+        ``pool`` (unless ``capture_end`` got that far), and drop the reference the graph took on it unless its capture
+        ended (then the graph releases it itself)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+        try:
+            end(index, pool)
+        except RuntimeError:  # "not currently recording to mempool_id": capture_end had done it
+            pass
+        try:
+            graph.pool()  # raises unless the capture ended
+        except RuntimeError:
+            torch._C._cuda_releasePool(index, pool)
+
 
 CUDA = CudaGraphAPI()  # the one instance cuda_time_us uses (a test swaps in its stand-in)
 
@@ -161,7 +179,7 @@ def cuda_time_us(fn: Callable[[], object], reps: int = 20, warm: int = 3, inner:
     The warm-up calls come first, outside the capture: they compile the kernels and allocate what the kernels keep
     (the split-K counters). Both graphs of one timing are captured into a pool of their own, dropped with them
     (:class:`CudaGraphAPI`'s rules). A call that cannot be captured (one that synchronises) raises, the generator
-    put back as it was; no eager fallback is tried after it. ``graph=False`` times eager calls instead (host launch
+    and the allocator put back as they were; no eager fallback is tried after it. ``graph=False`` times eager calls instead (host launch
     latency included), for a call known not to be capturable."""
     api = CUDA
     dev = torch.device(device if device is not None else "cuda")
@@ -212,17 +230,23 @@ def _capture(api: CudaGraphAPI, index: int, fn, inner: int, stream, pool, flush)
     as it was before it (:class:`CudaGraphAPI`'s rule 2) and raises."""
     saved = api.save_generator(index)
     g = api.graph()
+    began = False
     try:
         with api.use_stream(stream):
             g.capture_begin(pool=pool, capture_error_mode="thread_local")
+            began = True
             try:
                 _rounds(fn, inner, flush)
             finally:
                 g.capture_end()
     except BaseException:
-        try:
-            api.restore_generator(index, saved)
-        except Exception as e:  # noqa: BLE001 - the capture's own error is the one to raise
-            log.warning("CUDA generator not restored after a failed capture (%s: %s)", type(e).__name__, e)
+        undo = [("generator", lambda: api.restore_generator(index, saved))]
+        if began:
+            undo.append(("allocator", lambda: api.abandon_capture(index, pool, g)))
+        for what, step in undo:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - the capture's own error is the one to raise
+                log.warning("CUDA %s not restored after a failed capture (%s: %s)", what, type(e).__name__, e)
         raise
     return g

@@ -17,20 +17,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 OUT_DIR="${GPU_CHECK_OUT:-bench/out/gpu}"
+start=$SECONDS  # the deadline counts from here
 mkdir -p "$OUT_DIR"
-"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device here')"
+rm -f "$OUT_DIR/gpu.md"  # a report left by an earlier run is never appended as this one's
 deadline=""
 tests_timeout=180
 args=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --deadline) deadline="$2"; shift 2 ;;
-        --tests-timeout) tests_timeout="$2"; shift 2 ;;
+        --deadline) deadline="${2:?--deadline needs seconds}"; shift 2 ;;
+        --deadline=*) deadline="${1#--deadline=}"; shift ;;
+        --tests-timeout) tests_timeout="${2:?--tests-timeout needs seconds}"; shift 2 ;;
         *) args+=("$1"); shift ;;
     esac
 done
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device here')"
 status=0
-start=$SECONDS
 set +e
 timeout "$tests_timeout" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$OUT_DIR/cuda_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -43,6 +45,10 @@ if [ -n "$deadline" ]; then
 fi
 "$PY" bench/gpu.py --out "$OUT_DIR" "${args[@]+"${args[@]}"}" || status=1
 summary=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT_DIR/cuda_tests.log" | tail -n 1 || true)
-{ cat "$OUT_DIR/gpu.md"; echo; echo "- CUDA tests (tests/test_cuda.py, run first): ${summary:-no summary (cut by --tests-timeout)}"; } \
-    >> bench/RESULTS.md
+{
+    if [ -f "$OUT_DIR/gpu.md" ]; then cat "$OUT_DIR/gpu.md"; else
+        echo "## GPU check $(date +%F): bench/gpu.py wrote no report (see its output)"; status=1; fi
+    echo
+    echo "- CUDA tests (tests/test_cuda.py, run first): ${summary:-no summary (cut by --tests-timeout)}"
+} >> bench/RESULTS.md
 exit $status

@@ -393,7 +393,8 @@ def test_timings_one_after_another_and_a_failed_capture_leave_the_gpu_usable():
     """quant.timing on the real CUDA graph API (tests/test_timing.py holds the same rules on a stand-in): timings
     one after another each capture into a pool of their own (the allocator asserted when one pool outlived its
     graphs), and a call that cannot be captured (it synchronises) raises without leaving the device's generator in
-    capture mode: random draws and timings after it work. Last in this file: were the device left broken, the
+    capture mode or the allocator mid-capture: random draws, emptying the cache, a graph capture and timings after
+    it work. Last in this file: were the device left broken, the
     tests before it have run."""
     from quant.timing import cuda_time_us
 
@@ -404,5 +405,12 @@ def test_timings_one_after_another_and_a_failed_capture_leave_the_gpu_usable():
         cuda_time_us(lambda: (x @ x).sum().item(), reps=3, inner=2)
     assert torch.randint(0, 10, (4,), device="cuda").shape == (4,)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # asserts on torch 2.11 while the allocator thinks a capture is under way
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # a capture of its own after the failed one (the engine's decode graphs do this)
+        y = x @ x
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x @ x)
     assert cuda_time_us(lambda: x @ x, reps=3, inner=2) > 0
     assert not torch.cuda.is_current_stream_capturing()

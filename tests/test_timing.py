@@ -44,24 +44,32 @@ class _Graph:
         p = api.pools.setdefault(pool, {"live": 0, "used": False})
         if p["used"] and p["live"] == 0:
             raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED at CUDACachingAllocator.cpp")
-        p["live"] += 1
+        p["live"] += 1  # the graph's reference on its pool, dropped when it is deleted, if its capture ended
         p["used"] = True
-        self.pool = pool
+        api.underway.add(pool)  # the allocator routes allocations into the pool until the capture ends
+        self.pool, self.ended = pool, False
         api.log.append(("capture", pool))
         api.capturing, api.broken = True, False
 
     def capture_end(self):
         api = self.api
         api.capturing = False
-        if api.broken:  # cudaStreamEndCapture of an invalidated capture: the epilogue never runs
+        if api.broken:  # cudaStreamEndCapture of an invalidated capture: nothing after it runs
             raise RuntimeError("operation not permitted when stream is capturing")
+        api.underway.discard(self.pool)
         api.gen.state.capturing = False
+        self.ended = True
+
+    def pool_id(self):
+        if not self.ended:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return self.pool
 
     def replay(self):
         pass
 
     def __del__(self):
-        if self.pool is not None:
+        if self.pool is not None and self.ended:
             self.api.pools[self.pool]["live"] -= 1
             self.api.log.append(("free", self.pool))
 
@@ -97,6 +105,7 @@ class _FakeCuda(timing.CudaGraphAPI):
         self.log: list[tuple[str, int]] = []
         self.gen = _Generator()
         self.capturing = self.broken = False
+        self.underway: set[int] = set()  # pools the allocator routes allocations into
 
     def stream(self, index):
         return _Stream()
@@ -127,6 +136,21 @@ class _FakeCuda(timing.CudaGraphAPI):
 
     def generator(self, index):
         return self.gen
+
+    def abandon_capture(self, index, pool, graph):
+        # the real one's calls, as the allocator answers them: end the routing (an error if it had ended), then drop
+        # the graph's reference unless its capture ended
+        if pool not in self.underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.underway.discard(pool)
+        try:
+            graph.pool_id()
+        except RuntimeError:
+            self.pools[pool]["live"] -= 1
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache on 2.11: it asserts no capture is under way."""
+        assert not self.underway, "captures_underway.empty() INTERNAL ASSERT FAILED"
 
     def draw(self) -> None:
         """A random draw on the device outside any capture (torch.randint(..., device="cuda"))."""
@@ -182,15 +206,31 @@ def test_a_pool_reused_after_its_graphs_died_is_what_the_stand_in_refuses(fake):
     fake.draw()  # the generator was put back: a later draw does not raise
 
 
-def test_a_failed_capture_raises_and_leaves_the_generator_usable(fake):
-    """A call that cannot be captured raises from the timer; the device's generator is put back as it was, so the
-    process's later draws and timings work."""
+def test_a_failed_capture_raises_and_leaves_the_generator_and_the_allocator_usable(fake):
+    """A call that cannot be captured raises from the timer; the device's generator and the allocator are put back
+    as they were (no capture left under way, no pool reference held for ever), so the process's later draws, cache
+    emptying and timings work."""
     with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
         timing.cuda_time_us(_sync_in_capture(fake), reps=2, warm=1, inner=2, device="cuda:0")
     fake.draw()
+    fake.empty_cache()
     gc.collect()
+    assert all(p["live"] == 0 for p in fake.pools.values())
     assert timing.cuda_time_us(lambda: None, reps=2, warm=1, inner=2, device="cuda:0") >= 0.0
     fake.draw()
+    fake.empty_cache()
+
+
+def test_without_the_allocators_undo_the_stand_in_shows_a_capture_left_under_way(fake, monkeypatch):
+    """What rule 3 prevents, shown on the stand-in: without it a failed capture stays under way in the allocator
+    (the next empty_cache asserts on torch 2.11) and its pool is never released."""
+    monkeypatch.setattr(fake, "abandon_capture", lambda index, pool, graph: None)
+    with pytest.raises(RuntimeError):
+        timing.cuda_time_us(_sync_in_capture(fake), reps=2, warm=1, inner=2, device="cuda:0")
+    gc.collect()
+    with pytest.raises(AssertionError, match="captures_underway"):
+        fake.empty_cache()
+    assert any(p["live"] == 1 for p in fake.pools.values())
 
 
 def test_without_the_restore_the_stand_in_shows_the_poisoned_generator(fake, monkeypatch):
