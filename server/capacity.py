@@ -5,7 +5,7 @@ For each request shape (prompt tokens, max new tokens, how many, samples per req
 - KV reserved per request: ceil((prompt + max_new) / block_size) blocks x bytes per block, the reservation the
   scheduler makes at admission and ``Accounting.kv_bytes_reserved`` later reports; a request of ``n`` samples
   reserves that per sample, its samples sharing the prompt's full blocks before its last token's block, which the
-  pool holds once (:func:`blocks_of`);
+  pool holds once (server/kv_pool.py's ``group_blocks``, the pool's own arithmetic);
 - the prefill activation peak: the largest ``Engine.activation_estimate`` over the request's prefill chunks
   (``max_prefill_tokens`` each) when it prefills alone, what ``Accounting.activation_peak_bytes`` reports
   for it then (a prompt sharing a step's prefill budget with others is cut into smaller chunks);
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from server.kv_pool import group_blocks, shared_blocks
 from server.outputs import RequestError
 
 MAX_SHAPES = 256  # shapes per plan
@@ -107,20 +108,12 @@ def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, nu
         )
 
 
-def blocks_of(prompt_tokens: int, max_new_tokens: int, n: int, block_size: int) -> int:
-    """KV blocks a request of ``n`` samples reserves with nothing cached: each sample's ceil((prompt + max_new) /
-    block_size), its samples sharing the prompt's full blocks before the block of its last token
-    (server/kv_pool.py's group_blocks, which this must equal)."""
-    total = math.ceil((prompt_tokens + max_new_tokens) / block_size)
-    return total + (n - 1) * (total - (prompt_tokens - 1) // block_size)
-
-
 def check_n(n: int, prompt_tokens: int, max_new_tokens: int, max_batch: int, num_blocks: int,
             block_size: int) -> None:
     """The engine's admission check of a request's ``n`` (after :func:`check_shape`): RequestError naming it."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_batch:
         raise RequestError("n", f"n must be an integer in [1, {max_batch}] (--max-batch), got {n!r}")
-    need = blocks_of(prompt_tokens, max_new_tokens, n, block_size)
+    need = group_blocks(prompt_tokens, prompt_tokens + max_new_tokens, n, block_size)
     if n > 1 and need > num_blocks:
         raise RequestError("n", f"{n} samples of {prompt_tokens} prompt + {max_new_tokens} new tokens need {need} KV "
                                 f"blocks with the prompt's shared; the pool has {num_blocks}")
@@ -206,7 +199,7 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     out, outcomes = [], []
     for s in shapes:
         per_sample = math.ceil((s.prompt_tokens + s.max_new_tokens) / state.block_size)
-        need = blocks_of(s.prompt_tokens, s.max_new_tokens, s.n, state.block_size)
+        need = group_blocks(s.prompt_tokens, s.prompt_tokens + s.max_new_tokens, s.n, state.block_size)
         refusal = check(s.prompt_tokens, s.max_new_tokens)  # None: the shape itself is servable
         if refusal is None:
             try:
@@ -237,7 +230,7 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
         out.append(ShapePlan(
             s, need, per_sample * state.bytes_per_block, peak, *fit_now, *fit_empty,
             counts[ADMITTED], counts[QUEUED], counts[REFUSED], refusal if counts[REFUSED] else None,
-            (s.prompt_tokens - 1) // state.block_size if s.n > 1 else 0,
+            shared_blocks(s.prompt_tokens, state.block_size) if s.n > 1 else 0,
         ))
     return PlanResult(tuple(out), state, tuple(outcomes))
 

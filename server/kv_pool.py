@@ -95,6 +95,20 @@ def resolve_budget(spec: str | int | float, device: torch.device | str = "cpu") 
     return nbytes
 
 
+def shared_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The prompt's blocks a request can share (mapped from the prefix cache, or between its samples): its full
+    blocks before the block of its last token, whose logits must be computed."""
+    return (prompt_tokens - 1) // block_size if prompt_tokens else 0
+
+
+def group_blocks(prompt_tokens: int, tokens: int, n: int, block_size: int) -> int:
+    """Blocks a request of ``n`` samples of ``tokens`` each (prompt included) reserves with nothing cached: each
+    sample's ceil(tokens / block_size), the :func:`shared_blocks` held once (BlockPool.try_reserve_group; the
+    capacity plan counts with this too)."""
+    total = math.ceil(tokens / block_size)
+    return total + (n - 1) * (total - shared_blocks(prompt_tokens, block_size))
+
+
 class BlockPool:
     """Fixed-size blocks of KV storage: all-or-nothing reservations per request, and a prefix cache of full blocks
     shared between requests (nano-vllm's block manager is the shape: a hash chain, reference counts, a free list).
@@ -188,90 +202,75 @@ class BlockPool:
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """Blocks of ``prompt`` a reservation would map from the cache now (step 3), without taking them."""
-        return len(self._hits_for(self._chain(prompt) if self.prefix_cache else [], len(prompt)))
+        return len(self._lookup(prompt)[1])
 
-    def _hits_for(self, keys: list[bytes], prompt_len: int) -> list[int]:
-        usable = (prompt_len - 1) // self.layout.block_size if prompt_len else 0  # before the last token's block
+    def _lookup(self, prompt: list[int] | None) -> tuple[list[bytes], list[int], int]:
+        """(the keys of the prompt's full blocks, the cached blocks a reservation maps, how many of those no request
+        holds: cached blocks that must not be evicted for the reservation mapping them)."""
+        keys = self._chain(prompt) if prompt and self.prefix_cache else []
         hits = []
-        for key in keys[:usable]:
+        for key in keys[:shared_blocks(len(prompt or ()), self.layout.block_size)]:  # before the last token's block
             b = self._block_of.get(key)
             if b is None:
                 break
             hits.append(b)
-        return hits
+        return keys, hits, sum(1 for b in hits if self._refs[b] == 0)
+
+    def _room(self, fresh: int, idle_hits: int) -> bool:
+        return fresh <= len(self._free) + len(self._cached) - idle_hits
+
+    def _reserve(self, request_id: str, mapped: list[int], fresh: int, keys: list[bytes], hits: int) -> list[int]:
+        """Record a reservation the caller checked there is room for: ``mapped`` blocks (another holder's or cached:
+        shared from now on, by it and by every holder) then ``fresh`` ones; ``hits`` of them came from the cache."""
+        self._shared[request_id] = set(mapped)
+        for b in mapped:
+            if self._refs[b] == 0:
+                del self._cached[b]
+            for other in self._holders[b]:  # they share it from now on too
+                self._shared[other].add(b)
+            self._take(b, request_id)
+        table = mapped + [self._take(self._fresh(), request_id) for _ in range(fresh)]
+        self._owned[request_id] = table
+        self._keys[request_id] = keys
+        self._published[request_id] = len(mapped)  # mapped blocks are keyed already, or the first sample keys them
+        self._hits[request_id] = hits
+        return table
 
     def try_reserve(self, request_id: str, tokens: int, prompt: list[int] | None = None) -> list[int] | None:
         """Reserve every block ``tokens`` can need, or nothing (None) if they are not free now. With ``prompt``, its
         cached full blocks come first in the table, mapped, not taken (:meth:`hit_blocks` says how many)."""
         if request_id in self._owned:
             raise ValueError(f"request {request_id} already holds KV blocks")
-        keys = self._chain(prompt) if prompt and self.prefix_cache else []
-        hits = self._hits_for(keys, len(prompt or ()))
+        keys, hits, idle_hits = self._lookup(prompt)
         fresh = self.layout.blocks_for(tokens) - len(hits)
-        idle_hits = sum(1 for b in hits if self._refs[b] == 0)  # cached blocks that must not be evicted for itself
-        if fresh > len(self._free) + len(self._cached) - idle_hits:
+        if not self._room(fresh, idle_hits):
             return None
-        shared = set(hits)
-        for b in hits:
-            if self._refs[b] == 0:
-                del self._cached[b]
-            for other in self._holders[b]:  # they share it from now on too
-                self._shared[other].add(b)
-            self._take(b, request_id)
-        table = hits + [self._take(self._fresh(), request_id) for _ in range(fresh)]
-        self._owned[request_id] = table
-        self._keys[request_id] = keys
-        self._published[request_id] = len(hits)
-        self._hits[request_id] = len(hits)
-        self._shared[request_id] = shared
         if prompt:
             self.queried_tokens += len(prompt)
             self.hit_tokens += len(hits) * self.layout.block_size
-        return table
+        return self._reserve(request_id, hits, fresh, keys, len(hits))
 
     def group_blocks(self, prompt_tokens: int, tokens: int, n: int) -> int:
-        """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`;
-        server/capacity.py's blocks_of plans with the same arithmetic, and the tests hold them equal)."""
-        total = self.layout.blocks_for(tokens)
-        return total + (n - 1) * (total - self.shared_in_group(prompt_tokens))
-
-    def shared_in_group(self, prompt_tokens: int) -> int:
-        """Blocks of a prompt its samples share: the full blocks before the block of its last token."""
-        return (prompt_tokens - 1) // self.layout.block_size if prompt_tokens else 0
+        """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`)."""
+        return group_blocks(prompt_tokens, tokens, n, self.layout.block_size)
 
     def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int]) -> list[list[int]] | None:
         """Reserve ``n = len(request_ids)`` samples of one prompt at once, or nothing (None): the first is reserved as
         :meth:`try_reserve` does (its cached prefix mapped); each other maps the first's blocks of the prompt's full
-        blocks before its last token's block (:meth:`shared_in_group`: the first prefills them, the others wait for
+        blocks before its last token's block (:func:`shared_blocks`: the first prefills them, the others wait for
         that) and takes fresh blocks for the rest. Their tables, in order."""
         leader, *others = request_ids
         for rid in others:
             if rid in self._owned:
                 raise ValueError(f"request {rid} already holds KV blocks")
         total = self.layout.blocks_for(tokens)
-        k = self.shared_in_group(len(prompt))
-        keys = self._chain(prompt) if self.prefix_cache else []
-        hits = self._hits_for(keys, len(prompt))
-        idle_hits = sum(1 for b in hits if self._refs[b] == 0)
-        if (total - len(hits)) + len(others) * (total - k) > len(self._free) + len(self._cached) - idle_hits:
+        k = shared_blocks(len(prompt), self.layout.block_size)
+        _, hits, idle_hits = self._lookup(prompt)
+        if not self._room((total - len(hits)) + len(others) * (total - k), idle_hits):
             return None
         first = self.try_reserve(leader, tokens, prompt)
-        assert first is not None  # checked above
-        tables = [first]
-        for rid in others:
-            self._shared[rid] = set()
-            for b in first[:k]:
-                for other in self._holders[b]:
-                    self._shared[other].add(b)
-                self._shared[rid].add(b)
-                self._take(b, rid)
-            table = first[:k] + [self._take(self._fresh(), rid) for _ in range(total - k)]
-            self._owned[rid] = table
-            self._keys[rid] = keys
-            self._published[rid] = k
-            self._hits[rid] = 0
-            tables.append(table)  # (its prompt blocks came from its first sample, not the cache: no hit counted)
-        return tables
+        # (the others' prompt blocks come from the first sample, not the cache: no hit counted)
+        return [first] + [self._reserve(rid, first[:k], total - k, self._keys[leader], 0) for rid in others]
 
     def _take(self, b: int, request_id: str) -> int:
         self._refs[b] += 1

@@ -26,24 +26,22 @@ class Metrics:
                                 "cancelled, error, invalid, overloaded, unavailable, deadline, unauthenticated, "
                                 "internal).", ["transport", "outcome"], registry=r)
         totals = engine.totals
-        Gauge("quantserve_queue_depth", "Accepted requests waiting for KV blocks or a batch slot.",
-              registry=r).set_function(lambda: totals().queued)
-        Gauge("quantserve_running_requests", "Requests in the running batch.",
-              registry=r).set_function(lambda: totals().running)
-        Gauge("quantserve_kv_pool_capacity_bytes", "The preallocated KV pool.",
-              registry=r).set_function(lambda: totals().kv_capacity_bytes)
-        Gauge("quantserve_kv_pool_used_bytes", "KV blocks reserved by running requests.",
-              registry=r).set_function(lambda: totals().kv_used_bytes)
-        Gauge("quantserve_weight_bytes", "Weights as held in memory.",
-              registry=r).set_function(lambda: totals().weight_bytes)
-        Gauge("quantserve_kv_cached_bytes", "Prefix-cache KV blocks no running request holds (evicted when needed).",
-              registry=r).set_function(lambda: totals().kv_cached_bytes)
-        Gauge("quantserve_prefix_cache_hit_rate", "Prompt tokens mapped from the prefix cache / prompt tokens admitted.",
-              registry=r).set_function(lambda: totals().prefix_hit_rate)
-        Gauge("quantserve_prefix_cache_hit_tokens", "Prompt tokens mapped from the prefix cache (a counter).",
-              registry=r).set_function(lambda: totals().prefix_hit_tokens)
-        Gauge("quantserve_prefix_cache_evictions", "Cached KV blocks evicted for other requests' blocks (a counter).",
-              registry=r).set_function(lambda: totals().prefix_evictions)
+        for name, help, field in (  # gauges read from the engine's totals when scraped
+            ("quantserve_queue_depth", "Accepted requests waiting for KV blocks or a batch slot.", "queued"),
+            ("quantserve_running_requests", "Requests in the running batch.", "running"),
+            ("quantserve_kv_pool_capacity_bytes", "The preallocated KV pool.", "kv_capacity_bytes"),
+            ("quantserve_kv_pool_used_bytes", "KV blocks reserved by running requests.", "kv_used_bytes"),
+            ("quantserve_weight_bytes", "Weights as held in memory.", "weight_bytes"),
+            ("quantserve_kv_cached_bytes", "Prefix-cache KV blocks no running request holds (evicted when needed).",
+             "kv_cached_bytes"),
+            ("quantserve_prefix_cache_hit_rate",
+             "Prompt tokens mapped from the prefix cache / prompt tokens admitted.", "prefix_hit_rate"),
+            ("quantserve_prefix_cache_hit_tokens", "Prompt tokens mapped from the prefix cache (a counter).",
+             "prefix_hit_tokens"),
+            ("quantserve_prefix_cache_evictions", "Cached KV blocks evicted for other requests' blocks (a counter).",
+             "prefix_evictions"),
+        ):
+            Gauge(name, help, registry=r).set_function(lambda field=field: getattr(totals(), field))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.kv_pool import BlockPool
+from server.kv_pool import BlockPool, shared_blocks
 from server.sampling import SamplingParams
 
 
@@ -150,7 +150,7 @@ class Scheduler:
             if tables is None or tables[0] is None:
                 break  # strict FIFO: wait for blocks rather than let later requests overtake
             self.waiting.popleft()
-            shared = self.pool.shared_in_group(len(seq.prompt)) * bs
+            shared = shared_blocks(len(seq.prompt), bs) * bs
             for m, table in zip(members, tables):
                 m.blocks = table
                 m.cached = m.prefilled = self.pool.hit_blocks(m.id) * bs if m is seq else shared

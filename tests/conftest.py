@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,16 @@ def tokenizer(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     agree_special_tokens(tok, AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
     return tok
+
+
+def wait_until(cond, timeout: float = 30.0) -> bool:
+    """Poll ``cond`` every 5 ms until it holds or ``timeout`` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
 
 
 def make_tiny_llama(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:

@@ -43,6 +43,12 @@ def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: 
             s = table[p // bs] * bs + p % bs
             backend.kv[0, 0, s], backend.kv[0, 1, s] = k_all[p], v_all[p]
         reqs.append((past, new, table, k_all, v_all))
+    return _step(backend, spec, reqs, len(decode), bs, g)
+
+
+def _step(backend, spec: AttentionSpec, reqs, n_decode: int, bs: int, g):
+    """One step over ``reqs`` (past, new, table, k_all, v_all), the first ``n_decode`` of them decode rows, each
+    one's past already in the cache: (the backend's output, the reference's over each request's k_all / v_all)."""
     q = torch.randn(sum(r[1] for r in reqs), spec.heads, spec.head_dim, generator=g)
     k = torch.cat([r[3][r[0]:] for r in reqs])
     v = torch.cat([r[4][r[0]:] for r in reqs])
@@ -50,11 +56,11 @@ def run_case(backend_name: str, spec: AttentionSpec, decode: list[int], chunks: 
     for i, (past, new, table, _, _) in enumerate(reqs):
         pos += list(range(past, past + new))
         slots += [table[p // bs] * bs + p % bs for p in range(past, past + new)]
-        if i >= len(decode):
+        if i >= n_decode:
             chunk_meta.append((t0, new, past, table))
         t0 += new
     step = StepInputs(torch.zeros(len(pos), dtype=torch.int64), torch.tensor(pos), torch.tensor(slots),
-                      torch.tensor([0]), [(reqs[i][0], reqs[i][2]) for i in range(len(decode))], chunk_meta, bs)
+                      torch.tensor([0]), [(reqs[i][0], reqs[i][2]) for i in range(n_decode)], chunk_meta, bs)
     got = backend.forward(q, k, v, 0, backend.prepare(step))
     want, t0 = [], 0
     for past, new, _, k_all, v_all in reqs:
@@ -373,25 +379,8 @@ def test_backends_read_a_shared_prefix_through_their_tables(backend_name):
             s = table[p // bs] * bs + p % bs
             backend.kv[0, 0, s], backend.kv[0, 1, s] = k_all[p], v_all[p]
         reqs.append((past, new, table, k_all, v_all))
-    q = torch.randn(sum(r[1] for r in reqs), spec.heads, spec.head_dim, generator=g)
-    k = torch.cat([r[3][r[0]:] for r in reqs])
-    v = torch.cat([r[4][r[0]:] for r in reqs])
-    pos, slots, chunks, t0 = [], [], [], 0
-    for i, (past, new, table, _, _) in enumerate(reqs):
-        pos += list(range(past, past + new))
-        slots += [table[p // bs] * bs + p % bs for p in range(past, past + new)]
-        if i:
-            chunks.append((t0, new, past, table))
-        t0 += new
-    step = StepInputs(torch.zeros(len(pos), dtype=torch.int64), torch.tensor(pos), torch.tensor(slots),
-                      torch.tensor([0]), [(reqs[0][0], reqs[0][2])], chunks, bs)
-    got = backend.forward(q, k, v, 0, backend.prepare(step))
-    want, t0 = [], 0
-    for past, new, _, k_all, v_all in reqs:
-        want.append(R.attention(q[t0:t0 + new], k_all, v_all, torch.arange(past, past + new),
-                                torch.arange(past + new), spec))
-        t0 += new
-    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+    got, want = _step(backend, spec, reqs, 1, bs, g)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for p in range(stem):  # the shared blocks are as the stem wrote them: no request wrote into them
         s = shared[p // bs] * bs + p % bs
         assert torch.equal(backend.kv[0, 0, s], k_stem[p]) and torch.equal(backend.kv[0, 1, s], v_stem[p])

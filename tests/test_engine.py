@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import wait_until
 from quant.memory import MemoryTracker, ModelShape, engine_prefill_bytes, weight_report
 from server import fastops
 from server.engine import Engine, EngineConfig
@@ -21,15 +22,6 @@ from server.runner import ModelRunner, build_step
 from server.sampling import SamplingParams
 
 CPU = torch.device("cpu")
-
-
-def wait_until(cond, timeout=30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 def assert_idle(engine: Engine) -> None:

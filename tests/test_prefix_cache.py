@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from archs import ARCHITECTURES
+from conftest import wait_until
 from server.engine import Engine, EngineConfig
 from server.outputs import RequestError
 from server.sampling import SamplingParams
@@ -135,10 +136,7 @@ def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
     if not leader_done:
         used.append(on.totals().kv_used_bytes)
     assert used and used[0] == (5 + 3 * 2) * bpb
-    for _ in range(3000):
-        if leader_done and len(finals) == 3:
-            break
-        threading.Event().wait(0.005)
+    wait_until(lambda: leader_done and len(finals) == 3)
     leader = leader_done[0].accounting
     assert leader.prompt_tokens_cached == 0 and leader.kv_bytes_shared == 2 * bpb
     assert leader.kv_bytes_own + leader.kv_bytes_shared == leader.kv_bytes_reserved == 5 * bpb
@@ -210,10 +208,7 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
         assert got.accounting.prompt_tokens_cached == 32
         h.cancel()
         assert got.token_ids == off.complete(follower, greedy(10)).token_ids
-        for _ in range(2000):
-            if on.pool.used_blocks == 0:
-                break
-            threading.Event().wait(0.005)
+        wait_until(lambda: on.pool.used_blocks == 0)
         assert_books(on)
         assert on.pool.cached_prefix(follower) == 2  # the cancelled leader's published blocks stay cached
 
@@ -237,10 +232,7 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
         events = []
         for i in range(3):
             on.submit(prompt + [7 + i], greedy(300), lambda ev: ev.finished and events.append(ev))
-        for _ in range(2000):
-            if on.pool.used_blocks > 2:
-                break
-            threading.Event().wait(0.005)
+        wait_until(lambda: on.pool.used_blocks > 2)
         on.close()
         assert len(events) == 3 and {ev.finish_reason for ev in events} == {"cancelled"}
         on.pool.audit()
@@ -294,20 +286,14 @@ def test_n_is_checked_and_a_cancelled_request_ends_every_sample(engines):
         if ev.index == 1:
             raise RuntimeError("the caller went away")
     on.submit(ids(40, 42), greedy(300), broken, n=2)
-    for _ in range(3000):
-        if on.pool.used_blocks == 0 and not on.scheduler.has_work:
-            break
-        threading.Event().wait(0.005)
+    wait_until(lambda: on.pool.used_blocks == 0 and not on.scheduler.has_work)
     assert_books(on)
     events = []
     started = threading.Event()
     h = on.submit(ids(40, 41), greedy(300), lambda ev: (started.set(), events.append(ev)), n=3)
     assert started.wait(30)
     h.cancel()
-    for _ in range(2000):
-        if sum(ev.finished for ev in events) == 3:
-            break
-        threading.Event().wait(0.005)
+    wait_until(lambda: sum(ev.finished for ev in events) == 3)
     finals = [ev for ev in events if ev.finished]
     assert sorted(ev.index for ev in finals) == [0, 1, 2] and {ev.finish_reason for ev in finals} == {"cancelled"}
     assert {ev.request_id for ev in events} == {h.id}
@@ -392,16 +378,21 @@ def httpx_post(url: str, body: dict):
 
 
 def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admitted(tiny_model_dir, cache_dir):
-    """capacity.blocks_of (the plan's arithmetic) equals the pool's group reservation; a Plan of 5 requests of
-    n = 4 samples (200-token prompt, 40 new: 15 blocks a sample, 12 of them shared, 24 a request) on a 100-block
-    pool says 4 admitted and 1 queued, and the engine then runs exactly 16 samples with one request waiting."""
-    from server import capacity
+    """The blocks a request of n samples reserves (kv_pool.group_blocks: the plan counts with it) are what the
+    pool's group reservation takes; a Plan of 5 requests of n = 4 samples (200-token prompt, 40 new: 15 blocks a
+    sample, 12 of them shared, 24 a request) on a 100-block pool says 4 admitted and 1 queued, and the engine then
+    runs exactly 16 samples with one request waiting."""
     from server.capacity import Shape
+    from server.kv_pool import BlockPool, KVLayout, group_blocks
 
+    layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, block_size=BS)
+    for (p_len, new, n), want in zip(((200, 40, 4), (32, 1, 3), (33, 15, 2), (1, 5, 7), (1024, 128, 8)),
+                                     (15 + 3 * 3, 3 + 2 * 2, 3 + 1, 1 + 6 * 1, 72 + 7 * 9)):
+        pool = BlockPool(layout, 200 * layout.bytes_per_block, allocate=False)
+        assert pool.try_reserve_group([f"r/{i}" for i in range(n)], p_len + new, ids(p_len, 1)) is not None
+        assert group_blocks(p_len, p_len + new, n, BS) == pool.used_blocks == want
     probe = make(tiny_model_dir, cache_dir)
     bpb = probe.layout.bytes_per_block
-    for p_len, new, n in ((200, 40, 4), (32, 1, 3), (33, 15, 2), (1, 5, 7), (1024, 128, 8)):
-        assert capacity.blocks_of(p_len, new, n, BS) == probe.pool.group_blocks(p_len, p_len + new, n)
     probe.close()
     eng = make(tiny_model_dir, cache_dir, budget=str(100 * bpb))
     try:
@@ -413,19 +404,13 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
         started: set = set()  # (request, sample) that have a token
         handles = [eng.submit(ids(200, 70 + i), greedy(40), lambda ev: ev.token_ids and started.add(
             (ev.request_id, ev.index)), n=4) for i in range(5)]
-        for _ in range(6000):
-            if len(started) >= 16:
-                break
-            threading.Event().wait(0.005)
+        wait_until(lambda: len(started) >= 16)
         assert len(started) == 16
         t = eng.totals()
         assert (t.running, t.queued, t.kv_used_bytes) == (16, 1, 96 * bpb)
         for h in handles:
             h.cancel()
-        for _ in range(3000):
-            if eng.pool.used_blocks == 0 and not eng.scheduler.has_work:
-                break
-            threading.Event().wait(0.005)
+        wait_until(lambda: eng.pool.used_blocks == 0 and not eng.scheduler.has_work)
         assert_books(eng)
     finally:
         eng.close()
