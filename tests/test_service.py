@@ -110,6 +110,7 @@ def test_openai_client_completions_chat_and_streaming(server):
     ({"prompt": "x", "max_tokens": 0}, "max_new_tokens"),
     ({"prompt": "x", "max_tokens": 10**6}, "max_new_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 10**9}, "n"),  # refused by the engine before anything is allocated per sample
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "min_p": 1.5}, "min_p"),  # a field this server does not know: refused by name, not dropped
     ({"prompt": ""}, "prompt"),
