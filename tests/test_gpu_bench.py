@@ -63,6 +63,9 @@ def test_the_report_holds_every_parts_rows():
     assert "cut to the part's time: linear: 12 rows checked but not timed" in md
     assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line
     assert "measuring failed (RuntimeError: x), the built-in rule" in md
+    headline, full = (line for line in md.splitlines() if line.startswith("- engine, random-weight w4a16"))
+    assert "eager steps" not in headline and "serial steps instead of overlapped: 250.9" in headline  # not run: not shown
+    assert "eager steps: 100.0" in full and "built-in rules instead of measured launches and plans: 288.9" in full
 
 
 def test_a_parts_clock_cuts_timings_not_checks(monkeypatch):
