@@ -47,7 +47,8 @@ from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
 from server.runner import ModelRunner, build_step
-from server.sampling import SEED_LIMIT, SamplingBatch, SamplingParams, sample
+from server.sampling import (SEED_LIMIT, TRACE_STAGES, TRACE_STATS, SamplingBatch, SamplingParams,
+                             SamplingParamsError, sample)
 from server.scheduler import Group, Scheduler, Sequence
 from server.settings import setting
 
@@ -396,6 +397,10 @@ class Engine:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
         ids = self._prompt_ids(prompt)
         self.check(len(ids), params.max_new_tokens)
+        past = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if past:
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids in [0, {self.vocab_size}), "
+                                                    f"got {past[0]}")
         capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.usable_blocks,
                          self.layout.block_size)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
@@ -711,9 +716,10 @@ class Engine:
             rows_t = stage(suppress, torch.int64, self.device)
             logits[rows_t[:, None], self._eos_tensor[None, :]] = -float("inf")
         histories = None
-        if any(p.repetition_penalty != 1.0 for p in params):  # a pending token's place is filled on the device
+        if any(p.uses_history for p in params):  # a pending token's place is filled on the device
             histories = [s.prompt + s.generated + [-1] * s.pending for s in sampled]
-        batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device)
+        batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device,
+                                    prompt_lens=[len(s.prompt) for s in sampled])
         if histories is not None and rows:  # the fed decode rows are the same rows of ``sampled``
             idx = stage(rows + [len(histories[i]) - 1 for i in rows] + index, torch.int64, self.device).view(3, -1)
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
@@ -766,10 +772,10 @@ class Engine:
             logprobs = (TokenLogprob(tok, lp[i], alts),)
         steps = ()
         if p.trace is not None:
-            stage = {k: tuple(zip(trace[k][0][i][: p.trace], trace[k][1][i][: p.trace]))
-                     for k in ("temperature", "top_k", "top_p")}
-            kk, kp, mk, mp, ent = trace["stats"][i]
-            steps = (TraceStep(stage["temperature"], stage["top_k"], stage["top_p"], int(kk), int(kp), mk, mp, ent),)
+            stages = {k: tuple(zip(trace[k][0][i][: p.trace], trace[k][1][i][: p.trace])) for k in TRACE_STAGES}
+            stats = dict(zip(TRACE_STATS, trace["stats"][i]))
+            counts = {k: int(v) for k, v in stats.items() if k.startswith("kept_")}
+            steps = (TraceStep(**stages, **stats | counts),)
         detok, matcher = seq.state["detok"], seq.state["stop"]
         eos = tok in self.eos_ids and not p.ignore_eos
         text = "" if eos else detok.push(tok)

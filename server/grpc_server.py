@@ -21,7 +21,7 @@ from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 from server.capacity import Shape
 from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
-from server.sampling import SamplingParams
+from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingParams
 from server.service import Service, classify
 
 log = logging.getLogger("quantserve.grpc")
@@ -38,6 +38,8 @@ def params_from_proto(s: pb.SamplingParameters, default_max_new_tokens: int) -> 
     for name, kind in SAMPLING_TYPES.items():
         if kind is tuple:  # a repeated field (stop): empty is its default
             kw[name] = tuple(getattr(s, name))
+        elif kind is dict:  # a map (logit_bias): empty is its default
+            kw[name] = dict(getattr(s, name))
         elif s.HasField(name):
             kw[name] = getattr(s, name)
     kw.setdefault("max_new_tokens", default_max_new_tokens)
@@ -63,11 +65,8 @@ def _logprobs(svc: Service, lps: tuple[TokenLogprob, ...]) -> list[pb.TokenLogpr
 
 
 def _trace(svc: Service, steps: tuple[TraceStep, ...]) -> list[pb.TraceStep]:
-    return [pb.TraceStep(after_temperature=_candidates(svc, t.temperature, "prob"),
-                         after_top_k=_candidates(svc, t.top_k, "prob"),
-                         after_top_p=_candidates(svc, t.top_p, "prob"), kept_top_k=t.kept_top_k,
-                         kept_top_p=t.kept_top_p, mass_top_k=t.mass_top_k, mass_top_p=t.mass_top_p,
-                         entropy=t.entropy) for t in steps]
+    return [pb.TraceStep(**{f"after_{k}": _candidates(svc, getattr(t, k), "prob") for k in TRACE_STAGES},
+                         **{k: getattr(t, k) for k in TRACE_STATS}) for t in steps]
 
 
 def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:

@@ -3,7 +3,7 @@
 Requests are parsed by pydantic in strict mode (no "5" for 5) and every error leaves through one handler
 (``server.service.classify``) as OpenAI's error body with 400 / 401 / 429 / 503 / 504 / 500. Our extensions
 ride in the same body (the official client sends them with ``extra_body``): every sampling control OpenAI does
-not have, under its own name (top_k, repetition_penalty, min_tokens, ignore_eos as vLLM spells them, trace);
+not have, under its own name (top_k, min_p, repetition_penalty, min_tokens, ignore_eos as vLLM spells them, trace);
 every response adds seed and memory.
 """
 
@@ -26,7 +26,7 @@ from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one l
 from server.capacity import Shape
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
-from server.sampling import SamplingParams, SamplingParamsError
+from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingParams, SamplingParamsError
 from server.service import CHAT_ROLES, AuthError, DeadlineError, Service, classify
 
 _OPEN_PATHS = ("/health", "/metrics")
@@ -46,9 +46,6 @@ class _OpenAIBody(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
     user: str | None = None  # these four change nothing here
     metadata: dict | None = None
     store: bool | None = None
@@ -184,11 +181,6 @@ async def _unless_disconnected(request: Request, work):
 def _unsupported(body: _Body) -> None:
     """Parameters we do not implement are refused by name rather than silently ignored (``n`` is checked by the
     engine, against --max-batch and the KV pool)."""
-    if body.presence_penalty != 0 or body.frequency_penalty != 0:
-        name = "presence_penalty" if body.presence_penalty != 0 else "frequency_penalty"
-        raise RequestError(name, f"{name} is not supported (use repetition_penalty)")
-    if body.logit_bias:
-        raise RequestError("logit_bias", "logit_bias is not supported")
     if isinstance(body, CompletionBody):
         if body.echo:
             raise RequestError("echo", "echo is not supported")
@@ -222,9 +214,8 @@ def _trace(svc: Service, steps) -> list[dict]:
     def cands(pairs):
         return [{"token_id": i, "token": svc.token_text(i), "prob": p} for i, p in pairs]
 
-    return [{"after_temperature": cands(t.temperature), "after_top_k": cands(t.top_k),
-             "after_top_p": cands(t.top_p), "kept_top_k": t.kept_top_k, "kept_top_p": t.kept_top_p,
-             "mass_top_k": t.mass_top_k, "mass_top_p": t.mass_top_p, "entropy": t.entropy} for t in steps]
+    return [{f"after_{k}": cands(getattr(t, k)) for k in TRACE_STAGES} | {k: getattr(t, k) for k in TRACE_STATS}
+            for t in steps]
 
 
 def _completion_logprobs(svc: Service, lps, offset0: int = 0) -> dict:

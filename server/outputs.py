@@ -87,15 +87,20 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class TraceStep:
-    """Candidates of one generated step after each stage, most probable first (N = params.trace)."""
+    """Candidates of one generated step after each stage of the documented order (server/sampling.py), most
+    probable first (N = params.trace); every stage lists the same N tokens, the temperature stage's top N."""
 
+    penalties: tuple[tuple[int, float], ...]  # after logit_bias and the penalties, before temperature (T = 1)
     temperature: tuple[tuple[int, float], ...]
+    min_p: tuple[tuple[int, float], ...]
     top_k: tuple[tuple[int, float], ...]
-    top_p: tuple[tuple[int, float], ...]
+    top_p: tuple[tuple[int, float], ...]  # what the token was drawn from
     # Exact over the whole vocabulary, unlike the top-N lists: what each control removed.
-    kept_top_k: int  # tokens that survived top-k (the vocabulary size when top-k is off)
-    kept_top_p: int  # tokens that survived top-k and top-p: the support of the draw
-    mass_top_k: float  # probability after temperature of the tokens top-k kept
+    kept_min_p: int  # tokens that survived min-p (the vocabulary size when min-p is off)
+    kept_top_k: int  # tokens that survived min-p and top-k
+    kept_top_p: int  # tokens that survived min-p, top-k and top-p: the support of the draw
+    mass_min_p: float  # probability after temperature of the tokens min-p kept
+    mass_top_k: float  # ... of the tokens top-k kept as well
     mass_top_p: float  # ... of the tokens top-p kept as well
     entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
 

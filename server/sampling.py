@@ -1,15 +1,26 @@
 """Per-request sampling parameters and the batched sampler (docs/design.md, "Sampling: the documented order").
 
-For every request and every generated token the sampler applies, on fp32 logits:
+For every request and every generated token the sampler applies, on fp32 logits (before it, the engine sets the
+EOS logits to -inf while a request has fewer than ``min_tokens`` tokens):
 
-1. repetition penalty (if != 1) on the raw logits, HF semantics: every token id seen in the request's prompt or
-   generated tokens gets ``logit / p`` when ``logit > 0`` and ``logit * p`` otherwise;
-2. temperature: ``logits / T``; ``T == 0`` is greedy (argmax of the penalised logits) and skips 3-5;
-3. top-k: keep the k highest logits (k = 0: off; tokens tied with the k-th are kept, as transformers does);
-4. top-p: softmax over what top-k kept, sorted descending; keep the smallest prefix whose cumulative
+1. logit bias (``logit_bias``, OpenAI's): each listed token id's bias, in [-100, 100], is added to its raw logit
+   (-100 all but bans a token, +100 all but forces it);
+2. repetition penalty (if != 1), HF semantics: every token id seen in the request's prompt or generated tokens
+   gets ``logit / p`` when ``logit > 0`` and ``logit * p`` otherwise;
+3. presence and frequency penalties (OpenAI's definitions, over the generated tokens only):
+   ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``, count = times the id was generated;
+4. temperature: ``logits / T``; ``T == 0`` is greedy (argmax of the logits after 1-3) and skips 5-8;
+5. min-p: keep the tokens whose probability after temperature is >= min_p x the most probable token's
+   (min_p = 0: off; the most probable token always survives). Before top-k and top-p, as vLLM does;
+   transformers' MinPLogitsWarper runs after them, which differs only when top-p cuts inside min-p's set;
+6. top-k: keep the k highest logits (k = 0: off; tokens tied with the k-th are kept, as transformers does);
+7. top-p: softmax over what min-p and top-k kept, sorted descending; keep the smallest prefix whose cumulative
    probability reaches p (the crossing token is kept), i.e. a token survives iff the mass strictly before it
    is < p. p = 1: off; p = 0: only the most probable token. The first token always survives;
-5. renormalise the survivors and draw one token with the request's own random stream.
+8. renormalise the survivors and draw one token with the request's own random stream.
+
+Every step is skipped for the whole batch when no row uses it (host flags on :class:`SamplingBatch`), so a request
+that uses none of the controls pays for none of them.
 
 Random stream. A draw must be reproducible from ``(seed, step)`` alone: the same request must produce the same
 tokens whether it runs alone or batched with others, after preemption and recompute, on CPU or CUDA. The obvious
@@ -50,6 +61,9 @@ MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_LOGPROBS = 20
 MAX_TRACE = 50
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
+LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI's API allows
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI's API allows
 SEED_LIMIT = 2**63  # seeds are int64 on the device; non-negative so "seed + 1" style derivations never wrap
 
 
@@ -105,6 +119,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # at most 16 non-empty strings of at most 256 characters
     logprobs: int | None = None  # None = off; 0..20 alternatives besides the chosen token
     trace: int | None = None  # None = off; 1..50 top candidates per stage per step
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    # token id -> bias in [-100, 100], at most 300 entries; given as a mapping (JSON's string keys accepted),
+    # kept as (id, bias) pairs sorted by id so the params stay hashable
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
@@ -132,6 +152,10 @@ class SamplingParams:
         put("stop", self._check_stop(self.stop))
         put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null", optional=True))
         put("trace", _int("trace", self.trace, 1, MAX_TRACE, "in [1, 50] or null", optional=True))
+        put("min_p", _real("min_p", self.min_p, 0.0, 1.0, False, "in [0, 1] (0 = off)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _real(name, getattr(self, name), -PENALTY_LIMIT, PENALTY_LIMIT, False, "in [-2, 2] (0 = off)"))
+        put("logit_bias", self._check_logit_bias(self.logit_bias))
 
     @staticmethod
     def _check_stop(stop) -> tuple[str, ...]:
@@ -146,6 +170,41 @@ class SamplingParams:
                     "stop", f"stop entries must be non-empty strings of at most {MAX_STOP_LEN} characters, got {s!r}"
                 )
         return tuple(stop)
+
+    @staticmethod
+    def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+        """A mapping of token id (an int, or a string of one as JSON object keys are) to a bias, or (id, bias)
+        pairs; the token ids' upper bound is the model's vocabulary, checked by the engine."""
+        if bias is None:
+            return ()
+        if isinstance(bias, dict):
+            items = list(bias.items())
+        elif isinstance(bias, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
+            items = [tuple(e) for e in bias]
+        else:
+            raise SamplingParamsError("logit_bias", "logit_bias must be an object mapping token ids to biases, "
+                                                    f"got {type(bias).__name__}")
+        if len(items) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
+                                                    f"got {len(items)}")
+        out = {}
+        for key, value in items:
+            tok = key
+            if isinstance(key, str) and key.strip().isdigit():
+                tok = int(key)
+            if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), "
+                                                        f"got {key!r}")
+            if int(tok) in out:
+                raise SamplingParamsError("logit_bias", f"logit_bias names token {int(tok)} twice")
+            out[int(tok)] = _real("logit_bias", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, False,
+                                  f"in [-100, 100] (token {int(tok)}'s bias)")
+        return tuple(sorted(out.items()))
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether steps 2-3 need the request's token ids."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def with_seed(self, seed: int) -> "SamplingParams":
         """A copy with ``seed`` set (validated again); the engine uses it when the client gave none."""
@@ -167,12 +226,23 @@ class SamplingBatch:
     trace_n: int = 0  # max over rows of trace
     # Host-side facts computed from the params, so sample() branches without reading device tensors (no sync).
     # Defaults are the safe "anything may be on" values for hand-built batches.
-    any_filter: bool = True  # some sampled row has top_k > 0 or top_p < 1
+    any_filter: bool = True  # some sampled row has top_k > 0, top_p < 1 or min_p > 0
     all_greedy: bool = False  # every row has T == 0 (no random draw needed)
     want_logprob: bool = True  # some row asked for logprobs (else a greedy batch skips the log-softmax)
+    min_p: Tensor | None = None  # (B,) fp32; None when no row has min_p > 0
+    # presence and frequency penalties, (B,) fp32 each, and where each row's generated ids start in ``history``
+    # (B,) int64; None when no row has either penalty
+    presence: Tensor | None = None
+    frequency: Tensor | None = None
+    generated_from: Tensor | None = None
+    # logit_bias as (B, E) token ids padded with -1 and (B, E) fp32 biases; None when no row has one
+    bias_ids: Tensor | None = None
+    bias_values: Tensor | None = None
 
     @classmethod
-    def build(cls, params, seeds, steps, histories, device=None) -> "SamplingBatch":
+    def build(cls, params, seeds, steps, histories, device=None, prompt_lens=None) -> "SamplingBatch":
+        """``histories``: each row's prompt + generated ids (needed when a row has a penalty); ``prompt_lens``: how
+        many of them are the prompt's (needed when a row has a presence or frequency penalty)."""
         n = len(params)
         if len(seeds) != n or len(steps) != n or (histories is not None and len(histories) != n):
             raise ValueError("params, seeds, steps and histories must have one entry per row")
@@ -182,27 +252,47 @@ class SamplingBatch:
         if any(int(t) < 0 for t in steps):
             raise ValueError("steps must be >= 0")
         history = None
-        if any(p.repetition_penalty != 1.0 for p in params):
+        if any(p.uses_history for p in params):
             if histories is None:
-                raise ValueError("histories are required when a row has a repetition penalty")
+                raise ValueError("histories are required when a row has a penalty")
             width = max(1, max(len(h) for h in histories))
             flat_h = [t for h in histories for t in (*h, *[-1] * (width - len(h)))]  # -1 pads: ignored by the penalty
             history = stage(flat_h, torch.int64, device).view(n, width)  # (B, L)
+        counted = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        if counted and (prompt_lens is None or len(prompt_lens) != n):
+            raise ValueError("prompt_lens (one per row) are required when a row has a presence or frequency penalty")
         sampled = [p for p in params if p.temperature != 0.0]
         # Two staged copies per step (fp32 and int64 columns), never a synchronising one.
         f = stage([p.temperature for p in params] + [p.top_p for p in params]
-                  + [p.repetition_penalty for p in params], torch.float32, device).view(3, n)
-        i = stage([p.top_k for p in params] + [int(s) for s in seeds] + [int(t) for t in steps], torch.int64,
-                  device).view(3, n)
+                  + [p.repetition_penalty for p in params] + [p.min_p for p in params]
+                  + [p.presence_penalty for p in params] + [p.frequency_penalty for p in params],
+                  torch.float32, device).view(6, n)
+        i = stage([p.top_k for p in params] + [int(s) for s in seeds] + [int(t) for t in steps]
+                  + [int(x) for x in (prompt_lens if counted else [0] * n)], torch.int64, device).view(4, n)
+        bias_ids = bias_values = None
+        if any(p.logit_bias for p in params):
+            width = max(len(p.logit_bias) for p in params)
+            pad = [(-1, 0.0)] * width
+            pairs = [e for p in params for e in (*p.logit_bias, *pad[len(p.logit_bias):])]
+            bias_ids = stage([t for t, _ in pairs], torch.int64, device).view(n, width)  # (B, E)
+            bias_values = stage([b for _, b in pairs], torch.float32, device).view(n, width)  # (B, E)
         return cls(
             temperature=f[0], top_k=i[0], top_p=f[1], repetition_penalty=f[2], seeds=i[1], steps=i[2],
             history=history,
             logprobs_n=max([p.logprobs or 0 for p in params], default=0),
             trace_n=max([p.trace or 0 for p in params], default=0),
-            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
             all_greedy=not sampled,
             want_logprob=any(p.logprobs is not None for p in params),
+            min_p=f[3] if any(p.min_p > 0.0 for p in sampled) else None,
+            presence=f[4] if counted else None, frequency=f[5] if counted else None,
+            generated_from=i[3] if counted else None,
+            bias_ids=bias_ids, bias_values=bias_values,
         )
+
+
+TRACE_STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p")  # after steps 1-3, 4, 5, 6, 7
+TRACE_STATS = ("kept_min_p", "kept_top_k", "kept_top_p", "mass_min_p", "mass_top_k", "mass_top_p", "entropy")
 
 
 @dataclass
@@ -212,10 +302,12 @@ class SampleOutput:
     # greedy batch in which no row asked for logprobs or a trace
     logprob: Tensor | None
     top_logprobs: tuple[Tensor, Tensor] | None  # ids (B, N) int64, logprobs (B, N) fp32 of the raw distribution
-    trace: dict[str, tuple[Tensor, Tensor]] | None  # "temperature"/"top_k"/"top_p": ids (B, N), probs (B, N)
-    # Exact over the whole vocabulary (the top-N above is not), with a trace only; (B, 5) float64 columns:
-    # tokens top-k kept, tokens top-p kept, temperature-stage mass top-k kept, mass top-p kept, entropy (nats)
-    # of the distribution the token was drawn from. Greedy rows: 1, 1, 1, 1, 0.
+    # TRACE_STAGES -> (ids (B, N), probs (B, N)), every stage listing the same ids (the temperature stage's top N)
+    trace: dict[str, tuple[Tensor, Tensor]] | None
+    # Exact over the whole vocabulary (the top-N above is not), with a trace only; (B, 7) float64 columns
+    # (TRACE_STATS): tokens min-p kept, tokens top-k kept as well, tokens top-p kept as well (the support of the
+    # draw), and the temperature stage's mass of each of those three sets, then the entropy (nats) of the
+    # distribution the token was drawn from. Greedy rows: 1, 1, 1, 1, 1, 1, 0.
     trace_stats: Tensor | None = None
 
 
@@ -285,8 +377,18 @@ def random_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------- fast path
 
 
+def apply_logit_bias(logits: Tensor, ids: Tensor | None, values: Tensor | None) -> Tensor:
+    """Step 1, batched: ``values`` (B, E) added at ``ids`` (B, E) of each row (-1 pads go to a dropped column)."""
+    if ids is None:
+        return logits
+    B, V = logits.shape
+    cols = torch.where((ids < 0) | (ids >= V), V, ids)  # (B, E)
+    bias = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device).scatter_(1, cols, values)  # (B, V+1)
+    return logits + bias[:, :V]  # (B, V) a new tensor: the caller's logits stay the raw ones
+
+
 def apply_penalty(logits: Tensor, penalty: Tensor, history: Tensor | None) -> Tensor:
-    """Step 1, batched: HF repetition penalty on every id in each row's history (-1 pads ignored)."""
+    """Step 2, batched: HF repetition penalty on every id in each row's history (-1 pads ignored)."""
     if history is None:
         return logits
     B, V = logits.shape
@@ -299,12 +401,35 @@ def apply_penalty(logits: Tensor, penalty: Tensor, history: Tensor | None) -> Te
     return torch.where(seen[:, :V], penalised, logits)  # (B, V)
 
 
+def apply_presence_frequency(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Step 3, batched: OpenAI's presence and frequency penalties over each row's generated ids."""
+    if batch.frequency is None:
+        return logits
+    B, V = logits.shape
+    h = batch.history  # (B, L) prompt + generated ids
+    pos = torch.arange(h.shape[1], device=h.device)[None, :]  # (1, L)
+    generated = (pos >= batch.generated_from[:, None]) & (h >= 0) & (h < V)  # (B, L)
+    cols = torch.where(generated, h, V)  # (B, L) the prompt's ids and pads to the dropped column
+    counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)  # (B, V+1)
+    counts.scatter_add_(1, cols, torch.ones_like(cols, dtype=logits.dtype))
+    counts = counts[:, :V]  # (B, V)
+    return logits - batch.frequency[:, None] * counts - batch.presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def processed_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Steps 1-3 on fp32 logits (B, V); a new tensor whenever a step changes anything."""
+    x = apply_logit_bias(logits.float(), batch.bias_ids, batch.bias_values)  # (B, V)
+    x = apply_penalty(x, batch.repetition_penalty, batch.history)  # (B, V)
+    return apply_presence_frequency(x, batch)  # (B, V)
+
+
 def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
-    """Steps 1-5 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages, trace stats)."""
-    x = apply_penalty(logits.float(), batch.repetition_penalty, batch.history)  # (B, V)
+    """Steps 1-8 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages, trace stats)."""
+    x = processed_logits(logits, batch)  # (B, V)
+    processed = x
     B, V = x.shape
     greedy = batch.temperature == 0  # (B,)
-    greedy_tok = x.argmax(-1)  # (B,) of the penalised logits; first index among ties, like the stable sort
+    greedy_tok = x.argmax(-1)  # (B,) of the processed logits; first index among ties, like the stable sort
     onehot = torch.nn.functional.one_hot(greedy_tok, V).to(torch.float32)  # (B, V)
     # Greedy rows divide by 1 only to stay finite; their result is replaced by the one-hot below.
     t = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)  # (B,)
@@ -313,12 +438,16 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
         probs = torch.where(greedy[:, None], onehot, torch.softmax(x, -1))  # (B, V)
         return probs, greedy_tok, None, None
 
-    # One stable descending sort serves top-k, top-p and the trace (every stage keeps this order).
+    # One stable descending sort serves min-p, top-k, top-p and the trace (every stage keeps this order).
     vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)  # (B, V) each
+    pt = torch.softmax(vals, -1) if (want_trace or batch.min_p is not None) else None  # (B, V) temperature stage
+    keep_m = torch.ones_like(vals, dtype=torch.bool)  # (B, V)
+    if batch.min_p is not None:
+        keep_m = pt >= batch.min_p[:, None] * pt[:, :1]  # (B, V) p >= min_p * p_max: the first always passes
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=V), V)  # (B,) k = 0 -> keep all
     kth = vals.gather(1, (k - 1)[:, None])  # (B, 1)
-    keep_k = vals >= kth  # (B, V) ties with the k-th value are kept, as transformers does
-    pk = torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1)  # (B, V) top-k stage, sorted
+    keep_k = keep_m & (vals >= kth)  # (B, V) ties with the k-th value are kept, as transformers does
+    pk = torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1)  # (B, V) the min-p and top-k stage, sorted
     cum = pk.cumsum(-1)  # (B, V)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, V) mass strictly before
     p = batch.top_p[:, None]  # (B, 1)
@@ -327,7 +456,7 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     drop[:, 0] = False  # the most probable token always survives (p = 0 keeps exactly it)
     keep_sorted = keep_k & ~drop  # (B, V)
     keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)  # (B, V) back to vocab order
-    probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)  # (B, V) step 5's renormalisation
+    probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)  # (B, V) step 8's renormalisation
     probs = torch.where(greedy[:, None], onehot, probs)  # (B, V)
     stages = stats = None
     if want_trace:
@@ -335,17 +464,16 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
         first = torch.zeros(B, n, dtype=torch.float32, device=x.device)  # (B, N) greedy: all mass on sorted[0]
         first[:, 0] = 1.0
         g = greedy[:, None]  # (B, 1)
-        pp = torch.softmax(vals.masked_fill(~keep_sorted, -math.inf), -1)  # (B, V) top-p stage, sorted
-        pt = torch.softmax(vals, -1)  # (B, V) temperature stage, sorted
-        stages = {
-            name: (idx[:, :n], torch.where(g, first, dist[:, :n]))  # (B, N) ids, (B, N) probs
-            for name, dist in (("temperature", pt), ("top_k", pk), ("top_p", pp))
-        }
-        stats = torch.stack([keep_k.sum(-1).double(), keep_sorted.sum(-1).double(),
-                             (pt * keep_k).sum(-1).double(), (pt * keep_sorted).sum(-1).double(),
-                             torch.special.entr(probs).sum(-1).double()], -1)  # (B, 5)
-        greedy_stats = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64, device=x.device)  # (5,)
-        stats = torch.where(g, greedy_stats, stats)  # (B, 5)
+        top = idx[:, :n]  # (B, N)
+        dists = {"temperature": pt, "min_p": torch.softmax(vals.masked_fill(~keep_m, -math.inf), -1),  # sorted
+                 "top_k": pk, "top_p": torch.softmax(vals.masked_fill(~keep_sorted, -math.inf), -1)}
+        stages = {"penalties": (top, torch.softmax(processed, -1).gather(1, top))}  # before temperature: any row
+        stages |= {name: (top, torch.where(g, first, dists[name][:, :n])) for name in TRACE_STAGES[1:]}  # (B, N)
+        kept = [keep_m, keep_k, keep_sorted]
+        stats = torch.stack([m.sum(-1).double() for m in kept] + [(pt * m).sum(-1).double() for m in kept]
+                            + [torch.special.entr(probs).sum(-1).double()], -1)  # (B, 7) TRACE_STATS
+        greedy_stats = torch.tensor([1.0] * 6 + [0.0], dtype=torch.float64, device=x.device)  # (7,)
+        stats = torch.where(g, greedy_stats, stats)  # (B, 7)
     return probs, greedy_tok, stages, stats
 
 
@@ -357,20 +485,23 @@ def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     """Draw one token per row of ``logits`` (B, V) following the documented order.
 
-    1. repetition penalty on the raw fp32 logits (rows with penalty 1 are unchanged);
-    2. temperature (T = 0: greedy argmax of the penalised logits; steps 3-5 skipped);
-    3. top-k (ties with the k-th logit kept);
-    4. top-p over what top-k kept (crossing token kept; at least one token survives);
-    5. renormalise and draw with Gumbel-max on the counter-based uniforms of (seed, step, v).
+    1. logit bias added to the raw fp32 logits;
+    2. repetition penalty (rows with penalty 1 are unchanged);
+    3. presence and frequency penalties over the generated ids;
+    4. temperature (T = 0: greedy argmax of the logits after 1-3; steps 5-8 skipped);
+    5. min-p (p >= min_p x p_max after temperature; the most probable token survives);
+    6. top-k (ties with the k-th logit kept);
+    7. top-p over what min-p and top-k kept (crossing token kept; at least one token survives);
+    8. renormalise and draw with Gumbel-max on the counter-based uniforms of (seed, step, v).
 
     Also returns the chosen token's log-prob under the raw distribution, the raw top-N log-probs when any row
     asked for logprobs, and each stage's top-N when any row asked for a trace. No host synchronisation.
-    A greedy batch that asked for none of these is the argmax of step 1 alone, with ``logprob`` None: at batch
+    A greedy batch that asked for none of these is the argmax of steps 1-3 alone, with ``logprob`` None: at batch
     1 the softmaxes and one-hot of the general path cost ~5% of a decode step of the default model.
     """
     assert logits.dim() == 2 and logits.shape[0] == batch.seeds.shape[0], "logits must be (B, V)"
     if batch.all_greedy and not batch.want_logprob and batch.trace_n == 0:
-        x = apply_penalty(logits.float(), batch.repetition_penalty, batch.history)  # (B, V)
+        x = processed_logits(logits, batch)  # (B, V)
         return SampleOutput(tokens=x.argmax(-1), logprob=None, top_logprobs=None, trace=None)
     raw = torch.log_softmax(logits.float(), -1)  # (B, V) the model's own distribution, for logprobs
     probs, greedy_tok, stages, stats = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
@@ -392,13 +523,34 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
 # ---------------------------------------------------------------------------------------------- reference
 
 
+def ref_logit_bias(row: Tensor, bias) -> Tensor:
+    """Step 1 for one (V,) row: each (id, bias) pair added to its logit."""
+    out = row.clone()
+    for t, b in bias:
+        if 0 <= t < out.shape[0]:
+            out[t] = out[t] + b
+    return out
+
+
 def ref_penalty(row: Tensor, history, penalty: float) -> Tensor:
-    """Step 1 for one (V,) row: each distinct id seen once, divided if positive else multiplied."""
+    """Step 2 for one (V,) row: each distinct id seen once, divided if positive else multiplied."""
     out = row.clone()
     for t in set(int(i) for i in history):
         if 0 <= t < out.shape[0]:
             # fp32 tensor arithmetic (not Python doubles), so results round exactly as transformers' do
             out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+def ref_presence_frequency(row: Tensor, generated, presence: float, frequency: float) -> Tensor:
+    """Step 3 for one (V,) row, as OpenAI documents it: ``mu[j] - c[j] * frequency - (c[j] > 0) * presence``."""
+    out = row.clone()
+    counts: dict[int, int] = {}
+    for t in generated:
+        counts[int(t)] = counts.get(int(t), 0) + 1
+    for t, c in counts.items():
+        if 0 <= t < out.shape[0]:
+            out[t] = out[t] - c * frequency - presence
     return out
 
 
@@ -429,16 +581,27 @@ def ref_top_p(row: Tensor, p: float) -> Tensor:
     return row.masked_fill(mask, -math.inf)  # (V,)
 
 
-def reference_filter(logits_row: Tensor, params: SamplingParams, history=None) -> Tensor:
-    """The (V,) distribution that steps 1-5 sample from, computed plainly for one request."""
-    x = logits_row.float()
+def ref_min_p(row: Tensor, min_p: float) -> Tensor:
+    """Step 5 for one (V,) row of tempered logits: drop what is less probable than min_p x the most probable."""
+    if min_p == 0.0:
+        return row
+    probs = torch.softmax(row, -1)  # (V,)
+    return row.masked_fill(probs < min_p * probs.max(), -math.inf)  # (V,)
+
+
+def reference_filter(logits_row: Tensor, params: SamplingParams, history=None, prompt_len: int = 0) -> Tensor:
+    """The (V,) distribution that steps 1-8 sample from, computed plainly for one request. ``history``: its prompt
+    and generated ids; ``prompt_len``: how many of them are the prompt's."""
+    x = ref_logit_bias(logits_row.float(), params.logit_bias)
+    history = list(history or [])
     if params.repetition_penalty != 1.0:
-        x = ref_penalty(x, history or [], params.repetition_penalty)
+        x = ref_penalty(x, history, params.repetition_penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        x = ref_presence_frequency(x, history[prompt_len:], params.presence_penalty, params.frequency_penalty)
     if params.temperature == 0.0:
         out = torch.zeros_like(x)
         out[int(x.argmax())] = 1.0
         return out
     x = ref_temperature(x, params.temperature)
-    x = ref_top_k(x, params.top_k)
-    x = ref_top_p(x, params.top_p)
+    x = ref_top_p(ref_top_k(ref_min_p(x, params.min_p), params.top_k), params.top_p)
     return torch.softmax(x, -1)

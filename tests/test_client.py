@@ -192,16 +192,19 @@ def test_cli_trace_tables_json_and_plot_on_both_transports(server, capsys, tmp_p
     for t in TRANSPORTS:
         path = tmp_path / f"trace-{t}.json"
         rc, out, err = cli(capsys, server, t, "trace", "The river", "--trace-n", "4", "--temperature", "0.8",
-                           "--top-k", "5", "--top-p", "0.6", "--seed", "2", "--max-new-tokens", "3",
-                           "--json", str(path))
+                           "--top-k", "5", "--top-p", "0.6", "--min-p", "0.5", "--seed", "2", "--max-new-tokens",
+                           "3", "--json", str(path))
         assert rc == 0 and out.count("step ") == 3 and "after top-k" in out and "after top-p" in out
-        assert "top-k kept 5 tokens" in out and "entropy" in out and "3 tokens" in err
+        assert "after penalties" in out and "after min-p" in out and "min-p kept" in out
+        assert "top-k kept " in out and "entropy" in out and "3 tokens" in err
         docs[t] = json.loads(path.read_text())
     g, h = docs["grpc"], docs["http"]
     assert g["trace"] == h["trace"] and g["tokens"] == h["tokens"] and g["text"] == h["text"]
     for s in g["trace"]:
-        assert s["kept_top_k"] == 5 and 1 <= s["kept_top_p"] <= 5 and len(s["after_top_k"]) == 4
-        assert s["mass_top_p"] <= s["mass_top_k"] <= 1 + 1e-6 and s["entropy"] > 0
+        # min-p removes most of the vocabulary, top-k keeps at most 5 of what is left, top-p some of those
+        assert 49152 > s["kept_min_p"] and s["kept_top_k"] == min(5, s["kept_min_p"]) and 1 <= s["kept_top_p"] <= 5
+        assert len(s["after_top_k"]) == 4 and len(s["after_penalties"]) == len(s["after_min_p"]) == 4
+        assert s["mass_top_p"] <= s["mass_top_k"] <= s["mass_min_p"] <= 1 + 1e-6 and s["entropy"] > 0
     png = tmp_path / "step.png"
     assert main(["plot", "--trace", str(tmp_path / "trace-http.json"), "--step", "1", "--out", str(png)]) == 0
     assert imread(png).shape[:2] == (450, 900) and "(900x450 px)" in capsys.readouterr().err

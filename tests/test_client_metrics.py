@@ -62,7 +62,7 @@ def _result(ids, lps, entropies, reserved, used, peak, http=False) -> Result:
     return Result(request_id="r", text="", token_ids=None if http else tuple(ids), finish_reason="length", stop=None,
                   seed=0, usage=Usage(3, len(ids)), memory=mem,
                   logprobs=tuple(TokenLogprob(None if http else i, f"t{i}", lp) for i, lp in zip(ids, lps)),
-                  trace=tuple(TraceStep((), (), (), 10, 5, 1.0, 0.9, e) for e in entropies))
+                  trace=tuple(TraceStep((), (), (), (), (), 10, 10, 5, 1.0, 1.0, 0.9, e) for e in entropies))
 
 
 @pytest.mark.parametrize("http", [False, True])
@@ -155,8 +155,9 @@ def test_sampling_is_type_checked_and_unset_fields_are_not_sent():
 def test_sse_events_join_into_one_result_and_errors_in_the_stream_raise():
     from quantserve.client.transport_http import _Events
 
-    step = {"after_temperature": [{"token_id": 4, "token": "a", "prob": 0.5}], "after_top_k": [],
-            "after_top_p": [], "kept_top_k": 9, "kept_top_p": 3, "mass_top_k": 0.9, "mass_top_p": 0.6, "entropy": 1.2}
+    step = {"after_penalties": [], "after_temperature": [{"token_id": 4, "token": "a", "prob": 0.5}],
+            "after_top_k": [], "after_top_p": [], "after_min_p": [], "kept_top_k": 9, "kept_top_p": 3, "kept_min_p": 20,
+            "mass_top_k": 0.9, "mass_top_p": 0.6, "mass_min_p": 0.95, "entropy": 1.2}
     lines = [
         'data: ' + json.dumps({"id": "c1", "choices": [{"text": "He", "finish_reason": None}], "seed": 5,
                                "trace": [step]}),
@@ -206,8 +207,10 @@ def test_sweep_files_round_trip_and_plots_have_the_documented_size(tmp_path):
     with pytest.raises(ValueError, match="not in the sweep file"):
         plot.plot_sweep(from_csv, "nope", str(tmp_path / "x.png"))
 
-    step = TraceStep(tuple(Candidate(i, f"t{i}", 0.3 / (i + 1)) for i in range(6)),
-                     tuple(Candidate(i, f"t{i}", 0.4 / (i + 1)) for i in range(4)),
-                     tuple(Candidate(i, f"t{i}", 0.6 / (i + 1)) for i in range(2)), 4, 2, 0.8, 0.5, 0.9)
+    step = TraceStep(tuple(Candidate(i, f"t{i}", 0.25 / (i + 1)) for i in range(6)),
+                     tuple(Candidate(i, f"t{i}", 0.3 / (i + 1)) for i in range(6)),
+                     tuple(Candidate(i, f"t{i}", 0.4 / (i + 1)) for i in range(5)),
+                     tuple(Candidate(i, f"t{i}", 0.6 / (i + 1)) for i in range(3)),
+                     tuple(Candidate(i, f"t{i}", 0.7 / (i + 1)) for i in range(2)), 5, 3, 2, 0.9, 0.7, 0.5, 0.9)
     plot.plot_trace_step(step, str(tmp_path / "t.png"), "step 0")
     assert imread(tmp_path / "t.png").shape[:2] == plot.trace_png_size()[::-1] == (450, 900)

@@ -46,7 +46,11 @@ def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     assert tuple(f.name for f in proto) == SAMPLING_FIELDS  # same names, in the proto's order
     scalar = {FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_INT64: int, FieldDescriptor.TYPE_BOOL: bool}
     for f in proto:
-        if f.is_repeated:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:  # logit_bias: id -> bias
+            assert SAMPLING_TYPES[f.name] is dict, f.name
+            key, value = f.message_type.fields
+            assert (key.type, value.type) == (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_DOUBLE), f.name
+        elif f.is_repeated:
             assert SAMPLING_TYPES[f.name] is tuple and f.type == FieldDescriptor.TYPE_STRING, f.name
         else:
             assert SAMPLING_TYPES[f.name] is scalar[f.type], f.name
@@ -65,10 +69,12 @@ def test_every_transport_reads_and_writes_every_control():
     from server.http_server import ChatBody, CompletionBody, params_from_body
 
     values = dict(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.1, seed=3, max_new_tokens=9,
-                  min_tokens=2, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5)
+                  min_tokens=2, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,
+                  presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5})
     assert set(values) == set(SAMPLING_FIELDS), "a new control: add it here"
     s = make_sampling(**values)
     assert s.given() == values
+    values["logit_bias"] = ((7, -100.0), (12, 2.5))  # the engine's params keep (id, bias) pairs sorted by id
 
     got = params_from_proto(request_to_proto(Request(prompt="p", sampling=s)).sampling, 128)
     assert {f: getattr(got, f) for f in SAMPLING_FIELDS} == values
@@ -91,3 +97,19 @@ def test_the_client_cli_has_a_flag_per_control():
 
     gen = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
     assert set(SAMPLING_FIELDS) - gen == {"trace"}  # the trace command's own --trace-n
+
+
+def test_the_trace_has_the_samplers_stages_on_every_layer():
+    """The sampler's stages and stats (server.sampling.TRACE_STAGES / TRACE_STATS) are the engine's TraceStep, the
+    proto's, the client's, and the keys of the HTTP body (which the client parses with trace_from_dict)."""
+    from quantserve.client import types
+    from quantserve.v1 import inference_pb2 as pb
+    from server import outputs
+    from server.sampling import TRACE_STAGES, TRACE_STATS
+
+    assert tuple(f.name for f in dataclasses.fields(outputs.TraceStep)) == TRACE_STAGES + TRACE_STATS
+    wire = {f"after_{s}" for s in TRACE_STAGES} | set(TRACE_STATS)
+    assert {f.name for f in pb.TraceStep.DESCRIPTOR.fields} == wire
+    assert {f.name for f in dataclasses.fields(types.TraceStep)} == wire
+    assert types.TRACE_STAGES == TRACE_STAGES
+    assert {f"{k}_{c}" for k in ("kept", "mass") for c in types.TRACE_CONTROLS} | {"entropy"} == set(TRACE_STATS)

@@ -21,9 +21,15 @@ from server.sampling import (
     SamplingParamsError,
     apply_penalty,
     filtered_probs,
+    TRACE_STAGES,
+    TRACE_STATS,
     random_u32,
     random_uniform,
+    ref_min_p,
+    processed_logits,
+    ref_logit_bias,
     ref_penalty,
+    ref_presence_frequency,
     ref_temperature,
     ref_top_k,
     ref_top_p,
@@ -89,6 +95,29 @@ INVALID = [
     ("trace", False),
     ("temperature", 7.9e68),  # finite in Python, inf in the fp32 logits (the HTTP fuzz found it: NaN trace probs)
     ("repetition_penalty", 1e39),
+    ("min_p", -0.1),
+    ("min_p", 1.01),
+    ("min_p", float("nan")),
+    ("min_p", True),
+    ("min_p", None),
+    ("presence_penalty", 2.01),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", float("inf")),
+    ("frequency_penalty", 3),
+    ("frequency_penalty", "1"),
+    ("logit_bias", "x"),
+    ("logit_bias", 5),
+    ("logit_bias", {"a": 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"-1": 1.0}),
+    ("logit_bias", {True: 1.0}),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: "1"}),
+    ("logit_bias", {5: float("nan")}),
+    ("logit_bias", {5: None}),
+    ("logit_bias", {5: 1.0, "5": 2.0}),  # the same token twice
+    ("logit_bias", {i: 0.0 for i in range(301)}),
+    ("logit_bias", [(1, 2, 3)]),
 ]
 
 
@@ -121,6 +150,12 @@ def test_valid_edges_stored_unchanged():
     with pytest.raises(SamplingParamsError):
         p.with_seed(-1)
     assert hash(SamplingParams(stop=["x"])) == hash(SamplingParams(stop=("x",)))  # frozen and hashable
+    p = SamplingParams(min_p=1.0, presence_penalty=-2, frequency_penalty=2.0, logit_bias={"7": 100, 5: -100.0})
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty) == (1.0, -2.0, 2.0)
+    assert p.logit_bias == ((5, -100.0), (7, 100.0)) and hash(p) == hash(replace(p))  # JSON's string keys taken
+    assert SamplingParams(logit_bias={i: 0 for i in range(300)}).logit_bias[-1] == (299, 0.0)
+    assert SamplingParams(logit_bias=None).logit_bias == () == SamplingParams(logit_bias={}).logit_bias
+    assert not SamplingParams().uses_history and SamplingParams(frequency_penalty=0.1).uses_history
 
 
 _ANY = st.one_of(
@@ -142,6 +177,11 @@ _FIELDS = {
     "stop": st.one_of(_ANY, st.lists(st.text(max_size=300), max_size=18)),
     "logprobs": st.one_of(_ANY, st.integers(-2, 25)),
     "trace": st.one_of(_ANY, st.integers(-2, 55)),
+    "min_p": st.one_of(_ANY, st.floats(-0.5, 1.5)),
+    "presence_penalty": st.one_of(_ANY, st.floats(-3, 3)),
+    "frequency_penalty": st.one_of(_ANY, st.floats(-3, 3)),
+    "logit_bias": st.one_of(_ANY, st.dictionaries(st.one_of(st.integers(-3, 10**6), st.text(max_size=4)),
+                                                  st.one_of(st.floats(-150, 150), _ANY), max_size=5)),
 }
 
 
@@ -161,6 +201,8 @@ def test_random_values_validate_or_raise_params_error(kwargs):
     assert isinstance(p.stop, tuple) and len(p.stop) <= 16 and all(0 < len(s) <= 256 for s in p.stop)
     assert p.logprobs is None or 0 <= p.logprobs <= 20
     assert p.trace is None or 1 <= p.trace <= 50
+    assert 0 <= p.min_p <= 1 and -2 <= p.presence_penalty <= 2 and -2 <= p.frequency_penalty <= 2
+    assert all(t >= 0 and -100 <= b <= 100 for t, b in p.logit_bias) and len(p.logit_bias) <= 300
 
 
 def test_build_checks_and_flags():
@@ -288,6 +330,147 @@ def test_fast_path_equals_reference():
         assert float(fast[b].max()) == 1.0 and int((fast[b] > 0).sum()) == 1
 
 
+# ------------------------------------------------------------- the controls users bring from other servers
+
+NEW_CONTROLS = [
+    SamplingParams(temperature=0.8, min_p=0.1),
+    SamplingParams(temperature=1.2, top_k=12, top_p=0.9, min_p=0.2),
+    SamplingParams(temperature=0.6, min_p=1.0),  # only tokens as probable as the most probable one
+    SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.7),
+    SamplingParams(temperature=0.9, presence_penalty=-1.0, frequency_penalty=-0.5, repetition_penalty=1.3),
+    SamplingParams(temperature=1.1, logit_bias={3: 5.0, 7: -100.0, 39: 2.5}),
+    SamplingParams(temperature=0.0, logit_bias={11: 100.0}),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0),
+    SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, presence_penalty=0.4, logit_bias={0: -3.0}),
+    SamplingParams(),  # none of them, in the same batch
+    SamplingParams(temperature=0.5, top_k=4),
+]
+
+
+def test_min_p_matches_transformers_placed_after_temperature():
+    """vLLM's place for min-p (right after temperature), which the design document gives; transformers runs its
+    MinPLogitsWarper after top-p instead, which differs only where top-p cuts inside min-p's set."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                         TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(11)
+    rows = [p for p in NEW_CONTROLS if p.min_p > 0 and not (p.uses_history or p.logit_bias)]
+    logits = torch.randn(len(rows), 64, generator=g) * 3  # (B, V)
+    ours = filtered_probs(logits, _batch(rows))  # (B, V)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for b, p in enumerate(rows):
+        chain = [TemperatureLogitsWarper(p.temperature), MinPLogitsWarper(p.min_p)] + (
+            [TopKLogitsWarper(p.top_k)] if p.top_k else []) + ([TopPLogitsWarper(p.top_p)] if p.top_p < 1 else [])
+        scores = logits[b : b + 1].clone()
+        for w in chain:
+            scores = w(ids, scores)
+        hf = torch.softmax(scores, -1)[0]
+        torch.testing.assert_close(ours[b], hf, atol=1e-6, rtol=0, msg=f"row {b} {p}")
+        assert torch.equal(ours[b] > 0, hf > 0)
+    assert int((ours[2] > 0).sum()) == 1  # min_p = 1: the most probable token alone (no ties here)
+
+
+def test_min_p_runs_before_top_p():
+    # probabilities 0.5, 0.3, 0.2; min_p 0.5 drops 0.2 (< 0.25), leaving 0.625, 0.375: top-p 0.6 then keeps one
+    # token. Min-p after top-p (transformers' place) would keep two: top-p on 0.5, 0.3, 0.2 keeps 0.5 and 0.3.
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()  # (1, 3)
+    p = SamplingParams(min_p=0.5, top_p=0.6)
+    assert int((filtered_probs(logits, _batch([p]))[0] > 0).sum()) == 1
+    assert int((reference_filter(logits[0], p) > 0).sum()) == 1
+    assert int((filtered_probs(logits, _batch([replace(p, min_p=0.0)]))[0] > 0).sum()) == 2
+
+
+def test_the_order_bias_then_repetition_then_presence_frequency():
+    # One token, logit 1.0, generated twice: bias +3 -> 4.0; repetition 2 -> 2.0; frequency 0.25 x 2 and
+    # presence 0.5 -> 1.0. Any other order gives another number (penalty first: 3.5; presence first: 1.25).
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 1.0
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5, logit_bias={3: 3.0})
+    batch = SamplingBatch.build([p], [1], [2], [[5, 3, 3]], prompt_lens=[1])
+    x = processed_logits(logits, batch)
+    assert x[0, 3].item() == 1.0
+    assert x[0, 5].item() == 0.0  # 5 is the prompt's: repetition (0 stays 0), never presence or frequency
+    assert torch.equal(x[0, [0, 1, 2, 4, 6, 7]], torch.zeros(6))
+    assert logits[0, 3].item() == 1.0, "the raw logits are not modified in place"
+
+
+def test_presence_frequency_and_bias_are_openais_definitions():
+    g = torch.Generator().manual_seed(12)
+    V = 30
+    logits = torch.randn(4, V, generator=g) * 2  # (B, V)
+    prompts = [[1, 2, 2], [], [4], [0] * 5]
+    generated = [[2, 2, 2, 7, V + 4], [9], [4, 4], []]  # V + 4: an id past the head counts for nothing
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(presence_penalty=-2.0, logit_bias={9: 1.5, 29: -7.0}),
+              SamplingParams(frequency_penalty=2.0, logit_bias={4: 100.0}),
+              SamplingParams(frequency_penalty=1.0)]
+    batch = SamplingBatch.build(params, [0] * 4, [len(x) for x in generated],
+                                [a + b for a, b in zip(prompts, generated)], prompt_lens=[len(a) for a in prompts])
+    x = processed_logits(logits, batch)  # (B, V)
+    for b, p in enumerate(params):
+        want = logits[b].clone()
+        for t, bias in p.logit_bias:
+            want[t] += bias
+        for t in set(generated[b]):
+            if t < V:
+                c = generated[b].count(t)
+                want[t] -= c * p.frequency_penalty + p.presence_penalty  # OpenAI's mu[j] - c[j] a_f - 1[c[j]>0] a_p
+        torch.testing.assert_close(x[b], want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(x[b], reference_filter_logits(logits[b], p, prompts[b] + generated[b],
+                                                                 len(prompts[b])), atol=1e-6, rtol=0)
+    assert torch.equal(x[3], logits[3]), "the prompt's tokens are not penalised"
+    with pytest.raises(ValueError, match="prompt_lens"):
+        SamplingBatch.build(params[:1], [0], [0], [[1]])
+
+
+def reference_filter_logits(row, p, history, prompt_len):
+    """Steps 1-3 of the plain reference, for one row."""
+    x = ref_logit_bias(row.float(), p.logit_bias)
+    x = ref_penalty(x, history, p.repetition_penalty) if p.repetition_penalty != 1 else x
+    return ref_presence_frequency(x, history[prompt_len:], p.presence_penalty, p.frequency_penalty)
+
+
+def test_new_controls_mixed_with_plain_requests_equal_the_reference():
+    g = torch.Generator().manual_seed(13)
+    V = 40
+    logits = torch.randn(len(NEW_CONTROLS), V, generator=g) * 2.5  # (B, V)
+    prompts = [[int(t) for t in torch.randint(0, V, (5,), generator=g)] for _ in NEW_CONTROLS]
+    gens = [[int(t) for t in torch.randint(0, V, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)]
+            for _ in NEW_CONTROLS]
+    gens[7] = [int(logits[7].argmax())] * 3  # the frequency penalty must move the greedy token
+    histories = [a + b for a, b in zip(prompts, gens)]
+    for b, p in enumerate(NEW_CONTROLS):
+        assert _top_p_margin(reference_filter_logits(logits[b], p, histories[b], 5), p) > 1e-4, b
+    batch = SamplingBatch.build(NEW_CONTROLS, list(range(len(NEW_CONTROLS))), [len(x) for x in gens], histories,
+                                prompt_lens=[5] * len(NEW_CONTROLS))
+    fast = filtered_probs(logits, batch)  # (B, V)
+    for b, p in enumerate(NEW_CONTROLS):
+        ref = reference_filter(logits[b], p, histories[b], prompt_len=5)
+        torch.testing.assert_close(fast[b], ref, atol=1e-6, rtol=0, msg=f"row {b} {p}")
+        assert torch.equal(fast[b] > 0, ref > 0), b
+    assert fast[5, 7].item() < 1e-40, "a -100 bias all but removes the token (it is added, as OpenAI does)"
+    assert fast[6, 11].item() == 1.0 and fast[7].argmax() != logits[7].argmax()
+    # The rows that use none of the controls get what they get in a batch without any of them.
+    plain = [9, 10]
+    alone = filtered_probs(logits[plain], _batch([NEW_CONTROLS[i] for i in plain]))
+    assert torch.equal(fast[plain], alone)
+    assert batch.min_p is not None and batch.frequency is not None and batch.bias_ids is not None
+    idle = _batch(MIXED)  # nothing new used: no tensors staged for the new steps
+    assert idle.min_p is None and idle.frequency is None and idle.bias_ids is None and idle.history is None
+
+
+def test_a_banned_token_is_never_drawn_and_a_forced_one_always():
+    n, V = 2000, 16
+    logits = torch.zeros(n, V)
+    logits[:, 4] = 6.0  # by far the most probable
+    ban = SamplingParams(logit_bias={4: -100})
+    toks = sample(logits, SamplingBatch.build([ban] * n, [9] * n, list(range(n)), None)).tokens
+    assert not bool((toks == 4).any()) and len(set(toks.tolist())) == V - 1
+    force = SamplingParams(logit_bias={12: 100})
+    toks = sample(logits, SamplingBatch.build([force] * n, [9] * n, list(range(n)), None)).tokens
+    assert bool((toks == 12).all())
+
+
 def test_top_p_keeps_the_crossing_token():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()  # (1, 3) exact probabilities 0.5, 0.3, 0.2
     for p, kept in [(0.0, 1), (0.4, 1), (0.6, 2), (0.75, 2), (0.85, 3), (0.999, 3), (1.0, 3)]:
@@ -381,14 +564,25 @@ def small_logits():
     ]  # (V,) distinct values, moderate spread so every surviving token has a healthy expected count
 
 
-@pytest.mark.parametrize("T,k,p", CHI_CONFIGS)
-def test_chi_square_against_filtered_distribution(small_logits, T, k, p):
-    params = SamplingParams(temperature=T, top_k=k, top_p=p)
+CHI_NEW = [  # the controls that change the distribution, each with the others off
+    dict(temperature=1.0, min_p=0.3),
+    dict(temperature=0.8, top_p=0.95, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={3: 1.0, 5: -100}),
+]
+HISTORY = [1, 2, 3, 3, 8]  # the last three generated
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=T, top_k=k, top_p=p) for T, k, p in CHI_CONFIGS] + CHI_NEW,
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_chi_square_against_filtered_distribution(small_logits, kw):
+    params = SamplingParams(**kw)
+    T, k, p = params.temperature, params.top_k, params.top_p
     assert _top_p_margin(small_logits, params) > 1e-3
     # One batch of N rows, same seed, steps 0..N-1: batched, and every row a different counter.
-    batch = SamplingBatch.build([params] * N_DRAWS, [20240601] * N_DRAWS, list(range(N_DRAWS)), None)
+    hist = [HISTORY] * N_DRAWS if params.uses_history else None
+    batch = SamplingBatch.build([params] * N_DRAWS, [20240601] * N_DRAWS, list(range(N_DRAWS)), hist,
+                                prompt_lens=[2] * N_DRAWS)
     tokens = sample(small_logits.expand(N_DRAWS, V_SMALL), batch).tokens  # (N,)
-    probs = reference_filter(small_logits, params).double()  # (V,)
+    probs = reference_filter(small_logits, params, HISTORY, prompt_len=2).double()  # (V,)
     counts = torch.bincount(tokens, minlength=V_SMALL).double()  # (V,)
     alive = probs > 0
     assert float(counts[~alive].sum()) == 0, "a filtered-out token was drawn"
@@ -459,7 +653,7 @@ def test_logprobs_and_trace_outputs():
     params = [
         SamplingParams(temperature=0.7, top_k=6, top_p=0.8, repetition_penalty=1.5, logprobs=0, trace=3),
         SamplingParams(temperature=1.3, top_p=0.6, logprobs=5),
-        SamplingParams(temperature=0.9, top_k=25, top_p=0.9, trace=50),
+        SamplingParams(temperature=0.9, top_k=25, top_p=0.9, min_p=0.05, trace=50),
         SamplingParams(temperature=0.0, trace=2),
     ]
     histories = [[0, 1, 2, 3, 4, 5], [], [9], []]
@@ -477,14 +671,17 @@ def test_logprobs_and_trace_outputs():
     assert torch.equal(ids, raw.topk(5).indices)
     assert int(out.tokens[3]) == int(logits[3].argmax())
 
-    assert set(out.trace) == {"temperature", "top_k", "top_p"}
+    assert tuple(out.trace) == TRACE_STAGES
     n = min(50, V)
     for name, (tid, tp) in out.trace.items():
         assert tid.shape == tp.shape == (4, n), name
+        assert torch.equal(tid, out.trace["temperature"][0]), "every stage lists the same tokens"
         assert bool((tp.sum(-1) <= 1 + 1e-5).all()) and bool((tp >= 0).all())
         assert bool((tp[:, :-1] >= tp[:, 1:]).all()), "top-N is sorted"
-        assert torch.equal(tp[3], torch.nn.functional.one_hot(torch.tensor(0), n).float())  # greedy row
+        if name != "penalties":  # before temperature: a greedy row's distribution is still the model's
+            assert torch.equal(tp[3], torch.nn.functional.one_hot(torch.tensor(0), n).float())  # greedy row
         assert int(tid[3, 0]) == int(logits[3].argmax())
+    torch.testing.assert_close(out.trace["penalties"][1][3], torch.softmax(logits[3], -1).topk(n).values)
     fp = filtered_probs(logits, batch)
     for b in range(3):
         p = params[b]
@@ -497,21 +694,24 @@ def test_logprobs_and_trace_outputs():
         assert math.isclose(float(kp[b].sum()), 1.0, abs_tol=1e-5)  # all top-k survivors fit in N = V
         pid, pp = out.trace["top_p"]
         survivors = pid[b][pp[b] > 0]
-        torch.testing.assert_close(pp[b][pp[b] > 0], fp[b][survivors])
+        torch.testing.assert_close(pp[b][pp[b] > 0], fp[b][survivors])  # the last stage is the draw's
         k_mass = dict(zip(kid[b].tolist(), kp[b].tolist()))
         mass = [k_mass[int(s)] for s in survivors]
         assert sum(mass) >= p.top_p - 1e-6, "top-p survivors reach p"
         assert sum(mass[:-1]) < p.top_p, "and are the smallest such prefix"
         # The stats are exact over the vocabulary: compare with the plain per-step references.
-        after_k = ref_top_k(ref_temperature(pen, p.temperature), p.top_k)
+        after_m = ref_min_p(ref_temperature(pen, p.temperature), p.min_p)
+        after_k = ref_top_k(after_m, p.top_k)
         after_p = ref_top_p(after_k, p.top_p)
-        kk, kp, mk, mp, ent = out.trace_stats[b].tolist()
-        assert (kk, kp) == (int((after_k > -math.inf).sum()), int((after_p > -math.inf).sum()))
+        km, kk, kp, mm, mk, mp, ent = out.trace_stats[b].tolist()
+        assert (km, kk, kp) == tuple(int((a > -math.inf).sum()) for a in (after_m, after_k, after_p))
+        assert math.isclose(mm, float(t_probs[after_m > -math.inf].sum()), rel_tol=1e-5)
         assert math.isclose(mk, float(t_probs[after_k > -math.inf].sum()), rel_tol=1e-5)
         assert math.isclose(mp, float(t_probs[after_p > -math.inf].sum()), rel_tol=1e-5)
         q = reference_filter(logits[b], p, histories[b])
         assert math.isclose(ent, float(-(q[q > 0] * q[q > 0].log()).sum()), rel_tol=1e-4)
-    assert out.trace_stats.shape == (4, 5) and out.trace_stats[3].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert km < V, "min_p removed tokens in row 2"
+    assert out.trace_stats.shape == (4, len(TRACE_STATS)) and out.trace_stats[3].tolist() == [1.0] * 6 + [0.0]
     # Only a chosen-token logprob asked for: no top list; nothing asked: no trace.
     out = sample(logits[:1], _batch([SamplingParams(logprobs=0)]))
     assert out.top_logprobs is None and out.trace is None and out.trace_stats is None and out.logprob.shape == (1,)

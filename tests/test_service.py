@@ -111,8 +111,14 @@ def test_openai_client_completions_chat_and_streaming(server):
     ({"prompt": "x", "max_tokens": 10**6}, "max_new_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 10**9}, "n"),  # refused by the engine before anything is allocated per sample
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "min_p": 1.5}, "min_p"),  # a field this server does not know: refused by name, not dropped
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary: the engine's check
+    ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [5, 1]}, "logit_bias"),
+    ({"prompt": "x", "typical_p": 0.5}, "typical_p"),  # a field this server does not know: refused by name
     ({"prompt": ""}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": "word " * 600}, "prompt"),
@@ -123,6 +129,37 @@ def test_http_invalid_requests_get_400_naming_the_parameter(server, body, param)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param.split("_")[0] in err["message"]
+
+
+def test_the_openai_sdk_sends_each_control_and_gets_its_effect(server):
+    """min_p, presence / frequency penalties and logit_bias through the official client (OpenAI's own fields as
+    arguments, min_p in extra_body), each with an effect a test can see, and the same tokens as gRPC."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+    prompt = "The river runs"
+
+    def ids(**kw):
+        c = client.completions.create(model="m", prompt=prompt, max_tokens=8, seed=3, **kw)
+        return c.choices[0].model_extra["token_ids"]
+
+    forced = ids(temperature=1.0, logit_bias={"17": 100})
+    assert forced == [17] * 8, "a +100 bias forces the token"
+    greedy = ids(temperature=0.0)
+    banned = ids(temperature=0.0, logit_bias={str(greedy[0]): -100})
+    assert banned[0] != greedy[0], "a -100 bias removes the greedy token"
+    # min_p = 1 keeps only the most probable token: any temperature draws the greedy tokens
+    assert ids(temperature=1.5, extra_body={"min_p": 1.0}) == greedy
+    sampled = ids(temperature=1.5)
+    assert sampled != greedy  # the same seed without min_p draws other tokens (a tiny random model is flat)
+    # a frequency penalty of 2 on greedy decoding: each repeat costs 2 more, so repeats fall
+    penalised = ids(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5)
+    assert len(set(greedy)) < 4 < len(set(penalised)), (greedy, penalised)  # the tiny model loops; penalised, not
+    s = stub(server)
+    g = s.Generate(pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParameters(
+        temperature=0.0, max_new_tokens=8, seed=3, frequency_penalty=2.0, presence_penalty=0.5,
+        logit_bias={greedy[0]: -100.0})), timeout=60)
+    want = ids(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5, logit_bias={str(greedy[0]): -100})
+    assert list(g.token_ids) == want, "gRPC and HTTP apply the same controls"
 
 
 def test_http_fields_that_change_nothing_are_taken(server):
@@ -241,8 +278,10 @@ def test_grpc_generate_stream_tokenize_info(server):
     # HTTP carries the same trace for the same seed.
     h = httpx.post(server.http + "/v1/completions", timeout=60, json={
         "prompt": "The river", "max_tokens": 10, "temperature": 0.9, "seed": 5, "trace": 3}).json()
-    assert [[c["token_id"] for c in t["after_top_p"]] for t in h["trace"]] == \
-        [[c.token_id for c in t.after_top_p] for t in r.trace]
+    for stage in ("after_penalties", "after_temperature", "after_top_k", "after_top_p", "after_min_p"):
+        assert [[c["token_id"] for c in t[stage]] for t in h["trace"]] == \
+            [[c.token_id for c in getattr(t, stage)] for t in r.trace]
+    assert all(t.kept_min_p == vocab and t.mass_min_p == pytest.approx(1) for t in r.trace)
     assert [t["entropy"] for t in h["trace"]] == pytest.approx([t.entropy for t in r.trace])
     msgs = list(s.GenerateStream(req, timeout=60))
     assert "".join(m.text for m in msgs) == r.text and msgs[-1].final.finish_reason == r.final.finish_reason

@@ -45,7 +45,20 @@ def _connection_flags() -> argparse.ArgumentParser:
 
 # The sampling flags are the fields of quantserve.client.types.Sampling; these have more to say than their name.
 _SAMPLING_HELP = MappingProxyType({"stop": "a stop string (repeat for several)",
-                                   "logprobs": "0..20: each token's logprob and this many alternatives"})
+                                   "logprobs": "0..20: each token's logprob and this many alternatives",
+                                   "logit_bias": "ID=BIAS: add BIAS (-100..100) to token ID's logit (repeat for "
+                                                 "several)"})
+
+
+def _bias_entry(text: str) -> tuple[int, float]:
+    """``ID=BIAS`` of --logit-bias."""
+    tok, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (an integer token id and a number), got {text!r}") from None
 
 
 def _sampling_flags(max_new_tokens_default: int | None = None, logprobs: bool = True) -> argparse.ArgumentParser:
@@ -59,6 +72,8 @@ def _sampling_flags(max_new_tokens_default: int | None = None, logprobs: bool = 
             kw.update(action="store_true", default=None)
         elif kind is tuple:
             kw.update(action="append")
+        elif kind is dict:
+            kw.update(action="append", type=_bias_entry, metavar="ID=BIAS")
         else:
             kw.update(type=kind)
         if name == "max_new_tokens" and max_new_tokens_default:
@@ -148,7 +163,14 @@ def _client(a: argparse.Namespace) -> Client:
 
 
 def _sampling(a: argparse.Namespace) -> dict[str, Any]:
-    return {f: getattr(a, f) for f in SAMPLING_FIELDS if getattr(a, f, None) is not None}
+    out = {f: getattr(a, f) for f in SAMPLING_FIELDS if getattr(a, f, None) is not None}
+    for f in out:
+        if SAMPLING_TYPES[f] is dict:  # ID=BIAS pairs; a token named twice is the server's to refuse
+            pairs = out[f]
+            out[f] = dict(pairs)
+            if len(out[f]) < len(pairs):
+                raise _Local(f"--{f.replace('_', '-')}: a token id is given twice")
+    return out
 
 
 def _prompt(a: argparse.Namespace):

@@ -26,7 +26,8 @@ Prompt = Union[str, Sequence[int]]
 MessageLike = Union[Message, Mapping[str, str], Sequence[str]]
 
 # what make_sampling accepts for each type of field (quantserve.client.types.SAMPLING_TYPES), as its errors say it
-_KINDS = {float: "a number", int: "an integer", bool: "a bool", tuple: "a string or a list of strings"}
+_KINDS = {float: "a number", int: "an integer", bool: "a bool", tuple: "a string or a list of strings",
+          dict: "a mapping of token ids (integers) to numbers"}
 
 
 def default_target(http: bool) -> str:
@@ -52,6 +53,11 @@ def make_sampling(**kw: Any) -> Sampling:
             v = int(v) if ok else v
         elif kind is bool:
             ok = isinstance(v, bool)
+        elif kind is dict:  # a map (logit_bias): token id -> number
+            ok = isinstance(v, Mapping) and all(
+                isinstance(k, numbers.Integral) and not isinstance(k, bool) and isinstance(b, numbers.Real)
+                and not isinstance(b, bool) for k, b in v.items())
+            v = {int(k): float(b) for k, b in v.items()} if ok else v
         else:  # a repeated string (stop): one string or a sequence of strings
             v = (v,) if isinstance(v, str) else v
             ok = isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)

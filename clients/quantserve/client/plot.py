@@ -55,19 +55,19 @@ def load_trace(path: str) -> tuple[list[TraceStep], list[str], dict[str, Any]]:
 def plot_trace_step(step: TraceStep, out: str, title: str = "") -> None:
     """Left: the probability mass (after temperature) that survives each stage, split into the listed top
     candidates and the rest of the kept tokens, annotated with the exact kept counts. Right: the listed
-    candidates' probabilities after temperature, coloured by the stage that removed them (top-k and top-p
-    keep a prefix of the sorted candidates, so rank < kept_* says whether a candidate survived)."""
+    candidates' probabilities after temperature, coloured by the stage that removed them (min-p, top-k and top-p
+    each keep a prefix of the sorted candidates, so rank < kept_* says whether a candidate survived)."""
     fig = _figure(TRACE_SIZE_IN)
     left, right = fig.subplots(1, 2, width_ratios=(1, 1.4))
     cands = step.after_temperature
     probs = [c.prob for c in cands]
-    stages = ("after temperature", "after top-k", "after top-p")
-    kept = ("all tokens", f"{step.kept_top_k} kept", f"{step.kept_top_p} kept")
-    masses = (1.0, step.mass_top_k, step.mass_top_p)
-    listed = (sum(probs), sum(probs[:step.kept_top_k]), sum(probs[:step.kept_top_p]))
+    stages = ("after temperature", "after min-p", "after top-k", "after top-p")
+    kept = ("all tokens", f"{step.kept_min_p} kept", f"{step.kept_top_k} kept", f"{step.kept_top_p} kept")
+    masses = (1.0, step.mass_min_p, step.mass_top_k, step.mass_top_p)
+    listed = (sum(probs), sum(probs[:step.kept_min_p]), sum(probs[:step.kept_top_k]), sum(probs[:step.kept_top_p]))
     listed = tuple(min(a, m) for a, m in zip(listed, masses))
     rest = tuple(max(m - a, 0.0) for a, m in zip(listed, masses))
-    x = range(3)
+    x = range(len(stages))
     log = min(masses) < 0.01  # a flat distribution (e.g. an untrained model): tiny masses need a log axis
     if log:
         left.set_yscale("log")
@@ -86,19 +86,20 @@ def plot_trace_step(step: TraceStep, out: str, title: str = "") -> None:
     left.legend(fontsize=7, loc="upper right")
 
     colors = ["tab:green" if r < step.kept_top_p else "tab:orange" if r < step.kept_top_k else "tab:red"
-              for r in range(len(cands))]
+              if r < step.kept_min_p else "tab:purple" for r in range(len(cands))]
     labels = [repr(c.token)[:16] for c in cands]  # quoted: leading spaces stay visible
     ys = list(range(len(cands)))[::-1]
     right.barh(ys, probs, color=colors)
     right.set_yticks(ys, labels, fontsize=7)
     right.set_xlabel("probability after temperature")
-    right.set_title("candidates: kept / removed by top-p / removed by top-k", fontsize=9)
+    right.set_title("candidates: kept / removed by top-p / by top-k / by min-p", fontsize=9)
     from matplotlib.patches import Patch
 
     right.legend(handles=[Patch(color="tab:green", label="kept (drawn from)"),
                           Patch(color="tab:orange", label="removed by top-p"),
-                          Patch(color="tab:red", label="removed by top-k")], fontsize=7, loc="upper center",
-                 bbox_to_anchor=(0.5, -0.13), ncol=3)  # below the axes: never over a bar
+                          Patch(color="tab:red", label="removed by top-k"),
+                          Patch(color="tab:purple", label="removed by min-p")], fontsize=7, loc="upper center",
+                 bbox_to_anchor=(0.5, -0.13), ncol=4)  # below the axes: never over a bar
     if title:
         fig.suptitle(title, fontsize=10)
     _save(fig, out)

@@ -103,40 +103,49 @@ def _tok(s: str) -> str:
     return repr(s)  # quoted, escaped: leading spaces, newlines and control characters stay visible
 
 
+_REMOVED_STYLE = {"min-p": "magenta", "top-k": "red", "top-p": "yellow"}
+
+
 def trace_table(index: int, step: TraceStep, chosen: TokenLogprob | None, n: int) -> Group:
-    """One step: the top candidates after temperature, top-k and top-p side by side, a "removed by" column
-    (top-k and top-p keep a prefix of the sorted candidates, so rank >= kept_* means that control removed it),
-    then one line with the exact kept counts, masses (after temperature) and entropy of the step."""
+    """One step: the top candidates after each stage of the sampling order side by side (after the logit bias
+    and penalties, temperature, min-p, top-k, top-p), a "removed by" column (min-p, top-k and top-p each keep a
+    prefix of the sorted candidates, so rank >= kept_* means that control removed it), then one line with the
+    exact kept counts, masses (after temperature) and entropy of the step."""
     drew = f" drew {_tok(chosen.token)} (logprob {chosen.logprob:.3f})" if chosen is not None else ""
     t = Table(title=Text(f"step {index}:{drew}"), title_justify="left")
     t.add_column("#", justify="right")
-    for name in ("after temperature", "after top-k", "after top-p"):
+    names = ("after penalties", "after temperature", "after min-p", "after top-k", "after top-p")
+    for name in names:
         t.add_column(name)
         t.add_column("p", justify="right")
         if name == "after temperature":
             t.add_column("removed by")
-    kept = (None, step.kept_top_k, step.kept_top_p)  # survivors of each stage's control
-    cols = (step.after_temperature, step.after_top_k, step.after_top_p)
+    kept = (None, None, step.kept_min_p, step.kept_top_k, step.kept_top_p)  # survivors of each stage's control
+    cols = (step.after_penalties, step.after_temperature, step.after_min_p, step.after_top_k, step.after_top_p)
+    drawn = len(cols) - 1
     for rank in range(min(n, max((len(c) for c in cols), default=0))):
-        removed = "top-k" if rank >= step.kept_top_k else "top-p" if rank >= step.kept_top_p else ""
+        removed = ("min-p" if rank >= step.kept_min_p else "top-k" if rank >= step.kept_top_k
+                   else "top-p" if rank >= step.kept_top_p else "")
         cells: list = [str(rank + 1)]
         for stage, cands in enumerate(cols):
             c = cands[rank] if rank < len(cands) else None
             style = ""
-            if stage == 0 and removed:
-                style = "red strike" if removed == "top-k" else "yellow strike"
-            elif stage and kept[stage] is not None and rank >= kept[stage]:
+            if stage == 1 and removed:
+                style = f"{_REMOVED_STYLE[removed]} strike"
+            elif kept[stage] is not None and rank >= kept[stage]:
                 style = "dim"  # listed with probability 0: this stage removed it
-            if (stage == 2 and c is not None and chosen is not None
+            if (stage == drawn and c is not None and chosen is not None
                     and (c.token_id == chosen.token_id if chosen.token_id is not None else c.token == chosen.token)):
                 style = "bold green"  # the drawn token (over HTTP, matched by its text)
             cells += [Text(_tok(c.token), style=style), Text(f"{c.prob:.4g}", style=style)] if c else ["", ""]
-            if stage == 0:
-                cells.append(Text(removed, style="red" if removed == "top-k" else "yellow"))
+            if stage == 1:
+                cells.append(Text(removed, style=_REMOVED_STYLE.get(removed, "")))
         t.add_row(*cells)
-    stats = Text(f"  top-k kept {step.kept_top_k} tokens (mass {step.mass_top_k:.4g}, removed "
-                 f"{max(1 - step.mass_top_k, 0):.4g}) · top-p kept {step.kept_top_p} (mass {step.mass_top_p:.4g}, "
-                 f"removed {max(step.mass_top_k - step.mass_top_p, 0):.4g}) · entropy {step.entropy:.4g} nats")
+    stats = Text(f"  min-p kept {step.kept_min_p} tokens (mass {step.mass_min_p:.4g}, removed "
+                 f"{max(1 - step.mass_min_p, 0):.4g}) · top-k kept {step.kept_top_k} (mass {step.mass_top_k:.4g}, "
+                 f"removed {max(step.mass_min_p - step.mass_top_k, 0):.4g}) · top-p kept {step.kept_top_p} (mass "
+                 f"{step.mass_top_p:.4g}, removed {max(step.mass_top_k - step.mass_top_p, 0):.4g}) · entropy "
+                 f"{step.entropy:.4g} nats")
     return Group(t, stats)
 
 

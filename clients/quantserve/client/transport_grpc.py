@@ -14,8 +14,8 @@ from google.protobuf import json_format
 
 from quantserve.client.errors import INVALID_ARGUMENT, ClientError, from_grpc
 from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Plan,
-                                     Request, RequestShape, Result, StreamChunk, TokenLogprob, Tokens, TraceStep, Usage,
-                                     _Joined, plan_from_dict)
+                                     Request, RequestShape, Result, StreamChunk, TokenLogprob, Tokens, TRACE_CONTROLS,
+                                     TRACE_STAGES, TraceStep, Usage, _Joined, plan_from_dict)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -33,6 +33,8 @@ def request_to_proto(req: Request) -> pb.GenerateRequest:
         try:
             if name == "stop":
                 s.stop.extend(value)
+            elif name == "logit_bias":  # a map field
+                s.logit_bias.update(value)
             else:
                 setattr(s, name, value)
         except (TypeError, ValueError) as e:  # wrong type / out of int64: the proto refuses it here
@@ -81,8 +83,9 @@ def _trace(steps) -> tuple[TraceStep, ...]:
     def cands(cs) -> tuple[Candidate, ...]:
         return tuple(Candidate(c.token_id, c.token, c.prob) for c in cs)
 
-    return tuple(TraceStep(cands(t.after_temperature), cands(t.after_top_k), cands(t.after_top_p), t.kept_top_k,
-                           t.kept_top_p, t.mass_top_k, t.mass_top_p, t.entropy) for t in steps)
+    return tuple(TraceStep(**{f"after_{s}": cands(getattr(t, f"after_{s}")) for s in TRACE_STAGES},
+                           **{f"{k}_{c}": getattr(t, f"{k}_{c}") for k in ("kept", "mass") for c in TRACE_CONTROLS},
+                           entropy=t.entropy) for t in steps)
 
 
 def _final(request_id: str, f: pb.Final) -> dict:

@@ -43,6 +43,10 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     trace: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by proto name (``stop`` only when non-empty)."""
@@ -51,14 +55,14 @@ class Sampling:
 
 
 def _value_type(hint: Any) -> type:
-    """float for ``float | None``, tuple for ``tuple[str, ...]``."""
+    """float for ``float | None``, tuple for ``tuple[str, ...]``, dict for ``dict[int, float] | None``."""
     if typing.get_origin(hint) in (typing.Union, UnionType):
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
     return typing.get_origin(hint) or hint
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
-# name -> the type of a given value: float, int, bool or tuple (a repeated field: stop)
+# name -> the type of a given value: float, int, bool, tuple (a repeated field: stop) or dict (a map: logit_bias)
 SAMPLING_TYPES: Mapping[str, type] = MappingProxyType(
     {f: _value_type(t) for f, t in typing.get_type_hints(Sampling).items() if f in SAMPLING_FIELDS})
 
@@ -98,17 +102,26 @@ class TokenLogprob:
     top: tuple[Alternative, ...] = ()
 
 
+TRACE_STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p")  # the sampling order's stages
+TRACE_CONTROLS = ("min_p", "top_k", "top_p")  # the stages that remove tokens (kept_*, mass_*)
+
+
 @dataclass(frozen=True)
 class TraceStep:
-    """One generated step. The candidate lists hold the top ``trace`` tokens of each stage; the counts, masses
-    and entropy are exact over the whole vocabulary, so they say what each control removed."""
+    """One generated step. The candidate lists hold the top ``trace`` tokens after each stage of the sampling order
+    (every list the same tokens: the temperature stage's top N); the counts, masses and entropy are exact over the
+    whole vocabulary, so they say what each control removed."""
 
+    after_penalties: tuple[Candidate, ...]  # after logit_bias and the penalties, before temperature (T = 1)
     after_temperature: tuple[Candidate, ...]
+    after_min_p: tuple[Candidate, ...]
     after_top_k: tuple[Candidate, ...]
-    after_top_p: tuple[Candidate, ...]
-    kept_top_k: int  # tokens that survived top-k (the vocabulary size when top-k is off)
-    kept_top_p: int  # tokens that survived top-k and top-p: the support of the draw
-    mass_top_k: float  # probability after temperature of the tokens top-k kept
+    after_top_p: tuple[Candidate, ...]  # what the token was drawn from
+    kept_min_p: int  # tokens that survived min-p (the vocabulary size when min-p is off)
+    kept_top_k: int  # tokens that survived min-p and top-k
+    kept_top_p: int  # tokens that survived min-p, top-k and top-p: the support of the draw
+    mass_min_p: float  # probability after temperature of the tokens min-p kept
+    mass_top_k: float  # ... of the tokens top-k kept as well
     mass_top_p: float  # ... of the tokens top-p kept as well
     entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
 
@@ -272,10 +285,9 @@ def trace_from_dict(d: Mapping[str, Any]) -> TraceStep:
     def cands(xs: Sequence[Mapping[str, Any]]) -> tuple[Candidate, ...]:
         return tuple(Candidate(int(c["token_id"]), str(c["token"]), float(c["prob"])) for c in xs)
 
-    return TraceStep(after_temperature=cands(d["after_temperature"]), after_top_k=cands(d["after_top_k"]),
-                     after_top_p=cands(d["after_top_p"]), kept_top_k=int(d["kept_top_k"]),
-                     kept_top_p=int(d["kept_top_p"]), mass_top_k=float(d["mass_top_k"]),
-                     mass_top_p=float(d["mass_top_p"]), entropy=float(d["entropy"]))
+    return TraceStep(**{f"after_{s}": cands(d[f"after_{s}"]) for s in TRACE_STAGES},
+                     **{f"kept_{c}": int(d[f"kept_{c}"]) for c in TRACE_CONTROLS},
+                     **{f"mass_{c}": float(d[f"mass_{c}"]) for c in TRACE_CONTROLS}, entropy=float(d["entropy"]))
 
 
 def engine_from_dict(d: Mapping[str, Any] | None) -> EngineMemory | None:

@@ -7,7 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens", "ignore_eos", "stop", "logprobs", "trace")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens", "ignore_eos", "stop", "logprobs", "trace", "min_p", "presence_penalty", "frequency_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +26,10 @@ class SamplingParameters(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -30,7 +41,11 @@ class SamplingParameters(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     logprobs: int
     trace: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., trace: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., trace: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -81,7 +96,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class TraceStep(_message.Message):
-    __slots__ = ("after_temperature", "after_top_k", "after_top_p", "kept_top_k", "kept_top_p", "mass_top_k", "mass_top_p", "entropy")
+    __slots__ = ("after_temperature", "after_top_k", "after_top_p", "kept_top_k", "kept_top_p", "mass_top_k", "mass_top_p", "entropy", "after_penalties", "after_min_p", "kept_min_p", "mass_min_p")
     AFTER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +105,10 @@ class TraceStep(_message.Message):
     MASS_TOP_K_FIELD_NUMBER: _ClassVar[int]
     MASS_TOP_P_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    AFTER_PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_MIN_P_FIELD_NUMBER: _ClassVar[int]
+    KEPT_MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MASS_MIN_P_FIELD_NUMBER: _ClassVar[int]
     after_temperature: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_k: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_p: _containers.RepeatedCompositeFieldContainer[Candidate]
@@ -98,7 +117,11 @@ class TraceStep(_message.Message):
     mass_top_k: float
     mass_top_p: float
     entropy: float
-    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ...) -> None: ...
+    after_penalties: _containers.RepeatedCompositeFieldContainer[Candidate]
+    after_min_p: _containers.RepeatedCompositeFieldContainer[Candidate]
+    kept_min_p: int
+    mass_min_p: float
+    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ..., after_penalties: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_min_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_min_p: _Optional[int] = ..., mass_min_p: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
