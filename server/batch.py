@@ -33,6 +33,10 @@ class StepInputs:
     decode: list[tuple[int, list[int]]]  # per decode row (token row i): (its position, its block table)
     chunks: list[tuple[int, int, int, list[int]]]  # per prefill chunk: (first row in T, length C, first position, table)
     block_size: int
+    # (P,) int64: prompt rows whose next token is scored (prompt logprobs); the model leaves their final-normed
+    # hidden states (P, hidden) in ``scored`` for the runner's head, which runs over them in slices
+    score_index: Tensor | None = None
+    scored: Tensor | None = None
 
     @property
     def num_decode(self) -> int:

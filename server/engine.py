@@ -46,7 +46,7 @@ from server.layers.embedding import resolve as resolve_embeddings
 from server.outputs import (
     Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
 )
-from server.runner import ModelRunner, build_step
+from server.runner import SCORE_ROWS, ModelRunner, build_step
 from server.sampling import (SEED_LIMIT, TRACE_STAGES, TRACE_STATS, SamplingBatch, SamplingParams,
                              SamplingParamsError, sample)
 from server.scheduler import Group, Scheduler, Sequence
@@ -368,6 +368,11 @@ class Engine:
         with self._tok_lock:
             return self.tokenizer.decode([token_id])
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids, special tokens included (an echoed prompt)."""
+        with self._tok_lock:
+            return self.tokenizer.decode(ids)
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt) if prompt else []
@@ -544,8 +549,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         free = free_memory(self.device)
-        workspace = max(self.activation_estimate(self.config.max_prefill_tokens),
-                        self.activation_estimate(self.config.max_batch))
+        workspace = self.step_workspace()
         budget = int(free * fraction)
         if free - budget < workspace:
             most = max(0.0, (free - workspace) / free)
@@ -556,13 +560,22 @@ class Engine:
                 f"{most:.2f} or fewer prefill tokens")
         return budget
 
-    def activation_estimate(self, chunk_tokens: int, past: int = 0) -> int:
+    def step_workspace(self) -> int:
+        """The activations of the largest step: a prefill of max_prefill_tokens (scoring its prompt rows), or the
+        decode of max_batch rows."""
+        return max(self.activation_estimate(self.config.max_prefill_tokens, scored=SCORE_ROWS),
+                   self.activation_estimate(self.config.max_batch))
+
+    def activation_estimate(self, chunk_tokens: int, past: int = 0, scored: int = 0) -> int:
         """Estimated activation peak of a step that prefills a chunk of this many tokens after ``past`` cached
         ones (quant.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
-        dequantization transients of this model's projections)."""
+        dequantization transients of this model's projections). ``scored``: rows of it whose next token is scored
+        (prompt logprobs): the runner forms their logits SCORE_ROWS at a time, each row's in the head's output and
+        its fp32 log-softmax, counted as two more sampled rows each."""
         return engine_prefill_bytes(
             self.shape, chunk_tokens, dtype_bytes(self.dtype), self.runner.ops.memory,
-            past=past, transients=self.runner.projection_transients(chunk_tokens),
+            past=past, sampled=1 + 2 * min(scored, SCORE_ROWS),
+            transients=self.runner.projection_transients(chunk_tokens),
         )
 
     # ------------------------------------------------------------------------------------ engine thread
@@ -578,7 +591,7 @@ class Engine:
             self._inbox.put(("cancel", seq.request_id))
 
     def _final(self, seq: Sequence, reason: str, text: str = "", token_ids=(),
-               logprobs=(), trace=(), stop=None, error=None) -> None:
+               logprobs=(), trace=(), stop=None, error=None, prompt_logprobs=()) -> None:
         now = time.monotonic()
         g = seq.group
         if g is not None:
@@ -590,7 +603,7 @@ class Engine:
             seq.request_id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason,
             stop, self._accounting(seq), error,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival, now - seq.arrival,
-            index=seq.index,
+            index=seq.index, prompt_logprobs=tuple(prompt_logprobs),
         ))
 
     def _dequeued(self) -> None:
@@ -695,20 +708,35 @@ class Engine:
                 index.append(prev.row[seq])
             decode.append((0 if seq.pending else seq.generated[-1],
                            len(seq.prompt) + len(seq.generated) + seq.pending - 1, seq.blocks))
-        prefill, sampled = [], list(plan.decode)
+        prefill, sampled, score, scoring, scored_only = [], list(plan.decode), [], [], []
         for seq, start, n in plan.prefill:
             last = start + n == len(seq.prompt)
-            prefill.append((seq.prompt[start : start + n], start, seq.blocks, last))
-            seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n, start))
+            # prompt logprobs: the rows whose next token is the prompt's (the first sample of a request scores)
+            k = max(0, min(n, len(seq.prompt) - 1 - start)) if seq.params.prompt_logprobs is not None and \
+                seq.index == 0 else 0
+            generates = last and seq.params.max_new_tokens > 0  # max_new_tokens 0: scored, never sampled
+            prefill.append((seq.prompt[start : start + n], start, seq.blocks, generates))
+            score.append(k)
+            if k:
+                scoring.append((seq, start, k))
+            seq.activation_peak = max(seq.activation_peak, self.activation_estimate(n, start, k))
             if last:
-                sampled.append(seq)
-        step = build_step(decode, prefill, bs, self.device, (prev.tokens, rows, index) if rows else None)
+                (sampled if generates else scored_only).append(seq)
+        step = build_step(decode, prefill, bs, self.device, (prev.tokens, rows, index) if rows else None,
+                          score if scoring else None)
         logits = self.runner.forward(step)  # (S, V) fp32
         for seq, start, n in plan.prefill:
             seq.prefilled = start + n
             self.pool.publish(seq.id, seq.prefilled)  # its full blocks written: later requests map them
+        scores = None
+        if scoring:  # each scored row's target is the prompt's next token
+            targets = stage([t for seq, start, k in scoring for t in seq.prompt[start + 1 : start + 1 + k]],
+                            torch.int64, self.device)
+            scores = self.runner.score(step.scored, targets,
+                                       max(seq.params.prompt_logprobs for seq, _, _ in scoring))
+        step.scored = None
         if not sampled:
-            return None
+            return _Launched([], None, False, scoring, scores, scored_only) if scoring or scored_only else None
         params = [s.params for s in sampled]
         counts = [len(s.generated) + s.pending for s in sampled]  # this draw's index in each request
         suppress = [i for i, s in enumerate(sampled) if counts[i] < s.params.min_tokens]
@@ -726,7 +754,7 @@ class Engine:
         res = sample(logits, batch)
         for s in sampled:
             s.pending += 1
-        return _Launched(sampled, res, any(p.logprobs is not None for p in params))
+        return _Launched(sampled, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
 
     def _read(self, launched: "_Launched | None") -> None:
         """Wait for a launched step's samples and advance its requests (those finished or cancelled meanwhile
@@ -734,18 +762,24 @@ class Engine:
         if launched is None:
             return None
         try:
-            tokens, lp, top, trace = launched.results()  # the one wait on the device per step
+            tokens, lp, top, trace, plp = launched.results()  # the one wait on the device per step
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
             log.error("engine step failed:\n%s", traceback.format_exc())
             for s in launched.sampled:
                 s.pending -= 1
-            self._fail(launched.sampled, e)
+            self._fail(launched.sampled + [s for s, _, _ in launched.scoring] + launched.scored_only, e)
             return None
         now = time.monotonic()
         # Sinks run after the tokenizer lock is released: a slow sink must not hold up tokenization elsewhere.
         self._deferred = []
         try:
             with self._tok_lock:
+                if plp is not None:  # before the samples: a request's first event carries its prompt's logprobs
+                    self._add_prompt_logprobs(launched.scoring, *plp)
+                for seq in launched.scored_only:  # max_new_tokens 0: the prompt scored, nothing to generate
+                    if not seq.done:
+                        self.scheduler.finish(seq)
+                        self._final(seq, out.LENGTH, prompt_logprobs=self._first_prompt_logprobs(seq))
                 for i, (seq, tok) in enumerate(zip(launched.sampled, tokens)):
                     seq.pending -= 1
                     if seq.done:
@@ -761,8 +795,30 @@ class Engine:
                 self._emit(seq, ev)
         return None
 
+    def _add_prompt_logprobs(self, scoring, chosen, top_ids, top_lp) -> None:
+        """A step's scored prompt rows (read back) onto their requests, in the order the step scored them; a
+        request's samples get the first's list once its whole prompt is scored."""
+        r = 0
+        for seq, start, k in scoring:
+            n = seq.params.prompt_logprobs
+            for j in range(k):
+                alts = tuple(zip(top_ids[r + j][:n], top_lp[r + j][:n])) if n else ()
+                seq.prompt_logprobs.append(TokenLogprob(seq.prompt[start + 1 + j], chosen[r + j], alts))
+            r += k
+            if seq.group is not None and len(seq.prompt_logprobs) == len(seq.prompt) - 1:
+                seq.group.prompt_logprobs = tuple(seq.prompt_logprobs)
+
+    @staticmethod
+    def _first_prompt_logprobs(seq: Sequence) -> tuple:
+        """The prompt's logprobs (tokens 1..), for the first event of a request that asked for them; () after."""
+        if seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return ()
+        seq.prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs) if seq.group is None or seq.index == 0 else seq.group.prompt_logprobs
+
     def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> None:
         p = seq.params
+        plp = self._first_prompt_logprobs(seq)
         seq.generated.append(tok)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -791,7 +847,8 @@ class Engine:
         elif len(seq.generated) >= p.max_new_tokens:
             reason = out.LENGTH
         if reason is None:
-            self._emit(seq, Event(seq.request_id, p.seed, text, (tok,), logprobs, steps, index=seq.index))
+            self._emit(seq, Event(seq.request_id, p.seed, text, (tok,), logprobs, steps, index=seq.index,
+                                  prompt_logprobs=plp))
             return
         if stop is None or stop == "<eos>":  # held text was not a stop after all
             tail, stopped = matcher.push(detok.flush()) if len(seq.generated) > p.min_tokens else (detok.flush(), False)
@@ -801,38 +858,48 @@ class Engine:
             else:
                 text += matcher.flush()
         self.scheduler.finish(seq)
-        self._final(seq, reason, text, (tok,), logprobs, steps, stop)
+        self._final(seq, reason, text, (tok,), logprobs, steps, stop, prompt_logprobs=plp)
 
 
 class _Launched:
     """A step whose forward and sampling are queued on the device: its sampled requests in row order, the
-    samples, and their copies to the host queued behind them (pinned buffers and an event on CUDA), so reading
-    them waits for this step only, never for a step launched after it."""
+    samples, its scored prompt rows (prompt logprobs), and their copies to the host queued behind them (pinned
+    buffers and an event on CUDA), so reading them waits for this step only, never for a step launched after it.
+    ``scored_only``: requests of max_new_tokens 0 whose prefill ended in this step (nothing sampled for them)."""
 
-    def __init__(self, sampled: list[Sequence], res, want_logprob: bool):
+    def __init__(self, sampled: list[Sequence], res, want_logprob: bool, scoring=(), scores=None, scored_only=()):
         self.sampled = sampled
+        self.scoring = list(scoring)  # (request, first position, rows) per scored chunk, in row order
+        self.scored_only = list(scored_only)
         self.row = {s: i for i, s in enumerate(sampled)}
-        self.tokens = res.tokens  # (S,) int64 on the device: the next step's decode rows read theirs from here
-        parts = {"tokens": res.tokens}
-        if want_logprob:  # logprobs=0 asks for the chosen token's logprob alone (no top list then)
-            parts["logprob"] = res.logprob
-        if res.top_logprobs:
-            parts["top_ids"], parts["top_lp"] = res.top_logprobs
-        for k, (ids, pr) in (res.trace or {}).items():
-            parts[f"trace_{k}_ids"], parts[f"trace_{k}_p"] = ids, pr
-        if res.trace:
-            parts["trace_stats"] = res.trace_stats
+        self.tokens = res.tokens if res is not None else None  # (S,) int64 on the device: the next step's decode
+        parts = {}                                               # rows read theirs from here
+        if res is not None:
+            parts["tokens"] = res.tokens
+            if want_logprob:  # logprobs=0 asks for the chosen token's logprob alone (no top list then)
+                parts["logprob"] = res.logprob
+            if res.top_logprobs:
+                parts["top_ids"], parts["top_lp"] = res.top_logprobs
+            for k, (ids, pr) in (res.trace or {}).items():
+                parts[f"trace_{k}_ids"], parts[f"trace_{k}_p"] = ids, pr
+            if res.trace:
+                parts["trace_stats"] = res.trace_stats
+        if scores is not None:
+            parts["plp"] = scores[0]
+            if scores[1] is not None:
+                parts["plp_ids"], parts["plp_lp"] = scores[1], scores[2]
         self.event = None
-        if res.tokens.is_cuda:
+        if any(t.is_cuda for t in parts.values()):
             parts = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                      for k, t in parts.items()}
             self.event = torch.cuda.Event()
             self.event.record()
         self.parts = parts
-        self.trace_keys = tuple((res.trace or {}).keys())
+        self.trace_keys = tuple((res.trace or {}).keys()) if res is not None else ()
 
     def results(self):
-        """(tokens, logprobs or None, (top ids, top logprobs) or None, trace or None) as lists."""
+        """(tokens, logprobs or None, (top ids, top logprobs) or None, trace or None, prompt logprobs or None) as
+        lists; prompt logprobs are (chosen, top ids or [], top logprobs or []) over the scored rows."""
         if self.event is not None:
             self.event.synchronize()
         p = {k: t.tolist() for k, t in self.parts.items()}
@@ -841,4 +908,5 @@ class _Launched:
         if self.trace_keys:
             trace = {k: (p[f"trace_{k}_ids"], p[f"trace_{k}_p"]) for k in self.trace_keys}
             trace["stats"] = p["trace_stats"]
-        return p["tokens"], p.get("logprob"), top, trace
+        plp = (p["plp"], p.get("plp_ids", []), p.get("plp_lp", [])) if "plp" in p else None
+        return p.get("tokens", []), p.get("logprob"), top, trace, plp

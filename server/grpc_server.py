@@ -113,10 +113,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         prompt = await prompt_from_proto(self.svc, request)
         cs = await self.svc.complete_n(prompt, params, "grpc", request.request_id or None, _n(request))
         choices = [pb.Choice(index=i, text=c.text, token_ids=c.token_ids, logprobs=_logprobs(self.svc, c.logprobs),
-                             trace=_trace(self.svc, c.trace), final=final_to_proto(c)) for i, c in enumerate(cs)]
+                             trace=_trace(self.svc, c.trace), final=final_to_proto(c),
+                             prompt_logprobs=_logprobs(self.svc, c.prompt_logprobs)) for i, c in enumerate(cs)]
         first = choices[0]
         return pb.GenerateResponse(request_id=cs[0].request_id, text=first.text, token_ids=first.token_ids,
-                                   logprobs=first.logprobs, trace=first.trace, final=first.final, choices=choices)
+                                   logprobs=first.logprobs, trace=first.trace, final=first.final, choices=choices,
+                                   prompt_logprobs=first.prompt_logprobs)
 
     async def GenerateStream(self, request, context):
         params = params_from_proto(request.sampling, self.svc.default_max_new_tokens)
@@ -127,6 +129,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 request_id=ev.request_id, seed=ev.seed, text=ev.text, token_ids=ev.token_ids,
                 logprobs=_logprobs(self.svc, ev.logprobs), trace=_trace(self.svc, ev.trace),
                 final=final_to_proto(ev) if ev.finished else None, index=ev.index,
+                prompt_logprobs=_logprobs(self.svc, ev.prompt_logprobs),
             )
 
     async def Tokenize(self, request, context):

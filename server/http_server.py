@@ -182,8 +182,6 @@ def _unsupported(body: _Body) -> None:
     """Parameters we do not implement are refused by name rather than silently ignored (``n`` is checked by the
     engine, against --max-batch and the KV pool)."""
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise RequestError("echo", "echo is not supported")
         if body.best_of not in (None, 1):
             raise RequestError("best_of", "best_of must be 1")
         if body.suffix:
@@ -191,9 +189,14 @@ def _unsupported(body: _Body) -> None:
 
 
 def params_from_body(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's params of a body. ``echo`` (completions) scores the prompt: its tokens get logprobs with as many
+    alternatives as ``logprobs`` asks (and a body's own ``prompt_logprobs``, if larger); with ``max_tokens`` 0 the
+    prompt is scored and nothing generated, as lm-evaluation-harness's loglikelihood requests ask."""
     _unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     kw = {f: getattr(body, f) for f in _SAME_NAME} | {"max_new_tokens": max_tokens, "logprobs": logprobs}
+    if getattr(body, "echo", False) and (logprobs is not None or max_tokens == 0):
+        kw["prompt_logprobs"] = max(logprobs or 0, body.prompt_logprobs or 0)
     return SamplingParams(stop=tuple(stop), **{k: v for k, v in kw.items() if v is not None})
 
 
@@ -218,15 +221,36 @@ def _trace(svc: Service, steps) -> list[dict]:
             for t in steps]
 
 
-def _completion_logprobs(svc: Service, lps, offset0: int = 0) -> dict:
-    """The legacy completions logprobs object."""
-    tokens = [svc.token_text(lp.token_id) for lp in lps]
+def _completion_logprobs(svc: Service, lps, offset0: int = 0, echo: "_Echo | None" = None) -> dict:
+    """The legacy completions logprobs object; with ``echo``, the prompt's tokens first (the first one's logprob and
+    alternatives null, as OpenAI gives them)."""
+    prompt = [] if echo is None else echo.ids
+    tokens = [svc.token_text(i) for i in prompt] + [svc.token_text(lp.token_id) for lp in lps]
     offsets, pos = [], offset0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{svc.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+    scored = [] if echo is None else [None, *echo.logprobs][:len(prompt)]
+    return {"tokens": tokens,
+            "token_logprobs": [lp and lp.logprob for lp in scored] + [lp.logprob for lp in lps],
+            "top_logprobs": [lp and {svc.token_text(i): v for i, v in lp.top} for lp in scored]
+            + [{svc.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def _prompt_logprobs(svc: Service, lps) -> list:
+    """A body's ``prompt_logprobs``: per prompt token, null for the first, then its logprob and alternatives."""
+    def entry(i, v):
+        return {"token_id": i, "token": svc.token_text(i), "logprob": v}
+
+    return [None] + [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                     for lp in lps]
+
+
+class _Echo:
+    """A completions request's echoed prompt: its text and token ids, and its tokens' logprobs once scored."""
+
+    def __init__(self, text: str, ids: list[int]):
+        self.text, self.ids, self.logprobs = text, ids, ()
 
 
 def _chat_logprobs(svc: Service, lps) -> dict:
@@ -297,9 +321,11 @@ def create_app(svc: Service) -> FastAPI:
         return {"token_ids": ids, "tokens": tokens}
 
     async def respond(request: Request, prompt, params: SamplingParams, stream: bool, chat: bool,
-                      include_usage: bool, n: int):
+                      include_usage: bool, n: int, echo: _Echo | None = None):
         """One completion or chat request of ``n`` samples (OpenAI's ``choices[i]``; sample i draws with seed
-        + i); a sample's own seed and memory ride in its choice when n > 1, the first's at the top level."""
+        + i); a sample's own seed and memory ride in its choice when n > 1, the first's at the top level. With
+        ``echo`` each choice's text (and logprobs) starts with the prompt's."""
+        want_plp = params.prompt_logprobs is not None and echo is None  # the body asked for them by name
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -309,12 +335,17 @@ def create_app(svc: Service) -> FastAPI:
                 return Response(status_code=499)  # nobody is listening; the engine has dropped the request
             choices = []
             for i, c in enumerate(cs):
+                if echo is not None:
+                    echo.logprobs = c.prompt_logprobs
                 lp = None
                 if params.logprobs is not None:
-                    lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs)
+                    lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs, 0, echo)
                 choice = {"index": i, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
                           "token_ids": list(c.token_ids)}
-                choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
+                text = c.text if echo is None else echo.text + c.text
+                choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": text})
+                if want_plp:
+                    choice["prompt_logprobs"] = _prompt_logprobs(svc, c.prompt_logprobs)
                 if n > 1:
                     choice.update(seed=c.seed, memory=_accounting(c.accounting), stop=c.stop)
                     if params.trace:
@@ -346,10 +377,15 @@ def create_app(svc: Service) -> FastAPI:
                         if params.logprobs is not None:
                             choice["logprobs"] = _chat_logprobs(svc, ev.logprobs)
                     else:
-                        choice["text"] = ev.text
-                        choice["logprobs"] = (_completion_logprobs(svc, ev.logprobs, text_pos[i])
+                        head = echo if echo is not None and i not in started else None  # a sample's first chunk
+                        if head is not None:
+                            head.logprobs = ev.prompt_logprobs
+                        choice["text"] = ev.text if head is None else head.text + ev.text
+                        choice["logprobs"] = (_completion_logprobs(svc, ev.logprobs, text_pos[i], head)
                                               if params.logprobs is not None else None)
-                    text_pos[i] += len(ev.text)
+                        if want_plp and ev.prompt_logprobs:
+                            choice["prompt_logprobs"] = _prompt_logprobs(svc, ev.prompt_logprobs)
+                    text_pos[i] += len(choice.get("text", ev.text))
                     started.add(i)
                     chunk = {"id": rid, "object": chunk_obj, "created": created, "model": model_name,
                              "choices": [choice], "seed": ev.seed}
@@ -391,8 +427,13 @@ def create_app(svc: Service) -> FastAPI:
         # OpenAI's default for completions is 16 tokens (this server's limit when lower).
         max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
         params = params_from_body(body, max_tokens, body.logprobs)
+        echo = None
+        if body.echo:  # the prompt's ids are needed for its tokens' texts: tokenized here, once
+            ids = await svc.prompt_ids(prompt)
+            echo = _Echo(prompt if isinstance(prompt, str) else await svc.decode(ids), ids)
+            prompt = ids
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(request, prompt, params, body.stream, False, include_usage, body.n)
+        return await respond(request, prompt, params, body.stream, False, include_usage, body.n, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):

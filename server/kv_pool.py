@@ -236,12 +236,16 @@ class BlockPool:
         self._hits[request_id] = hits
         return table
 
-    def try_reserve(self, request_id: str, tokens: int, prompt: list[int] | None = None) -> list[int] | None:
+    def try_reserve(self, request_id: str, tokens: int, prompt: list[int] | None = None,
+                    use_cache: bool = True) -> list[int] | None:
         """Reserve every block ``tokens`` can need, or nothing (None) if they are not free now. With ``prompt``, its
-        cached full blocks come first in the table, mapped, not taken (:meth:`hit_blocks` says how many)."""
+        cached full blocks come first in the table, mapped, not taken (:meth:`hit_blocks` says how many), unless
+        ``use_cache`` is False (a request that scores its whole prompt computes every block; it still publishes)."""
         if request_id in self._owned:
             raise ValueError(f"request {request_id} already holds KV blocks")
         keys, hits, idle_hits = self._lookup(prompt)
+        if not use_cache:
+            hits, idle_hits = [], 0
         fresh = self.layout.blocks_for(tokens) - len(hits)
         if not self._room(fresh, idle_hits):
             return None
@@ -254,7 +258,8 @@ class BlockPool:
         """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`)."""
         return group_blocks(prompt_tokens, tokens, n, self.layout.block_size)
 
-    def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int]) -> list[list[int]] | None:
+    def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int],
+                          use_cache: bool = True) -> list[list[int]] | None:
         """Reserve ``n = len(request_ids)`` samples of one prompt at once, or nothing (None): the first is reserved as
         :meth:`try_reserve` does (its cached prefix mapped); each other maps the first's blocks of the prompt's full
         blocks before its last token's block (:func:`shared_blocks`: the first prefills them, the others wait for
@@ -265,10 +270,10 @@ class BlockPool:
                 raise ValueError(f"request {rid} already holds KV blocks")
         total = self.layout.blocks_for(tokens)
         k = shared_blocks(len(prompt), self.layout.block_size)
-        _, hits, idle_hits = self._lookup(prompt)
+        _, hits, idle_hits = self._lookup(prompt) if use_cache else ([], [], 0)
         if not self._room((total - len(hits)) + len(others) * (total - k), idle_hits):
             return None
-        first = self.try_reserve(leader, tokens, prompt)
+        first = self.try_reserve(leader, tokens, prompt, use_cache)
         # (the others' prompt blocks come from the first sample, not the cache: no hit counted)
         return [first] + [self._reserve(rid, first[:k], total - k, self._keys[leader], 0) for rid in others]
 

@@ -121,6 +121,8 @@ class Event:
     ttft_s: float | None = None  # on the final event: time from submit to the first token
     duration_s: float | None = None  # on the final event: time from submit to the end
     index: int = 0  # which sample of the request (a request of n samples: 0 .. n-1, each with its own final event)
+    # with params.prompt_logprobs, on the sample's first event: prompt tokens 1.. (token 0 has no logprob)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,15 @@ class Completion:
     error: str | None
     ttft_s: float | None
     duration_s: float | None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. when params.prompt_logprobs was set
 
 
 def collect(events) -> Completion:
     """Join a finished request's events into one :class:`Completion`."""
-    text, ids, lps, trace = [], [], [], []
+    text, ids, lps, trace, prompt = [], [], [], [], []
     last = None
     for ev in events:
+        prompt.extend(ev.prompt_logprobs)
         text.append(ev.text)
         ids.extend(ev.token_ids)
         lps.extend(ev.logprobs)
@@ -157,4 +161,5 @@ def collect(events) -> Completion:
         request_id=last.request_id, seed=last.seed, text="".join(text), token_ids=tuple(ids),
         finish_reason=last.finish_reason, stop=last.stop, logprobs=tuple(lps), trace=tuple(trace),
         accounting=last.accounting, error=last.error, ttft_s=last.ttft_s, duration_s=last.duration_s,
+        prompt_logprobs=tuple(prompt),
     )

@@ -19,15 +19,19 @@ from quant.errors import UnsupportedModelError
 from server import attention, fastops, models
 from server.batch import StepInputs, stage
 
+SCORE_ROWS = 32  # prompt rows whose logits are formed at once when scoring a prompt (Engine: its memory estimate)
+
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
                block_size: int, device: torch.device,
-               feed: tuple[Tensor, list[int], list[int]] | None = None) -> StepInputs:
+               feed: tuple[Tensor, list[int], list[int]] | None = None, score: list[int] | None = None) -> StepInputs:
     """decode: (token, position, block table) per decoding request (it attends to positions 0..position).
     prefill: (chunk tokens, first position, block table, sample last?) per prefilling request.
     feed: (tokens, rows, index): decode rows ``rows`` take their token from the device tensor ``tokens`` (the
     previous step's samples, not read back yet) at ``index``, in place of the token given for them.
-    Sampled rows are returned in this order: every decode row, then each prefill chunk with sample=True."""
+    score: per prefill chunk, how many of its first rows have their next prompt token scored (prompt logprobs).
+    Sampled rows are returned in this order: every decode row, then each prefill chunk with sample=True; scored
+    rows in chunk order."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -38,23 +42,28 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         pos.append(p)
         slots.append(table[p // block_size] * block_size + p % block_size)
         sample.append(len(ids) - 1)
-    for tokens, start, table, want in prefill:
+    scored: list[int] = []
+    for c, (tokens, start, table, want) in enumerate(prefill):
         t0 = len(ids)
+        if score and score[c]:
+            scored.extend(range(t0, t0 + score[c]))
         ids.extend(tokens)
         pos.extend(range(start, start + len(tokens)))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + len(tokens)))
         chunks.append((t0, len(tokens), start, table))
         if want:
             sample.append(len(ids) - 1)
-    t, s = len(ids), len(sample)
+    t, s, r = len(ids), len(sample), len(scored)
     rows, index = ([], []) if feed is None else feed[1:]
-    flat = stage(ids + pos + slots + sample + rows + index, torch.int64, device)  # one copy for all index vectors
+    # one copy for all index vectors
+    flat = stage(ids + pos + slots + sample + scored + rows + index, torch.int64, device)
     if rows:  # on the device: nothing waits for the previous step's samples to be read back
-        f = 3 * t + s
+        f = 3 * t + s + r
         flat[:t].index_copy_(0, flat[f: f + len(rows)], feed[0].index_select(0, flat[f + len(rows):]))
     return StepInputs(
         input_ids=flat[:t], positions=flat[t: 2 * t], slots=flat[2 * t: 3 * t], sample_index=flat[3 * t: 3 * t + s],
         decode=[(p, table) for _, p, table in decode], chunks=chunks, block_size=block_size,
+        score_index=flat[3 * t + s: 3 * t + s + r] if r else None,
     )
 
 
@@ -129,6 +138,23 @@ class ModelRunner:
         if self.graphs is not None and (b := self.graphs.bucket(step)) is not None:
             return self.graphs.run(step, b)
         return self.model.forward(step, self.backend, self.backend.prepare(step))
+
+    @torch.inference_mode()
+    def score(self, hidden: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Prompt logprobs from a step's scored rows: ``hidden`` (P, H) final-normed states, ``targets`` (P,) the
+        prompt token each row predicts. The head runs over SCORE_ROWS rows at a time, so the logits never exceed
+        (SCORE_ROWS, V) whatever the chunk; fp32 log-softmax of the model's own logits (no sampling control).
+        Returns (chosen (P,) fp32, top ids (P, k) int64, top logprobs (P, k) fp32; None when k = 0)."""
+        chosen, ids, lps = [], [], []
+        for i in range(0, hidden.shape[0], SCORE_ROWS):
+            lp = torch.log_softmax(self.model.logits(hidden[i: i + SCORE_ROWS]), -1)  # (R, V) fp32
+            chosen.append(lp.gather(1, targets[i: i + SCORE_ROWS, None])[:, 0])  # (R,)
+            if k:
+                top = lp.topk(min(k, lp.shape[1]), dim=-1)  # (R, k) each
+                ids.append(top.indices)
+                lps.append(top.values)
+            del lp
+        return torch.cat(chosen), (torch.cat(ids) if k else None), (torch.cat(lps) if k else None)
 
     # The engine's accounting reads these.
     @property

@@ -125,6 +125,9 @@ class SamplingParams:
     # token id -> bias in [-100, 100], at most 300 entries; given as a mapping (JSON's string keys accepted),
     # kept as (id, bias) pairs sorted by id so the params stay hashable
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None = off; 0..20: each prompt token's logprob under the model (teacher-forced, from the prefill) and this many
+    # alternatives; with it max_new_tokens may be 0 (score the prompt, generate nothing)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
@@ -140,7 +143,11 @@ class SamplingParams:
                   f"finite, > 0 and <= {FLOAT32_MAX:.4g} (float32)"),
         )
         put("seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)", optional=True))
-        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 1, None, ">= 1"))
+        put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null",
+                                    optional=True))
+        scoring = self.prompt_logprobs is not None
+        put("max_new_tokens", _int("max_new_tokens", self.max_new_tokens, 0 if scoring else 1, None,
+                                   ">= 0 (with prompt_logprobs)" if scoring else ">= 1 (0 only with prompt_logprobs)"))
         put("min_tokens", _int("min_tokens", self.min_tokens, 0, None, ">= 0"))
         if self.min_tokens > self.max_new_tokens:
             raise SamplingParamsError(

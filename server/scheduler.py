@@ -34,6 +34,7 @@ class Group:
     id: str  # the request's id (each sample's Sequence.id is this, then "/1", "/2", ...)
     members: list["Sequence"] = field(default_factory=list)
     left: int = 0  # samples not finished yet
+    prompt_logprobs: tuple = ()  # the first sample's, once its prefill scored the whole prompt: each sample's too
 
     @property
     def leader(self) -> "Sequence":
@@ -62,6 +63,8 @@ class Sequence:
     group: Group | None = None  # its request's samples, when it asked for several
     index: int = 0  # which sample of its request
     wait_tokens: int = 0  # a sample after the first: prefills once the first has prefilled this many tokens
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as its prefill scores them
+    prompt_logprobs_sent: bool = False  # given with its first event
 
     @property
     def request_id(self) -> str:
@@ -143,10 +146,12 @@ class Scheduler:
             members = seq.group.members if seq.group is not None else [seq]
             if len(self.running) + len(members) > self.max_batch:
                 break
+            use_cache = seq.params.prompt_logprobs is None  # scoring the prompt computes all of it
             if seq.group is None:
-                tables = [self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt)]
+                tables = [self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt, use_cache)]
             else:
-                tables = self.pool.try_reserve_group([m.id for m in members], seq.reserve_tokens, seq.prompt)
+                tables = self.pool.try_reserve_group([m.id for m in members], seq.reserve_tokens, seq.prompt,
+                                                     use_cache)
             if tables is None or tables[0] is None:
                 break  # strict FIFO: wait for blocks rather than let later requests overtake
             self.waiting.popleft()

@@ -262,6 +262,10 @@ class Service:
         ids = await self.prompt_ids(text)
         return ids, [self.token_text(i) for i in ids]
 
+    async def decode(self, ids: list[int]) -> str:
+        """The text of token ids (an echoed prompt given as ids), decoded off the event loop."""
+        return await asyncio.to_thread(self.engine.decode, ids)
+
     def token_text(self, token_id: int) -> str:
         """A token's text on its own (cached; for logprobs and traces)."""
         s = self._token_text.get(token_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 import threading
 import time
 
@@ -17,9 +18,9 @@ from quant.memory import MemoryTracker, ModelShape, engine_prefill_bytes, weight
 from server import fastops
 from server.engine import Engine, EngineConfig
 from server.kv_pool import BlockPool, KVLayout
-from server.outputs import EngineClosedError, OverloadedError, RequestError
+from server.outputs import EngineClosedError, OverloadedError, RequestError, collect
 from server.runner import ModelRunner, build_step
-from server.sampling import SamplingParams
+from server.sampling import SamplingParams, SamplingParamsError
 
 CPU = torch.device("cpu")
 
@@ -429,6 +430,69 @@ def test_logprobs_zero_gives_the_chosen_token_alone(engine):
     assert all(lp.logprob <= 0 for lp in r.logprobs)
 
 
+# --------------------------------------------------------------------------------------- prompt logprobs
+
+
+def _teacher_forced(hf_model, ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_logits(hf_model, ids), -1)  # (T, V) fp32: row i predicts token i + 1
+
+
+def test_prompt_logprobs_are_the_teacher_forced_log_softmax_across_chunks(engine, hf_model):
+    """150 prompt tokens prefilled in chunks of 64: every prompt token after the first gets the model's fp32
+    log-softmax at the position before it (within 1e-4) and its 3 most probable alternatives, computed in the
+    prefill; the generated tokens are what they are without scoring."""
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, 1000, (150,), generator=g).tolist()
+    want = _teacher_forced(hf_model, ids)  # (150, V)
+    r = engine.complete(ids, greedy(4, prompt_logprobs=3))
+    assert len(r.prompt_logprobs) == 149 and [lp.token_id for lp in r.prompt_logprobs] == ids[1:]
+    got = torch.tensor([lp.logprob for lp in r.prompt_logprobs])
+    torch.testing.assert_close(got, want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+    top = want[:-1].topk(3)
+    for i, lp in enumerate(r.prompt_logprobs):
+        assert [t for t, _ in lp.top] == top.indices[i].tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values[i].tolist(), abs=1e-4)
+    assert r.token_ids == engine.complete(ids, greedy(4)).token_ids
+    assert r.accounting.prompt_tokens_cached == 0  # scored prompts are computed whole, never mapped from the cache
+
+
+def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf_model):
+    """max_new_tokens 0 scores the prompt and ends ("length", no tokens, its blocks given back); scoring rows in a
+    batch do not change the other requests' tokens; a request's samples each get the prompt's logprobs."""
+    ids = list(range(5, 45))
+    want = _teacher_forced(hf_model, ids)
+    plain = [engine.complete("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=5))
+             for s in (1, 2)]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=0), q.put, "score")
+    for s in (1, 2):
+        engine.submit("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=5), q.put, f"p{s}")
+    events: dict[str, list] = {}
+    while sum(ev.finished for evs in events.values() for ev in evs) < 3:
+        ev = q.get()
+        events.setdefault(ev.request_id, []).append(ev)
+    scored = collect(events["score"])
+    assert scored.finish_reason == "length" and scored.token_ids == () and scored.text == ""
+    assert [lp.top for lp in scored.prompt_logprobs] == [()] * 39  # prompt_logprobs 0: the chosen token's alone
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in scored.prompt_logprobs]),
+                               want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert [collect(events[f"p{s}"]).token_ids for s in (1, 2)] == [c.token_ids for c in plain]
+    a, b = engine.samples(ids, SamplingParams(temperature=1.0, seed=4, max_new_tokens=3, prompt_logprobs=1), 2)
+    assert a.prompt_logprobs == b.prompt_logprobs and all(len(lp.top) == 1 for lp in a.prompt_logprobs)
+    assert [lp.logprob for lp in a.prompt_logprobs] == pytest.approx([lp.logprob for lp in scored.prompt_logprobs],
+                                                                      abs=1e-5)
+
+
+def test_prompt_logprobs_bad_values_are_refused_naming_them():
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(prompt_logprobs=21)
+    assert e.value.param == "prompt_logprobs"
+    with pytest.raises(SamplingParamsError, match=r"0 only with prompt_logprobs") as e:
+        SamplingParams(max_new_tokens=0)
+    assert e.value.param == "max_new_tokens"
+    assert SamplingParams(max_new_tokens=0, prompt_logprobs=5).max_new_tokens == 0
+
+
 def test_accounting_matches_the_formula(engine, tok):
     prompt = "Memory accounting for one request"
     n = len(tok(prompt).input_ids)
@@ -703,7 +767,7 @@ def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, 
         assert len(eng.complete("The old bridge", greedy(5)).token_ids) == 5
     finally:
         eng.close()
-    workspace = eng.activation_estimate(eng.config.max_prefill_tokens)
+    workspace = eng.step_workspace()
     monkeypatch.setattr(engine_mod, "free_memory", lambda device: workspace * 2)
     with pytest.raises(KVBudgetError, match=r"--memory-budget 0\.9 of .* MiB free leaves .* for the activations of one "
                                             r"step, which need .*; use at most 0\.50"):

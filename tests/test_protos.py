@@ -70,7 +70,7 @@ def test_every_transport_reads_and_writes_every_control():
 
     values = dict(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.1, seed=3, max_new_tokens=9,
                   min_tokens=2, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,
-                  presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5})
+                  presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5}, prompt_logprobs=2)
     assert set(values) == set(SAMPLING_FIELDS), "a new control: add it here"
     s = make_sampling(**values)
     assert s.given() == values

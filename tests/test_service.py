@@ -162,6 +162,64 @@ def test_the_openai_sdk_sends_each_control_and_gets_its_effect(server):
     assert list(g.token_ids) == want, "gRPC and HTTP apply the same controls"
 
 
+def test_echo_and_prompt_logprobs_as_lm_eval_asks_for_them(server):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 0, token ids) through the openai
+    SDK: the prompt's tokens come back with their logprobs (the first null) and top alternatives, equal to gRPC's
+    prompt_logprobs and to the teacher-forced log-softmax of the engine's own forward; streaming gives the same."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+    ids = server.engine.tokenize("The river runs down to the old harbour")
+    c = client.completions.create(model="m", prompt=ids, echo=True, logprobs=1, max_tokens=0, temperature=0.0)
+    ch = c.choices[0]
+    assert ch.finish_reason == "length" and ch.model_extra["token_ids"] == [] and c.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert ch.text == server.engine.decode(ids)
+    g = stub(server).Generate(pb.GenerateRequest(prompt_ids=ids, sampling=pb.SamplingParameters(
+        max_new_tokens=0, prompt_logprobs=1)), timeout=60)
+    assert [p.token_id for p in g.prompt_logprobs] == ids[1:] and not g.token_ids
+    assert lp.token_logprobs[1:] == pytest.approx([p.logprob for p in g.prompt_logprobs], abs=1e-5)
+    assert [list(t.values())[0] for t in lp.top_logprobs[1:]] == \
+        pytest.approx([p.top[0].logprob for p in g.prompt_logprobs], abs=1e-5)
+    assert all(v <= max(t.values()) + 1e-6 for v, t in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    # with generation after the prompt, the logprobs run on over the generated tokens
+    c2 = client.completions.create(model="m", prompt="The river", echo=True, logprobs=2, max_tokens=3,
+                                   temperature=0.0)
+    n_prompt = len(server.engine.tokenize("The river"))
+    assert c2.choices[0].text.startswith("The river") and len(c2.choices[0].logprobs.tokens) == n_prompt + 3
+    assert c2.choices[0].logprobs.token_logprobs[0] is None and None not in c2.choices[0].logprobs.token_logprobs[1:]
+    stream = client.completions.create(model="m", prompt="The river", echo=True, logprobs=2, max_tokens=3,
+                                       temperature=0.0, stream=True)
+    chunks = [x for x in stream if x.choices]
+    assert "".join(x.choices[0].text for x in chunks) == c2.choices[0].text
+    assert [t for x in chunks for t in x.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(c2.choices[0].logprobs.token_logprobs, abs=1e-6)
+    # vLLM's prompt_logprobs by name (extra_body): the same numbers, with ids, in the choice
+    c3 = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0.0,
+                                   extra_body={"prompt_logprobs": 1})
+    plp = c3.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and [e["token_id"] for e in plp[1:]] == ids[1:]
+    assert [e["logprob"] for e in plp[1:]] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_the_client_gives_prompt_logprobs_on_both_transports(server):
+    from quantserve.client import Client
+
+    ids = server.engine.tokenize("A quiet morning in the valley")
+    got = {}
+    for http in (False, True):
+        c = Client(server.http.removeprefix("http://") if http else server.grpc_target, http=http)
+        r = c.generate(ids, max_new_tokens=0, prompt_logprobs=2)
+        s = [x.result for x in c.stream(ids, max_new_tokens=2, prompt_logprobs=2, temperature=0.0) if x.result]
+        assert s[0].prompt_logprobs == r.prompt_logprobs and len(s[0].token_ids) == 2
+        got[http] = r
+        c.close()
+    g, h = got[False], got[True]
+    assert [x.token_id for x in g.prompt_logprobs] == [x.token_id for x in h.prompt_logprobs] == ids[1:]
+    assert [x.logprob for x in g.prompt_logprobs] == pytest.approx([x.logprob for x in h.prompt_logprobs], abs=1e-6)
+    assert all(len(x.top) == 2 for x in g.prompt_logprobs) and g.token_ids == () and g.finish_reason == "length"
+
+
 def test_http_fields_that_change_nothing_are_taken(server):
     """user, metadata, store and service_tier are OpenAI fields that change nothing here: taken, not refused."""
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),

@@ -269,7 +269,7 @@ class CausalLM:
         if self._embed_scale is not None:
             x = x * self._embed_scale
         tables = [r.cos_sin(step.positions, self.dtype) for r in self.rotaries]  # (T, R) cos and sin each
-        if self._one_row and x.shape[0] == 1:
+        if self._one_row and x.shape[0] == 1 and step.score_index is None:
             return self._forward_one_row(x, tables, step, backend, meta)
         r = self._residual
         delta = None
@@ -287,9 +287,15 @@ class CausalLM:
                 delta = layer.mlp_out(delta)
             if r != 1.0:
                 delta = delta * r
+        if step.score_index is not None:  # prompt logprobs: the runner's head runs over these in slices
+            _, step.scored = self.norm.add(x[step.score_index], delta[step.score_index])  # (P, hidden)
         idx = step.sample_index  # only the rows that are sampled go through the final norm and the head
         _, h = self.norm.add(x[idx], delta[idx])  # (S, hidden)
-        return self.finish_logits(self.head(h).float())  # (S, V)
+        return self.logits(h)  # (S, V)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """fp32 logits (R, V) of final-normed hidden states (R, hidden)."""
+        return self.finish_logits(self.head(h).float())
 
     def _forward_one_row(self, x: Tensor, tables, step: StepInputs, backend, meta) -> Tensor:
         """:meth:`forward` of one token (batch-1 decode) where every o and down ends in the norms and residual add

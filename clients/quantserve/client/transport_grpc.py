@@ -98,15 +98,17 @@ def _final(request_id: str, f: pb.Final) -> dict:
 
 def result_from_proto(r: pb.GenerateResponse) -> Result:
     samples = tuple(Result(text=c.text, token_ids=tuple(c.token_ids), logprobs=_logprobs(c.logprobs),
-                           trace=_trace(c.trace), **_final(r.request_id, c.final)) for c in r.choices)
+                           trace=_trace(c.trace), prompt_logprobs=_logprobs(c.prompt_logprobs),
+                           **_final(r.request_id, c.final)) for c in r.choices)
     return Result(text=r.text, token_ids=tuple(r.token_ids), logprobs=_logprobs(r.logprobs), trace=_trace(r.trace),
-                  **_final(r.request_id, r.final), samples=samples if len(samples) > 1 else ())
+                  **_final(r.request_id, r.final), samples=samples if len(samples) > 1 else (),
+                  prompt_logprobs=_logprobs(r.prompt_logprobs))
 
 
 def _chunk(m: pb.GenerateStreamResponse, joined: dict[int, _Joined]) -> StreamChunk:
     """A message as a chunk, joined into its sample's result (``joined``: sample index -> what arrived so far)."""
     c = StreamChunk(text=m.text, token_ids=tuple(m.token_ids), logprobs=_logprobs(m.logprobs), trace=_trace(m.trace),
-                    seed=m.seed, index=m.index)
+                    seed=m.seed, index=m.index, prompt_logprobs=_logprobs(m.prompt_logprobs))
     j = joined.setdefault(m.index, _Joined())
     j.add(c)
     if m.HasField("final"):

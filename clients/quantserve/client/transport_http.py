@@ -71,6 +71,13 @@ def _logprobs(lp: Any) -> tuple[TokenLogprob, ...]:
                                       [None] * len(lp["tokens"])))
 
 
+def _prompt_logprobs(entries: Any) -> tuple[TokenLogprob, ...]:
+    """A choice's ``prompt_logprobs`` (null for the first prompt token, then id, text, logprob, alternatives)."""
+    return tuple(TokenLogprob(int(e["token_id"]), e["token"], float(e["logprob"]),
+                              tuple(Alternative(int(a["token_id"]), a["token"], float(a["logprob"]))
+                                    for a in e.get("top_logprobs") or ())) for e in entries or () if e is not None)
+
+
 def _text(choice: dict) -> str:
     if "text" in choice:
         return choice["text"] or ""
@@ -102,12 +109,14 @@ def result_from_body(body: dict) -> Result:
         first = Result(text=_text(choices[0]), token_ids=_ids(choices[0]),
                        logprobs=_logprobs(choices[0].get("logprobs")),
                        trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()),
+                       prompt_logprobs=_prompt_logprobs(choices[0].get("prompt_logprobs")),
                        **_final(body, choices[0], body.get("usage")))
         if len(choices) == 1:
             return first
         # n > 1: each choice carries its own seed, stop and memory (its usage: the prompt once, its own tokens)
         samples = tuple(Result(text=_text(c), token_ids=_ids(c), logprobs=_logprobs(c.get("logprobs")),
                                trace=tuple(trace_from_dict(t) for t in c.get("trace") or ()),
+                               prompt_logprobs=_prompt_logprobs(c.get("prompt_logprobs")),
                                **_final({**body, **{k: c.get(k) for k in ("seed", "stop", "memory")}}, c, None))
                         for c in sorted(choices, key=lambda c: c["index"]))
         return dataclasses.replace(first, samples=samples)
@@ -187,6 +196,7 @@ class _Events:
         choice = body["choices"][0]
         i = int(choice.get("index", 0))
         chunk = StreamChunk(text=_text(choice), token_ids=_ids(choice), logprobs=_logprobs(choice.get("logprobs")),
+                            prompt_logprobs=_prompt_logprobs(choice.get("prompt_logprobs")),
                             trace=tuple(trace_from_dict(t) for t in body.get("trace") or ()), seed=body.get("seed"),
                             index=i)
         self.joined.setdefault(i, _Joined()).add(chunk)

@@ -47,6 +47,7 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    prompt_logprobs: int | None = None  # 0..20: each prompt token's logprob and this many alternatives
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by proto name (``stop`` only when non-empty)."""
@@ -196,6 +197,8 @@ class Result:
     # A request of n > 1 samples: every sample in index order (each with its own seed and memory), the first
     # being this Result's own fields; () for n = 1.
     samples: tuple["Result", ...] = ()
+    # with prompt_logprobs: prompt tokens 1.. (the first has none), each under the model (teacher-forced)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def token_keys(self) -> tuple:
         """The generated tokens as comparable keys: ids when the transport gives them, else the tokens' texts
@@ -216,6 +219,7 @@ class StreamChunk:
     seed: int | None = None
     result: Result | None = None
     index: int = 0  # which sample (a request of n > 1: chunks of the samples interleave; each ends with a result)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on a sample's first chunk, with prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -253,9 +257,11 @@ class _Joined:
     has_ids: bool = True
     logprobs: list[TokenLogprob] = field(default_factory=list)
     trace: list[TraceStep] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: StreamChunk) -> None:
         self.text.append(chunk.text)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.token_ids is None:
             self.has_ids = False
         else:
@@ -265,7 +271,8 @@ class _Joined:
 
     def result(self, **final: Any) -> Result:
         return Result(text="".join(self.text), token_ids=tuple(self.ids) if self.has_ids else None,
-                      logprobs=tuple(self.logprobs), trace=tuple(self.trace), **final)
+                      logprobs=tuple(self.logprobs), trace=tuple(self.trace),
+                      prompt_logprobs=tuple(self.prompt_logprobs), **final)
 
 
 def to_dict(obj: Any) -> Any:
