@@ -61,8 +61,11 @@ _SAME_NAME = tuple(f for f in SAMPLING_FIELDS if f not in _OPENAI_SPELT)
 _Body = create_model("_Body", __base__=_OpenAIBody, **{f: (SAMPLING_TYPES[f] | None, None) for f in _SAME_NAME})
 
 
+MAX_PROMPTS = 64  # prompts in one completions body (OpenAI's batch of prompts); each is a request of its own
+
+
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] = Field(...)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -325,40 +328,53 @@ def create_app(svc: Service) -> FastAPI:
         """One completion or chat request of ``n`` samples (OpenAI's ``choices[i]``; sample i draws with seed
         + i); a sample's own seed and memory ride in its choice when n > 1, the first's at the top level. With
         ``echo`` each choice's text (and logprobs) starts with the prompt's."""
-        want_plp = params.prompt_logprobs is not None and echo is None  # the body asked for them by name
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            cs = await _unless_disconnected(request, svc.complete_n(prompt, params, "http", rid, n))
-            if cs is None:
+            body = await unary(request, prompt, params, chat, n, echo, rid)
+            if body is None:
                 return Response(status_code=499)  # nobody is listening; the engine has dropped the request
-            choices = []
-            for i, c in enumerate(cs):
-                if echo is not None:
-                    echo.logprobs = c.prompt_logprobs
-                lp = None
-                if params.logprobs is not None:
-                    lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs, 0, echo)
-                choice = {"index": i, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
-                          "token_ids": list(c.token_ids)}
-                text = c.text if echo is None else echo.text + c.text
-                choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": text})
-                if want_plp:
-                    choice["prompt_logprobs"] = _prompt_logprobs(svc, c.prompt_logprobs)
-                if n > 1:
-                    choice.update(seed=c.seed, memory=_accounting(c.accounting), stop=c.stop)
-                    if params.trace:
-                        choice["trace"] = _trace(svc, c.trace)
-                choices.append(choice)
-            c = cs[0]
-            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                    "usage": _usage(c.accounting, sum(x.accounting.generated_tokens for x in cs if x.accounting)),
-                    "seed": c.seed, "memory": _accounting(c.accounting),
-                    "stop": c.stop, "ttft_s": c.ttft_s, "duration_s": max(x.duration_s or 0.0 for x in cs)}
-            if params.trace:
-                body["trace"] = _trace(svc, c.trace)
-            return body
+            return {"id": rid, "object": obj, "created": created, "model": model_name, **body}
+        return await streamed(request, prompt, params, chat, include_usage, n, echo, rid, created, obj)
+
+    async def unary(request: Request, prompt, params: SamplingParams, chat: bool, n: int, echo: _Echo | None,
+                    rid: str) -> dict | None:
+        """A request's response body but its id, object, created and model; None if the client went away."""
+        want_plp = params.prompt_logprobs is not None and echo is None  # the body asked for them by name
+        cs = await _unless_disconnected(request, svc.complete_n(prompt, params, "http", rid, n))
+        if cs is None:
+            return None
+        choices = []
+        for i, c in enumerate(cs):
+            if echo is not None:
+                echo.logprobs = c.prompt_logprobs
+            lp = None
+            if params.logprobs is not None:
+                lp = _chat_logprobs(svc, c.logprobs) if chat else _completion_logprobs(svc, c.logprobs, 0, echo)
+            choice = {"index": i, "finish_reason": _reason(c.finish_reason), "logprobs": lp,
+                      "token_ids": list(c.token_ids)}
+            text = c.text if echo is None else echo.text + c.text
+            choice.update({"message": {"role": "assistant", "content": c.text}} if chat else {"text": text})
+            if want_plp:
+                choice["prompt_logprobs"] = _prompt_logprobs(svc, c.prompt_logprobs)
+            if n > 1:
+                choice.update(seed=c.seed, memory=_accounting(c.accounting), stop=c.stop)
+                if params.trace:
+                    choice["trace"] = _trace(svc, c.trace)
+            choices.append(choice)
+        c = cs[0]
+        body = {"choices": choices,
+                "usage": _usage(c.accounting, sum(x.accounting.generated_tokens for x in cs if x.accounting)),
+                "seed": c.seed, "memory": _accounting(c.accounting),
+                "stop": c.stop, "ttft_s": c.ttft_s, "duration_s": max(x.duration_s or 0.0 for x in cs)}
+        if params.trace:
+            body["trace"] = _trace(svc, c.trace)
+        return body
+
+    async def streamed(request: Request, prompt, params: SamplingParams, chat: bool, include_usage: bool, n: int,
+                       echo: _Echo | None, rid: str, created: int, obj: str):
+        want_plp = params.prompt_logprobs is not None and echo is None
         events = svc.run(prompt, params, "http", rid, n)
         first = await anext(events)  # errors before the first event become a proper status code
 
@@ -416,24 +432,46 @@ def create_app(svc: Service) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    async def echoed(prompt) -> tuple:
+        """(the prompt as ids, its _Echo): the ids are needed for its tokens' texts, so it is tokenized here, once."""
+        ids = await svc.prompt_ids(prompt)
+        return ids, _Echo(prompt if isinstance(prompt, str) else await svc.decode(ids), ids)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise RequestError("prompt", "one prompt per request (a list of several strings is not supported)")
-            prompt = body.prompt[0]
-        else:
-            prompt = body.prompt
+        prompts = _prompts(body.prompt)
         # OpenAI's default for completions is 16 tokens (this server's limit when lower).
         max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
         params = params_from_body(body, max_tokens, body.logprobs)
-        echo = None
-        if body.echo:  # the prompt's ids are needed for its tokens' texts: tokenized here, once
-            ids = await svc.prompt_ids(prompt)
-            echo = _Echo(prompt if isinstance(prompt, str) else await svc.decode(ids), ids)
-            prompt = ids
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(request, prompt, params, body.stream, False, include_usage, body.n, echo)
+        if len(prompts) == 1:
+            prompt, echo = await echoed(prompts[0]) if body.echo else (prompts[0], None)
+            return await respond(request, prompt, params, body.stream, False, include_usage, body.n, echo)
+        if body.stream:
+            raise RequestError("prompt", "a streamed completion takes one prompt (send several without stream)")
+        # Several prompts (lm-evaluation-harness batches its requests so): a request each, run together; choice
+        # i * n + j is prompt i's sample j, as OpenAI numbers them. The first failure cancels the others.
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = []
+                for i, p in enumerate(prompts):
+                    prompt, echo = await echoed(p) if body.echo else (p, None)
+                    tasks.append(tg.create_task(unary(request, prompt, params, False, body.n, echo, f"{rid}-{i}")))
+        except* Exception as group:
+            raise group.exceptions[0] from None
+        bodies = [t.result() for t in tasks]
+        if any(b is None for b in bodies):
+            return Response(status_code=499)
+        choices = [{**c, "index": i * body.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]
+        usage = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)}
+        first = bodies[0]
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": usage, "seed": first["seed"], "memory": first["memory"],
+                "stop": first["stop"], "ttft_s": first["ttft_s"],
+                "duration_s": max(b["duration_s"] for b in bodies)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -449,6 +487,15 @@ def create_app(svc: Service) -> FastAPI:
         return await respond(request, prompt, params, body.stream, True, include_usage, body.n)
 
     return app
+
+
+def _prompts(prompt) -> list:
+    """A completions body's prompts: a string, a list of token ids, or a list of either (OpenAI's batch)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+    return list(prompt)
 
 
 def _text_content(content) -> str:

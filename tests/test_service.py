@@ -194,6 +194,17 @@ def test_echo_and_prompt_logprobs_as_lm_eval_asks_for_them(server):
     assert "".join(x.choices[0].text for x in chunks) == c2.choices[0].text
     assert [t for x in chunks for t in x.choices[0].logprobs.token_logprobs] == \
         pytest.approx(c2.choices[0].logprobs.token_logprobs, abs=1e-6)
+    # several prompts in one body (lm-eval's batches): choice i * n + j is prompt i's sample j
+    two = client.completions.create(model="m", prompt=[ids, ids[:5]], echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0.0, n=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [len(c.logprobs.tokens) for c in two.choices] == [len(ids) + 1] * 2 + [6] * 2
+    assert two.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert two.usage.prompt_tokens == len(ids) + 5 and two.usage.completion_tokens == 4
+    for body, why in (({"prompt": [ids, ids], "stream": True}, "one prompt"),
+                      ({"prompt": [ids] * 65}, "at most 64 prompts")):
+        r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and why in r.text, r.text
     # vLLM's prompt_logprobs by name (extra_body): the same numbers, with ids, in the choice
     c3 = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0.0,
                                    extra_body={"prompt_logprobs": 1})

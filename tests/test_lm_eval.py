@@ -1,0 +1,61 @@
+"""lm-evaluation-harness end to end, offline: its ``lm_eval`` command scores the tasks beside this file
+(tests/lm_eval_tasks: a multiple-choice task on local text, and WikiText-2 test articles by rolling loglikelihood)
+with ``--model local-completions`` against the real server of the default model on a loopback port, and with its
+``hf`` model on the same weights through transformers; the scores must agree (perplexity within 0.5% relative,
+accuracy within 1 point). The full comparison (every article, the w4a16 artifact) is bench/lm_eval_compare.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from live_server import start
+from quant import models
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("lm_eval")
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+DOCS = 2  # WikiText-2 test articles scored here (the bench scores all 62)
+WINDOW = 512  # tokens per rolling window, the same for both models
+
+
+def lm_eval(tmp: Path, model: str, model_args: str, *extra: str) -> dict:
+    """``lm_eval`` as a user runs it, in a process of its own; its results file's "results"."""
+    out = tmp / model
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
+           "--tasks", "qs_choice,qs_wikitext", "--include_path", str(TASKS), "--metadata", json.dumps({"docs": DOCS}),
+           "--output_path", str(out), "--seed", "0", *extra]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (results,) = list(out.rglob("results_*.json"))
+    return json.loads(results.read_text())["results"]
+
+
+def test_lm_eval_scores_the_served_model_as_it_scores_the_model_in_transformers(tmp_path, cache_dir):
+    model_dir = str(models.resolve(None, cache_dir).path)
+    server = start(model_dir, cache_dir, memory_budget="256MiB", max_prefill_tokens=256)
+    try:
+        # batch_size 4: each HTTP request carries 4 prompts (OpenAI's batch of token-id prompts), each scored with
+        # echo, logprobs 1 and max_tokens 1; max_length is one more than the window (lm-eval keeps one token back
+        # for generation)
+        served = lm_eval(tmp_path, "local-completions",
+                         f"base_url={server.http}/v1/completions,model=default,tokenizer_backend=huggingface,"
+                         f"tokenizer={model_dir},max_length={WINDOW + 1},max_retries=1",
+                         "--batch_size", "4")
+    finally:
+        server.shutdown()
+    assert server.rc == 0
+    local = lm_eval(tmp_path, "hf", f"pretrained={model_dir},dtype=float32,max_length={WINDOW}", "--device", "cpu",
+                    "--batch_size", "4")
+    for metric in ("word_perplexity,none", "byte_perplexity,none"):
+        s, h = served["qs_wikitext"][metric], local["qs_wikitext"][metric]
+        assert abs(s / h - 1) < 0.005, (metric, s, h)
+    assert abs(served["qs_choice"]["acc,none"] - local["qs_choice"]["acc,none"]) <= 0.01, (served, local)
+    assert served["qs_choice"]["acc,none"] > 0.5  # the real model, not noise: most of the 24 facts right
