@@ -452,15 +452,15 @@ def create_app(svc: Service) -> FastAPI:
         # Several prompts (lm-evaluation-harness batches its requests so): a request each, run together; choice
         # i * n + j is prompt i's sample j, as OpenAI numbers them. The first failure cancels the others.
         rid = "cmpl-" + uuid.uuid4().hex[:24]
+        runs = [(await echoed(p)) if body.echo else (p, None) for p in prompts]
+        tasks = [asyncio.ensure_future(unary(request, prompt, params, False, body.n, echo, f"{rid}-{i}"))
+                 for i, (prompt, echo) in enumerate(runs)]
         try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = []
-                for i, p in enumerate(prompts):
-                    prompt, echo = await echoed(p) if body.echo else (p, None)
-                    tasks.append(tg.create_task(unary(request, prompt, params, False, body.n, echo, f"{rid}-{i}")))
-        except* Exception as group:
-            raise group.exceptions[0] from None
-        bodies = [t.result() for t in tasks]
+            bodies = await asyncio.gather(*tasks)
+        finally:  # a failure (or the client gone) cancels the prompts still running: the engine frees their blocks
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if any(b is None for b in bodies):
             return Response(status_code=499)
         choices = [{**c, "index": i * body.n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]]

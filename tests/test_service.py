@@ -202,7 +202,8 @@ def test_echo_and_prompt_logprobs_as_lm_eval_asks_for_them(server):
     assert two.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert two.usage.prompt_tokens == len(ids) + 5 and two.usage.completion_tokens == 4
     for body, why in (({"prompt": [ids, ids], "stream": True}, "one prompt"),
-                      ({"prompt": [ids] * 65}, "at most 64 prompts")):
+                      ({"prompt": [ids] * 65}, "at most 64 prompts"),
+                      ({"prompt": [ids * 4, [10**9]]}, "token ids must be")):  # one bad: the other is cancelled
         r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and why in r.text, r.text
     # vLLM's prompt_logprobs by name (extra_body): the same numbers, with ids, in the choice
