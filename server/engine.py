@@ -39,6 +39,7 @@ from server import capacity, models
 from server import outputs as out
 from server.batch import stage
 from server.detokenize import IncrementalDetokenizer, StopMatcher
+from server.grammar import Grammars, Matcher, fill_bitmask
 from server.kv_pool import BlockPool, KVBudgetError, KVLayout, budget_fraction, free_memory, resolve_budget
 from server.layers.embedding import check_mode as check_embeddings
 from server.layers.embedding import describe as describe_embeddings
@@ -232,6 +233,7 @@ class Engine:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
+        self.grammars = Grammars(tokenizer, self.vocab_size, sorted(self.eos_ids))  # response_format
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
         self.info = ModelInfo(
@@ -406,6 +408,7 @@ class Engine:
         if past:
             raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids in [0, {self.vocab_size}), "
                                                     f"got {past[0]}")
+        grammar = self.grammars.compile(params.response_format) if params.response_format is not None else None
         capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.usable_blocks,
                          self.layout.block_size)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
@@ -431,6 +434,9 @@ class Engine:
                                               arrival=seq.arrival, index=i) for i in range(1, n)]
             for m in group.members:
                 m.group = group
+        if grammar is not None:
+            for m in seq.group.members if seq.group is not None else [seq]:
+                m.state["grammar"] = Matcher(self.grammars, grammar)  # each sample its own state
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))
 
@@ -751,6 +757,9 @@ class Engine:
         if histories is not None and rows:  # the fed decode rows are the same rows of ``sampled``
             idx = stage(rows + [len(histories[i]) - 1 for i in rows] + index, torch.int64, self.device).view(3, -1)
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
+        grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
+        if any(g is not None for g in grammars):
+            batch.allowed = fill_bitmask(grammars, self.device)
         res = sample(logits, batch)
         for s in sampled:
             s.pending += 1
@@ -833,7 +842,11 @@ class Engine:
             counts = {k: int(v) for k, v in stats.items() if k.startswith("kept_")}
             steps = (TraceStep(**stages, **stats | counts),)
         detok, matcher = seq.state["detok"], seq.state["stop"]
-        eos = tok in self.eos_ids and not p.ignore_eos
+        grammar = seq.state.get("grammar")
+        if grammar is not None and not grammar.accept(tok):  # the mask allowed it: a bug, failing this request
+            raise RuntimeError(f"the response_format grammar refused token {tok} that its mask allowed")
+        # a grammar that has accepted its EOS ends the request (also with ignore_eos: it allows nothing after)
+        eos = (tok in self.eos_ids and not p.ignore_eos) or (grammar is not None and grammar.terminated)
         text = "" if eos else detok.push(tok)
         stop = None
         if len(seq.generated) > p.min_tokens:  # stop strings count only once min_tokens are out (as vLLM)

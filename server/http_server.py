@@ -46,6 +46,7 @@ class _OpenAIBody(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
+    response_format: dict | None = None  # OpenAI's object (the engine's params keep its JSON text)
     user: str | None = None  # these four change nothing here
     metadata: dict | None = None
     store: bool | None = None
@@ -54,9 +55,9 @@ class _OpenAIBody(BaseModel):
 
 # Sampling controls (quantserve.client.types.Sampling, the one list) that the OpenAI body spells its own way, per endpoint:
 # max_new_tokens is max_tokens / max_completion_tokens, logprobs differs between the endpoints, stop is a string or
-# a list. Every other control rides in the body under its own name and type: OpenAI's temperature, top_p and
+# a list, response_format is an object. Every other control rides in the body under its own name and type: OpenAI's temperature, top_p and
 # seed, and our extensions (top_k, repetition_penalty, ...).
-_OPENAI_SPELT = ("max_new_tokens", "logprobs", "stop")
+_OPENAI_SPELT = ("max_new_tokens", "logprobs", "stop", "response_format")
 _SAME_NAME = tuple(f for f in SAMPLING_FIELDS if f not in _OPENAI_SPELT)
 _Body = create_model("_Body", __base__=_OpenAIBody, **{f: (SAMPLING_TYPES[f] | None, None) for f in _SAME_NAME})
 
@@ -197,7 +198,8 @@ def params_from_body(body: _Body, max_tokens: int | None, logprobs: int | None) 
     prompt is scored and nothing generated, as lm-evaluation-harness's loglikelihood requests ask."""
     _unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    kw = {f: getattr(body, f) for f in _SAME_NAME} | {"max_new_tokens": max_tokens, "logprobs": logprobs}
+    kw = {f: getattr(body, f) for f in _SAME_NAME} | {"max_new_tokens": max_tokens, "logprobs": logprobs,
+                                                      "response_format": body.response_format}
     if getattr(body, "echo", False) and (logprobs is not None or max_tokens == 0):
         kw["prompt_logprobs"] = max(logprobs or 0, body.prompt_logprobs or 0)
     return SamplingParams(stop=tuple(stop), **{k: v for k, v in kw.items() if v is not None})

@@ -9,6 +9,7 @@ EOS logits to -inf while a request has fewer than ``min_tokens`` tokens):
    gets ``logit / p`` when ``logit > 0`` and ``logit * p`` otherwise;
 3. presence and frequency penalties (OpenAI's definitions, over the generated tokens only):
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``, count = times the id was generated;
+   then the structured-output mask (``response_format``, server/grammar.py): tokens the grammar forbids get -inf;
 4. temperature: ``logits / T``; ``T == 0`` is greedy (argmax of the logits after 1-3) and skips 5-8;
 5. min-p: keep the tokens whose probability after temperature is >= min_p x the most probable token's
    (min_p = 0: off; the most probable token always survives). Before top-k and top-p, as vLLM does;
@@ -48,6 +49,7 @@ check the fast batched path (:func:`filtered_probs`, used by :func:`sample`).
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -104,6 +106,52 @@ def _int(name: str, value, lo: int, hi: int | None, rng: str, optional: bool = F
     return i
 
 
+MAX_SCHEMA_BYTES = 64 * 1024  # a response_format's JSON text
+
+
+def normalize_response_format(response_format) -> str | None:
+    """The canonical JSON text of a response format (a mapping or its JSON text), None for ``{"type": "text"}``;
+    SamplingParamsError naming ``response_format`` for anything else. Whether a schema compiles is checked at
+    submission (server/grammar.py, ``Grammars.compile``)."""
+    def bad(why: str) -> SamplingParamsError:
+        return SamplingParamsError("response_format", f"response_format {why}")
+
+    if response_format is None:
+        return None
+    if isinstance(response_format, str):
+        if len(response_format.encode()) > MAX_SCHEMA_BYTES:
+            raise bad(f"must be at most {MAX_SCHEMA_BYTES} bytes of JSON")
+        try:
+            response_format = json.loads(response_format)
+        except ValueError as e:
+            raise bad(f"is not valid JSON: {e}") from None
+    if not isinstance(response_format, dict):
+        raise bad(f"must be an object, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text" and set(response_format) == {"type"}:
+        return None
+    if kind == "json_object" and set(response_format) == {"type"}:
+        out = {"type": "json_object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        extra = set(response_format) - {"type", "json_schema"}
+        if extra:
+            raise bad(f"has unknown field(s) {', '.join(sorted(extra))}")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad('json_schema needs {"schema": {...}} (an object)')
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise bad(f"json_schema has unknown field(s) {', '.join(sorted(unknown))}")
+        out = {"type": "json_schema", "json_schema": {"schema": spec["schema"]}}
+    else:
+        raise bad('type must be "text", "json_object" or "json_schema" (with only the fields OpenAI defines), '
+                  f"got {json.dumps(response_format)[:200]}")
+    text = json.dumps(out, separators=(",", ":"))  # key order kept: a schema's property order is the output's
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise bad(f"must be at most {MAX_SCHEMA_BYTES} bytes of JSON")
+    return text
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings, validated once at construction (never clamped)."""
@@ -128,6 +176,9 @@ class SamplingParams:
     # None = off; 0..20: each prompt token's logprob under the model (teacher-forced, from the prefill) and this many
     # alternatives; with it max_new_tokens may be 0 (score the prompt, generate nothing)
     prompt_logprobs: int | None = None
+    # None = free text; else a response format's canonical JSON text (normalize_response_format): JSON mode or a
+    # JSON schema, enforced by server/grammar.py
+    response_format: str | None = None
 
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
@@ -163,6 +214,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             put(name, _real(name, getattr(self, name), -PENALTY_LIMIT, PENALTY_LIMIT, False, "in [-2, 2] (0 = off)"))
         put("logit_bias", self._check_logit_bias(self.logit_bias))
+        put("response_format", normalize_response_format(self.response_format))
+        if self.response_format is not None and self.min_tokens:
+            # EOS held off while the grammar allows nothing else would leave no token to draw
+            raise SamplingParamsError("min_tokens", "min_tokens cannot be combined with response_format")
 
     @staticmethod
     def _check_stop(stop) -> tuple[str, ...]:
@@ -245,6 +300,9 @@ class SamplingBatch:
     # logit_bias as (B, E) token ids padded with -1 and (B, E) fp32 biases; None when no row has one
     bias_ids: Tensor | None = None
     bias_values: Tensor | None = None
+    # the structured-output mask, (B, ceil(V / 32)) int32 (server/grammar.py fills it; rows without a grammar all
+    # ones); None when no row has one
+    allowed: Tensor | None = None
 
     @classmethod
     def build(cls, params, seeds, steps, histories, device=None, prompt_lens=None) -> "SamplingBatch":
@@ -423,11 +481,26 @@ def apply_presence_frequency(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits - batch.frequency[:, None] * counts - batch.presence[:, None] * (counts > 0).to(logits.dtype)
 
 
+def unpack_bitmask(mask: Tensor, vocab: int) -> Tensor:
+    """(B, W) int32 bitmask -> (B, V) bool: bit j of word w allows token 32 w + j."""
+    bits = torch.arange(32, dtype=torch.int32, device=mask.device)  # (32,)
+    return ((mask[:, :, None] >> bits) & 1).bool().view(mask.shape[0], -1)[:, :vocab]  # (B, V)
+
+
+def ref_unpack(mask_row, vocab: int) -> list[bool]:
+    """:func:`unpack_bitmask` of one row, plainly."""
+    return [bool((int(mask_row[t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+
+
 def processed_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Steps 1-3 on fp32 logits (B, V); a new tensor whenever a step changes anything."""
+    """Steps 1-3 on fp32 logits (B, V), then the structured-output mask; a new tensor whenever a step changes
+    anything."""
     x = apply_logit_bias(logits.float(), batch.bias_ids, batch.bias_values)  # (B, V)
     x = apply_penalty(x, batch.repetition_penalty, batch.history)  # (B, V)
-    return apply_presence_frequency(x, batch)  # (B, V)
+    x = apply_presence_frequency(x, batch)  # (B, V)
+    if batch.allowed is not None:
+        x = x.masked_fill(~unpack_bitmask(batch.allowed, x.shape[1]), -math.inf)  # (B, V)
+    return x
 
 
 def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
@@ -596,15 +669,20 @@ def ref_min_p(row: Tensor, min_p: float) -> Tensor:
     return row.masked_fill(probs < min_p * probs.max(), -math.inf)  # (V,)
 
 
-def reference_filter(logits_row: Tensor, params: SamplingParams, history=None, prompt_len: int = 0) -> Tensor:
+def reference_filter(logits_row: Tensor, params: SamplingParams, history=None, prompt_len: int = 0,
+                     allowed_row=None) -> Tensor:
     """The (V,) distribution that steps 1-8 sample from, computed plainly for one request. ``history``: its prompt
-    and generated ids; ``prompt_len``: how many of them are the prompt's."""
+    and generated ids; ``prompt_len``: how many of them are the prompt's; ``allowed_row``: its grammar's bitmask
+    row ((ceil(V / 32),) int32), if it has one."""
     x = ref_logit_bias(logits_row.float(), params.logit_bias)
     history = list(history or [])
     if params.repetition_penalty != 1.0:
         x = ref_penalty(x, history, params.repetition_penalty)
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         x = ref_presence_frequency(x, history[prompt_len:], params.presence_penalty, params.frequency_penalty)
+    if allowed_row is not None:
+        ok = [bool((int(allowed_row[t // 32]) >> (t % 32)) & 1) for t in range(x.shape[0])]
+        x = x.masked_fill(~torch.tensor(ok), -math.inf)
     if params.temperature == 0.0:
         out = torch.zeros_like(x)
         out[int(x.argmax())] = 1.0

@@ -166,8 +166,10 @@ class Scheduler:
 
     def plan(self) -> Plan:
         # A request whose last token is already sampled (by a launched step not read yet) has nothing to decode.
+        # A request with a response_format waits for its last sample to be read: its grammar's mask needs it.
         decode = [s for s in self.running
-                  if not s.in_prompt and len(s.generated) + s.pending < s.params.max_new_tokens]
+                  if not s.in_prompt and len(s.generated) + s.pending < s.params.max_new_tokens
+                  and not (s.pending and s.params.response_format is not None)]
         prefill = []
         budget = self.max_prefill_tokens
         for seq in self.running:

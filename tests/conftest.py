@@ -27,7 +27,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitex
 # tests and balances by taking from the end of the other's, so what is left to balance at the end should be short
 # tests (a simulation of that session's timings: 504 s of tests per worker against 528 s in file order). A module
 # stays whole and in its own order; the rest keep file order.
-_LONG_MODULES = ("test_lm_eval", "test_models", "test_reliability", "test_triton_ops", "test_kernel_choice", "test_triton_compile",
+_LONG_MODULES = ("test_lm_eval", "test_json_mode", "test_models", "test_reliability", "test_triton_ops", "test_kernel_choice", "test_triton_compile",
                  "test_prefix_cache", "test_attention", "test_module_tree", "test_pipeline")
 
 

@@ -4,6 +4,7 @@ accounting, admission, cancellation and faults. After every test the KV pool is 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import queue
 import threading
@@ -481,6 +482,34 @@ def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf
     assert a.prompt_logprobs == b.prompt_logprobs and all(len(lp.top) == 1 for lp in a.prompt_logprobs)
     assert [lp.logprob for lp in a.prompt_logprobs] == pytest.approx([lp.logprob for lp in scored.prompt_logprobs],
                                                                       abs=1e-5)
+
+
+def test_response_format_rows_wait_for_their_last_token_and_stay_in_the_grammar(engine):
+    """A constrained request beside free ones, with serial and with overlapped steps (where a constrained row is
+    never decoded from a sample still on the device): every token is one its grammar accepts (a refused one would
+    fail the request), and the free requests get their own tokens."""
+    pytest.importorskip("xgrammar")
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "k": {"type": "string", "enum": ["a", "bb"]}}, "required": ["k"]}}}
+    free = [engine.complete("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=6)) for s in (1, 2)]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    engine.submit("The harbour", SamplingParams(temperature=1.0, seed=5, max_new_tokens=40, response_format=fmt),
+                  q.put, "json")
+    for s in (1, 2):
+        engine.submit("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=6), q.put, f"f{s}")
+    events: dict[str, list] = {}
+    while sum(ev.finished for evs in events.values() for ev in evs) < 3:
+        ev = q.get()
+        events.setdefault(ev.request_id, []).append(ev)
+    c = collect(events["json"])
+    assert c.finish_reason in ("stop", "length") and c.error is None, c
+    if c.finish_reason == "stop":  # the grammar completed: its document parses
+        assert json.loads(c.text)["k"] in ("a", "bb")
+    assert [collect(events[f"f{s}"]).token_ids for s in (1, 2)] == [x.token_ids for x in free]
+    with pytest.raises(SamplingParamsError) as e:
+        engine.submit("x", SamplingParams(response_format={"type": "json_schema", "json_schema": {
+            "schema": {"type": "nonsense"}}}), q.put)
+    assert e.value.param == "response_format"
 
 
 def test_prompt_logprobs_bad_values_are_refused_naming_them():

@@ -44,7 +44,8 @@ def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
 
     proto = pb.SamplingParameters.DESCRIPTOR.fields
     assert tuple(f.name for f in proto) == SAMPLING_FIELDS  # same names, in the proto's order
-    scalar = {FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_INT64: int, FieldDescriptor.TYPE_BOOL: bool}
+    scalar = {FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_INT64: int, FieldDescriptor.TYPE_BOOL: bool,
+              FieldDescriptor.TYPE_STRING: str}
     for f in proto:
         if f.message_type is not None and f.message_type.GetOptions().map_entry:  # logit_bias: id -> bias
             assert SAMPLING_TYPES[f.name] is dict, f.name
@@ -69,8 +70,10 @@ def test_every_transport_reads_and_writes_every_control():
     from server.http_server import ChatBody, CompletionBody, params_from_body
 
     values = dict(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.1, seed=3, max_new_tokens=9,
-                  min_tokens=2, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,
-                  presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5}, prompt_logprobs=2)
+                  min_tokens=0, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,  # 0: response_format
+                  presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5}, prompt_logprobs=2,
+                  response_format='{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":'
+                                  '{"b":{"type":"integer"},"a":{"type":"string"}}}}}')
     assert set(values) == set(SAMPLING_FIELDS), "a new control: add it here"
     s = make_sampling(**values)
     assert s.given() == values

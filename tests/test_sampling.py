@@ -35,6 +35,7 @@ from server.sampling import (
     ref_top_p,
     reference_filter,
     sample,
+    unpack_bitmask,
 )
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -118,6 +119,13 @@ INVALID = [
     ("logit_bias", {5: 1.0, "5": 2.0}),  # the same token twice
     ("logit_bias", {i: 0.0 for i in range(301)}),
     ("logit_bias", [(1, 2, 3)]),
+    ("response_format", {"type": "xml"}),
+    ("response_format", "not json"),
+    ("response_format", {"type": "json_schema"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": "x"}}),
+    ("response_format", {"type": "json_object", "strict": True}),
+    ("response_format", 5),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"a": "x" * 70000}}}),
 ]
 
 
@@ -469,6 +477,32 @@ def test_a_banned_token_is_never_drawn_and_a_forced_one_always():
     force = SamplingParams(logit_bias={12: 100})
     toks = sample(logits, SamplingBatch.build([force] * n, [9] * n, list(range(n)), None)).tokens
     assert bool((toks == 12).all())
+
+
+def test_the_grammar_mask_unpacks_as_the_reference_and_applies_after_the_penalties():
+    g = torch.Generator().manual_seed(14)
+    V = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    words = (V + 31) // 32
+    mask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)  # (B, W)
+    mask[1] = -1  # a row without a grammar: every token allowed
+    got = unpack_bitmask(mask, V)  # (B, V) bool
+    for b in range(3):
+        assert got[b].tolist() == [bool((int(mask[b, t // 32]) >> (t % 32)) & 1) for t in range(V)]
+    assert bool(got[1].all())
+    params = [SamplingParams(temperature=0.9, presence_penalty=1.0, logit_bias={3: 2.0}), SamplingParams(top_k=5),
+              SamplingParams(temperature=0.0)]
+    logits = torch.randn(3, V, generator=g) * 2  # (B, V)
+    hist = [[1, 2, 3, 3], [4], [5]]
+    batch = SamplingBatch.build(params, [1, 2, 3], [2, 0, 0], hist, prompt_lens=[2, 1, 1])
+    batch.allowed = mask
+    fast = filtered_probs(logits, batch)  # (B, V)
+    for b, p in enumerate(params):
+        ref = reference_filter(logits[b], p, hist[b], prompt_len=[2, 1, 1][b], allowed_row=mask[b])
+        torch.testing.assert_close(fast[b], ref, atol=1e-6, rtol=0)
+        assert not bool((fast[b] > 0)[~got[b]].any()), "a forbidden token keeps no probability"
+    alone = filtered_probs(logits[1:2], _batch([params[1]]))
+    assert torch.equal(fast[1], alone[0]), "a row without a grammar is as it is in a batch without one"
+    assert int(fast[2].argmax()) == int(logits[2].masked_fill(~got[2], -math.inf).argmax())  # greedy: allowed argmax
 
 
 def test_top_p_keeps_the_crossing_token():

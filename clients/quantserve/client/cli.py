@@ -47,7 +47,9 @@ def _connection_flags() -> argparse.ArgumentParser:
 _SAMPLING_HELP = MappingProxyType({"stop": "a stop string (repeat for several)",
                                    "logprobs": "0..20: each token's logprob and this many alternatives",
                                    "logit_bias": "ID=BIAS: add BIAS (-100..100) to token ID's logit (repeat for "
-                                                 "several)"})
+                                                 "several)",
+                                   "response_format": "OpenAI's response_format as JSON, e.g. "
+                                                      "'{\"type\": \"json_object\"}'"})
 
 
 def _bias_entry(text: str) -> tuple[int, float]:

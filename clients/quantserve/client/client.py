@@ -14,6 +14,7 @@ Every failure is a :class:`quantserve.client.errors.ClientError`.
 
 from __future__ import annotations
 
+import json
 import numbers
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
@@ -27,7 +28,7 @@ MessageLike = Union[Message, Mapping[str, str], Sequence[str]]
 
 # what make_sampling accepts for each type of field (quantserve.client.types.SAMPLING_TYPES), as its errors say it
 _KINDS = {float: "a number", int: "an integer", bool: "a bool", tuple: "a string or a list of strings",
-          dict: "a mapping of token ids (integers) to numbers"}
+          dict: "a mapping of token ids (integers) to numbers", str: "JSON text or a mapping"}
 
 
 def default_target(http: bool) -> str:
@@ -53,6 +54,13 @@ def make_sampling(**kw: Any) -> Sampling:
             v = int(v) if ok else v
         elif kind is bool:
             ok = isinstance(v, bool)
+        elif kind is str:  # JSON text (response_format): a mapping is written as JSON
+            if isinstance(v, Mapping):
+                try:
+                    v = json.dumps(v)
+                except (TypeError, ValueError):
+                    pass
+            ok = isinstance(v, str)
         elif kind is dict:  # a map (logit_bias): token id -> number
             ok = isinstance(v, Mapping) and all(
                 isinstance(k, numbers.Integral) and not isinstance(k, bool) and isinstance(b, numbers.Real)

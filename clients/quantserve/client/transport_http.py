@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
-from quantserve.client.errors import DEADLINE_EXCEEDED, INTERNAL, ClientError, from_http, from_http_exception
+from quantserve.client.errors import (DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, ClientError, from_http,
+                                     from_http_exception)
 from quantserve.client.types import (Alternative, ModelInfo, Options, Plan, Request, RequestShape, Result, StreamChunk,
                                      TokenLogprob, Tokens, Usage, _Joined, engine_from_dict, memory_from_dict,
                                      plan_from_dict, trace_from_dict)
@@ -45,6 +46,11 @@ def path_and_body(req: Request, stream: bool) -> tuple[str, dict[str, Any]]:
     for name, value in req.sampling.given().items():
         if name == "logprobs" and chat:
             body.update(logprobs=True, top_logprobs=value)
+        elif name == "response_format":  # OpenAI's object in the body
+            try:
+                body[name] = json.loads(value)
+            except ValueError as e:
+                raise ClientError(INVALID_ARGUMENT, f"response_format is not valid JSON: {e}", name) from None
         else:
             body[_RENAME.get(name, name)] = list(value) if name == "stop" else value
     if chat:

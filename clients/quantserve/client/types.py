@@ -48,6 +48,9 @@ class Sampling:
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     prompt_logprobs: int | None = None  # 0..20: each prompt token's logprob and this many alternatives
+    # OpenAI's response_format as JSON text: '{"type": "json_object"}' or '{"type": "json_schema", "json_schema":
+    # {"schema": {...}}}' (make_sampling also takes the mapping)
+    response_format: str | None = None
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by proto name (``stop`` only when non-empty)."""
@@ -63,7 +66,8 @@ def _value_type(hint: Any) -> type:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))
-# name -> the type of a given value: float, int, bool, tuple (a repeated field: stop) or dict (a map: logit_bias)
+# name -> the type of a given value: float, int, bool, str (JSON text: response_format), tuple (a repeated field:
+# stop) or dict (a map: logit_bias)
 SAMPLING_TYPES: Mapping[str, type] = MappingProxyType(
     {f: _value_type(t) for f, t in typing.get_type_hints(Sampling).items() if f in SAMPLING_FIELDS})
 
