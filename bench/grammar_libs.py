@@ -1,8 +1,9 @@
 """Compare grammar-constrained decoding libraries for OpenAI-style `response_format`.
 
 Standalone: stdlib + torch + numpy + transformers + (lazily) llguidance, xgrammar, outlines_core.
-A missing library is reported as a row, not a crash. The libraries are not project dependencies;
-install them somewhere isolated and put that on PYTHONPATH, e.g.
+A missing library is reported as a row, not a crash. xgrammar is the project's choice (a dependency since
+session 28, server/grammar.py); the other two are not dependencies: install them somewhere isolated and put
+that on PYTHONPATH, e.g.
 
     python3 -m pip install --no-deps --target /tmp/gramlibs llguidance==1.9.1 xgrammar==0.2.8 \
         outlines-core==0.2.14 'apache-tvm-ffi>=0.1.11'

@@ -1,0 +1,195 @@
+"""lm-evaluation-harness on the served model against the same weights in transformers, in full: every WikiText-2
+test article (rolling loglikelihood: word and byte perplexity) and the 24-fact multiple-choice task of
+tests/lm_eval_tasks, for the default model in float and as its w4a16 artifact, and the token perplexity lm-eval's
+per-article loglikelihoods give against `quant eval`'s on the same text and windows.
+
+    python bench/lm_eval_compare.py [--artifact W4A16_DIR] [--docs 0] [--window 512] [--out bench/out/lm_eval]
+
+- served: `quant serve` in a process of its own on a loopback port, scored by `lm_eval --model local-completions`
+  (echo, logprobs 1, 4 prompts per request);
+- transformers: the float model by `lm_eval --model hf`; the w4a16 artifact through quant.load (its GPTQ-format
+  layers in the transformers model; gptqmodel publishes no wheel, only a source build) by lm-eval's HFLM;
+- quant eval: quant.evaluate over the articles lm-eval scored (detokenized as it detokenizes them), in windows of
+  --window tokens, against lm-eval's token perplexity exp(-sum loglikelihood / tokens).
+
+Without --artifact the w4a16 artifact is built as the README builds it (GPTQ on WikiText-2 valid).
+Prints a markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TASKS = ROOT / "tests" / "lm_eval_tasks"
+sys.path.insert(0, str(TASKS))
+
+from bench.sampling_cost import cpu_name  # noqa: E402
+
+ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lm_eval_cli(out: Path, model: str, model_args: str, docs: int, *extra: str) -> Path:
+    """The lm_eval command as a user runs it; the directory of its results and samples."""
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
+           "--tasks", "qs_choice,qs_wikitext", "--include_path", str(TASKS), "--metadata", json.dumps({"docs": docs}),
+           "--output_path", str(out), "--log_samples", "--seed", "0", *extra]
+    subprocess.run(cmd, check=True, env=ENV, cwd=ROOT)
+    return out
+
+
+def read_run(out: Path) -> tuple[dict, list[float]]:
+    """(results, per-article loglikelihoods in document order) of an lm_eval run."""
+    (results,) = list(out.rglob("results_*.json"))
+    (samples,) = list(out.rglob("samples_qs_wikitext_*.jsonl"))
+    rows = sorted((json.loads(line) for line in samples.read_text().splitlines() if line), key=lambda r: r["doc_id"])
+    return json.loads(results.read_text())["results"], [float(r["filtered_resps"][0]) for r in rows]
+
+
+def served(path: str, out: Path, docs: int, window: int, tokenizer: str) -> tuple[dict, list[float]]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", path, "--http-port", str(port), "--grpc-port", "-1",
+                             "--memory-budget", "512MiB", "--dtype", "float32"], cwd=ROOT, env=ENV)
+    try:
+        import httpx
+
+        for _ in range(600):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("quant serve did not come up")
+        args = (f"base_url=http://127.0.0.1:{port}/v1/completions,model=m,tokenizer_backend=huggingface,"
+                f"tokenizer={tokenizer},max_length={window + 1},max_retries=1")
+        return read_run(lm_eval_cli(out, "local-completions", args, docs, "--batch_size", "4"))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def in_transformers(model_dir: str, artifact: str | None, out: Path, docs: int, window: int) -> tuple[dict, list[float]]:
+    if artifact is None:
+        return read_run(lm_eval_cli(out, "hf", f"pretrained={model_dir},dtype=float32,max_length={window}", docs,
+                                    "--device", "cpu", "--batch_size", "4"))
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from quant import load
+
+    art = load(artifact, dtype=torch.float32)
+    lm = HFLM(pretrained=art.model, tokenizer=art.tokenizer, max_length=window, batch_size=4, device="cpu")
+    tracker = EvaluationTracker(output_path=str(out))
+    res = simple_evaluate(model=lm, tasks=["qs_choice", "qs_wikitext"], task_manager=TaskManager(include_path=str(TASKS)),
+                          metadata={"docs": docs}, log_samples=True, random_seed=0, numpy_random_seed=0,
+                          torch_random_seed=0, fewshot_random_seed=0, evaluation_tracker=tracker)
+    tracker.save_results_aggregated(results=res, samples=res["samples"])
+    for name, samples in res["samples"].items():
+        tracker.save_results_samples(task_name=name, samples=samples)
+    return read_run(out)
+
+
+def quant_eval(path: str, model_dir: str, docs: int, window: int, work: Path) -> tuple[float, int]:
+    """quant.evaluate's perplexity (and tokens) over the articles lm-eval scored, in windows of ``window``."""
+    import torch
+
+    import qs_tasks
+    from quant import calibration, evaluate, load, models
+    from quant.build import reference_model
+    from quant.models import default_cache_dir
+
+    pages = [qs_tasks.wikitext_detokenizer(d) for d in qs_tasks.wikitext(docs=docs)["test"]]
+    text = work / "articles.txt"
+    text.write_text("".join(pages), encoding="utf-8")
+    source = models.resolve(None, default_cache_dir())
+    base = reference_model(source, None, torch.float32)
+    if path == model_dir:
+        model, tok = base, models.load_model(source, torch.float32)[1]
+    else:
+        art = load(path, dtype=torch.float32)
+        model, tok = art.model, art.tokenizer
+    n = calibration.eval_windows(tok, text, 1, window).total_tokens // window
+    windows = calibration.eval_windows(tok, text, n, window)
+    q = evaluate.compare(base, {"m": model}, windows, progress=False)["m"]
+    return q.ppl, q.tokens
+
+
+def token_ppl(loglik: list[float], tokenizer: str, docs: int) -> float:
+    from transformers import AutoTokenizer
+
+    import qs_tasks
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    pages = [qs_tasks.wikitext_detokenizer(d) for d in qs_tasks.wikitext(docs=docs)["test"]]
+    tokens = sum(len(tok(p, add_special_tokens=False).input_ids) for p in pages)
+    return math.exp(-sum(loglik) / tokens)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact", default=None, help="the w4a16 artifact (default: built as the README does)")
+    ap.add_argument("--docs", type=int, default=0, help="WikiText-2 test articles (0: all 62)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "lm_eval"))
+    a = ap.parse_args(argv)
+    from quant import models
+    from quant.models import default_cache_dir
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(models.resolve(None, default_cache_dir()).path)
+    artifact = a.artifact
+    if artifact is None:
+        artifact = str(out / "w4a16")
+        if not (Path(artifact) / "quant_manifest.json").is_file():
+            subprocess.run([sys.executable, "-m", "quant.cli", "build", "--scheme", "w4a16", "--calib",
+                            str(ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"), "--out", artifact,
+                            "--force"], check=True, cwd=ROOT, env=ENV)
+    rows = []
+    for name, path, art in (("float", model_dir, None), ("w4a16", artifact, artifact)):
+        t0 = time.perf_counter()
+        s_res, s_ll = served(path, out / f"{name}-served", a.docs, a.window, model_dir)
+        t1 = time.perf_counter()
+        h_res, h_ll = in_transformers(model_dir, art, out / f"{name}-transformers", a.docs, a.window)
+        t2 = time.perf_counter()
+        q_ppl, q_tokens = quant_eval(path, model_dir, a.docs, a.window, out)
+        rows.append((name, s_res, h_res, token_ppl(s_ll, model_dir, a.docs), token_ppl(h_ll, model_dir, a.docs),
+                     q_ppl, q_tokens, t1 - t0, t2 - t1))
+    docs = a.docs or 62
+    print(f"lm-evaluation-harness {__import__('lm_eval').__version__}, {docs} WikiText-2 test articles in windows of "
+          f"{a.window} tokens and 24 facts by multiple choice, {cpu_name()}; served = quant serve (float32) scored "
+          f"by local-completions, transformers = the same weights in transformers (float32).\n")
+    print("| model | metric | served | transformers | served / transformers | wall s served / transformers |")
+    print("|---|---|---|---|---|---|")
+    for name, s, h, s_tok, h_tok, q_ppl, q_tokens, ts, th in rows:
+        for task, metric in (("qs_wikitext", "word_perplexity,none"), ("qs_wikitext", "byte_perplexity,none"),
+                             ("qs_choice", "acc,none"), ("qs_choice", "acc_norm,none")):
+            print(f"| {name} | {metric.split(',')[0]} | {s[task][metric]:.4f} | {h[task][metric]:.4f} | "
+                  f"{s[task][metric] / h[task][metric]:.5f} | {ts:.0f} / {th:.0f} |")
+        print(f"| {name} | token perplexity (lm-eval) vs quant eval ({q_tokens} tokens) | {s_tok:.4f} | {q_ppl:.4f} "
+              f"(quant eval) | {s_tok / q_ppl:.5f} | |")
+        print(f"| {name} | token perplexity, transformers under lm-eval | {h_tok:.4f} | | {s_tok / h_tok:.5f} | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
