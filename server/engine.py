@@ -233,7 +233,6 @@ class Engine:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.eos_ids = self._eos_ids(model, tokenizer)
         self._eos_tensor = torch.tensor(sorted(self.eos_ids), dtype=torch.int64, device=self.device)
-        self.grammars = Grammars(tokenizer, self.vocab_size, sorted(self.eos_ids))  # response_format
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
         self.info = ModelInfo(
@@ -246,6 +245,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
         self._tok_lock = threading.Lock()  # a fast tokenizer must not be used from two threads at once
+        self.grammars = Grammars(tokenizer, self.vocab_size, sorted(self.eos_ids), self._tok_lock)  # response_format
         self._deferred: list | None = None  # events of the step being advanced, delivered after it
         self._queued = 0
         self._live: set[str] = set(self._held_ids)  # ids in use: requests', their samples', the engine's own
@@ -375,7 +375,9 @@ class Engine:
         with self._tok_lock:
             return self.tokenizer.decode(ids)
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt's token ids: a text tokenized, or ids checked (integers in the vocabulary); RequestError naming
+        ``prompt`` otherwise."""
         if isinstance(prompt, str):
             return self.tokenize(prompt) if prompt else []
         if not isinstance(prompt, (list, tuple)):
@@ -402,7 +404,7 @@ class Engine:
             raise TypeError("params must be a SamplingParams")
         if not self._accepting:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         self.check(len(ids), params.max_new_tokens)
         past = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if past:
@@ -650,9 +652,10 @@ class Engine:
     def _loop(self) -> None:
         """Steps until closed. With ``overlap`` a launched step's samples are read (and the requests advanced)
         after the next step is launched: on CUDA the host's work for one token runs while the device computes the
-        next. A step's plan needs nothing read back: a decode row's token, and its place in the repetition penalty's
+        next. A step's plan needs nothing read back: a decode row's token, and its place in the penalties'
         history, are filled from the previous step's samples on the device; a request that finished there (EOS, a
-        stop string) stays in one step more, and that row's sample is dropped."""
+        stop string) stays in one step more, and that row's sample is dropped. The exception: a request with a
+        response_format is planned only once its last sample is read (its grammar's mask is filled on the host)."""
         inflight: _Launched | None = None
         with torch.inference_mode():
             dirty = False  # steps ran since the heap was last trimmed

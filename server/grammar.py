@@ -32,8 +32,11 @@ from server.sampling import SamplingParamsError
 class Grammars:
     """The engine's grammar compiler over its tokenizer (built on first use; compiled schemas cached by xgrammar)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], tokenizer_lock: threading.Lock):
+        """``tokenizer_lock``: the engine's, held while xgrammar reads the tokenizer (a fast tokenizer must not be
+        used from two threads at once)."""
         self._tokenizer, self.vocab_size, self._stop_ids = tokenizer, vocab_size, list(stop_ids)
+        self._tokenizer_lock = tokenizer_lock
         self._compiler = None
         self._lock = threading.Lock()  # submissions come from several threads
 
@@ -50,8 +53,13 @@ class Grammars:
         xgr = self._xgr()
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self._stop_ids)
+                try:
+                    with self._tokenizer_lock:
+                        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                  stop_token_ids=self._stop_ids)
+                except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request, not a 500
+                    raise SamplingParamsError("response_format", "response_format is not available for this "
+                                                                 f"model's tokenizer: {e}"[:300]) from None
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
             spec = json.loads(response_format)
             schema = spec["json_schema"]["schema"] if spec["type"] == "json_schema" else {"type": "object"}

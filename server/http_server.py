@@ -26,7 +26,7 @@ from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one l
 from server.capacity import Shape
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
-from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingParams, SamplingParamsError
+from server.sampling import MAX_LOGPROBS, TRACE_STAGES, TRACE_STATS, SamplingParams, SamplingParamsError
 from server.service import CHAT_ROLES, AuthError, DeadlineError, Service, classify
 
 _OPEN_PATHS = ("/health", "/metrics")
@@ -171,15 +171,21 @@ async def _unless_disconnected(request: Request, work):
     """Await ``work``; if the client goes away first, cancel it (the engine frees the request's KV blocks, as
     for a stream whose client left) and return None."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+    except asyncio.CancelledError:  # cancelled ourselves (a batch's other prompt failed): the work goes too
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise
 
 
 def _unsupported(body: _Body) -> None:
@@ -195,12 +201,14 @@ def _unsupported(body: _Body) -> None:
 def params_from_body(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The engine's params of a body. ``echo`` (completions) scores the prompt: its tokens get logprobs with as many
     alternatives as ``logprobs`` asks (and a body's own ``prompt_logprobs``, if larger); with ``max_tokens`` 0 the
-    prompt is scored and nothing generated, as lm-evaluation-harness's loglikelihood requests ask."""
+    prompt is scored and nothing generated (lm-evaluation-harness 0.4.13 asks for 1 token and drops its logprob)."""
     _unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     kw = {f: getattr(body, f) for f in _SAME_NAME} | {"max_new_tokens": max_tokens, "logprobs": logprobs,
                                                       "response_format": body.response_format}
-    if getattr(body, "echo", False) and (logprobs is not None or max_tokens == 0):
+    in_range = logprobs is None or (isinstance(logprobs, int) and 0 <= logprobs <= MAX_LOGPROBS)
+    if getattr(body, "echo", False) and (logprobs is not None or max_tokens == 0) and in_range:
+        # (logprobs out of range: left to SamplingParams, whose error names logprobs, the field the body set)
         kw["prompt_logprobs"] = max(logprobs or 0, body.prompt_logprobs or 0)
     return SamplingParams(stop=tuple(stop), **{k: v for k, v in kw.items() if v is not None})
 
@@ -232,7 +240,9 @@ def _completion_logprobs(svc: Service, lps, offset0: int = 0, echo: "_Echo | Non
     prompt = [] if echo is None else echo.ids
     tokens = [svc.token_text(i) for i in prompt] + [svc.token_text(lp.token_id) for lp in lps]
     offsets, pos = [], offset0
-    for t in tokens:
+    for j, t in enumerate(tokens):
+        if j == len(prompt) and echo is not None:  # the generated text starts after the echoed prompt's own text
+            pos = offset0 + len(echo.text)
         offsets.append(pos)
         pos += len(t)
     scored = [] if echo is None else [None, *echo.logprobs][:len(prompt)]
@@ -326,24 +336,24 @@ def create_app(svc: Service) -> FastAPI:
         return {"token_ids": ids, "tokens": tokens}
 
     async def respond(request: Request, prompt, params: SamplingParams, stream: bool, chat: bool,
-                      include_usage: bool, n: int, echo: _Echo | None = None):
+                      include_usage: bool, n: int, echo: _Echo | None = None, want_plp: bool = False):
         """One completion or chat request of ``n`` samples (OpenAI's ``choices[i]``; sample i draws with seed
         + i); a sample's own seed and memory ride in its choice when n > 1, the first's at the top level. With
-        ``echo`` each choice's text (and logprobs) starts with the prompt's."""
+        ``echo`` each choice's text (and logprobs) starts with the prompt's; ``want_plp``: the body asked for
+        ``prompt_logprobs`` by name (each choice then carries them)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            body = await unary(request, prompt, params, chat, n, echo, rid)
+            body = await unary(request, prompt, params, chat, n, echo, rid, want_plp)
             if body is None:
                 return Response(status_code=499)  # nobody is listening; the engine has dropped the request
             return {"id": rid, "object": obj, "created": created, "model": model_name, **body}
-        return await streamed(request, prompt, params, chat, include_usage, n, echo, rid, created, obj)
+        return await streamed(request, prompt, params, chat, include_usage, n, echo, rid, created, obj, want_plp)
 
     async def unary(request: Request, prompt, params: SamplingParams, chat: bool, n: int, echo: _Echo | None,
-                    rid: str) -> dict | None:
+                    rid: str, want_plp: bool) -> dict | None:
         """A request's response body but its id, object, created and model; None if the client went away."""
-        want_plp = params.prompt_logprobs is not None and echo is None  # the body asked for them by name
         cs = await _unless_disconnected(request, svc.complete_n(prompt, params, "http", rid, n))
         if cs is None:
             return None
@@ -375,8 +385,7 @@ def create_app(svc: Service) -> FastAPI:
         return body
 
     async def streamed(request: Request, prompt, params: SamplingParams, chat: bool, include_usage: bool, n: int,
-                       echo: _Echo | None, rid: str, created: int, obj: str):
-        want_plp = params.prompt_logprobs is not None and echo is None
+                       echo: _Echo | None, rid: str, created: int, obj: str, want_plp: bool):
         events = svc.run(prompt, params, "http", rid, n)
         first = await anext(events)  # errors before the first event become a proper status code
 
@@ -394,6 +403,8 @@ def create_app(svc: Service) -> FastAPI:
                                            else {"role": "assistant", "content": ev.text})
                         if params.logprobs is not None:
                             choice["logprobs"] = _chat_logprobs(svc, ev.logprobs)
+                        if want_plp and ev.prompt_logprobs:
+                            choice["prompt_logprobs"] = _prompt_logprobs(svc, ev.prompt_logprobs)
                     else:
                         head = echo if echo is not None and i not in started else None  # a sample's first chunk
                         if head is not None:
@@ -434,9 +445,9 @@ def create_app(svc: Service) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def echoed(prompt) -> tuple:
+    async def echoed(prompt, ids: list[int] | None = None) -> tuple:
         """(the prompt as ids, its _Echo): the ids are needed for its tokens' texts, so it is tokenized here, once."""
-        ids = await svc.prompt_ids(prompt)
+        ids = await svc.prompt_ids(prompt) if ids is None else ids
         return ids, _Echo(prompt if isinstance(prompt, str) else await svc.decode(ids), ids)
 
     @app.post("/v1/completions")
@@ -446,16 +457,21 @@ def create_app(svc: Service) -> FastAPI:
         max_tokens = body.max_tokens if body.max_tokens is not None else min(16, svc.limits.max_new_tokens)
         params = params_from_body(body, max_tokens, body.logprobs)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
+        want_plp = body.prompt_logprobs is not None
         if len(prompts) == 1:
             prompt, echo = await echoed(prompts[0]) if body.echo else (prompts[0], None)
-            return await respond(request, prompt, params, body.stream, False, include_usage, body.n, echo)
+            return await respond(request, prompt, params, body.stream, False, include_usage, body.n, echo, want_plp)
         if body.stream:
             raise RequestError("prompt", "a streamed completion takes one prompt (send several without stream)")
         # Several prompts (lm-evaluation-harness batches its requests so): a request each, run together; choice
-        # i * n + j is prompt i's sample j, as OpenAI numbers them. The first failure cancels the others.
+        # i * n + j is prompt i's sample j, as OpenAI numbers them. Every prompt is checked before any runs; a
+        # failure after that (the queue full, say) cancels the others.
         rid = "cmpl-" + uuid.uuid4().hex[:24]
-        runs = [(await echoed(p)) if body.echo else (p, None) for p in prompts]
-        tasks = [asyncio.ensure_future(unary(request, prompt, params, False, body.n, echo, f"{rid}-{i}"))
+        runs = []
+        for p in prompts:
+            ids = await svc.prompt_ids(p)
+            runs.append((await echoed(p, ids)) if body.echo else (ids, None))
+        tasks = [asyncio.ensure_future(unary(request, prompt, params, False, body.n, echo, f"{rid}-{i}", want_plp))
                  for i, (prompt, echo) in enumerate(runs)]
         try:
             bodies = await asyncio.gather(*tasks)
@@ -486,7 +502,8 @@ def create_app(svc: Service) -> FastAPI:
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in body.messages]
         prompt = await svc.chat_prompt(messages)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await respond(request, prompt, params, body.stream, True, include_usage, body.n)
+        return await respond(request, prompt, params, body.stream, True, include_usage, body.n,
+                             want_plp=body.prompt_logprobs is not None)
 
     return app
 

@@ -90,13 +90,13 @@ class TraceStep:
     """Candidates of one generated step after each stage of the documented order (server/sampling.py), most
     probable first (N = params.trace); every stage lists the same N tokens, the temperature stage's top N."""
 
-    penalties: tuple[tuple[int, float], ...]  # after logit_bias and the penalties, before temperature (T = 1)
+    penalties: tuple[tuple[int, float], ...]  # after logit_bias, the penalties and the JSON mask (T = 1)
     temperature: tuple[tuple[int, float], ...]
     min_p: tuple[tuple[int, float], ...]
     top_k: tuple[tuple[int, float], ...]
     top_p: tuple[tuple[int, float], ...]  # what the token was drawn from
     # Exact over the whole vocabulary, unlike the top-N lists: what each control removed.
-    kept_min_p: int  # tokens that survived min-p (the vocabulary size when min-p is off)
+    kept_min_p: int  # tokens that survived min-p (every token not at -inf when min-p is off)
     kept_top_k: int  # tokens that survived min-p and top-k
     kept_top_p: int  # tokens that survived min-p, top-k and top-p: the support of the draw
     mass_min_p: float  # probability after temperature of the tokens min-p kept

@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -252,7 +253,7 @@ class SamplingParams:
         out = {}
         for key, value in items:
             tok = key
-            if isinstance(key, str) and key.strip().isdigit():
+            if isinstance(key, str) and re.fullmatch(r"[0-9]{1,18}", key):  # JSON's keys: ASCII digits only
                 tok = int(key)
             if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
                 raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), "
@@ -521,9 +522,10 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     # One stable descending sort serves min-p, top-k, top-p and the trace (every stage keeps this order).
     vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)  # (B, V) each
     pt = torch.softmax(vals, -1) if (want_trace or batch.min_p is not None) else None  # (B, V) temperature stage
-    keep_m = torch.ones_like(vals, dtype=torch.bool)  # (B, V)
+    # tokens at -inf (the JSON mask, EOS held off) are in no stage's kept set: the counts are the draw's support
+    keep_m = vals > -math.inf  # (B, V)
     if batch.min_p is not None:
-        keep_m = pt >= batch.min_p[:, None] * pt[:, :1]  # (B, V) p >= min_p * p_max: the first always passes
+        keep_m &= pt >= batch.min_p[:, None] * pt[:, :1]  # (B, V) p >= min_p * p_max: the first always passes
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=V), V)  # (B,) k = 0 -> keep all
     kth = vals.gather(1, (k - 1)[:, None])  # (B, 1)
     keep_k = keep_m & (vals >= kth)  # (B, V) ties with the k-th value are kept, as transformers does

@@ -5,9 +5,11 @@ rounded up to blocks) and the batch has a free slot; strict FIFO, so a large req
 starved by small ones behind it. Every step:
 
 1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing; the prompt's blocks the
-   prefix cache holds are mapped instead, and its prefill starts after them);
+   prefix cache holds are mapped instead, and its prefill starts after them, unless the request scores its
+   prompt: prompt logprobs need every position computed);
 2. every running request that has finished its prompt decodes one token (the token sampled for it last may still
-   be on the device: with the engine's overlapped steps it is fed from there, ``Sequence.pending``);
+   be on the device: with the engine's overlapped steps it is fed from there, ``Sequence.pending``; a request
+   with a response_format waits a step instead, its grammar's mask needing that token on the host);
 3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
    tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
    the running requests stays bounded by one chunk, not by the longest prompt that arrives.

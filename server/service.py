@@ -189,7 +189,7 @@ class Service:
             _check_text("prompt", prompt)
             ids = await asyncio.to_thread(self.engine.tokenize, prompt) if prompt else []
         else:
-            ids = list(prompt)
+            ids = self.engine.prompt_ids(prompt)  # integers in the vocabulary
         capacity.check_prompt_tokens(len(ids), self.max_prompt_tokens)
         return ids
 

@@ -163,8 +163,8 @@ def test_the_openai_sdk_sends_each_control_and_gets_its_effect(server):
 
 
 def test_echo_and_prompt_logprobs_as_lm_eval_asks_for_them(server):
-    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 0, token ids) through the openai
-    SDK: the prompt's tokens come back with their logprobs (the first null) and top alternatives, equal to gRPC's
+    """A loglikelihood request as lm-evaluation-harness makes it (echo, logprobs 1, token ids; max_tokens 0 here, 1
+    in lm-eval 0.4.13, which drops the generated token's logprob) through the openai SDK: the prompt's tokens come back with their logprobs (the first null) and top alternatives, equal to gRPC's
     prompt_logprobs and to the teacher-forced log-softmax of the engine's own forward; streaming gives the same."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
@@ -203,9 +203,19 @@ def test_echo_and_prompt_logprobs_as_lm_eval_asks_for_them(server):
     assert two.usage.prompt_tokens == len(ids) + 5 and two.usage.completion_tokens == 4
     for body, why in (({"prompt": [ids, ids], "stream": True}, "one prompt"),
                       ({"prompt": [ids] * 65}, "at most 64 prompts"),
-                      ({"prompt": [ids * 4, [10**9]]}, "token ids must be")):  # one bad: the other is cancelled
-        r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+                      ({"prompt": [ids * 4, [10**9]]}, "token ids must be")):  # checked before either runs
+        r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 200}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and why in r.text, r.text
+        assert not server.engine.scheduler.has_work  # nothing of it was submitted
+    for body, param in (({"prompt": [-1, 5], "echo": True}, "prompt"),  # checked before it is decoded
+                        ({"prompt": ids, "echo": True, "logprobs": 25}, "logprobs"),
+                        ({"prompt": ids, "logit_bias": {"\u00b2": 1}}, "logit_bias")):  # a digit, not ASCII
+        r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # echo with prompt_logprobs by name: both (the echoed text, and the numbers with ids in the choice)
+    both = httpx.post(server.http + "/v1/completions", timeout=30, json={
+        "prompt": ids, "echo": True, "prompt_logprobs": 2, "max_tokens": 2, "temperature": 0.0}).json()
+    assert [e["token_id"] for e in both["choices"][0]["prompt_logprobs"][1:]] == ids[1:]
     # vLLM's prompt_logprobs by name (extra_body): the same numbers, with ids, in the choice
     c3 = client.completions.create(model="m", prompt=ids, max_tokens=1, temperature=0.0,
                                    extra_body={"prompt_logprobs": 1})
@@ -571,3 +581,35 @@ def test_serve_refuses_bad_flags_before_loading_anything(capsys, args, msg):
     assert main(["serve", "/nonexistent/model", *args]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("quant serve: error:") and msg in err and len(err.splitlines()) == 1
+
+
+def test_a_cancelled_wait_cancels_its_work():
+    """A batch of prompts cancels its other prompts when one fails: the wait on a prompt's request, cancelled, must
+    cancel the request too (the engine then frees its blocks), not leave it running."""
+    import asyncio
+
+    from server.http_server import _unless_disconnected
+
+    class Connected:
+        async def is_disconnected(self):
+            return False
+
+    async def main():
+        started, cancelled = asyncio.Event(), []
+
+        async def work():
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        outer = asyncio.ensure_future(_unless_disconnected(Connected(), work()))
+        await started.wait()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        return cancelled
+
+    assert asyncio.run(main()) == [True]

@@ -117,12 +117,12 @@ class TraceStep:
     (every list the same tokens: the temperature stage's top N); the counts, masses and entropy are exact over the
     whole vocabulary, so they say what each control removed."""
 
-    after_penalties: tuple[Candidate, ...]  # after logit_bias and the penalties, before temperature (T = 1)
+    after_penalties: tuple[Candidate, ...]  # after logit_bias, the penalties and the JSON mask (T = 1)
     after_temperature: tuple[Candidate, ...]
     after_min_p: tuple[Candidate, ...]
     after_top_k: tuple[Candidate, ...]
     after_top_p: tuple[Candidate, ...]  # what the token was drawn from
-    kept_min_p: int  # tokens that survived min-p (the vocabulary size when min-p is off)
+    kept_min_p: int  # tokens that survived min-p (every token not masked out when min-p is off)
     kept_top_k: int  # tokens that survived min-p and top-k
     kept_top_p: int  # tokens that survived min-p, top-k and top-p: the support of the draw
     mass_min_p: float  # probability after temperature of the tokens min-p kept
