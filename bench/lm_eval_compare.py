@@ -99,7 +99,8 @@ def in_transformers(model_dir: str, artifact: str | None, out: Path, docs: int, 
     art = load(artifact, dtype=torch.float32)
     lm = HFLM(pretrained=art.model, tokenizer=art.tokenizer, max_length=window, batch_size=4, device="cpu")
     tracker = EvaluationTracker(output_path=str(out))
-    res = simple_evaluate(model=lm, tasks=["qs_choice", "qs_wikitext"], task_manager=TaskManager(include_path=str(TASKS)),
+    manager = TaskManager(include_path=str(TASKS), metadata={"docs": docs})  # the CLI's --metadata goes here too
+    res = simple_evaluate(model=lm, tasks=["qs_choice", "qs_wikitext"], task_manager=manager,
                           metadata={"docs": docs}, log_samples=True, random_seed=0, numpy_random_seed=0,
                           torch_random_seed=0, fewshot_random_seed=0, evaluation_tracker=tracker)
     tracker.save_results_aggregated(results=res, samples=res["samples"])
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=0, help="WikiText-2 test articles (0: all 62)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "lm_eval"))
+    ap.add_argument("--models", default="float,w4a16", help="which of float, w4a16 to compare")
     a = ap.parse_args(argv)
     from quant import models
     from quant.models import default_cache_dir
@@ -166,6 +168,8 @@ def main(argv=None) -> int:
                             "--force"], check=True, cwd=ROOT, env=ENV)
     rows = []
     for name, path, art in (("float", model_dir, None), ("w4a16", artifact, artifact)):
+        if name not in a.models.split(","):
+            continue
         t0 = time.perf_counter()
         s_res, s_ll = served(path, out / f"{name}-served", a.docs, a.window, model_dir)
         t1 = time.perf_counter()
