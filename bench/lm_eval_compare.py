@@ -77,7 +77,7 @@ def served(path: str, out: Path, docs: int, window: int, tokenizer: str) -> tupl
         else:
             raise RuntimeError("quant serve did not come up")
         args = (f"base_url=http://127.0.0.1:{port}/v1/completions,model=m,tokenizer_backend=huggingface,"
-                f"tokenizer={tokenizer},max_length={window + 1},max_retries=1")
+                f"tokenizer={tokenizer},max_length={window + 2},max_retries=1")  # = hf's windows (test_lm_eval.py)
         return read_run(lm_eval_cli(out, "local-completions", args, docs, "--batch_size", "4"))
     finally:
         proc.terminate()

@@ -43,11 +43,12 @@ def test_lm_eval_scores_the_served_model_as_it_scores_the_model_in_transformers(
     server = start(model_dir, cache_dir, memory_budget="256MiB", max_prefill_tokens=256)
     try:
         # batch_size 4: each HTTP request carries 4 prompts (OpenAI's batch of token-id prompts), each scored with
-        # echo, logprobs 1 and max_tokens 1; max_length is one more than the window (lm-eval keeps one token back
-        # for generation)
+        # echo, logprobs 1 and max_tokens 1. max_length is the window + 2: lm-eval's API models keep one token back
+        # for generation and cut their rolling windows one shorter than their max_length again, where its hf model
+        # cuts them at max_length (lm_eval/models/api_models.py and huggingface.py, loglikelihood_rolling)
         served = lm_eval(tmp_path, "local-completions",
                          f"base_url={server.http}/v1/completions,model=default,tokenizer_backend=huggingface,"
-                         f"tokenizer={model_dir},max_length={WINDOW + 1},max_retries=1",
+                         f"tokenizer={model_dir},max_length={WINDOW + 2},max_retries=1",
                          "--batch_size", "4")
     finally:
         server.shutdown()
