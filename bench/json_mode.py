@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sampling_cost import cpu_name  # noqa: E402
+from bench.prefix_cache import cpu_name  # noqa: E402
 from quant import models  # noqa: E402
 from quant.models import default_cache_dir  # noqa: E402
 from server.engine import Engine, EngineConfig  # noqa: E402

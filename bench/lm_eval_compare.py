@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 sys.path.insert(0, str(TASKS))
 
-from bench.sampling_cost import cpu_name  # noqa: E402
+from bench.prefix_cache import cpu_name  # noqa: E402
 
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

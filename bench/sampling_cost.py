@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.prefix_cache import cpu_name  # noqa: E402
 from server import sampling  # noqa: E402
 
 BASE = "a461a2a"  # main before #42's controls
@@ -41,16 +41,6 @@ def load_sampler(rev: str):
     sys.modules["sampling_base"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def timed(fn) -> float:

@@ -762,7 +762,7 @@ class Engine:
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
         grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
         if any(g is not None for g in grammars):
-            batch.allowed = fill_bitmask(grammars, self.device)
+            batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device)
         res = sample(logits, batch)
         for s in sampled:
             s.pending += 1

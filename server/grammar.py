@@ -74,12 +74,11 @@ class Grammars:
         return self._xgr().GrammarMatcher(compiled)
 
 
-def fill_bitmask(matchers: list, device) -> Tensor:
+def fill_bitmask(matchers: list, vocab: int, device) -> Tensor:
     """(B, ceil(V / 32)) int32 bitmask, one row per sampled row: the matcher's allowed tokens, or every token for a
     row without one (None). Filled on the host (xgrammar's CPU matcher), copied once."""
     import xgrammar as xgr
 
-    vocab = next(m for m in matchers if m is not None)._vocab_size
     mask = xgr.allocate_token_bitmask(len(matchers), vocab)  # (B, W) int32, all ones
     for i, m in enumerate(matchers):
         if m is not None:
@@ -92,7 +91,6 @@ class Matcher:
 
     def __init__(self, grammars: Grammars, compiled):
         self.matcher = grammars.matcher(compiled)
-        self._vocab_size = grammars.vocab_size
 
     def accept(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))

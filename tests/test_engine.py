@@ -457,6 +457,18 @@ def test_prompt_logprobs_are_the_teacher_forced_log_softmax_across_chunks(engine
     assert r.accounting.prompt_tokens_cached == 0  # scored prompts are computed whole, never mapped from the cache
 
 
+def _together(engine, requests: dict) -> dict:
+    """Submit ``requests`` (id -> (prompt, params)) at once, so they share steps; their completions by id."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    for rid, (prompt, params) in requests.items():
+        engine.submit(prompt, params, q.put, rid)
+    events: dict[str, list] = {rid: [] for rid in requests}
+    while sum(ev.finished for evs in events.values() for ev in evs) < len(requests):
+        ev = q.get()
+        events[ev.request_id].append(ev)
+    return {rid: collect(evs) for rid, evs in events.items()}
+
+
 def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf_model):
     """max_new_tokens 0 scores the prompt and ends ("length", no tokens, its blocks given back); scoring rows in a
     batch do not change the other requests' tokens; a request's samples each get the prompt's logprobs."""
@@ -464,20 +476,15 @@ def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf
     want = _teacher_forced(hf_model, ids)
     plain = [engine.complete("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=5))
              for s in (1, 2)]
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    engine.submit(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=0), q.put, "score")
-    for s in (1, 2):
-        engine.submit("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=5), q.put, f"p{s}")
-    events: dict[str, list] = {}
-    while sum(ev.finished for evs in events.values() for ev in evs) < 3:
-        ev = q.get()
-        events.setdefault(ev.request_id, []).append(ev)
-    scored = collect(events["score"])
+    done = _together(engine, {"score": (ids, SamplingParams(max_new_tokens=0, prompt_logprobs=0)),
+                              **{f"p{s}": ("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=5))
+                                 for s in (1, 2)}})
+    scored = done["score"]
     assert scored.finish_reason == "length" and scored.token_ids == () and scored.text == ""
     assert [lp.top for lp in scored.prompt_logprobs] == [()] * 39  # prompt_logprobs 0: the chosen token's alone
     torch.testing.assert_close(torch.tensor([lp.logprob for lp in scored.prompt_logprobs]),
                                want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
-    assert [collect(events[f"p{s}"]).token_ids for s in (1, 2)] == [c.token_ids for c in plain]
+    assert [done[f"p{s}"].token_ids for s in (1, 2)] == [c.token_ids for c in plain]
     a, b = engine.samples(ids, SamplingParams(temperature=1.0, seed=4, max_new_tokens=3, prompt_logprobs=1), 2)
     assert a.prompt_logprobs == b.prompt_logprobs and all(len(lp.top) == 1 for lp in a.prompt_logprobs)
     assert [lp.logprob for lp in a.prompt_logprobs] == pytest.approx([lp.logprob for lp in scored.prompt_logprobs],
@@ -492,23 +499,17 @@ def test_response_format_rows_wait_for_their_last_token_and_stay_in_the_grammar(
     fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
         "k": {"type": "string", "enum": ["a", "bb"]}}, "required": ["k"]}}}
     free = [engine.complete("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=6)) for s in (1, 2)]
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    engine.submit("The harbour", SamplingParams(temperature=1.0, seed=5, max_new_tokens=40, response_format=fmt),
-                  q.put, "json")
-    for s in (1, 2):
-        engine.submit("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=6), q.put, f"f{s}")
-    events: dict[str, list] = {}
-    while sum(ev.finished for evs in events.values() for ev in evs) < 3:
-        ev = q.get()
-        events.setdefault(ev.request_id, []).append(ev)
-    c = collect(events["json"])
+    done = _together(engine, {
+        "json": ("The harbour", SamplingParams(temperature=1.0, seed=5, max_new_tokens=40, response_format=fmt)),
+        **{f"f{s}": ("The harbour", SamplingParams(temperature=0.9, seed=s, max_new_tokens=6)) for s in (1, 2)}})
+    c = done["json"]
     assert c.finish_reason in ("stop", "length") and c.error is None, c
     if c.finish_reason == "stop":  # the grammar completed: its document parses
         assert json.loads(c.text)["k"] in ("a", "bb")
-    assert [collect(events[f"f{s}"]).token_ids for s in (1, 2)] == [x.token_ids for x in free]
+    assert [done[f"f{s}"].token_ids for s in (1, 2)] == [x.token_ids for x in free]
     with pytest.raises(SamplingParamsError) as e:
         engine.submit("x", SamplingParams(response_format={"type": "json_schema", "json_schema": {
-            "schema": {"type": "nonsense"}}}), q.put)
+            "schema": {"type": "nonsense"}}}), lambda ev: None)
     assert e.value.param == "response_format"
 
 
