@@ -414,3 +414,72 @@ def test_timings_one_after_another_and_a_failed_capture_leave_the_gpu_usable():
     assert torch.equal(y, x @ x)
     assert cuda_time_us(lambda: x @ x, reps=3, inner=2) > 0
     assert not torch.cuda.is_current_stream_capturing()
+
+
+def _char_tokenizer(vocab: int):
+    """A tokenizer whose tokens are single characters (JSON can be written with them; xgrammar reads it as a raw
+    vocabulary) and filler words up to ``vocab``; ids 0-2 are unk, eos and bos. The GPU image has no real one."""
+    import string
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    words = ["<unk>", "</s>", "<s>"] + chars
+    words += [f"w{i}" for i in range(len(words), vocab)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_prompt_logprobs_and_the_json_mask_on_cuda():
+    """The two CUDA paths #42 added: a step with scored rows (alone: a step with no samples; and beside a sampled
+    request) brings its prompt logprobs back through the launched step's pinned copies, equal to the fp32
+    log-softmax of the same weights; a JSON-schema request at temperature 1 (a random model would leave the grammar
+    at once without its mask) has every token accepted by a matcher of its own, the mask copied and unpacked on
+    the device, with overlapped steps and CUDA graphs."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from server.engine import Engine, EngineConfig
+    from server.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0].float(), -1).cpu()  # (T, V)
+    want = want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    tok = _char_tokenizer(512)
+    eng = Engine(model, tok, EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda", max_batch=8,
+                                          cuda_graphs=True)).start()
+    try:
+        assert eng.overlap and eng.cuda_graphs != "off"
+        scored = eng.complete(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=2))
+        assert scored.token_ids == () and len(scored.prompt_logprobs) == 39
+        got = torch.tensor([lp.logprob for lp in scored.prompt_logprobs])
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+        assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] for lp in scored.prompt_logprobs)
+        beside = eng.complete(ids, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True,
+                                                  prompt_logprobs=0))
+        assert len(beside.token_ids) == 8 and [lp.logprob for lp in beside.prompt_logprobs] == pytest.approx(
+            got.tolist(), abs=5e-2)
+
+        schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["ab", "cd"]},
+                                                   "n": {"type": "integer"}}, "required": ["k", "n"]}
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=512, stop_token_ids=[1])
+        compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
+        for seed in range(4):
+            c = eng.complete(ids, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=24, response_format=fmt))
+            assert c.error is None and c.finish_reason in ("stop", "length") and c.token_ids, c
+            check = xgr.GrammarMatcher(compiled)
+            assert all(check.accept_token(t) for t in c.token_ids), c.token_ids
+            if c.finish_reason == "stop":
+                doc = json.loads("".join(tok.convert_ids_to_tokens(list(c.token_ids))).replace("</s>", ""))
+                assert doc["k"] in ("ab", "cd")
+    finally:
+        eng.close()
