@@ -10,7 +10,9 @@
 # --deadline: the seconds from this script's start after which no benchmark part starts (a lent GPU has 15 minutes,
 # the machine's start included). The tests run first (at most --tests-timeout, default 180 s; about 45 s on an H100),
 # the parts then take what is left. The plan for a lease, as one device call (timeout_s 600):
-#   GPU_CHECK_OUT=$OUT scripts/gpu_check.sh --deadline 420
+#   GPU_CHECK_OUT=$OUT scripts/gpu_check.sh --deadline 420      (carry: [".whl"], after scripts/gpu_wheels.sh here)
+# Wheels in .whl/ (scripts/gpu_wheels.sh: xgrammar, which the image lacks, for the JSON-mask test) are installed
+# into a scratch directory first; without them that one test is skipped, saying so.
 # Before it, see scripts/gpu_unverified.md: the CUDA-only paths changed since the last green GPU run, each with the
 # test or bench line that verifies it; a lease's check empties that list or records what failed.
 set -euo pipefail
@@ -32,6 +34,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device here')"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
+        .whl/*.whl && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 status=0
 set +e
 timeout "$tests_timeout" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$OUT_DIR/cuda_tests.log"

@@ -431,33 +431,34 @@ def _char_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def test_prompt_logprobs_and_the_json_mask_on_cuda():
-    """The two CUDA paths #42 added: a step with scored rows (alone: a step with no samples; and beside a sampled
-    request) brings its prompt logprobs back through the launched step's pinned copies, equal to the fp32
-    log-softmax of the same weights; a JSON-schema request at temperature 1 (a random model would leave the grammar
-    at once without its mask) has every token accepted by a matcher of its own, the mask copied and unpacked on
-    the device, with overlapped steps and CUDA graphs."""
-    import json
-
-    import xgrammar as xgr
+def _json_engine():
+    """A bf16 random Llama on CUDA (overlapped steps, decode graphs) over the character tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from server.engine import Engine, EngineConfig
-    from server.sampling import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    eng = Engine(model, _char_tokenizer(512), EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda",
+                                                           max_batch=8, cuda_graphs=True)).start()
+    assert eng.overlap and eng.cuda_graphs != "off"
+    return model, eng
+
+
+def test_prompt_logprobs_on_cuda_come_back_through_the_launched_step():
+    """A step with scored rows and no samples (max_new_tokens 0), and scored rows beside sampled ones, bring their
+    prompt logprobs back through the launched step's pinned copies, equal to the fp32 log-softmax of the same
+    weights."""
+    from server.sampling import SamplingParams
+
+    model, eng = _json_engine()
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0].float(), -1).cpu()  # (T, V)
     want = want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    tok = _char_tokenizer(512)
-    eng = Engine(model, tok, EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda", max_batch=8,
-                                          cuda_graphs=True)).start()
     try:
-        assert eng.overlap and eng.cuda_graphs != "off"
         scored = eng.complete(ids, SamplingParams(max_new_tokens=0, prompt_logprobs=2))
         assert scored.token_ids == () and len(scored.prompt_logprobs) == 39
         got = torch.tensor([lp.logprob for lp in scored.prompt_logprobs])
@@ -467,19 +468,34 @@ def test_prompt_logprobs_and_the_json_mask_on_cuda():
                                                   prompt_logprobs=0))
         assert len(beside.token_ids) == 8 and [lp.logprob for lp in beside.prompt_logprobs] == pytest.approx(
             got.tolist(), abs=5e-2)
+    finally:
+        eng.close()
 
-        schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["ab", "cd"]},
-                                                   "n": {"type": "integer"}}, "required": ["k", "n"]}
-        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=512, stop_token_ids=[1])
-        compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
+
+def test_the_json_mask_on_cuda_keeps_every_token_in_the_grammar():
+    """A JSON-schema request at temperature 1 (a random model would leave the grammar at once without its mask):
+    every token is accepted by a matcher of the test's own, the mask copied and unpacked on the device, with
+    overlapped steps and CUDA graphs. xgrammar is not on the GPU image: carry it (scripts/gpu_wheels.sh)."""
+    import json
+
+    xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed: carry it (scripts/gpu_wheels.sh)")
+    from server.sampling import SamplingParams
+
+    _, eng = _json_engine()
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["ab", "cd"]},
+                                               "n": {"type": "integer"}}, "required": ["k", "n"]}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    info = xgr.TokenizerInfo.from_huggingface(eng.tokenizer, vocab_size=512, stop_token_ids=[1])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
+    try:
         for seed in range(4):
             c = eng.complete(ids, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=24, response_format=fmt))
             assert c.error is None and c.finish_reason in ("stop", "length") and c.token_ids, c
             check = xgr.GrammarMatcher(compiled)
             assert all(check.accept_token(t) for t in c.token_ids), c.token_ids
             if c.finish_reason == "stop":
-                doc = json.loads("".join(tok.convert_ids_to_tokens(list(c.token_ids))).replace("</s>", ""))
-                assert doc["k"] in ("ab", "cd")
+                text = "".join(eng.tokenizer.convert_ids_to_tokens(list(c.token_ids))).replace("</s>", "")
+                assert json.loads(text)["k"] in ("ab", "cd")
     finally:
         eng.close()
