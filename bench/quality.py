@@ -3,10 +3,11 @@
 Reproduce (about 90 minutes on 2 cores; every figure in one run):
     python bench/quality.py --out bench/out/quality
 Calibration: WikiText-2 valid, 128 x 512 tokens, seed 0. Evaluation: WikiText-2 test, 40 windows of
-512 tokens spread evenly over the file. Every quantized model and the bf16 base are compared with the
-fp32 base on the same windows in one pass; the bitsandbytes rows (LLM.int8 and NF4, CPU backend) are
-what a user would otherwise pick. Latency: batch-1 decode, 32-token prompt then 64 steps, bf16
-activations, median ms per token.
+512 tokens spread evenly over the file. Every quantized model is compared with the float base on the same
+windows in one pass, in float64 (`quant eval`'s reference arithmetic: the same figures on every CPU); the bf16
+base and the bitsandbytes rows (LLM.int8 and NF4, CPU backend: what a user would otherwise pick) compute in
+their own dtypes, so theirs are this CPU's. Δppl's ± is its standard error over the windows. Latency: batch-1
+decode, 32-token prompt then 64 steps, bf16 activations, median ms per token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.prefix_cache import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
@@ -114,20 +119,21 @@ def main() -> None:
     builds = build_all(names, out, args.calib_samples, args.calib_seqlen, args.reuse)
 
     src = models.resolve(None, models.default_cache_dir())
-    base32, tok = models.load_model(src, torch.float32)
+    base64, tok = models.load_model(src, torch.float64)
     base16, _ = models.load_model(src, torch.bfloat16)
     windows = calibration.eval_windows(tok, DATA / "test.txt", args.windows, args.seqlen)
     cands = {"bf16 base": base16}
     for n in names:
-        cands[n] = load(out / n, dtype=torch.float32).model
+        cands[n] = load(out / n, dtype=torch.float64).model
     if not args.no_bnb:
         cands["bnb LLM.int8"] = load_bnb(src.path, "int8")
         cands["bnb NF4"] = load_bnb(src.path, "nf4")
     t = time.perf_counter()
-    quality = evaluate.compare(base32, cands, windows)
+    quality = evaluate.compare(base64, cands, windows)
     print(f"[eval] {len(cands)} candidates, {time.perf_counter() - t:.0f} s", flush=True)
 
     # Latency with bf16 activations (the serving dtype on CPU): reload quantized models in bf16.
+    base32 = base64.float()
     lat = {"fp32 base": decode_latency(base32), "bf16 base": decode_latency(base16)}
     for n in names:
         lat[n] = decode_latency(load(out / n, dtype=torch.bfloat16).model)
@@ -137,7 +143,7 @@ def main() -> None:
 
     rows = []
     base_ppl = next(iter(quality.values())).base_ppl
-    rows.append({"name": "fp32 base", "ppl": base_ppl, "delta_ppl_pct": 0.0, "mean_kl": 0.0, "top1": 1.0,
+    rows.append({"name": "fp32 base", "ppl": base_ppl, "delta_ppl_pct": 0.0, "se": None, "mean_kl": 0.0, "top1": 1.0,
                  "weight_bytes": memory.float_model_bytes(base32), "build_s": None, "ms_per_token": lat["fp32 base"]})
     for name, q in quality.items():
         if name in builds:
@@ -146,13 +152,14 @@ def main() -> None:
             wbytes, build_s = memory.float_model_bytes(base16), None
         else:
             wbytes, build_s = cands[name].get_memory_footprint(), None
-        rows.append({"name": name, "ppl": q.ppl, "delta_ppl_pct": q.delta_ppl_pct, "mean_kl": q.mean_kl,
+        rows.append({"name": name, "ppl": q.ppl, "delta_ppl_pct": q.delta_ppl_pct, "se": q.delta_ppl_se_pct,
+                     "mean_kl": q.mean_kl,
                      "top1": q.top1_agreement, "weight_bytes": wbytes, "build_s": build_s,
                      "ms_per_token": lat[name],
                      "calibration": builds.get(name, {}).get("summary")})
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "calibration": f"wikitext-2 valid, {args.calib_samples} x {args.calib_seqlen}, seed 0",
         "evaluation": windows.describe(),
         "rows": rows,
@@ -160,12 +167,13 @@ def main() -> None:
     (out / "quality.json").write_text(json.dumps(result, indent=2))
     bf16_ms = lat["bf16 base"]
     print(f"\nevaluation: {windows.ids.shape[0]} x {windows.ids.shape[1]} tokens of WikiText-2 test; "
-          f"reference fp32 base ppl {base_ppl:.3f}")
-    print("| model | ppl | Δppl % | mean KL | top-1 | weight MiB | build s | decode ms/tok | vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"float64 base ppl {base_ppl:.3f}; {result['machine']}")
+    print("| model | ppl | Δppl % | ± se | mean KL | top-1 | weight MiB | build s | decode ms/tok | vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = "" if r["build_s"] is None else f"{r['build_s']:.0f}"
-        print(f"| {r['name']} | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} | {r['mean_kl']:.4f} | "
+        se = "" if r["se"] is None else f"{r['se']:.2f}"
+        print(f"| {r['name']} | {r['ppl']:.3f} | {r['delta_ppl_pct']:+.2f} | {se} | {r['mean_kl']:.4f} | "
               f"{100 * r['top1']:.1f}% | {r['weight_bytes'] / 2**20:.1f} | {b} | {r['ms_per_token']:.1f} | "
               f"{bf16_ms / r['ms_per_token']:.2f}x |")
 

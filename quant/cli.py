@@ -15,7 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from quant import schemes
-from quant.config import CALIB_METHODS, DTYPES, BuildConfig, CalibConfig, EvalConfig
+from quant.config import CALIB_METHODS, DTYPES, EVAL_DTYPES, BuildConfig, CalibConfig, EvalConfig
+
+EVAL_DTYPE_HELP = (f"{', '.join(EVAL_DTYPES)}: float64 (default) is the reference arithmetic, the same figures on "
+                   "every CPU; the others run this CPU's serving kernels (Δppl moves by about 0.1 point between CPUs)")
 from quant.errors import ConfigError, QuantError
 
 # Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
@@ -55,9 +58,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "it clearly faster than fp32), float32, bfloat16; weights, Hessians and GPTQ stay fp32")
     b.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors shard (e.g. 5GB, 500MiB)")
     b.add_argument("--eval-data", default=None, help="text file: write a quality report into the manifest")
-    b.add_argument("--eval-windows", type=int, default=40)
-    b.add_argument("--eval-seqlen", type=int, default=512)
-    b.add_argument("--eval-dtype", default="float32")
+    b.add_argument("--eval-windows", type=int, default=EvalConfig.windows)
+    b.add_argument("--eval-seqlen", type=int, default=EvalConfig.seqlen)
+    b.add_argument("--eval-dtype", default=EvalConfig.dtype, help=EVAL_DTYPE_HELP)
     b.add_argument("--max-dppl", type=float, default=None, metavar="PCT",
                    help="quality gate: refuse to publish when perplexity on --eval-data rises more than PCT percent")
     b.add_argument("--max-kl", type=float, default=None, metavar="X",
@@ -67,9 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity, KL and top-1 agreement against the base model")
     e.add_argument("artifact")
     e.add_argument("--data", default=None, help="text file (default: the build's eval data, if any)")
-    e.add_argument("--windows", type=int, default=40)
-    e.add_argument("--seqlen", type=int, default=512)
-    e.add_argument("--dtype", default="float32")
+    e.add_argument("--windows", type=int, default=EvalConfig.windows)
+    e.add_argument("--seqlen", type=int, default=EvalConfig.seqlen)
+    e.add_argument("--dtype", default=EvalConfig.dtype, help=EVAL_DTYPE_HELP)
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-progress", action="store_true")
 
@@ -130,10 +133,17 @@ def quality_table(q: dict, title: str = "quality") -> Table:
     t = Table(title=title)
     for col in ("base ppl", "quant ppl", "Δppl %", "mean KL", "top-1 agree", "tokens"):
         t.add_column(col, justify="right")
+    se = q.get("delta_ppl_se_pct")
+    dppl = f"{q['delta_ppl_pct']:+.2f}" + ("" if se is None else f" ± {se:.2f}")
     t.add_row(
-        f"{q['base_ppl']:.3f}", f"{q['ppl']:.3f}", f"{q['delta_ppl_pct']:+.2f}",
+        f"{q['base_ppl']:.3f}", f"{q['ppl']:.3f}", dppl,
         f"{q['mean_kl']:.5f}", f"{100 * q['top1_agreement']:.2f}%", str(q["tokens"]),
     )
+    if q.get("dtype"):
+        t.caption = (f"{q['dtype']}: the reference arithmetic, the same on every CPU" if q["dtype"] == "float64" else
+                     f"{q['dtype']}: this CPU's serving kernels (another CPU's differ by about 0.1 point of Δppl)")
+        if se is not None:
+            t.caption += "; ± the standard error over the windows (another text sample's spread)"
     return t
 
 

@@ -26,7 +26,7 @@ def _fast(t: torch.Tensor) -> bool:
 
 def int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """(q - zero) * scale per row, rounded to ``dtype``: q (N, K) int8, scale (N,) fp32, zero (N,) int8 or None."""
-    if not _fast(q):
+    if not _fast(q) or dtype == torch.float64:
         return P.dequantize_weight(q, scale, zero, dtype)
     out = torch.empty(q.shape, dtype=dtype)
     empty = q.new_empty(0)

@@ -118,9 +118,16 @@ class QuantizedLinear(nn.Module):
         return self.paths(x2.dtype)[self.static_path(x2.shape[0], x2.dtype)](x2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:  # the reference arithmetic `quant eval` runs: the same on every machine (#43)
+            return self.reference_forward(x)
         shape = x.shape
         y = self.call2d(x.reshape(-1, self.in_features).contiguous())  # (M, N)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def reference_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a reference path computes ``x`` in: float64 for float64 inputs, else fp32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def module_device(mod: nn.Module) -> torch.device:
@@ -262,8 +269,11 @@ class WeightOnlyLinear(QuantizedLinear):
         return out
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.dequantized(torch.float32), b)
+        """x @ W^T + b with W dequantized, in fp32, or in float64 for float64 inputs (exact weights, sums
+        rounded ~1e-16: what `quant eval` computes, the same on every CPU)."""
+        ct = reference_dtype(x)
+        b = None if self.bias is None else self.bias.to(ct)
+        return F.linear(x.to(ct), self.dequantized(ct), b)
 
 
 class Int8WeightLinear(WeightOnlyLinear):
@@ -531,10 +541,14 @@ class W8A8Linear(QuantizedLinear):
         return y.to(dtype)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float()
+        """The module's function from its dequantized weight and fake-quantized input, in fp32, or in float64 for
+        float64 inputs: there the weight, the quantized input and their products are exact and only the sums
+        round (~1e-16), so a rounding to the int8 grid comes out the same on every CPU (`quant eval`, #43)."""
+        ct = reference_dtype(x)
+        x2 = x.reshape(-1, self.in_features).to(ct)  # (M, K)
         if self.smooth_scale is not None:
-            x2 = x2 / self.smooth_scale
+            x2 = x2 / self.smooth_scale.to(ct)
         xf = P.fake_quant_act(x2, None if self.dynamic else float(self.input_scale))
-        w = P.dequantize_weight(self.weight, self.weight_scale)
-        b = None if self.bias is None else self.bias.float()
+        w = P.dequantize_weight(self.weight, self.weight_scale, dtype=ct)  # (N, K)
+        b = None if self.bias is None else self.bias.to(ct)
         return F.linear(xf, w, b).reshape(*x.shape[:-1], self.out_features)

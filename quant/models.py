@@ -157,6 +157,8 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - any loader failure on user input is a bad model source
         raise ModelSourceError(f"cannot load model {source.spec!r}: {type(e).__name__}: {first_line(e)}") from e
+    if dtype == torch.float64:  # the reference evaluation: transformers' grouped MoE product takes no float64
+        model.set_experts_implementation("eager")
     model.to(device).eval()
     return model, tok
 
@@ -175,4 +177,5 @@ def stored_dtype(source: ModelSource) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float64": torch.float64}[name]

@@ -42,10 +42,11 @@ def quantize_weight_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def dequantize_weight(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    w = q.to(torch.float32)
+    ct = torch.float64 if dtype == torch.float64 else torch.float32  # float64: exact (the reference evaluation's)
+    w = q.to(ct)
     if zero is not None:
-        w = w - zero.to(torch.float32)[:, None]
-    return (w * scale.to(torch.float32)[:, None]).to(dtype)
+        w = w - zero.to(ct)[:, None]
+    return (w * scale.to(ct)[:, None]).to(dtype)
 
 
 def fake_quant_weight(w: torch.Tensor, affine: bool = False) -> torch.Tensor:
@@ -54,24 +55,31 @@ def fake_quant_weight(w: torch.Tensor, affine: bool = False) -> torch.Tensor:
     return dequantize_weight(*quantize_weight_sym(w))
 
 
+def _compute(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or kept in float64 (the reference evaluation's arithmetic)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def quantize_act_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """Per-tensor symmetric int8 with a calibrated scale; values beyond the threshold saturate."""
-    return torch.round(x.float() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    return torch.round(_compute(x) / scale).clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 def quantize_act_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row) symmetric int8: (M, K) -> int8 (M, K), scale fp32 (M, 1)."""
-    x = x.float()
+    """Per-token (row) symmetric int8: (M, K) -> int8 (M, K), scale (M, 1) fp32 (float64 for float64 x)."""
+    x = _compute(x)
     scale = (x.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(MIN_SCALE)  # (M, 1)
     return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32."""
+    """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32 (float64 for float64
+    x)."""
+    ct = _compute(x).dtype
     if scale is None:
         q, s = quantize_act_dynamic(x)
-        return q.float() * s
-    return quantize_act_static(x, scale).float() * scale
+        return q.to(ct) * s
+    return quantize_act_static(x, scale).to(ct) * scale
 
 
 def smooth_factors(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float) -> torch.Tensor:

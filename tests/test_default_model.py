@@ -3,6 +3,11 @@ evaluated on WikiText-2. Slow (a minute or two) but run in CI."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -30,28 +35,67 @@ def test_default_model_converts_once_and_is_the_real_model(cache_dir):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
+# Each scheme's quality on the default model as CI builds it (calibration 8 x 256 tokens of WikiText-2 valid, seed
+# 0; evaluation 4 x 512 of test in float64, the same figures on every CPU), measured on main when the figures last
+# moved (#43, 2026-11-27, AMD EPYC with AVX-512, a pytest worker's one thread; bench/quality.py gives the full
+# 40 x 512 table): Δppl % and mean KL. A build is float arithmetic on
+# this CPU's kernels, so an artifact built on another CPU differs a little: the margins allow for that, and CI fails
+# when a change moves a scheme past them, either way (a gain too: record it here).
+SMALL_CALIB = CalibConfig(source=str(VALID_TXT), samples=8, seqlen=256)
+GUARDS = {  # name: (BuildConfig fields, Δppl %, mean KL)
+    "int8-sym": (dict(scheme="int8-sym"), +0.247, 0.00289),
+    "int8-affine": (dict(scheme="int8-affine"), +0.357, 0.00250),
+    "w8a8-static": (dict(scheme="w8a8", calib=SMALL_CALIB), +4.151, 0.06258),
+    "w8a8-dynamic": (dict(scheme="w8a8", act_dynamic=True, calib=SMALL_CALIB), +1.337, 0.00790),
+    "w4a16": (dict(scheme="w4a16", calib=SMALL_CALIB), +17.765, 0.16659),
+}
+DPPL_MARGIN = 0.25  # points of Δppl %, or 5% of the figure where that is more (w4a16)
+KL_MARGIN = 0.15  # relative
+
+
 @needs_data
-def test_int8_sym_on_default_model_within_half_a_percent(tmp_path, cache_dir):
-    cfg = BuildConfig(scheme="int8-sym", out=str(tmp_path / "a"), eval=EvalConfig(data=str(TEST_TXT), windows=8))
+@pytest.mark.parametrize("name", GUARDS)
+def test_each_schemes_quality_on_the_default_model_holds_its_measured_figure(name, tmp_path, cache_dir):
+    fields, dppl, kl = GUARDS[name]
+    cfg = BuildConfig(out=str(tmp_path / "a"), eval=EvalConfig(data=str(TEST_TXT), windows=4), **fields)
     out = build(cfg, cache_dir, progress=False)
     q = artifact.verify(out)["quality"]
-    assert q["tokens"] == 8 * 511
-    assert abs(q["delta_ppl_pct"]) < 0.5, q
-    assert q["top1_agreement"] > 0.9
-    art = load(out, dtype=torch.bfloat16)
-    tok = art.tokenizer
-    ids = tok("The capital of France is", return_tensors="pt").input_ids
-    gen = art.model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert "Paris" in tok.decode(gen[0, ids.shape[1]:])
+    assert q["dtype"] == "float64" and q["tokens"] == 4 * 511
+    measured = f"{name}: Δppl {q['delta_ppl_pct']:+.3f}%, KL {q['mean_kl']:.5f}"
+    assert dppl is not None and kl is not None, f"no figure recorded: {measured}"
+    assert abs(q["delta_ppl_pct"] - dppl) <= max(DPPL_MARGIN, 0.05 * abs(dppl)), f"{measured}, recorded {dppl:+.3f}%"
+    assert abs(q["mean_kl"] / kl - 1) <= KL_MARGIN, f"{measured}, recorded KL {kl:.5f}"
+    if name == "int8-sym":  # the real model still answers
+        art = load(out, dtype=torch.bfloat16)
+        ids = art.tokenizer("The capital of France is", return_tensors="pt").input_ids
+        gen = art.model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert "Paris" in art.tokenizer.decode(gen[0, ids.shape[1]:])
+    if name == "w8a8-dynamic":  # the scheme whose fp32 figures move most between CPUs
+        _same_figures_on_an_avx2_cpu_and_one_thread(out, cache_dir)
 
 
-@needs_data
-def test_w8a8_dynamic_on_default_model(tmp_path, cache_dir):
-    cfg = BuildConfig(
-        scheme="w8a8", out=str(tmp_path / "a"), act_dynamic=True,
-        calib=CalibConfig(source=str(VALID_TXT), samples=8, seqlen=256),
-        eval=EvalConfig(data=str(TEST_TXT), windows=4),
-    )
-    out = build(cfg, cache_dir, progress=False)
-    q = artifact.read_manifest(out)["quality"]
-    assert abs(q["delta_ppl_pct"]) < 3.0, q
+def _eval(path, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "quant.cli", "eval", str(path), "--data", str(TEST_TXT), "--windows", "2",
+           "--json", "--no-progress"]
+    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _same_figures_on_an_avx2_cpu_and_one_thread(path, cache_dir) -> None:
+    """#43: the same artifact evaluated natively with two threads and with every vector ISA capped at AVX2 (ATen's
+    dispatch, MKL's and oneDNN's) on one thread: float64's reference arithmetic gives the same Δppl to 0.001 point
+    (the promise is 0.05; measured 6e-8), where fp32's serving kernels moved it by 0.29 point on 4 windows."""
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "OMP_NUM_THREADS": "1", "QUANTSERVE_CACHE": str(cache_dir)}
+    native = {"OMP_NUM_THREADS": "2", "QUANTSERVE_CACHE": str(cache_dir)}
+    runs = [_eval(path, native), _eval(path, avx2)]  # at once, sharing the cores
+    got = []
+    for r in runs:
+        out, err = r.communicate(timeout=600)
+        assert r.returncode == 0, err[-2000:]
+        got.append(json.loads(out))
+    native, capped = got
+    assert native["dtype"] == capped["dtype"] == "float64" and native["tokens"] == 2 * 511
+    assert abs(native["delta_ppl_pct"] - capped["delta_ppl_pct"]) < 1e-3, (native, capped)
+    assert native["mean_kl"] == pytest.approx(capped["mean_kl"], rel=1e-6)
+    assert native["top1_agreement"] == capped["top1_agreement"]

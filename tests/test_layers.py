@@ -69,6 +69,39 @@ def test_w8a8_int_mm_matches_fake_quant_reference(dynamic, smooth, dtype):
     assert float((fast - ref).abs().max() / ref.abs().max()) < tol
 
 
+@pytest.mark.parametrize("dynamic,smooth", [(True, False), (False, True)])
+def test_w8a8_in_float64_is_the_exact_integer_product(dynamic, smooth):
+    """A float64 input takes the reference path in float64 (what `quant eval` computes on every CPU): the int8
+    activations it forms are the fp64 rounding of x / scale, and its output is their exact integer product with
+    the weight (summed in int64 here), rescaled, to float64 accuracy; the fp32 path's rounding of the same x
+    agrees everywhere but at ties."""
+    lin = _linear(bias=True)
+    x = _x(17, dtype=torch.float64)  # (2, 17, 128)
+    s = torch.rand(128, generator=torch.Generator().manual_seed(3)) + 0.5 if smooth else None
+    scale = None if dynamic else float(x.abs().amax()) / 127 * 0.8
+    m = W8A8Linear.from_float(lin, scale, s)
+    y = m(x)
+    assert y.dtype == torch.float64 and y.shape == (2, 17, 96)
+    x2 = x.reshape(-1, 128) / (s.double() if smooth else 1.0)  # (34, 128)
+    if dynamic:
+        xs = x2.abs().amax(-1, keepdim=True) / 127  # (34, 1)
+    else:
+        xs = torch.tensor(float(m.input_scale), dtype=torch.float64)
+    xq = torch.round(x2 / xs).clamp(-127, 127).long()  # (34, 128)
+    exact = (xq @ m.weight.long().t()).double() * xs * m.weight_scale.double() + m.bias.double()  # (34, 96)
+    torch.testing.assert_close(y.reshape(-1, 96), exact, rtol=1e-12, atol=1e-12)
+    assert float((m(x.float()).double().reshape(-1, 96) - exact).abs().max() / exact.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_int8_weight_in_float64_uses_the_exact_weight(affine):
+    m = Int8WeightLinear.from_float(_linear(shift=0.05 if affine else 0.0), affine)
+    x = _x(5, dtype=torch.float64)
+    z = m.weight_zero_point.double()[:, None] if affine else 0.0
+    w = (m.weight.double() - z) * m.weight_scale.double()[:, None]  # (96, 128) exact
+    torch.testing.assert_close(m(x), x @ w.t() + m.bias.double(), rtol=1e-12, atol=1e-12)
+
+
 def test_w8a8_is_close_to_float_when_unclipped():
     lin = _linear(bias=False)
     x = _x(32)
