@@ -11,6 +11,7 @@ quantized model that is sharper than the base loses more on tokens the base thou
 contribute most, and the standard errors over windows.
 
     python bench/quality_gap.py ARTIFACT [--windows 40] [--seqlen 512] [--json OUT]
+    python bench/quality_gap.py --compare A.json B.json     (two reports on the same windows: B - A, paired)
 """
 
 from __future__ import annotations
@@ -32,16 +33,22 @@ from quant.build import reference_model, resolve_eval_adapter, resolve_eval_sour
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"
 BUCKETS = (0.0, 0.01, 0.1, 0.5, 1.0 + 1e-9)  # the base's probability of the true token
+TEMPERATURES = (0.98, 1.0, 1.01, 1.02, 1.05)  # the base's own perplexity with its logits divided by T: is it
+# overconfident on this text (a flatter distribution scoring better), so that a perturbation that flattens it
+# lowers the perplexity without being closer to it?
 
 
 @torch.inference_mode()
 def per_token(base, quant, windows) -> dict[str, torch.Tensor]:
     """(W, T-1) float64 tensors: dnll, kl, p_base (of the true token), entropies of base and quant."""
-    cols: dict[str, list] = {k: [] for k in ("dnll", "kl", "p_base", "h_base", "h_quant", "top1")}
+    cols: dict[str, list] = {k: [] for k in ("dnll", "kl", "p_base", "h_base", "h_quant", "top1", "nll_t")}
     for w in range(windows.ids.shape[0]):
         ids = windows.ids[w: w + 1]  # (1, T)
         tgt = ids[0, 1:, None]  # (T-1, 1)
-        lb = F.log_softmax(base(ids, use_cache=False).logits[0, :-1].double(), -1)  # (T-1, V)
+        zb = base(ids, use_cache=False).logits[0, :-1].double()  # (T-1, V)
+        lb = F.log_softmax(zb, -1)  # (T-1, V)
+        cols["nll_t"].append(torch.stack([-F.log_softmax(zb / temp, -1).gather(1, tgt)[:, 0]
+                                          for temp in TEMPERATURES]))  # (len(TEMPERATURES), T-1)
         lq = F.log_softmax(quant(ids, use_cache=False).logits[0, :-1].double(), -1)  # (T-1, V)
         pb, pq = lb.exp(), lq.exp()
         cols["dnll"].append((lb.gather(1, tgt) - lq.gather(1, tgt))[:, 0])
@@ -61,7 +68,7 @@ def se_over_windows(x: torch.Tensor) -> float:
 
 
 def report(t: dict[str, torch.Tensor]) -> dict:
-    n = t["dnll"].numel()
+    n = t["dnll"].numel()  # t["nll_t"]: (W, len(TEMPERATURES), T-1)
     out = {
         "tokens": n,
         "delta_ppl_pct": 100 * math.expm1(float(t["dnll"].mean())),
@@ -70,6 +77,8 @@ def report(t: dict[str, torch.Tensor]) -> dict:
         "gap": float((t["dnll"] - t["kl"]).mean()), "gap_se": se_over_windows(t["dnll"] - t["kl"]),
         "entropy_base": float(t["h_base"].mean()), "entropy_quant": float(t["h_quant"].mean()),
         "top1": float(t["top1"].mean()),
+        "base_ppl_at_temperature": {str(temp): math.exp(float(t["nll_t"][:, i].mean()))
+                                    for i, temp in enumerate(TEMPERATURES)},
     }
     rows = []
     pb, dn, kl = t["p_base"].flatten(), t["dnll"].flatten(), t["kl"].flatten()
@@ -86,17 +95,39 @@ def report(t: dict[str, torch.Tensor]) -> dict:
     out["windows_by_dnll"] = [{"window": int(i), "mean_dnll": float(per_window[i]),
                                "mean_kl": float(t["kl"][i].mean())} for i in order[:5]]
     out["windows_dnll_range"] = [float(per_window.min()), float(per_window.max())]
+    out["per_window"] = {"mean_dnll": per_window.tolist(), "mean_kl": t["kl"].mean(1).tolist()}  # for --compare
+    return out
+
+
+def compare(a: dict, b: dict) -> dict:
+    """B's mean Δnll and KL minus A's over the same windows, with the standard errors of the paired differences:
+    whether two artifacts differ by more than the windows' spread."""
+    if a["evaluation"] != b["evaluation"]:
+        raise SystemExit("the two reports are over different windows")
+    out = {"a": a["artifact"], "b": b["artifact"]}
+    for k in ("mean_dnll", "mean_kl"):
+        d = torch.tensor(b["per_window"][k], dtype=torch.float64) - torch.tensor(a["per_window"][k],
+                                                                                 dtype=torch.float64)  # (W,)
+        out[f"{k}_diff"] = float(d.mean())
+        out[f"{k}_diff_se"] = float(d.std(unbiased=True) / math.sqrt(d.numel()))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("artifact")
+    ap.add_argument("artifact", nargs="?")
+    ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args()
+    if args.compare:
+        a, b = (json.loads(Path(f).read_text()) for f in args.compare)
+        print(json.dumps(compare(a, b), indent=2))
+        return
+    if not args.artifact:
+        ap.error("an artifact, or --compare A.json B.json")
     art = loader.load(args.artifact, dtype=torch.float64)
     windows = calibration.eval_windows(art.tokenizer, args.data, args.windows, args.seqlen)
     base = reference_model(resolve_eval_source(art.manifest, models.default_cache_dir()),
