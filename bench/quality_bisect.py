@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ def measure(commit: str, out: Path, static: bool) -> dict:
            "--eval-data", str(DATA / "test.txt"), "--eval-windows", "40", "--out", str(art), "--force",
            "--no-progress"]
     t = time.perf_counter()
-    run = subprocess.run(cmd, cwd=tree, env={**__import__("os").environ, "PYTHONPATH": str(tree)},
+    run = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                          capture_output=True, text=True)
     if run.returncode:
         result = {"commit": sha, "error": (run.stderr or run.stdout).strip().splitlines()[-1][:300]}

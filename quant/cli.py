@@ -16,10 +16,10 @@ from rich.table import Table
 
 from quant import schemes
 from quant.config import CALIB_METHODS, DTYPES, EVAL_DTYPES, BuildConfig, CalibConfig, EvalConfig
+from quant.errors import ConfigError, QuantError
 
 EVAL_DTYPE_HELP = (f"{', '.join(EVAL_DTYPES)}: float64 (default) is the reference arithmetic, the same figures on "
                    "every CPU; the others run this CPU's serving kernels (Δppl moves by about 0.1 point between CPUs)")
-from quant.errors import ConfigError, QuantError
 
 # Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
 # only when one runs, so the pipeline never depends on it. `quant serve` is the server's (server/cli.py).

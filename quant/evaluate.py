@@ -14,12 +14,14 @@ roundings: enough to move Δppl by about 0.1 point between CPUs (bench/RESULTS.m
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from quant.calibration import TokenWindows
+from quant.primitives import compute_dtype
 from quant.progress import track
 
 
@@ -42,7 +44,7 @@ class Quality:
 @torch.inference_mode()
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids, use_cache=False).logits[0, :-1]  # (T-1, V)
-    return F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    return F.log_softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
 
 
 @torch.inference_mode()
@@ -73,11 +75,8 @@ def compare(base, candidates: dict, windows: TokenWindows, progress: bool = True
     out = {}
     for name, a in acc.items():
         ppl = math.exp(a["nll"] / n)
-        d = a["windows"]
-        se = None
-        if len(d) > 1:  # Δppl% ~ 100 * mean NLL difference: its standard error, from the windows' spread
-            mean = sum(d) / len(d)
-            se = 100.0 * math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+        d = a["windows"]  # Δppl% ~ 100 * mean NLL difference: its standard error, from the windows' spread
+        se = 100.0 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None
         out[name] = Quality(
             ppl=ppl,
             base_ppl=base_ppl,

@@ -125,11 +125,6 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def reference_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a reference path computes ``x`` in: float64 for float64 inputs, else fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def module_device(mod: nn.Module) -> torch.device:
     """Where a module's tensors are (its first buffer or parameter; the CPU for a module holding none)."""
     t = next(iter([*mod.buffers(), *mod.parameters()]), None)
@@ -271,7 +266,7 @@ class WeightOnlyLinear(QuantizedLinear):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + b with W dequantized, in fp32, or in float64 for float64 inputs (exact weights, sums
         rounded ~1e-16: what `quant eval` computes, the same on every CPU)."""
-        ct = reference_dtype(x)
+        ct = P.compute_dtype(x.dtype)
         b = None if self.bias is None else self.bias.to(ct)
         return F.linear(x.to(ct), self.dequantized(ct), b)
 
@@ -544,7 +539,7 @@ class W8A8Linear(QuantizedLinear):
         """The module's function from its dequantized weight and fake-quantized input, in fp32, or in float64 for
         float64 inputs: there the weight, the quantized input and their products are exact and only the sums
         round (~1e-16), so a rounding to the int8 grid comes out the same on every CPU (`quant eval`, #43)."""
-        ct = reference_dtype(x)
+        ct = P.compute_dtype(x.dtype)
         x2 = x.reshape(-1, self.in_features).to(ct)  # (M, K)
         if self.smooth_scale is not None:
             x2 = x2 / self.smooth_scale.to(ct)

@@ -42,7 +42,7 @@ def quantize_weight_affine(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def dequantize_weight(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    ct = torch.float64 if dtype == torch.float64 else torch.float32  # float64: exact (the reference evaluation's)
+    ct = compute_dtype(dtype)  # float64: exact
     w = q.to(ct)
     if zero is not None:
         w = w - zero.to(ct)[:, None]
@@ -55,9 +55,14 @@ def fake_quant_weight(w: torch.Tensor, affine: bool = False) -> torch.Tensor:
     return dequantize_weight(*quantize_weight_sym(w))
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a reference computation takes values of ``dtype`` in: fp32, or float64 kept (the reference evaluation's
+    arithmetic, the same on every CPU)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _compute(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32, or kept in float64 (the reference evaluation's arithmetic)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x.to(compute_dtype(x.dtype))
 
 
 def quantize_act_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -75,7 +80,7 @@ def quantize_act_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32 (float64 for float64
     x)."""
-    ct = _compute(x).dtype
+    ct = compute_dtype(x.dtype)
     if scale is None:
         q, s = quantize_act_dynamic(x)
         return q.to(ct) * s

@@ -192,18 +192,23 @@ def test_engine_step_on_cuda_triton_matches_sdpa():
     torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=5e-2, rtol=5e-2)
 
 
-def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB"):
+def _tiny_llama():
+    """A seeded random bf16 Llama of 512 tokens on CUDA (the same weights at every call)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from bench.gpu import word_tokenizer
-    from server.engine import Engine, EngineConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    eng = Engine(model, word_tokenizer(512), EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda",
-                                                          max_batch=8, cuda_graphs=cuda_graphs))
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB", tokenizer=None):
+    from bench.gpu import word_tokenizer
+    from server.engine import Engine, EngineConfig
+
+    eng = Engine(_tiny_llama(), tokenizer or word_tokenizer(512),
+                 EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=8,
+                              cuda_graphs=cuda_graphs))
     assert eng.attention == backend_check
     return eng.start()
 
@@ -431,29 +436,15 @@ def _char_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def _json_engine():
-    """A bf16 random Llama on CUDA (overlapped steps, decode graphs) over the character tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from server.engine import Engine, EngineConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, eos_token_id=1)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    eng = Engine(model, _char_tokenizer(512), EngineConfig(memory_budget="64MiB", dtype="bfloat16", device="cuda",
-                                                           max_batch=8, cuda_graphs=True)).start()
-    assert eng.overlap and eng.cuda_graphs != "off"
-    return model, eng
-
-
 def test_prompt_logprobs_on_cuda_come_back_through_the_launched_step():
     """A step with scored rows and no samples (max_new_tokens 0), and scored rows beside sampled ones, bring their
     prompt logprobs back through the launched step's pinned copies, equal to the fp32 log-softmax of the same
     weights."""
     from server.sampling import SamplingParams
 
-    model, eng = _json_engine()
+    eng = _tiny_engine(True, tokenizer=_char_tokenizer(512))
+    assert eng.overlap and eng.cuda_graphs != "off"
+    model = _tiny_llama()  # the engine's weights, seeded alike, left as transformers computes them
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0].float(), -1).cpu()  # (T, V)
@@ -481,7 +472,8 @@ def test_the_json_mask_on_cuda_keeps_every_token_in_the_grammar():
     xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed: carry it (scripts/gpu_wheels.sh)")
     from server.sampling import SamplingParams
 
-    _, eng = _json_engine()
+    eng = _tiny_engine(True, tokenizer=_char_tokenizer(512))
+    assert eng.overlap and eng.cuda_graphs != "off"
     ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     schema = {"type": "object", "properties": {"k": {"type": "string", "enum": ["ab", "cd"]},
                                                "n": {"type": "integer"}}, "required": ["k", "n"]}

@@ -38,9 +38,9 @@ def test_default_model_converts_once_and_is_the_real_model(cache_dir):
 # Each scheme's quality on the default model as CI builds it (calibration 8 x 256 tokens of WikiText-2 valid, seed
 # 0; evaluation 4 x 512 of test in float64, the same figures on every CPU), measured on main when the figures last
 # moved (#43, 2026-11-27, AMD EPYC with AVX-512, a pytest worker's one thread; bench/quality.py gives the full
-# 40 x 512 table): Δppl % and mean KL. A build is float arithmetic on
-# this CPU's kernels, so an artifact built on another CPU differs a little: the margins allow for that, and CI fails
-# when a change moves a scheme past them, either way (a gain too: record it here).
+# 40 x 512 table): Δppl % and mean KL. A build is float arithmetic on this CPU's kernels, so an artifact built on
+# another CPU differs a little: the margins allow for that, and CI fails when a change moves a scheme past them,
+# either way (a gain too: record it here).
 SMALL_CALIB = CalibConfig(source=str(VALID_TXT), samples=8, seqlen=256)
 GUARDS = {  # name: (BuildConfig fields, Δppl %, mean KL)
     "int8-sym": (dict(scheme="int8-sym"), +0.247, 0.00289),
