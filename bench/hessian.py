@@ -1,4 +1,4 @@
-"""GPTQ's streamed Hessian on the CPU: the upper-triangle row blocks of `quant.w4a16._Hessian` against one full
+"""GPTQ's streamed Hessian on the CPU: the upper-triangle row blocks of `quant.gptq.Hessian` against one full
 `addmm_` per sample (what it replaced), for the input widths of the default model (576, 1536) and an 8B model
 (4096). Each: 16 samples of 512 rows (4 for K = 4096), median of 5 repeats, one process, nothing else running.
 
@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_time import cpu_name  # noqa: E402
 
-from quant.w4a16 import _Hessian  # noqa: E402
+from quant.gptq import Hessian  # noqa: E402
 
 
 def full(xs: list[torch.Tensor], k: int) -> torch.Tensor:
@@ -29,7 +29,7 @@ def full(xs: list[torch.Tensor], k: int) -> torch.Tensor:
 
 
 def blocked(xs: list[torch.Tensor], k: int) -> torch.Tensor:
-    h = _Hessian(k)
+    h = Hessian(k)
     for x in xs:
         h.add(x)
     return h.value()

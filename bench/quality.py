@@ -37,6 +37,8 @@ CONFIGS = {
     "w8a8-percentile": ["--scheme", "w8a8", "--calib-method", "percentile"],
     "w8a8-kl": ["--scheme", "w8a8", "--calib-method", "kl"],
     "w8a8-dynamic": ["--scheme", "w8a8", "--act-dynamic"],
+    "w8a8-auto-rtn": ["--scheme", "w8a8", "--calib-method", "auto", "--no-gptq"],  # what GPTQ's weights buy
+    "w8a8-dynamic-rtn": ["--scheme", "w8a8", "--act-dynamic", "--no-gptq"],
     "w8a8-dynamic-a0.5": ["--scheme", "w8a8", "--act-dynamic", "--smooth-alpha", "0.5"],
     "w8a8-auto-nosmooth": ["--scheme", "w8a8", "--calib-method", "auto", "--no-smooth"],
     "w8a8-minmax-nosmooth": ["--scheme", "w8a8", "--calib-method", "minmax", "--no-smooth"],
@@ -45,6 +47,7 @@ CONFIGS = {
     "w8a8-dynamic-nosmooth": ["--scheme", "w8a8", "--act-dynamic", "--no-smooth"],
     "rtn-w4": ["--scheme", "rtn-w4"],
     "w4a16": ["--scheme", "w4a16"],
+    "w4a16-noclip": ["--scheme", "w4a16", "--no-clip-search"],  # what the groups' range search buys
 }
 
 

@@ -45,12 +45,17 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--act-dynamic", action="store_true", help="w8a8: per-token dynamic activation scales")
     b.add_argument("--no-smooth", action="store_true", help="w8a8: disable SmoothQuant-style smoothing")
     b.add_argument("--smooth-alpha", type=float, default=None, help="w8a8: fixed alpha (default: searched per group)")
+    b.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=BuildConfig.weight_gptq,
+                   help="w8a8: int8 weights by GPTQ on the smoothed calibration inputs, else round to nearest "
+                        "(default: on)")
     b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
     b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
     b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")
     b.add_argument("--damp", type=float, default=0.01, help="GPTQ: damping as a fraction of mean diag(H)")
     b.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: process columns by decreasing Hessian diagonal, with static groups (default: on)")
+    b.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=BuildConfig.clip_search,
+                   help="w4a16: search each group's range, shrinking it where that rounds the group closer")
     b.add_argument("--dtype", default="bfloat16", help=f"storage dtype of float tensors: {', '.join(DTYPES)}")
     b.add_argument("--device", default="auto", help="where calibration and GPTQ run: auto (cuda if available), cpu, cuda, cuda:N")
     b.add_argument("--matmul-dtype", default="auto",
@@ -192,8 +197,9 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
         scheme=args.scheme, model=args.model, lora=args.lora, out=args.out, force=args.force,
         calib=CalibConfig(source=args.calib, samples=args.calib_samples, seqlen=args.calib_seqlen, seed=args.seed),
         calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
-        act_dynamic=args.act_dynamic, include_lm_head=args.include_lm_head, dtype=args.dtype,
+        act_dynamic=args.act_dynamic, weight_gptq=args.gptq, include_lm_head=args.include_lm_head, dtype=args.dtype,
         group_size=args.group_size, asym=args.asym, damp=args.damp, act_order=args.act_order,
+        clip_search=args.clip_search,
         max_shard_bytes=_size_arg("--max-shard-size", args.max_shard_size), device=args.device,
         matmul_dtype=args.matmul_dtype,
         max_dppl=args.max_dppl, max_kl=args.max_kl,

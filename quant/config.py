@@ -75,6 +75,10 @@ class BuildConfig:
     smooth: bool = True
     smooth_alpha: float | None = None  # None: searched over ALPHA_GRID per smoothing group
     act_dynamic: bool = False
+    # w8a8: int8 weights by GPTQ against each Linear's smoothed calibration inputs (False: round to nearest).
+    # Smoothing moves activation range into the weights, and on the default model their rounding then cost as much
+    # KL as the activations' (bench/RESULTS.md, #43).
+    weight_gptq: bool = True
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -85,6 +89,9 @@ class BuildConfig:
     # On by default: measured on the default model, GPTQ without act-order recovers a third of RTN's
     # perplexity loss and with it two thirds (bench/RESULTS.md). Static groups make it free at run time.
     act_order: bool = True
+    # w4a16: each group's range searched (shrunk where that rounds the group closer, quant.gptq.group_params): on
+    # the default model 71% of RTN's perplexity loss recovered instead of 70%, KL 7% lower (bench/RESULTS.md, #43).
+    clip_search: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096
     # Where calibration and GPTQ run: "auto" (cuda when available), "cpu", "cuda" or "cuda:N".

@@ -14,6 +14,8 @@ weighted by the inverse Hessian (Optimal Brain Surgeon). Details that matter:
 - act-order with static groups: columns are processed by decreasing H_kk, but the groups stay the
   contiguous original ones (parameters computed up front on the original weights), so that
   g_idx[k] = k // group and no runtime reordering is needed.
+The grid is a parameter (`Grid`): GPTQ checkpoints' unsigned one (w4a16) or this project's symmetric int8 one
+(w8a8's weights, one group per row).
 """
 
 from __future__ import annotations
@@ -22,10 +24,47 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.primitives import MIN_SCALE, QMAX
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The integers a weight group rounds to, w ~ scale * (code - zero), code in [qmin, qmax]:
+    "uint": GPTQ checkpoints' [0, 2^bits - 1], min/max range holding 0 (zero mid-grid when symmetric), fp16 scales;
+    "int8": quant.primitives' symmetric int8, [-127, 127], zero 0, fp32 scale absmax / 127 (W8A8Linear's weights)."""
+
+    kind: str
+    bits: int
+    sym: bool
+    clip: bool = False  # "uint": search each group's range (group_params(clip=True))
+
+    @classmethod
+    def uint(cls, bits: int, sym: bool, clip: bool = False) -> "Grid":
+        return cls("uint", bits, sym, clip)
+
+    @classmethod
+    def int8(cls) -> "Grid":
+        return cls("int8", 8, True)
+
+    @property
+    def qmin(self) -> int:
+        return -QMAX if self.kind == "int8" else 0
+
+    @property
+    def qmax(self) -> int:
+        return QMAX if self.kind == "int8" else 2**self.bits - 1
+
+    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row (scale, zero) for the columns in `w` (N, g)."""
+        if self.kind == "int8":
+            scale = (w.abs().amax(dim=1) / QMAX).clamp_min(MIN_SCALE)  # (N,) as quantize_weight_sym
+            return scale, torch.zeros_like(scale)
+        return group_params(w, self.bits, self.sym, self.clip)
+
 
 @dataclass
 class QuantizedWeight:
-    codes: torch.Tensor  # (N, K) int32 in [0, 2^bits - 1]
+    codes: torch.Tensor  # (N, K) int32 in the grid's [qmin, qmax]
     scales: torch.Tensor  # (G, N) fp32
     zeros: torch.Tensor  # (G, N) int32 in [0, 2^bits - 1]
     group_size: int
@@ -42,15 +81,36 @@ class QuantizedWeight:
         return s * (self.codes.float() - z)
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+# The range search of `group_params(clip=True)`, GPTQ's reference values: shrink the min/max range by 1%
+# steps down to 20% of it, keeping per row the one whose rounding error |w - q|^2.4 summed over the group is least
+# (an exponent above 2 weighs the large errors that clipping makes).
+CLIP_STEPS, CLIP_MAX_SHRINK, CLIP_NORM = 100, 0.8, 2.4
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (scale, zero) for the columns in `w` (N, g): asymmetric min/max over a range that
-    contains 0, or symmetric around the grid's midpoint. zero is an integer on the grid."""
+    contains 0, or symmetric around the grid's midpoint. zero is an integer on the grid.
+    `clip`: the range shrunk per row where that rounds the group closer (CLIP_* above)."""
     maxq = 2**bits - 1
     lo = w.amin(dim=1).clamp_max(0.0)
     hi = w.amax(dim=1).clamp_min(0.0)
     if sym:
         hi = torch.maximum(lo.abs(), hi)
         lo = -hi
+    if clip:
+        w = w.contiguous()
+        ps = 1 - torch.arange(int(CLIP_MAX_SHRINK * CLIP_STEPS), device=w.device) / CLIP_STEPS  # (P,) 1, 0.99, ..
+        errs = []
+        for c in ps.split(16):  # 16 candidates at a time: (16, N, g) temporaries
+            s, z = _params_for(lo[None] * c[:, None], hi[None] * c[:, None], maxq, sym)  # (C, N) each
+            q = torch.clamp(torch.round(w[None] / s[..., None]) + z[..., None], 0, maxq)  # (C, N, g)
+            errs.append((s[..., None] * (q - z[..., None]) - w[None]).abs_().pow_(CLIP_NORM).sum(dim=-1))  # (C, N)
+        best_p = ps[torch.cat(errs).argmin(dim=0)]  # (N,) the first (widest) of equal errors
+        lo, hi = lo * best_p, hi * best_p
+    return _params_for(lo, hi, maxq, sym)
+
+
+def _params_for(lo: torch.Tensor, hi: torch.Tensor, maxq: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dead = (lo == 0) & (hi == 0)
     lo = torch.where(dead, torch.full_like(lo, -1.0), lo)
     hi = torch.where(dead, torch.full_like(hi, 1.0), hi)
@@ -64,25 +124,64 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     return scale, zero
 
 
-def _quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+def _quant(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: Grid) -> torch.Tensor:
+    return torch.clamp(torch.round(w / scale) + zero, grid.qmin, grid.qmax)
 
 
 def rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True) -> QuantizedWeight:
     """Round-to-nearest with the same groups and grid as GPTQ: the baseline that shows what GPTQ buys."""
+    return _rtn_on(w, group_size, Grid.uint(bits, sym))
+
+
+def _rtn_on(w: torch.Tensor, group_size: int, grid: Grid) -> QuantizedWeight:
     w = w.float()
     n, k = w.shape
-    maxq = 2**bits - 1
     codes = torch.empty(n, k, dtype=torch.int32, device=w.device)
     groups = k // group_size
     scales = torch.empty(groups, n, device=w.device)
     zeros = torch.empty(groups, n, dtype=torch.int32, device=w.device)
     for g in range(groups):
         cols = slice(g * group_size, (g + 1) * group_size)
-        s, z = group_params(w[:, cols], bits, sym)
-        codes[:, cols] = _quant(w[:, cols], s[:, None], z[:, None], maxq).to(torch.int32)
+        s, z = grid.params(w[:, cols])
+        codes[:, cols] = _quant(w[:, cols], s[:, None], z[:, None], grid).to(torch.int32)
         scales[g], zeros[g] = s, z.to(torch.int32)
-    return QuantizedWeight(codes, scales, zeros, group_size, bits)
+    return QuantizedWeight(codes, scales, zeros, group_size, grid.bits)
+
+
+class Hessian:
+    """Streaming H = 2 X^T X / n in fp32.
+
+    On the CPU only the upper triangle is accumulated, in row blocks (block r: H[r, r:] += X[:, r]^T X[:, r:]),
+    and mirrored once at the end: 0.69-0.83x the time of the full product (bench/hessian.py), where the
+    Hessians cost as much as the layer pass itself. On CUDA one full product per batch is faster."""
+
+    BLOCK = 128  # rows of H per product on the CPU (128..256 timed alike, ad hoc, for K = 576..4096)
+
+    def __init__(self, k: int):
+        self.k, self.h, self.n = k, None, 0  # h is allocated on the device of the first batch
+        self.upper = False
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # (rows, K)
+        if self.h is None:
+            self.h = torch.zeros(self.k, self.k, device=x.device)
+            self.upper = not x.is_cuda
+        if self.upper:
+            for r in range(0, self.k, self.BLOCK):
+                self.h[r : r + self.BLOCK, r:].addmm_(x[:, r : r + self.BLOCK].t(), x[:, r:])
+        else:
+            self.h.addmm_(x.t(), x)
+        self.n += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        """H, completed and scaled in place (the accumulator is done with): no second K x K copy."""
+        if self.h is None:
+            return torch.zeros(self.k, self.k)
+        if self.upper:
+            for r in range(self.BLOCK, self.k, self.BLOCK):
+                self.h[r : r + self.BLOCK, :r] = self.h[:r, r : r + self.BLOCK].t()
+            self.upper = False
+        return self.h.mul_(2.0 / max(self.n, 1))
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float, tries: int) -> tuple[torch.Tensor | None, float]:
@@ -111,19 +210,21 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, tries: int) -> tuple[t
 def gptq(
     w: torch.Tensor, h: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
     damp: float = 0.01, act_order: bool = False, block: int = 128, max_damp_tries: int = 6,
+    grid: Grid | None = None,
 ) -> QuantizedWeight:
-    """Quantize W (N, K) against Hessian H (K, K). Falls back to RTN (recorded in `fallback`) when
-    no damping up to damp * 10^(tries-1) makes H positive definite."""
+    """Quantize W (N, K) against Hessian H (K, K) on `grid` (None: GPTQ checkpoints' grid of `bits`, `sym`).
+    Falls back to round-to-nearest on that grid (recorded in `fallback`) when no damping up to
+    damp * 10^(tries-1) makes H positive definite."""
+    grid = grid or Grid.uint(bits, sym)
     w = w.detach().float().clone()
     h = h.detach().float().clone()
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide the input dimension {k}")
     if not bool(torch.isfinite(h).all()):
-        q = rtn(w, bits, group_size, sym)
+        q = _rtn_on(w, group_size, grid)
         q.fallback = "Hessian has non-finite entries"
         return q
-    maxq = 2**bits - 1
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
@@ -134,7 +235,7 @@ def gptq(
     if act_order:
         # Static groups: parameters from the original weights, before any error is propagated.
         for g in range(groups):
-            scales[g], zeros[g] = group_params(w[:, g * group_size : (g + 1) * group_size], bits, sym)
+            scales[g], zeros[g] = grid.params(w[:, g * group_size : (g + 1) * group_size])
         perm = torch.argsort(torch.diag(h), descending=True)
         w = w[:, perm]
         h = h[perm]  # one permuted copy at a time: K x K is the big one
@@ -146,7 +247,7 @@ def gptq(
     u, used_damp = _inverse_hessian_factor(h, damp, max_damp_tries)
     del h  # only its factor is needed from here on
     if u is None:
-        q = rtn(w[:, torch.argsort(perm)], bits, group_size, sym)
+        q = _rtn_on(w[:, torch.argsort(perm)], group_size, grid)
         q.fallback = f"Cholesky failed up to damp {used_damp:.3g} x mean diag(H)"
         return q
 
@@ -166,10 +267,10 @@ def gptq(
                 span = w1[:, i : i + group_size]
                 if span.shape[1] < group_size:
                     span = torch.cat([span, w[:, i2 : col + group_size]], dim=1)
-                scales[g], zeros[g] = group_params(span, bits, sym)
+                scales[g], zeros[g] = grid.params(span)
             x = w1[:, i]  # (N,)
             sc, zc = scales[g], zeros[g]  # (N,) each
-            q = _quant(x, sc, zc, maxq)  # (N,)
+            q = _quant(x, sc, zc, grid)  # (N,)
             q1[:, i] = q
             e = (x - sc * (q - zc)) / u1[i, i]  # (N,)
             w1[:, i:].addr_(e, u1[i, i:], alpha=-1.0)
@@ -181,5 +282,5 @@ def gptq(
     inv = torch.argsort(perm)
     return QuantizedWeight(
         codes=codes[:, inv].contiguous(), scales=scales, zeros=zeros.to(torch.int32),
-        group_size=group_size, bits=bits, damp=used_damp, error=float(losses.sum()),
+        group_size=group_size, bits=grid.bits, damp=used_damp, error=float(losses.sum()),
     )

@@ -442,11 +442,13 @@ class W8A8Linear(QuantizedLinear):
 
     @classmethod
     def from_float(
-        cls, linear: nn.Linear, input_scale: float | None, smooth_scale: torch.Tensor | None = None
+        cls, linear: nn.Linear, input_scale: float | None, smooth_scale: torch.Tensor | None = None,
+        weight: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "W8A8Linear":
-        """`linear` must already carry the smoothing in its weight columns."""
+        """`linear` must already carry the smoothing in its weight columns. `weight`: its int8 codes (N, K) and
+        per-row scales (N,) when already quantized (GPTQ); else rounded to nearest here."""
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_scale is None, smooth_scale is not None)
-        m.weight, m.weight_scale = P.quantize_weight_sym(linear.weight.data)
+        m.weight, m.weight_scale = weight if weight is not None else P.quantize_weight_sym(linear.weight.data)
         if input_scale is not None:
             m.input_scale = torch.tensor(float(input_scale), dtype=torch.float32)
         if smooth_scale is not None:

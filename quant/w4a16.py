@@ -46,42 +46,6 @@ def choose_group_size(model: nn.Module, requested: int | None) -> int:
     raise ConfigError("no group size of 128, 64 or 32 divides every Linear's input dimension; pass --group-size")
 
 
-class _Hessian:
-    """Streaming H = 2 X^T X / n in fp32.
-
-    On the CPU only the upper triangle is accumulated, in row blocks (block r: H[r, r:] += X[:, r]^T X[:, r:]),
-    and mirrored once at the end: 0.69-0.83x the time of the full product (bench/hessian.py), where the
-    Hessians cost as much as the layer pass itself. On CUDA one full product per batch is faster."""
-
-    BLOCK = 128  # rows of H per product on the CPU (128..256 timed alike, ad hoc, for K = 576..4096)
-
-    def __init__(self, k: int):
-        self.k, self.h, self.n = k, None, 0  # h is allocated on the device of the first batch
-        self.upper = False
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()  # (rows, K)
-        if self.h is None:
-            self.h = torch.zeros(self.k, self.k, device=x.device)
-            self.upper = not x.is_cuda
-        if self.upper:
-            for r in range(0, self.k, self.BLOCK):
-                self.h[r : r + self.BLOCK, r:].addmm_(x[:, r : r + self.BLOCK].t(), x[:, r:])
-        else:
-            self.h.addmm_(x.t(), x)
-        self.n += x.shape[0]
-
-    def value(self) -> torch.Tensor:
-        """H, completed and scaled in place (the accumulator is done with): no second K x K copy."""
-        if self.h is None:
-            return torch.zeros(self.k, self.k)
-        if self.upper:
-            for r in range(self.BLOCK, self.k, self.BLOCK):
-                self.h[r : r + self.BLOCK, :r] = self.h[:r, r : r + self.BLOCK].t()
-            self.upper = False
-        return self.h.mul_(2.0 / max(self.n, 1))
-
-
 class LayerQuantizer:
     """W4A16 one decoder layer at a time, in order: `quantize_layer(li, layer)` swaps the layer's Linears
     for GPTQLinear modules. For GPTQ the calibration inputs of layer 0 are captured on construction (the
@@ -91,9 +55,10 @@ class LayerQuantizer:
     """
 
     def __init__(self, model: nn.Module, calib_ids: torch.Tensor | None, method: str, group_size: int,
-                 sym: bool, damp: float, act_order: bool, matmul_dtype: torch.dtype = torch.float32):
+                 sym: bool, damp: float, act_order: bool, matmul_dtype: torch.dtype = torch.float32,
+                 clip: bool = False):
         self.model, self.method, self.matmul_dtype = model, method, matmul_dtype
-        self.group_size, self.sym, self.damp, self.act_order = group_size, sym, damp, act_order
+        self.group_size, self.sym, self.damp, self.act_order, self.clip = group_size, sym, damp, act_order, clip
         layers = decoder_layers(model)
         self.prefix = next(n for n, m in model.named_modules() if m is layers)
         self.report: dict = {"linears": {}, "fallbacks": []}
@@ -114,7 +79,7 @@ class LayerQuantizer:
             lp = layer_plan(self.model, layer, self.hidden, kw)
 
             def quantize_group(names: tuple[str, ...], inputs: Sequence[torch.Tensor]) -> None:
-                hess = _Hessian(layer.get_submodule(names[0]).in_features)
+                hess = G.Hessian(layer.get_submodule(names[0]).in_features)
                 for x in inputs:
                     hess.add(x)
                 h = hess.value()
@@ -126,7 +91,8 @@ class LayerQuantizer:
                         q = G.rtn(lin.weight.data, 4, self.group_size, self.sym)
                         q.fallback = f"{hess.n} calibration tokens reached it, fewer than the {need} GPTQ needs here"
                     else:
-                        q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order)
+                        q = G.gptq(lin.weight.data, h, 4, self.group_size, self.sym, self.damp, self.act_order,
+                                   grid=G.Grid.uint(4, self.sym, self.clip))
                     full = f"{self.prefix}.{li}.{n}"
                     packed[n] = GPTQLinear.from_quantized(q, lin.bias, v2=not self.sym)
                     self.report["linears"][full] = {

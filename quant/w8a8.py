@@ -9,7 +9,10 @@ the groups before it quantized, in one staged pass for Llama-shaped layers. Per 
 2. static thresholds per Linear by `--calib-method` on the smoothed activations (full data histogram);
    `auto` scores every candidate (minmax, percentiles, KL) by that Linear's output error on the subsample
    and keeps the best, minmax winning ties, so it never scores worse than minmax;
-3. the group's `W8A8Linear`s are built, and for the rest of the layer's pass each Linear computes their
+3. the weights are quantized to int8, one scale per row: by GPTQ (quant.gptq on the int8 grid) against the
+   Hessian of the smoothed inputs, or rounded to nearest with `--no-gptq`; the static thresholds of step 2 are
+   scored with those weights;
+4. the group's `W8A8Linear`s are built, and for the rest of the layer's pass each Linear computes their
    function in fp32 (dequantized weight, fake-quantized input: `W8A8Linear.reference_forward`), the fast dense
    path on every machine, where `_int_mm` is 25x slower than fp32 on AVX2-only CPUs. The int8 modules are
    swapped in when the layer is done.
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from quant import calibration
+from quant import gptq as G
 from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
@@ -83,6 +87,9 @@ def _score_alpha(
     err, norm = 0.0, 0.0
     for name in group.linears:
         w, ref, ref_norm = refs[name]
+        # Rounded to nearest even when GPTQ quantizes the weights: scoring each strength with GPTQ's weights (on
+        # this subsample's Hessian) chose stronger smoothing and scored worse on the default model in Δppl and KL,
+        # at 1.7x the build time (bench/RESULTS.md, #43 session 30).
         wq, ws = P.quantize_weight_sym(w * s[None, :])
         err += min(_output_error(xq, xsc, wq, ws, ref) for xq, xsc in x_qs)
         norm += ref_norm
@@ -213,8 +220,15 @@ class LayerQuantizer:
         dynamic = cfg.act_dynamic or few
         x_sub = x_s[self._subsample(x.shape[0], cfg.search_tokens)] if not dynamic else None
         cands = None if dynamic else threshold_candidates(x_s, cfg.calib_method)
+        h = None
+        if cfg.weight_gptq and not few:
+            hess = G.Hessian(x_s.shape[1])
+            hess.add(x_s)
+            h = hess.value()  # (K, K) GPTQ's Hessian of the group's smoothed input
         for name in g.linears:
             lin = layer.get_submodule(name)
+            w = lin.weight.detach().float()  # (N, K), smoothed
+            weight, winfo = self._weights(w, h)
             if cfg.act_dynamic:
                 input_scale, info = None, {"method": "dynamic-per-token"}
             elif few:
@@ -222,14 +236,26 @@ class LayerQuantizer:
                     f"{x.shape[0]} calibration tokens reached it, fewer than the "
                     f"{calibration.min_rows(x.shape[1])} a static scale needs")}
             else:
-                w = lin.weight.detach().float()
-                info = _choose_threshold(cands, x_sub, x_sub @ w.t(), *P.quantize_weight_sym(w))
+                info = _choose_threshold(cands, x_sub, x_sub @ w.t(), *weight)
                 input_scale = thresholds.scale_from_threshold(info["threshold"])
                 info["input_scale"] = input_scale
-            mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s)
+            info["weights"] = winfo
+            mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s, weight=weight)
             built[name] = mod
             _simulate(lin, mod)
             self.report["linears"][f"{self.prefix}.{li}.{name}"] = info
+
+    def _weights(self, w: torch.Tensor, h: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        """int8 codes (N, K) and row scales (N,) of the smoothed weight `w` (N, K): GPTQ against `h` (K, K), or
+        rounded to nearest without one (`--no-gptq`, or too few calibration tokens reached the group)."""
+        if h is None:
+            return P.quantize_weight_sym(w), {"method": "rtn"}
+        cfg = self.cfg
+        q = G.gptq(w, h, group_size=w.shape[1], damp=cfg.damp, act_order=cfg.act_order, grid=G.Grid.int8())
+        info = {"method": "gptq" if q.fallback is None else "rtn", "damp": q.damp}
+        if q.fallback:
+            info["fallback"] = q.fallback
+        return (q.codes.to(torch.int8), q.scales[0].contiguous()), info
 
 
 def summarize(report: dict) -> dict:

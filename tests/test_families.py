@@ -92,10 +92,10 @@ def test_smoothing_folds_leave_every_layer_unchanged(arch, arch_dirs):
 
 
 def _gptq_into_weights(layer, record):
-    from quant.w4a16 import _Hessian
+    from quant.gptq import Hessian
 
     def quantize_group(names, inputs):
-        hess = _Hessian(layer.get_submodule(names[0]).in_features)
+        hess = Hessian(layer.get_submodule(names[0]).in_features)
         for x in inputs:
             hess.add(x)
         h = hess.value()

@@ -8,6 +8,7 @@ import torch
 
 from quant import gptq as G
 from quant import int4
+from quant import primitives as P
 from quant.errors import ConfigError
 
 
@@ -36,9 +37,9 @@ def test_gptq_beats_rtn_on_the_layer_loss(act_order, sym):
     assert _layer_loss(x, w, q_gptq) < 0.8 * _layer_loss(x, w, q_rtn)
 
 
-def _reference_gptq(w, h, group, sym, damp=0.01):
+def _reference_gptq(w, h, group, sym, damp=0.01, int8=False):
     """The textbook form: one column at a time, explicit inverse Hessian, OBS downdate after each
-    column; no Cholesky, no lazy batches. Slow and plain."""
+    column; no Cholesky, no lazy batches. Slow and plain. `int8`: W8A8's grid, [-127, 127], scale absmax / 127."""
     w = w.clone().float()
     h = h.clone()
     dead = torch.diag(h) == 0
@@ -48,9 +49,11 @@ def _reference_gptq(w, h, group, sym, damp=0.01):
     hinv = torch.linalg.inv(h.double())
     codes = torch.zeros_like(w, dtype=torch.int32)
     for i in range(w.shape[1]):
-        if i % group == 0:
+        if i % group == 0 and int8:
+            s, z = w[:, i : i + group].abs().amax(1) / 127, 0.0
+        elif i % group == 0:
             s, z = G.group_params(w[:, i : i + group], 4, sym)
-        q = torch.clamp(torch.round(w[:, i] / s) + z, 0, 15)
+        q = torch.clamp(torch.round(w[:, i] / s) + z, *((-127, 127) if int8 else (0, 15)))
         codes[:, i] = q.int()
         d = hinv[i, i]
         err = ((w[:, i] - s * (q - z)) / d).double()
@@ -63,6 +66,41 @@ def _reference_gptq(w, h, group, sym, damp=0.01):
 def test_blocked_cholesky_gptq_equals_the_textbook_algorithm(sym):
     w, _, h = _problem(n=32, k=256)
     assert torch.equal(G.gptq(w, h, 4, 64, sym, block=128).codes, _reference_gptq(w, h, 64, sym))
+
+
+def test_int8_grid_gptq_equals_the_textbook_algorithm_and_beats_rounding():
+    # W8A8's weights: one group per row on the symmetric int8 grid of quant.primitives.
+    w, x, h = _problem(n=32, k=256)
+    q = G.gptq(w, h, group_size=256, grid=G.Grid.int8(), block=64)
+    assert q.fallback is None and q.bits == 8
+    assert torch.equal(q.codes, _reference_gptq(w, h, 256, True, int8=True))
+    assert int(q.codes.abs().max()) <= 127 and torch.equal(q.zeros, torch.zeros_like(q.zeros))
+    codes, scale = P.quantize_weight_sym(w)
+    assert torch.equal(q.scales[0], scale)  # the row scales are round-to-nearest's: only the codes move
+    rtn = P.dequantize_weight(codes, scale)
+    loss = float((x @ w.t() - x @ q.dequantize().t()).pow(2).mean())
+    assert loss < 0.8 * float((x @ w.t() - x @ rtn.t()).pow(2).mean())
+
+
+def test_int8_grid_gptq_with_identity_hessian_is_quantize_weight_sym():
+    w, _, _ = _problem()
+    q = G.gptq(w, torch.eye(256) * 2, group_size=256, grid=G.Grid.int8(), act_order=True)
+    assert torch.equal(q.codes.to(torch.int8), P.quantize_weight_sym(w)[0])
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_range_search_never_rounds_a_group_worse_and_only_shrinks_it(sym):
+    w, _, _ = _problem(n=64, k=64)
+
+    def err(s, z):
+        q = torch.clamp(torch.round(w / s[:, None]) + z[:, None], 0, 15)
+        return (s[:, None] * (q - z[:, None]) - w).abs().pow(G.CLIP_NORM).sum(1)  # (N,)
+
+    plain, searched = G.group_params(w, 4, sym), G.group_params(w, 4, sym, clip=True)
+    assert bool((err(*searched) <= err(*plain) * (1 + 1e-6)).all())
+    assert bool((searched[0] <= plain[0]).all()) and int((searched[0] < plain[0]).sum()) > 32  # most rows shrink
+    q = G.gptq(w, torch.eye(64) * 2, 4, 64, sym, grid=G.Grid.uint(4, sym, clip=True))
+    assert torch.equal(q.scales[0], searched[0])  # GPTQ takes the searched parameters
 
 
 def test_gptq_with_identity_hessian_is_rtn():
@@ -260,11 +298,11 @@ def test_group_size_choice(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("k", [40, 128, 300])
 def test_streamed_hessian_is_the_full_product(k):
-    from quant.w4a16 import _Hessian
+    from quant.gptq import Hessian
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, 17, k, generator=g) for _ in range(3)] + [torch.randn(5, k, generator=g)]
-    h = _Hessian(k)
+    h = Hessian(k)
     for x in xs:
         h.add(x)
     x = torch.cat([t.reshape(-1, k) for t in xs])

@@ -45,9 +45,10 @@ def ids():
         ("w8a8", ("--calib-method", "percentile", "--smooth-alpha", "0.5"), 0.15, W8A8Linear),
         ("w8a8", ("--calib-method", "minmax"), 0.15, W8A8Linear),
         ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
+        ("w8a8", ("--act-dynamic", "--no-gptq"), 0.05, W8A8Linear),
         ("rtn-w4", (), 0.25, GPTQLinear),
         ("w4a16", (), 0.25, GPTQLinear),
-        ("w4a16", ("--no-act-order", "--asym", "--group-size", "32"), 0.25, GPTQLinear),
+        ("w4a16", ("--no-act-order", "--asym", "--group-size", "32", "--no-clip-search"), 0.25, GPTQLinear),
     ],
 )
 def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, scheme, extra, tol, cls):
@@ -72,12 +73,18 @@ def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, sc
         assert qc["checkpoint_format"] == ("gptq_v2" if "--asym" in extra else "gptq")
         assert qc["group_size"] == (32 if "32" in extra else 64)  # 64 | hidden 64; 128 does not
         assert (out / "quantize_config.json").is_file()
+        if scheme == "w4a16":
+            assert manifest["parameters"]["clip_search"] is ("--no-clip-search" not in extra)
     else:
         assert mem["quantized_weights"] == sum(m.weight.numel() for m in quantized)
     if scheme in ("w8a8", "w4a16"):
         assert manifest["calibration"]["windows"] == 8 and manifest["calibration"]["seqlen"] == 64
         report = json.loads((out / "calibration_report.json").read_text())
         assert len(report["linears"]) == 14
+    if scheme == "w8a8":  # int8 weights by GPTQ unless --no-gptq, said per Linear and in the manifest
+        want = "rtn" if "--no-gptq" in extra else "gptq"
+        assert {info["weights"]["method"] for info in report["linears"].values()} == {want}
+        assert manifest["parameters"]["weights"]["method"] == want
 
 
 def test_w8a8_smoothing_is_folded_and_auto_never_worse_than_minmax(tmp_path, tiny_model_dir, text_file):

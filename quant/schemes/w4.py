@@ -26,7 +26,7 @@ class GPTQScheme(Scheme):
         self.name = "w4a16" if method == "gptq" else "rtn-w4"
         self.needs_calibration = method == "gptq"
         if method == "gptq":
-            self.options = (*self.options, "calib", "damp", "act_order")
+            self.options = (*self.options, "calib", "damp", "act_order", "clip_search")
         self.summary = f"4-bit weights in groups ({'GPTQ' if method == 'gptq' else 'round-to-nearest'}), 16-bit activations"
 
     def resolve(self, cfg, model):
@@ -38,7 +38,7 @@ class GPTQScheme(Scheme):
         from quant import w4a16
 
         return w4a16.LayerQuantizer(model, calib_ids, self.method, resolved["group_size"], not cfg.asym, cfg.damp,
-                                    cfg.act_order, cfg.matmul_torch_dtype(cfg.torch_device()))
+                                    cfg.act_order, cfg.matmul_torch_dtype(cfg.torch_device()), cfg.clip_search)
 
     def parameters(self, cfg, resolved, report):
         gs = resolved["group_size"]
@@ -46,6 +46,7 @@ class GPTQScheme(Scheme):
             "bits": 4, "group_size": gs, "sym": not cfg.asym,
             "damp": cfg.damp if self.method == "gptq" else None,
             "act_order": cfg.act_order if self.method == "gptq" else None,
+            "clip_search": cfg.clip_search if self.method == "gptq" else None,
             "checkpoint_format": _format(cfg.asym),
             "rtn_fallbacks": report["fallbacks"],
             "weight_granularity": f"per-output-channel, groups of {gs} inputs",

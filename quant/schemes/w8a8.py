@@ -1,5 +1,6 @@
-"""w8a8: int8 weights x int8 activations (SmoothQuant smoothing; static per-tensor input scales calibrated by
-minmax, percentile, KL entropy or output-error search, or dynamic per-token scales).
+"""w8a8: int8 weights x int8 activations (SmoothQuant smoothing; weights by GPTQ on the int8 grid or rounded;
+static per-tensor input scales calibrated by minmax, percentile, KL entropy or output-error search, or dynamic
+per-token scales).
 
 Runtime: ``quant.layers.W8A8Linear`` (``torch._int_mm``). Not fusable: each Linear calibrated its own input
 scale. The build (``quant.w8a8``) calibrates layer by layer and group by group, sequentially, as GPTQ does.
@@ -15,7 +16,8 @@ class W8A8Scheme(Scheme):
     name = "w8a8"
     runtime = (W8A8Linear,)
     needs_calibration = True
-    options = ("calib", "calib_method", "smooth", "smooth_alpha", "act_dynamic", "search_tokens")
+    options = ("calib", "calib_method", "smooth", "smooth_alpha", "act_dynamic", "search_tokens", "weight_gptq",
+               "damp", "act_order")
     summary = "int8 weights and activations, smoothed, calibrated input scales"
 
     def layer_quantizer(self, cfg, model, calib_ids, resolved):
@@ -34,6 +36,8 @@ class W8A8Scheme(Scheme):
             "act_dynamic": cfg.act_dynamic,
             "smooth": cfg.smooth,
             "smooth_alpha": (cfg.smooth_alpha if cfg.smooth_alpha is not None else "searched") if cfg.smooth else None,
+            "weights": ({"method": "gptq", "damp": cfg.damp, "act_order": cfg.act_order} if cfg.weight_gptq
+                        else {"method": "rtn"}),
             "calibration_summary": w8a8.summarize(report),
         }
 
@@ -42,6 +46,11 @@ class W8A8Scheme(Scheme):
 
     def head_bytes(self, vocab, hidden):
         return vocab * hidden, 4 * vocab  # dynamic input: no input scale
+
+    def solver_bytes(self, n, k):
+        # GPTQ's (the default; rounding alone needs less): the group's Hessian, GPTQ's copy and two factorisation
+        # steps (K x K), the weight's fp32 copies.
+        return 4 * k * k * 4 + 4 * n * k * 4
 
     def calib_activation_bytes(self, shape, tokens):
         # The layer's input and the stage output beside it; the widest group input as the pass holds it,
