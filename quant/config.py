@@ -91,7 +91,7 @@ class BuildConfig:
     # perplexity loss and with it two thirds (bench/RESULTS.md). Static groups make it free at run time.
     act_order: bool = True
     # w4a16: each group's range searched (shrunk where that rounds the group closer, quant.gptq.group_params): on
-    # the default model 71% of RTN's perplexity loss recovered instead of 70%, KL 7% lower (bench/RESULTS.md, #43).
+    # the default model 71% of RTN's perplexity loss recovered instead of 69%, KL 8% lower (bench/RESULTS.md, #43).
     clip_search: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096
