@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.primitives import MIN_SCALE, QMAX
+from quant.primitives import QMAX, weight_scale_sym
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Grid:
     def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row (scale, zero) for the columns in `w` (N, g)."""
         if self.kind == "int8":
-            scale = (w.abs().amax(dim=1) / QMAX).clamp_min(MIN_SCALE)  # (N,) as quantize_weight_sym
+            scale = weight_scale_sym(w)  # (N,)
             return scale, torch.zeros_like(scale)
         return group_params(w, self.bits, self.sym, self.clip)
 

@@ -20,10 +20,15 @@ QMAX = 127
 MIN_SCALE = 1e-8
 
 
+def weight_scale_sym(w: torch.Tensor) -> torch.Tensor:
+    """The per-row scale of symmetric int8 for w (N, K): absmax / 127, never zero. (N,)"""
+    return (w.abs().amax(dim=1) / QMAX).clamp_min(MIN_SCALE)
+
+
 def quantize_weight_sym(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) float -> int8 (N, K), scale fp32 (N,)."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(MIN_SCALE)  # (N,)
+    scale = weight_scale_sym(w)  # (N,)
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # (N, K)
     return q, scale
 
