@@ -47,7 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--smooth-alpha", type=float, default=None, help="w8a8: fixed alpha (default: searched per group)")
     b.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=BuildConfig.weight_gptq,
                    help="w8a8: int8 weights by GPTQ on the smoothed calibration inputs, else round to nearest "
-                        "(default: off)")
+                        "(default: on; --no-gptq rounds)")
     b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
     b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
     b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")

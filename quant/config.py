@@ -77,9 +77,8 @@ class BuildConfig:
     act_dynamic: bool = False
     # w8a8: int8 weights by GPTQ against each Linear's smoothed calibration inputs (False: round to nearest).
     # Smoothing moves activation range into the weights, and on the default model their rounding then cost as much
-    # KL as the activations' (bench/RESULTS.md, #43). Off by default until a tiny-calibration case is understood:
-    # with 64 calibration tokens a Qwen2 test model's served tokens left quant.load's at the first one (#43 note).
-    weight_gptq: bool = False
+    # KL as the activations' (bench/RESULTS.md, #43): with GPTQ the dynamic build's Δppl halved.
+    weight_gptq: bool = True
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
     eval: EvalConfig = field(default_factory=EvalConfig)

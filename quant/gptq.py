@@ -54,12 +54,13 @@ class Grid:
     def qmax(self) -> int:
         return QMAX if self.kind == "int8" else 2**self.bits - 1
 
-    def params(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row (scale, zero) for the columns in `w` (N, g)."""
+    def params(self, w: torch.Tensor, importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row (scale, zero) for the columns in `w` (N, g); `importance` (g,): the range search's column
+        weights (group_params)."""
         if self.kind == "int8":
             scale = weight_scale_sym(w)  # (N,)
             return scale, torch.zeros_like(scale)
-        return group_params(w, self.bits, self.sym, self.clip)
+        return group_params(w, self.bits, self.sym, self.clip, importance)
 
 
 @dataclass
@@ -83,14 +84,18 @@ class QuantizedWeight:
 
 # The range search of `group_params(clip=True)`, GPTQ's reference values: shrink the min/max range by 1%
 # steps down to 20% of it, keeping per row the one whose rounding error |w - q|^2.4 summed over the group is least
-# (an exponent above 2 weighs the large errors that clipping makes).
+# (an exponent above 2 weighs the large errors that clipping makes). GPTQ weighs each column's error by its input's
+# energy, diag(H) = 2 E[x_k^2]: a weight on a loud input costs more in the output than one on a quiet input, and on
+# the default model that took w4a16 from 71% to 83% of RTN's perplexity loss recovered (bench/RESULTS.md, #43).
 CLIP_STEPS, CLIP_MAX_SHRINK, CLIP_NORM = 100, 0.8, 2.4
 
 
-def group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool = False,
+                 importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (scale, zero) for the columns in `w` (N, g): asymmetric min/max over a range that
     contains 0, or symmetric around the grid's midpoint. zero is an integer on the grid.
-    `clip`: the range shrunk per row where that rounds the group closer (CLIP_* above)."""
+    `clip`: the range shrunk per row where that rounds the group closer (CLIP_* above), each column's error
+    weighed by `importance` (g,) where given (GPTQ passes diag(H): the energy of that input)."""
     maxq = 2**bits - 1
     lo = w.amin(dim=1).clamp_max(0.0)
     hi = w.amax(dim=1).clamp_min(0.0)
@@ -104,7 +109,8 @@ def group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool = False) -> t
         for c in ps.split(16):  # 16 candidates at a time: (16, N, g) temporaries
             s, z = _params_for(lo[None] * c[:, None], hi[None] * c[:, None], maxq, sym)  # (C, N) each
             q = torch.clamp(torch.round(w[None] / s[..., None]) + z[..., None], 0, maxq)  # (C, N, g)
-            errs.append((s[..., None] * (q - z[..., None]) - w[None]).abs_().pow_(CLIP_NORM).sum(dim=-1))  # (C, N)
+            e = (s[..., None] * (q - z[..., None]) - w[None]).abs_().pow_(CLIP_NORM)  # (C, N, g)
+            errs.append(e.sum(dim=-1) if importance is None else e @ importance)  # (C, N)
         best_p = ps[torch.cat(errs).argmin(dim=0)]  # (N,) the first (widest) of equal errors
         lo, hi = lo * best_p, hi * best_p
     return _params_for(lo, hi, maxq, sym)
@@ -227,6 +233,7 @@ def gptq(
         return q
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
+    energy = torch.diag(h).clone() if grid.clip else None  # (K,) the range search's column weights: E[x_k^2]
     w[:, dead] = 0.0
 
     groups = k // group_size
@@ -235,7 +242,8 @@ def gptq(
     if act_order:
         # Static groups: parameters from the original weights, before any error is propagated.
         for g in range(groups):
-            scales[g], zeros[g] = grid.params(w[:, g * group_size : (g + 1) * group_size])
+            cols = slice(g * group_size, (g + 1) * group_size)
+            scales[g], zeros[g] = grid.params(w[:, cols], None if energy is None else energy[cols])
         perm = torch.argsort(torch.diag(h), descending=True)
         w = w[:, perm]
         h = h[perm]  # one permuted copy at a time: K x K is the big one
@@ -267,7 +275,7 @@ def gptq(
                 span = w1[:, i : i + group_size]
                 if span.shape[1] < group_size:
                     span = torch.cat([span, w[:, i2 : col + group_size]], dim=1)
-                scales[g], zeros[g] = grid.params(span)
+                scales[g], zeros[g] = grid.params(span, None if energy is None else energy[col : col + group_size])
             x = w1[:, i]  # (N,)
             sc, zc = scales[g], zeros[g]  # (N,) each
             q = _quant(x, sc, zc, grid)  # (N,)

@@ -9,9 +9,9 @@ the groups before it quantized, in one staged pass for Llama-shaped layers. Per 
 2. static thresholds per Linear by `--calib-method` on the smoothed activations (full data histogram);
    `auto` scores every candidate (minmax, percentiles, KL) by that Linear's output error on the subsample
    and keeps the best, minmax winning ties, so it never scores worse than minmax;
-3. the weights are quantized to int8, one scale per row: rounded to nearest, or with `--gptq` by GPTQ
-   (quant.gptq on the int8 grid) against the Hessian of the smoothed inputs; the static thresholds of step 2
-   are scored with those weights;
+3. the weights are quantized to int8, one scale per row: by GPTQ (quant.gptq on the int8 grid) against the
+   Hessian of the smoothed inputs (the default), or rounded to nearest with `--no-gptq` or where too few
+   calibration tokens reached the group; the static thresholds of step 2 are scored with those weights;
 4. the group's `W8A8Linear`s are built, and for the rest of the layer's pass each Linear computes their
    function in fp32 (dequantized weight, fake-quantized input: `W8A8Linear.reference_forward`), the fast dense
    path on every machine, where `_int_mm` is 25x slower than fp32 on AVX2-only CPUs. The int8 modules are
@@ -247,7 +247,7 @@ class LayerQuantizer:
 
     def _weights(self, w: torch.Tensor, h: torch.Tensor | None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
         """int8 codes (N, K) and row scales (N,) of the smoothed weight `w` (N, K): GPTQ against `h` (K, K), or
-        rounded to nearest without one (the default, or too few calibration tokens reached the group)."""
+        rounded to nearest without one (`--no-gptq`, or too few calibration tokens reached the group)."""
         if h is None:
             return P.quantize_weight_sym(w), {"method": "rtn"}
         cfg = self.cfg

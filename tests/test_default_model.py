@@ -37,33 +37,39 @@ def test_default_model_converts_once_and_is_the_real_model(cache_dir):
 
 # Each scheme's quality on the default model as CI builds it (calibration 8 x 256 tokens of WikiText-2 valid, seed
 # 0; evaluation 4 x 512 of test in float64, the same figures on every CPU), measured on main when the figures last
-# moved (#43, 2026-11-27, AMD EPYC with AVX-512, a pytest worker's one thread; bench/quality.py gives the full
-# 40 x 512 table): Δppl % and mean KL. A build is float arithmetic on this CPU's kernels, so an artifact built on
-# another CPU differs a little: the margins allow for that, and CI fails when a change moves a scheme past them,
-# either way (a gain too: record it here).
+# moved (#43, 2026-11-27, AMD EPYC with AVX-512; bench/quality.py gives the full 40 x 512 table): Δppl %, mean KL,
+# and how far Δppl may move. A build is float arithmetic on this CPU's kernels in their order, and GPTQ turns a last-
+# bit difference into another draw of its roundings (each rounding's error moves the columns after it): built
+# with 1 thread, 2 threads and AVX2's kernels on 1 thread, this CPU's GPTQ artifacts scored up to 1.8 points apart
+# in Δppl (w8a8 static; dynamic 0.5, w4a16 0.9) and 8% in KL (dynamic; static 4.6%, w4a16 1%), where the rounded
+# w8a8 (--no-gptq) scored the same digits with 2 threads as with 1. So a GPTQ scheme's figure is the mean of those
+# three builds and its Δppl may move 1.5 times their half-range (at least 0.25 point); KL is the tight guard. CI
+# fails when a change moves a scheme past them, either way (a gain too: record it here).
 SMALL_CALIB = CalibConfig(source=str(VALID_TXT), samples=8, seqlen=256)
-GUARDS = {  # name: (BuildConfig fields, Δppl %, mean KL)
-    "int8-sym": (dict(scheme="int8-sym"), +0.247, 0.00289),
-    "int8-affine": (dict(scheme="int8-affine"), +0.357, 0.00250),
-    "w8a8-static": (dict(scheme="w8a8", calib=SMALL_CALIB), +4.151, 0.06258),
-    "w8a8-dynamic": (dict(scheme="w8a8", act_dynamic=True, calib=SMALL_CALIB), +1.337, 0.00790),
-    "w4a16": (dict(scheme="w4a16", calib=SMALL_CALIB), +13.042, 0.13804),
+GUARDS = {  # name: (BuildConfig fields, Δppl %, its margin in points, mean KL)
+    "int8-sym": (dict(scheme="int8-sym"), +0.247, 0.25, 0.00289),
+    "int8-affine": (dict(scheme="int8-affine"), +0.357, 0.25, 0.00250),
+    # 1 thread +4.042 / 0.06523, 2 threads +5.870 / 0.06432, AVX2 +4.901 / 0.06731
+    "w8a8-static": (dict(scheme="w8a8", calib=SMALL_CALIB), +4.938, 1.37, 0.06562),
+    # +0.196 / 0.00798, +0.730 / 0.00736, +0.409 / 0.00779 (rounded weights: +1.337 / 0.00790)
+    "w8a8-dynamic": (dict(scheme="w8a8", act_dynamic=True, calib=SMALL_CALIB), +0.445, 0.40, 0.00771),
+    # +8.125 / 0.12121, +7.177 / 0.12011, +7.295 / 0.12071 (before the range search weighed columns: +13.042 / 0.13804)
+    "w4a16": (dict(scheme="w4a16", calib=SMALL_CALIB), +7.532, 0.71, 0.12068),
 }
-DPPL_MARGIN = 0.25  # points of Δppl %, or 5% of the figure where that is more (w4a16)
 KL_MARGIN = 0.15  # relative
 
 
 @needs_data
 @pytest.mark.parametrize("name", GUARDS)
 def test_each_schemes_quality_on_the_default_model_holds_its_measured_figure(name, tmp_path, cache_dir):
-    fields, dppl, kl = GUARDS[name]
+    fields, dppl, margin, kl = GUARDS[name]
     cfg = BuildConfig(out=str(tmp_path / "a"), eval=EvalConfig(data=str(TEST_TXT), windows=4), **fields)
     out = build(cfg, cache_dir, progress=False)
     q = artifact.verify(out)["quality"]
     assert q["dtype"] == "float64" and q["tokens"] == 4 * 511
     measured = f"{name}: Δppl {q['delta_ppl_pct']:+.3f}%, KL {q['mean_kl']:.5f}"
     assert dppl is not None and kl is not None, f"no figure recorded: {measured}"
-    assert abs(q["delta_ppl_pct"] - dppl) <= max(DPPL_MARGIN, 0.05 * abs(dppl)), f"{measured}, recorded {dppl:+.3f}%"
+    assert abs(q["delta_ppl_pct"] - dppl) <= margin, f"{measured}, recorded {dppl:+.3f}% ± {margin}"
     assert abs(q["mean_kl"] / kl - 1) <= KL_MARGIN, f"{measured}, recorded KL {kl:.5f}"
     if name == "int8-sym":  # the real model still answers
         art = load(out, dtype=torch.bfloat16)

@@ -103,6 +103,29 @@ def test_the_range_search_never_rounds_a_group_worse_and_only_shrinks_it(sym):
     assert torch.equal(q.scales[0], searched[0])  # GPTQ takes the searched parameters
 
 
+@pytest.mark.parametrize("act_order", [True, False])
+def test_the_range_search_weighs_each_column_by_its_inputs_energy(act_order):
+    w, _, _ = _problem(n=64, k=128)
+    energy = torch.rand(128, generator=torch.Generator().manual_seed(3)) * 4 + 0.01  # (K,)
+    energy[::16] = 400.0  # a loud input per 16: its weights' errors dominate the output's
+
+    def err(cols, s, z, imp):  # (N,) the weighted rounding error of columns `cols`
+        q = torch.clamp(torch.round(w[:, cols] / s[:, None]) + z[:, None], 0, 15)
+        return ((s[:, None] * (q - z[:, None]) - w[:, cols]).abs().pow(G.CLIP_NORM) * imp).sum(1)
+
+    for g in range(2):
+        cols = slice(64 * g, 64 * (g + 1))
+        plain = G.group_params(w[:, cols], 4, True, clip=True)
+        weighed = G.group_params(w[:, cols], 4, True, clip=True, importance=energy[cols])
+        assert bool((err(cols, *weighed, energy[cols]) <= err(cols, *plain, energy[cols]) * (1 + 1e-6)).all())
+        assert not torch.equal(weighed[0], plain[0])  # the weights change the choice
+    # GPTQ weighs by diag(H); a diagonal H moves no error, so the codes are the weighted search's rounding
+    q = G.gptq(w, torch.diag(energy), 4, 64, True, act_order=act_order, grid=G.Grid.uint(4, True, clip=True))
+    for g in range(2):
+        cols = slice(64 * g, 64 * (g + 1))
+        assert torch.equal(q.scales[g], G.group_params(w[:, cols], 4, True, clip=True, importance=energy[cols])[0])
+
+
 def test_gptq_with_identity_hessian_is_rtn():
     # Uncorrelated unit-variance inputs: no error is worth moving, GPTQ must round to nearest.
     w, _, _ = _problem()

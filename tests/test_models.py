@@ -324,11 +324,12 @@ def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme,
         # another order than transformers' (its own attention and norms; in a batch, other rows beside), so now
         # and then a code moves by one step, and through the keys and values of that position every later
         # position's logits move too (measured: from 1e-6 before the flip to 0.2 on top logits of 5.5 after it,
-        # phi3) and near-ties flip (gemma3 and phi3 alone, gemma2 batched). So: the first tokens agree exactly
-        # (a wrong layer diverges at once); over each whole sequence, teacher-forced, the engine's logits stay
-        # within 5% of the top logit's scale of the reference's; every token it chose is the reference's argmax
-        # up to twice the largest deviation measured on that sequence.
-        assert alone[:8] == want[:8]
+        # phi3) and near-ties flip (gemma3 and phi3 alone, gemma2 batched; qwen2-window's first token, whose top
+        # two logits lie 0.006 apart, after one layer-1 input code flipped). So: over each whole sequence,
+        # teacher-forced, the engine's logits stay within 5% of the top logit's scale of the reference's; every
+        # token it chose is the reference's argmax up to twice the largest deviation measured on that sequence;
+        # and alone it chose the reference's greedy tokens exactly up to the first such near-tie (all 40 where no
+        # code flipped: the deviation is then ~1e-6).
         runner, pool = runner_for(ref_model)
         for prompt, got in ((main, alone), (main, batched[1]), (other, batched[0])):
             seq = prompt + got
@@ -342,6 +343,10 @@ def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme,
             assert delta.max() <= 0.05 * top.abs().mean(), (delta, top.abs().mean())
             gap = top - ref.gather(1, torch.tensor(got)[:, None])[:, 0]
             assert (gap <= 2 * delta.max() + 1e-6).all(), (gap.max(), delta.max())
+            if got is alone:
+                top2 = ref.topk(2, dim=-1).values  # (40, 2)
+                tie = (top2[:, 0] - top2[:, 1] <= 2 * delta.max() + 1e-6).tolist() + [True]
+                assert alone[: tie.index(True)] == want[: tie.index(True)], (tie.index(True), delta.max())
 
 
 # ------------------------------------------------------------------------------------------------ refusals

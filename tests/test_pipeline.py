@@ -45,7 +45,7 @@ def ids():
         ("w8a8", ("--calib-method", "percentile", "--smooth-alpha", "0.5"), 0.15, W8A8Linear),
         ("w8a8", ("--calib-method", "minmax"), 0.15, W8A8Linear),
         ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
-        ("w8a8", ("--act-dynamic", "--gptq"), 0.05, W8A8Linear),
+        ("w8a8", ("--act-dynamic", "--no-gptq"), 0.05, W8A8Linear),
         ("rtn-w4", (), 0.25, GPTQLinear),
         ("w4a16", (), 0.25, GPTQLinear),
         ("w4a16", ("--no-act-order", "--asym", "--group-size", "32", "--no-clip-search"), 0.25, GPTQLinear),
@@ -81,8 +81,8 @@ def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, sc
         assert manifest["calibration"]["windows"] == 8 and manifest["calibration"]["seqlen"] == 64
         report = json.loads((out / "calibration_report.json").read_text())
         assert len(report["linears"]) == 14
-    if scheme == "w8a8":  # int8 weights by GPTQ with --gptq, else rounded: said per Linear and in the manifest
-        want = "gptq" if "--gptq" in extra else "rtn"
+    if scheme == "w8a8":  # int8 weights by GPTQ, or rounded with --no-gptq: said per Linear and in the manifest
+        want = "rtn" if "--no-gptq" in extra else "gptq"
         assert {info["weights"]["method"] for info in report["linears"].values()} == {want}
         assert manifest["parameters"]["weights"]["method"] == want
 

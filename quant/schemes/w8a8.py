@@ -48,7 +48,7 @@ class W8A8Scheme(Scheme):
         return vocab * hidden, 4 * vocab  # dynamic input: no input scale
 
     def solver_bytes(self, n, k):
-        # GPTQ's (`--gptq`; rounding alone needs less, counted the same): the group's Hessian, GPTQ's copy and
+        # GPTQ's (the default; rounding alone needs less, counted the same): the group's Hessian, GPTQ's copy and
         # two factorisation steps (K x K), the weight's fp32 copies.
         return 4 * k * k * 4 + 4 * n * k * 4
 
