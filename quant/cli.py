@@ -51,8 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
     b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
     b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")
-    b.add_argument("--damp", type=float, default=0.01, help="GPTQ: damping as a fraction of mean diag(H)")
-    b.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+    b.add_argument("--damp", type=float, default=BuildConfig.damp, help="GPTQ: damping as a fraction of mean diag(H)")
+    b.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=BuildConfig.act_order,
                    help="GPTQ: process columns by decreasing Hessian diagonal, with static groups (default: on)")
     b.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=BuildConfig.clip_search,
                    help="w4a16: search each group's range, shrinking it where that rounds the group closer")

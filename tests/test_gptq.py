@@ -88,16 +88,18 @@ def test_int8_grid_gptq_with_identity_hessian_is_quantize_weight_sym():
     assert torch.equal(q.codes.to(torch.int8), P.quantize_weight_sym(w)[0])
 
 
+def _range_error(w, s, z, importance=1.0):
+    """(N,) the range search's criterion, written plainly: |w - q|^CLIP_NORM of w (N, g) on the 4-bit grid of
+    (s, z), each column weighed by `importance`."""
+    q = torch.clamp(torch.round(w / s[:, None]) + z[:, None], 0, 15)
+    return ((s[:, None] * (q - z[:, None]) - w).abs().pow(G.CLIP_NORM) * importance).sum(1)
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_the_range_search_never_rounds_a_group_worse_and_only_shrinks_it(sym):
     w, _, _ = _problem(n=64, k=64)
-
-    def err(s, z):
-        q = torch.clamp(torch.round(w / s[:, None]) + z[:, None], 0, 15)
-        return (s[:, None] * (q - z[:, None]) - w).abs().pow(G.CLIP_NORM).sum(1)  # (N,)
-
     plain, searched = G.group_params(w, 4, sym), G.group_params(w, 4, sym, clip=True)
-    assert bool((err(*searched) <= err(*plain) * (1 + 1e-6)).all())
+    assert bool((_range_error(w, *searched) <= _range_error(w, *plain) * (1 + 1e-6)).all())
     assert bool((searched[0] <= plain[0]).all()) and int((searched[0] < plain[0]).sum()) > 32  # most rows shrink
     q = G.gptq(w, torch.eye(64) * 2, 4, 64, sym, grid=G.Grid.uint(4, sym, clip=True))
     assert torch.equal(q.scales[0], searched[0])  # GPTQ takes the searched parameters
@@ -108,16 +110,12 @@ def test_the_range_search_weighs_each_column_by_its_inputs_energy(act_order):
     w, _, _ = _problem(n=64, k=128)
     energy = torch.rand(128, generator=torch.Generator().manual_seed(3)) * 4 + 0.01  # (K,)
     energy[::16] = 400.0  # a loud input per 16: its weights' errors dominate the output's
-
-    def err(cols, s, z, imp):  # (N,) the weighted rounding error of columns `cols`
-        q = torch.clamp(torch.round(w[:, cols] / s[:, None]) + z[:, None], 0, 15)
-        return ((s[:, None] * (q - z[:, None]) - w[:, cols]).abs().pow(G.CLIP_NORM) * imp).sum(1)
-
     for g in range(2):
         cols = slice(64 * g, 64 * (g + 1))
-        plain = G.group_params(w[:, cols], 4, True, clip=True)
-        weighed = G.group_params(w[:, cols], 4, True, clip=True, importance=energy[cols])
-        assert bool((err(cols, *weighed, energy[cols]) <= err(cols, *plain, energy[cols]) * (1 + 1e-6)).all())
+        wg, e = w[:, cols], energy[cols]
+        plain = G.group_params(wg, 4, True, clip=True)
+        weighed = G.group_params(wg, 4, True, clip=True, importance=e)
+        assert bool((_range_error(wg, *weighed, e) <= _range_error(wg, *plain, e) * (1 + 1e-6)).all())
         assert not torch.equal(weighed[0], plain[0])  # the weights change the choice
     # GPTQ weighs by diag(H); a diagonal H moves no error, so the codes are the weighted search's rounding
     q = G.gptq(w, torch.diag(energy), 4, 64, True, act_order=act_order, grid=G.Grid.uint(4, True, clip=True))

@@ -346,7 +346,8 @@ def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme,
             if got is alone:
                 top2 = ref.topk(2, dim=-1).values  # (40, 2)
                 tie = (top2[:, 0] - top2[:, 1] <= 2 * delta.max() + 1e-6).tolist() + [True]
-                assert alone[: tie.index(True)] == want[: tie.index(True)], (tie.index(True), delta.max())
+                clear = tie.index(True)  # positions before the reference's first near-tie
+                assert alone[:clear] == want[:clear], (clear, delta.max())
 
 
 # ------------------------------------------------------------------------------------------------ refusals
