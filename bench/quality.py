@@ -39,6 +39,8 @@ CONFIGS = {
     "w8a8-dynamic": ["--scheme", "w8a8", "--act-dynamic"],
     "w8a8-auto-rtn": ["--scheme", "w8a8", "--calib-method", "auto", "--no-gptq"],  # what GPTQ's weights buy
     "w8a8-dynamic-rtn": ["--scheme", "w8a8", "--act-dynamic", "--no-gptq"],
+    "w8a8-auto-norot": ["--scheme", "w8a8", "--calib-method", "auto", "--no-rotate"],  # what down_proj's rotation buys
+    "w8a8-dynamic-norot": ["--scheme", "w8a8", "--act-dynamic", "--no-rotate"],
     "w8a8-dynamic-a0.5": ["--scheme", "w8a8", "--act-dynamic", "--smooth-alpha", "0.5"],
     "w8a8-auto-nosmooth": ["--scheme", "w8a8", "--calib-method", "auto", "--no-smooth"],
     "w8a8-minmax-nosmooth": ["--scheme", "w8a8", "--calib-method", "minmax", "--no-smooth"],

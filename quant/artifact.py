@@ -23,7 +23,10 @@ import torch
 
 from quant.errors import ArtifactError
 
-FORMAT_VERSION = 1
+# The newest format this quantserve reads. An artifact is written with the oldest version that reads it right
+# (`format_version`), so readers that predate a feature refuse the artifacts that use it instead of ignoring it.
+# 2: a w8a8 module's spec may carry "rotate" (quant.hadamard: its weight stored rotated, its input rotated online).
+FORMAT_VERSION = 2
 MANIFEST = "quant_manifest.json"
 WEIGHTS = "model.safetensors"
 QUANT_METHOD = "quantserve"
@@ -65,8 +68,13 @@ def hash_files(root: Path) -> dict[str, str]:
     }
 
 
-def write_manifest(root: Path, manifest: dict) -> None:
-    manifest = dict(manifest, format_version=FORMAT_VERSION, files=hash_files(root))
+def format_version(modules: dict[str, dict]) -> int:
+    """The oldest format version that reads an artifact of these module specs right."""
+    return 2 if any("rotate" in spec for spec in modules.values()) else 1
+
+
+def write_manifest(root: Path, manifest: dict, version: int) -> None:
+    manifest = dict(manifest, format_version=version, files=hash_files(root))
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 

@@ -221,7 +221,9 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["dtype"] = cfg.dtype
-        config["quantization_config"] = scheme.quantization_config(cfg, resolved, _modules_spec(model))
+        modules = _modules_spec(model)
+        version = artifact.format_version(modules)
+        config["quantization_config"] = scheme.quantization_config(cfg, resolved, modules)
         for name, text in scheme.extra_files(cfg, resolved).items():
             (staging / name).write_text(text)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -243,7 +245,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             "quality": None,
             "timings": timings,
         }
-        artifact.write_manifest(staging, manifest)
+        artifact.write_manifest(staging, manifest, version)
         del model, sm
         if eval_windows is not None:
             t = time.perf_counter()
@@ -251,7 +253,7 @@ def build(cfg: BuildConfig, cache_dir: Path, progress: bool = True, log=print) -
             timings["eval_s"] = time.perf_counter() - t
             manifest["quality"]["gate"] = quality_gate(cfg, manifest["quality"])
         timings["total_s"] = time.perf_counter() - t0
-        artifact.write_manifest(staging, manifest)
+        artifact.write_manifest(staging, manifest, version)
         artifact.commit(staging, out, cfg.force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -48,6 +48,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=BuildConfig.weight_gptq,
                    help="w8a8: int8 weights by GPTQ on the smoothed calibration inputs, else round to nearest "
                         "(default: on; --no-gptq rounds)")
+    b.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=BuildConfig.rotate,
+                   help="w8a8: rotate down_proj's input online by a block Hadamard transform (its weight stored "
+                        "rotated), which spreads its outlier channels before the int8 rounding")
     b.add_argument("--include-lm-head", action="store_true", help="quantize lm_head too")
     b.add_argument("--group-size", type=int, default=None, help="4-bit: inputs per group (default 128, else 64, else 32)")
     b.add_argument("--asym", action="store_true", help="4-bit: asymmetric zero-points (gptq_v2 format)")
@@ -197,7 +200,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
         scheme=args.scheme, model=args.model, lora=args.lora, out=args.out, force=args.force,
         calib=CalibConfig(source=args.calib, samples=args.calib_samples, seqlen=args.calib_seqlen, seed=args.seed),
         calib_method=args.calib_method, smooth=not args.no_smooth, smooth_alpha=args.smooth_alpha,
-        act_dynamic=args.act_dynamic, weight_gptq=args.gptq, include_lm_head=args.include_lm_head, dtype=args.dtype,
+        act_dynamic=args.act_dynamic, weight_gptq=args.gptq, rotate=args.rotate, include_lm_head=args.include_lm_head, dtype=args.dtype,
         group_size=args.group_size, asym=args.asym, damp=args.damp, act_order=args.act_order,
         clip_search=args.clip_search,
         max_shard_bytes=_size_arg("--max-shard-size", args.max_shard_size), device=args.device,

@@ -79,6 +79,11 @@ class BuildConfig:
     # Smoothing moves activation range into the weights, and on the default model their rounding then cost as much
     # KL as the activations' (bench/RESULTS.md, #43): with GPTQ the dynamic build's Δppl halved.
     weight_gptq: bool = True
+    # w8a8: down_proj's input rotated online by a block Hadamard transform (quant.hadamard), its weight stored rotated:
+    # its few outlier channels spread over their block before the int8 rounding. On the default model (40 x 512)
+    # static +1.86% -> +0.72%, KL 0.0249 -> 0.0101; dynamic +0.54% -> +0.44%, KL 0.0070 -> 0.0036 (bench/RESULTS.md,
+    # #43); batch-1 decode on the CPU unchanged within noise (the transform runs inside the C++ rows pass).
+    rotate: bool = True
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant import dequant, gemm, triton_ops
+from quant import dequant, gemm, hadamard, triton_ops
 from quant import primitives as P
 from quant import rows as rowops
 from quant.kernel_choice import LaunchSpace, computation_key
@@ -414,7 +414,8 @@ class W8A8Linear(QuantizedLinear):
 
     y = (q_x @ q_w^T) * s_x * s_w with the integer product from `torch._int_mm` (int8 x int8 -> int32).
     `smooth_scale`, when present, is the SmoothQuant divisor that could not be folded into a
-    preceding op; activations are divided by it before quantization.
+    preceding op; activations are divided by it before quantization. `rotate` (a block size, 0: none): the weight
+    was stored rotated (W H^T, quant.hadamard) and the input is rotated after the smoothing, before quantization.
 
     Not fused: each Linear calibrated its own static input scale, so sharing one input quantization would
     change the numbers.
@@ -424,10 +425,14 @@ class W8A8Linear(QuantizedLinear):
     PARAM_TENSORS = ("weight_scale", "input_scale", "smooth_scale")
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dynamic: bool, smooth: bool, device=None
+        self, in_features: int, out_features: int, bias: bool, dynamic: bool, smooth: bool, device=None,
+        rotate: int = 0,
     ):
         super().__init__()
-        self.in_features, self.out_features, self.dynamic = in_features, out_features, dynamic
+        if type(rotate) is not int or (rotate and (rotate < 2 or rotate & (rotate - 1) or in_features % rotate)):
+            raise ValueError(f"w8a8: rotate must be a power of two >= 2 dividing the {in_features} input features, "
+                             f"got {rotate!r}")
+        self.in_features, self.out_features, self.dynamic, self.rotate = in_features, out_features, dynamic, rotate
         self.register_buffer("weight", _empty((out_features, in_features), torch.int8, device))
         self.register_buffer("weight_scale", _empty((out_features,), torch.float32, device))
         if dynamic:
@@ -443,11 +448,13 @@ class W8A8Linear(QuantizedLinear):
     @classmethod
     def from_float(
         cls, linear: nn.Linear, input_scale: float | None, smooth_scale: torch.Tensor | None = None,
-        weight: tuple[torch.Tensor, torch.Tensor] | None = None,
+        weight: tuple[torch.Tensor, torch.Tensor] | None = None, rotate: int = 0,
     ) -> "W8A8Linear":
-        """`linear` must already carry the smoothing in its weight columns. `weight`: its int8 codes (N, K) and
-        per-row scales (N,) when already quantized (GPTQ); else rounded to nearest here."""
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_scale is None, smooth_scale is not None)
+        """`linear` must already carry the smoothing in its weight columns, and the rotation when `rotate`.
+        `weight`: its int8 codes (N, K) and per-row scales (N,) when already quantized (GPTQ); else rounded to
+        nearest here."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, input_scale is None,
+                smooth_scale is not None, rotate=rotate)
         m.weight, m.weight_scale = weight if weight is not None else P.quantize_weight_sym(linear.weight.data)
         if input_scale is not None:
             m.input_scale = torch.tensor(float(input_scale), dtype=torch.float32)
@@ -458,30 +465,47 @@ class W8A8Linear(QuantizedLinear):
         return m
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
-        """After loading: the kernel's layout requirements (alignment)."""
+        """After loading: the kernel's layout requirements (alignment); on CUDA the rotation's factors, where it
+        takes them, made before any graph capture."""
         self.weight = _aligned(self.weight)
+        if self.rotate:
+            hadamard.warm(self.rotate, torch.float32, self.weight.device)
 
     def spec(self) -> dict:
-        return {
+        out = {
             "type": self.SPEC_TYPE,
             "dynamic": self.dynamic,
             "smooth": self.smooth_scale is not None,
             "bias": self.bias is not None,
         }
+        if self.rotate:  # absent when 0: artifacts without rotations keep the specs they always had
+            out["rotate"] = self.rotate
+        return out
 
     @classmethod
     def from_spec(cls, spec: dict, in_features: int, out_features: int, device=None) -> "W8A8Linear":
-        return cls(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device)
+        return cls(in_features, out_features, spec["bias"], spec["dynamic"], spec["smooth"], device=device,
+                   rotate=spec.get("rotate", 0))
 
     def kernel(self, dtype: torch.dtype) -> str:
         act = "per-token dynamic" if self.dynamic else "per-tensor static"
+        rot = f", rotated in blocks of {self.rotate} (Walsh-Hadamard) before the rounding" if self.rotate else ""
         return (f"int8 x int8 products by torch._int_mm, in fp32, (bf16) through _weight_int8pack_mm or in a tiled "
                 f"C++ product (quant.gemm), or the whole Linear in one C++ pass (quant.rows), per row count the "
-                f"fastest on the serving CPU; {act} activations, fp32 rescale")
+                f"fastest on the serving CPU; {act} activations{rot}, fp32 rescale")
 
-    def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _transform(self, x2: torch.Tensor) -> torch.Tensor:
+        """The input the int8 grid sees: divided by the explicit smoothing, then rotated (fp32 when either)."""
+        fresh = self.smooth_scale is not None or x2.dtype != torch.float32  # x2 becomes a tensor of our own
         if self.smooth_scale is not None:
             x2 = x2.float() / self.smooth_scale
+        if self.rotate:
+            x2 = x2.float()
+            x2 = hadamard.rotate_(x2, self.rotate) if fresh else hadamard.rotate(x2, self.rotate)  # (M, K)
+        return x2
+
+    def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x2 = self._transform(x2)
         if self.dynamic:
             return P.quantize_act_dynamic(x2)  # (M, K) int8, (M, 1)
         return P.quantize_act_static(x2, self.input_scale), self.input_scale
@@ -509,7 +533,7 @@ class W8A8Linear(QuantizedLinear):
             bias = None if self.bias is None else self.bias.data
             if rowops.available(self.weight):
                 out["rows"] = rowops.w8a8(self.weight, self.weight_scale, None if self.dynamic else self.input_scale,
-                                          self.smooth_scale, bias)
+                                          self.smooth_scale, bias, self.rotate)
             if gemm.available(self.weight, self.out_features, self.in_features, dtype):
                 mm = gemm.w8a8(self.weight, self.weight_scale, bias)
                 out["gemm"] = lambda x: mm(*self._quantize_input(x))
@@ -545,6 +569,8 @@ class W8A8Linear(QuantizedLinear):
         x2 = x.reshape(-1, self.in_features).to(ct)  # (M, K)
         if self.smooth_scale is not None:
             x2 = x2 / self.smooth_scale.to(ct)
+        if self.rotate:
+            x2 = hadamard.rotate(x2, self.rotate)  # the butterfly's fixed sums: the same on every CPU
         xf = P.fake_quant_act(x2, None if self.dynamic else float(self.input_scale))
         w = P.dequantize_weight(self.weight, self.weight_scale, dtype=ct)  # (N, K)
         b = None if self.bias is None else self.bias.to(ct)

@@ -6,7 +6,8 @@ At batch 1 a quantized Linear's eager form is a dozen small ATen ops, each costi
 and on CPUs without VNNI ``torch._int_mm`` is far slower than a float product; one pass over the quantized weight,
 with the activation quantization and the rescale folded in, reads a fraction of a bf16 weight's bytes in one call.
 
-:func:`w8a8` equals the module's ``_int_mm`` path bit for bit; :func:`int8_weight`, :func:`int4` and :func:`bf16`
+:func:`w8a8` equals the module's ``_int_mm`` path bit for bit (a rotated module's too: :func:`hadamard_` makes the
+same sums); :func:`int8_weight`, :func:`int4` and :func:`bf16`
 round once, in fp32, and are held to their modules' fp32 references (tests/test_rows.py).
 """
 
@@ -52,12 +53,13 @@ def _opt(t: torch.Tensor | None) -> torch.Tensor:
 # a call is a few microseconds of arithmetic, so what is per call and what is per module matters.
 
 def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-         smooth: torch.Tensor | None, bias: torch.Tensor | None) -> Rows:
-    """In x's dtype: x (/ smooth) quantized per row (``input_scale`` None) or by the static scale, times the (N, K)
-    int8 weight, rescaled by s_x * weight_scale in fp32, plus the fp32 bias."""
+         smooth: torch.Tensor | None, bias: torch.Tensor | None, rotate: int = 0) -> Rows:
+    """In x's dtype: x (/ smooth, then rotated in blocks of ``rotate`` where not 0: quant.hadamard) quantized per row
+    (``input_scale`` None) or by the static scale, times the (N, K) int8 weight, rescaled by s_x * weight_scale in
+    fp32, plus the fp32 bias."""
     op, s, sm, b = _op("w8a8_rows"), _opt(input_scale), _opt(smooth), _opt(bias)
     qmax, floor = float(P.QMAX), float(P.MIN_SCALE)
-    return lambda x2: op(x2, weight, weight_scale, s, sm, b, qmax, floor)
+    return lambda x2: op(x2, weight, weight_scale, s, sm, b, qmax, floor, rotate)
 
 
 def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
@@ -82,3 +84,10 @@ def int8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.
     rounded once."""
     op, off, b = _op("int8_weight_rows"), _opt(offset), _opt(bias)
     return lambda x2: op(x2, weight, weight_scale, off, b)
+
+
+def hadamard_(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (M, K) fp32 or fp64, contiguous, times the block-diagonal normalized Hadamard transform (quant.hadamard), in
+    place: the butterfly the ``w8a8`` pass applies to a rotated module's input, bit for bit."""
+    return _op("hadamard_")(x, block)
+

@@ -26,6 +26,7 @@ from torch import nn
 
 from quant import calibration
 from quant import gptq as G
+from quant import hadamard
 from quant import primitives as P
 from quant import smooth, thresholds
 from quant.config import ALPHA_GRID, PERCENTILES, BuildConfig
@@ -73,12 +74,13 @@ def _output_error(xq, x_scale, wq: torch.Tensor, w_scale: torch.Tensor, ref: tor
 
 def _score_alpha(
     layer: nn.Module, group: smooth.SmoothGroup, x_sub: torch.Tensor, absmax: torch.Tensor, refs: dict,
-    alpha: float, cfg: BuildConfig, config,
+    alpha: float, cfg: BuildConfig, config, block: int = 0,
 ) -> float:
     """Relative output error of the group at smoothing strength `alpha`, each Linear with its best
-    search threshold. `refs`: each Linear's float weight (N, K) and float output on `x_sub` (R, N)."""
+    search threshold, the smoothed input and weights rotated in blocks of `block` when given. `refs`: each
+    Linear's float weight (N, K) and float output on `x_sub` (R, N)."""
     s, _ = smooth.compute_scales(layer, group, absmax, alpha, config)
-    xs = x_sub / s  # (R, K)
+    xs = _rotated(x_sub / s, block)  # (R, K)
     if cfg.act_dynamic:
         x_qs = [_act_q(xs, None)]
     else:
@@ -90,10 +92,15 @@ def _score_alpha(
         # Rounded to nearest even when GPTQ quantizes the weights: scoring each strength with GPTQ's weights (on
         # this subsample's Hessian) chose stronger smoothing and scored worse on the default model in Δppl and KL,
         # at 1.7x the build time (bench/RESULTS.md, #43 session 30).
-        wq, ws = P.quantize_weight_sym(w * s[None, :])
+        wq, ws = P.quantize_weight_sym(_rotated(w * s[None, :], block))
         err += min(_output_error(xq, xsc, wq, ws, ref) for xq, xsc in x_qs)
         norm += ref_norm
     return err / max(norm, 1e-30)
+
+
+def _rotated(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rotated in blocks of `block` (0: as it is), in place: every caller passes a temporary of its own."""
+    return hadamard.rotate_(x, block) if block else x
 
 
 def _choose_threshold(
@@ -157,12 +164,16 @@ class LayerQuantizer:
         by_first = {g.linears[0]: g for g in groups}
         built: dict[str, W8A8Linear] = {}
 
+        fam = lp.family
+        rotated = {fam.down} if self.cfg.rotate and fam is not None and not fam.moe else set()
+
         def quantize_group(names: tuple[str, ...], inputs) -> torch.Tensor | None:
             g = by_first[names[0]]
             k = layer.get_submodule(names[0]).in_features
             x = torch.cat([t.reshape(-1, k).float() for t in inputs]) if len(inputs) else torch.zeros(0, k)  # (R, K)
-            s, fold = self._smooth(li, layer, g, x, built)
-            self._quantize(li, layer, g, x, s, fold, built)
+            block = hadamard.block_size(k) if names[0] in rotated else 0  # 0: no block fits, left unrotated
+            s, fold = self._smooth(li, layer, g, x, built, block)
+            self._quantize(li, layer, g, x, s, fold, built, block)
             return s if fold else None
 
         try:
@@ -174,11 +185,14 @@ class LayerQuantizer:
             set_module(layer, name, mod)
 
     def _smooth(self, li: int, layer: nn.Module, g: smooth.SmoothGroup, x: torch.Tensor,
-                built: dict[str, W8A8Linear]) -> tuple[torch.Tensor | None, bool]:
+                built: dict[str, W8A8Linear], block: int = 0) -> tuple[torch.Tensor | None, bool]:
         """Smoothing of group `g` on its input x (R, K): the scale applied (None: none) and whether it folded.
-        A fold into an already quantized producer (v_proj, up_proj) divides that module's rows too."""
+        A fold into an already quantized producer (v_proj, up_proj) divides that module's rows too. `block`: the
+        group's rotation (applied after the smoothing), which the strengths are scored with."""
         cfg, config = self.cfg, self.model.config
         entry: dict = {"linears": list(g.linears)}
+        if block:
+            entry["rotate"] = block
         self.report["groups"][f"{self.prefix}.{li}.{g.linears[0]}"] = entry
         if x.shape[0] < calibration.min_rows(x.shape[1]):
             entry["skipped"] = f"{x.shape[0]} calibration tokens reached it"
@@ -196,7 +210,7 @@ class LayerQuantizer:
                 w = layer.get_submodule(n).weight.detach().float()  # (N, K)
                 ref = x_alpha @ w.t()  # (R', N)
                 refs[n] = (w, ref, float(torch.linalg.vector_norm(ref) ** 2))
-            errs = {a: _score_alpha(layer, g, x_alpha, absmax, refs, a, cfg, config) for a in ALPHA_GRID}
+            errs = {a: _score_alpha(layer, g, x_alpha, absmax, refs, a, cfg, config, block) for a in ALPHA_GRID}
             alpha = min(errs, key=errs.get)
             entry["alpha_rel_error"] = {str(a): e for a, e in errs.items()}
         s, fold = smooth.compute_scales(layer, g, absmax, alpha, config)
@@ -211,13 +225,21 @@ class LayerQuantizer:
         return s, fold
 
     def _quantize(self, li: int, layer: nn.Module, g: smooth.SmoothGroup, x: torch.Tensor,
-                  s: torch.Tensor | None, fold: bool, built: dict) -> None:
-        """Thresholds and W8A8Linear modules for group `g` (weights already smoothed), which its Linears
-        compute from now on."""
+                  s: torch.Tensor | None, fold: bool, built: dict, block: int = 0) -> None:
+        """Thresholds and W8A8Linear modules for group `g` (weights already smoothed; rotated here when
+        `block`), which its Linears compute from now on."""
         cfg = self.cfg
-        x_s = x if s is None else x / s  # what the quantized modules will see, (R, K)
         few = x.shape[0] < calibration.min_rows(x.shape[1])
         dynamic = cfg.act_dynamic or few
+        x_s = x if s is None else x / s  # what the int8 grid will see, (R, K)
+        if block:
+            if not dynamic or (cfg.weight_gptq and not few):  # what reads x_s: the thresholds, GPTQ's Hessian
+                # In place (into x itself when unsmoothed: the caller is done with it): a rotated copy beside x and
+                # x / s would hold a third (R, K).
+                x_s = hadamard.rotate_(x_s, block)
+            for name in g.linears:
+                lin = layer.get_submodule(name)
+                lin.weight.data = hadamard.rotate(lin.weight.data.float(), block).to(lin.weight.dtype)  # W H^T
         x_sub = x_s[self._subsample(x.shape[0], cfg.search_tokens)] if not dynamic else None
         cands = None if dynamic else threshold_candidates(x_s, cfg.calib_method)
         h = None
@@ -240,7 +262,8 @@ class LayerQuantizer:
                 input_scale = thresholds.scale_from_threshold(info["threshold"])
                 info["input_scale"] = input_scale
             info["weights"] = winfo
-            mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s, weight=weight)
+            mod = W8A8Linear.from_float(lin, input_scale, None if (s is None or fold) else s, weight=weight,
+                                        rotate=block)
             built[name] = mod
             _simulate(lin, mod)
             self.report["linears"][f"{self.prefix}.{li}.{name}"] = info
@@ -256,6 +279,13 @@ class LayerQuantizer:
         if q.fallback:
             info["fallback"] = q.fallback
         return (q.codes.to(torch.int8), q.scales[0].contiguous()), info
+
+
+def rotation(report: dict) -> dict | None:
+    """What was rotated (None: nothing; MoE layers and inputs without a block of MIN_BLOCK are not), for the
+    manifest."""
+    blocks = [g["rotate"] for g in report["groups"].values() if "rotate" in g]
+    return {"linear": "down_proj", "blocks": sorted(set(blocks)), "layers": len(blocks)} if blocks else None
 
 
 def summarize(report: dict) -> dict:

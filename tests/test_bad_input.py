@@ -513,10 +513,11 @@ def test_format_version_from_the_future(capsys, artifact_copy, cmd):
         quant.load(artifact_copy)
 
 
-@pytest.mark.parametrize("change", ["unknown-type", "missing-field"])
+@pytest.mark.parametrize("change", ["unknown-type", "missing-field", "bad-rotation"])
 def test_module_spec_damaged(artifact_copy, change):
-    """A config.json naming a runtime module type no scheme registers, or a spec without a field its module
-    needs: one ArtifactError naming the module, not a KeyError from inside the registry."""
+    """A config.json naming a runtime module type no scheme registers, a spec without a field its module
+    needs, or a w8a8 rotation block that cannot tile the input: one ArtifactError naming the module, not a KeyError
+    from inside the registry."""
     import quant
 
     cpath = artifact_copy / "config.json"
@@ -524,12 +525,17 @@ def test_module_spec_damaged(artifact_copy, change):
     name, spec = next(iter(config["quantization_config"]["modules"].items()))
     if change == "unknown-type":
         spec["type"] = "int3"
+    elif change == "bad-rotation":
+        spec.clear()
+        spec.update(type="w8a8", dynamic=True, smooth=False, bias=False, rotate=3)
     else:
         del spec["affine"]
     cpath.write_text(json.dumps(config))
     _rehash(artifact_copy, "config.json")
-    with pytest.raises(ArtifactError, match=re.escape(name)):
+    with pytest.raises(ArtifactError, match=re.escape(name)) as err:
         quant.load(artifact_copy)
+    if change == "bad-rotation":
+        assert "rotate must be a power of two" in str(err.value)
 
 
 @pytest.mark.parametrize("keep", ["empty", "4-bytes", "mid-header", "header-only", "half"])

@@ -149,14 +149,57 @@ def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
-def test_w8a8_linear_on_cuda_int_mm(rows):
+@pytest.mark.parametrize("rotate", [0, 64])
+def test_w8a8_linear_on_cuda_int_mm(rows, rotate):
     from quant.layers import W8A8Linear
 
     lin = torch.nn.Linear(576, 1536, bias=True)
-    m = W8A8Linear.from_float(lin, input_scale=None).to("cuda")
+    m = W8A8Linear.from_float(lin, input_scale=None, rotate=rotate).to("cuda")
     m.prepare(torch.bfloat16)
     x = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(m(x).float(), m.reference_forward(x).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kronecker", [False, True])
+def test_hadamard_rotation_on_cuda_matches_its_definition(kronecker, monkeypatch):
+    """quant.hadamard on CUDA: the butterfly in PyTorch (the default) gives the CPU op's bits; the Kronecker form
+    (two products per block, behind CUDA_KRONECKER until this passes) the dense definition to fp32 accuracy."""
+    from quant import hadamard
+
+    monkeypatch.setattr(hadamard, "CUDA_KRONECKER", kronecker)
+    x = torch.randn(37, 14336, generator=torch.Generator().manual_seed(0))
+    got = hadamard.rotate(x.cuda(), 2048).cpu()
+    if kronecker:
+        torch.testing.assert_close(got, hadamard.rotate_reference(x.double(), 2048).float(), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, hadamard.rotate(x, 2048))
+
+
+@pytest.mark.parametrize("kronecker", [False, True])
+def test_w8a8_rotated_linear_in_a_cuda_graph(kronecker, monkeypatch):
+    """A rotated module's input transform (quant.hadamard; the Kronecker form's factors made by prepare, before the
+    capture) captured in a CUDA graph and replayed on new inputs gives what the eager call gives."""
+    from quant import hadamard
+    from quant.layers import W8A8Linear
+
+    monkeypatch.setattr(hadamard, "CUDA_KRONECKER", kronecker)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 576, bias=False)
+    m = W8A8Linear.from_float(lin, input_scale=0.05, rotate=512).to("cuda")
+    m.prepare(torch.bfloat16)
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as the engine's graphs do
+        m(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = m(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(1, 1536, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(y, m(x), atol=0, rtol=0)
 
 
 def _mixed_step_logits(hidden: int, runners: dict) -> dict:
@@ -202,32 +245,53 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
 
-def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB", tokenizer=None):
+def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB", tokenizer=None, model=None):
     from bench.gpu import word_tokenizer
     from server.engine import Engine, EngineConfig
 
-    eng = Engine(_tiny_llama(), tokenizer or word_tokenizer(512),
+    eng = Engine(model or _tiny_llama(), tokenizer or word_tokenizer(512),
                  EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=8,
                               cuda_graphs=cuda_graphs))
     assert eng.attention == backend_check
     return eng.start()
 
 
-def test_cuda_graph_decode_matches_eager_decode():
-    """A lone greedy request gives the same tokens with the decode graphs (bucket 1) as with eager steps."""
+def _greedy_with_and_without_graphs(new: int, model_fn=_tiny_llama) -> dict:
+    """A lone greedy request's tokens with the decode graphs (bucket 1) and with eager steps: {graphs: tokens}."""
     from server.sampling import SamplingParams
 
     prompt = torch.randint(2, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
-    p = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     got = {}
     for graphs in (True, False):
-        eng = _tiny_engine(graphs)
+        eng = _tiny_engine(graphs, model=model_fn())
         try:
             assert (eng.cuda_graphs != "off") == graphs
             got[graphs] = eng.complete(prompt, p).token_ids
         finally:
             eng.close()
+    return got
+
+
+def test_cuda_graph_decode_matches_eager_decode():
+    """A lone greedy request gives the same tokens with the decode graphs (bucket 1) as with eager steps."""
+    got = _greedy_with_and_without_graphs(40)
     assert len(got[True]) == 40 and got[True] == got[False]
+
+
+def test_cuda_graph_decode_with_rotated_w8a8_down_projections_matches_eager():
+    """down_proj as rotated W8A8 modules (the w8a8 build's default: quant.hadamard's transform before the int8
+    product): a greedy request gives the same tokens with the decode graphs as with eager steps."""
+    from quant.layers import W8A8Linear
+
+    def rotated():
+        model = _tiny_llama()
+        for layer in model.model.layers:
+            layer.mlp.down_proj = W8A8Linear.from_float(layer.mlp.down_proj, None, rotate=256).to("cuda")
+        return model
+
+    got = _greedy_with_and_without_graphs(24, rotated)
+    assert len(got[True]) == 24 and got[True] == got[False]
 
 
 def test_cuda_graph_padded_bucket_matches_eager_step():

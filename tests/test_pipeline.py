@@ -43,7 +43,7 @@ def ids():
         ("w8a8", ("--calib-method", "auto"), 0.08, W8A8Linear),
         ("w8a8", ("--calib-method", "kl", "--no-smooth"), 0.15, W8A8Linear),
         ("w8a8", ("--calib-method", "percentile", "--smooth-alpha", "0.5"), 0.15, W8A8Linear),
-        ("w8a8", ("--calib-method", "minmax"), 0.15, W8A8Linear),
+        ("w8a8", ("--calib-method", "minmax", "--no-rotate"), 0.15, W8A8Linear),
         ("w8a8", ("--act-dynamic",), 0.05, W8A8Linear),
         ("w8a8", ("--act-dynamic", "--no-gptq"), 0.05, W8A8Linear),
         ("rtn-w4", (), 0.25, GPTQLinear),
@@ -85,6 +85,15 @@ def test_build_load_and_match_float(tmp_path, tiny_model_dir, text_file, ids, sc
         want = "rtn" if "--no-gptq" in extra else "gptq"
         assert {info["weights"]["method"] for info in report["linears"].values()} == {want}
         assert manifest["parameters"]["weights"]["method"] == want
+        # down_proj's input rotated (intermediate 128: one block of 128) unless --no-rotate; the rotation needs
+        # format 2, which readers that predate it refuse instead of ignoring the spec's "rotate"
+        rotated = "--no-rotate" not in extra
+        assert {m.rotate for m in quantized} == ({0, 128} if rotated else {0})
+        assert [n for n, m in art.model.named_modules() if getattr(m, "rotate", 0)] == (
+            [f"model.layers.{i}.mlp.down_proj" for i in range(2)] if rotated else [])
+        assert manifest["format_version"] == (2 if rotated else 1)
+        assert manifest["parameters"]["rotate"] == ({"linear": "down_proj", "blocks": [128], "layers": 2}
+                                                    if rotated else None)
 
 
 def test_w8a8_smoothing_is_folded_and_auto_never_worse_than_minmax(tmp_path, tiny_model_dir, text_file):

@@ -10,7 +10,8 @@
 //
 // w8a8_rows computes what the `_int_mm` path computes, bit for bit: the activations quantized in fp32 as
 // quant.primitives does (division, round half to even, clamp), exact int32 sums, and the fp32 rescale in the same
-// order. int8_weight_rows computes x @ (s (q - z))^T as (x . q) s - rowsum(x) s z in fp32, rounded once; its sums
+// order. A rotated module's input (quant.hadamard) is transformed here by the fast Walsh-Hadamard butterfly, the
+// same sums in the same order as the module's other paths (the hadamard_ op below), so still bit for bit. int8_weight_rows computes x @ (s (q - z))^T as (x . q) s - rowsum(x) s z in fp32, rounded once; its sums
 // are in another order than ATen's int8pack kernel (which rounds to the activation dtype before the correction),
 // so it is held to the module's fp32 reference, as that kernel is. int4_rows reads the CPU int4pack layout
 // itself (no dequantized W), also in fp32 and rounded once, and is held to the reference the same way.
@@ -73,6 +74,27 @@ void row_f32(const typename qs::Raw<T>::type* __restrict x, const float* __restr
   for (int64_t j = 0; j < k; ++j) o[j] = qs::Raw<T>::get(x[j]);
   if (smooth)
     for (int64_t j = 0; j < k; ++j) o[j] = o[j] / smooth[j];
+}
+
+// x (k,) times the block-diagonal normalized Hadamard transform, blocks of `block` (a power of two) in place: the
+// butterfly, log2(block) passes of sums and differences (the pass with stride 1 first), then the 1 / sqrt(block)
+// scale rounded to T. Each value is the same chain of exactly rounded sums wherever it is computed, so this op, the
+// rows pass and quant.hadamard's PyTorch butterfly agree bit for bit.
+template <typename T>
+void hadamard_blocks(T* __restrict x, int64_t k, int64_t block) {
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(block)));
+  for (int64_t b = 0; b < k; b += block) {
+    T* v = x + b;
+    for (int64_t h = 1; h < block; h *= 2)
+      for (int64_t i = 0; i < block; i += 2 * h)
+#pragma omp simd
+        for (int64_t j = i; j < i + h; ++j) {
+          const T a = v[j], c = v[j + h];
+          v[j] = a + c;
+          v[j + h] = a - c;
+        }
+    for (int64_t j = 0; j < block; ++j) v[j] *= scale;
+  }
 }
 
 // Four weight rows against one x row at once: four independent sums and x read once per four rows. x comes widened
@@ -211,14 +233,17 @@ void four_rows(int64_t m, int64_t n, int64_t k, const Dot4& dot4, const Dot1& do
 
 }  // namespace
 
-// out (M, N) = the W8A8 Linear of x (M, K): x (divided by smooth (K,) where given) quantized per row (dynamic:
+// out (M, N) = the W8A8 Linear of x (M, K): x (divided by smooth (K,) where given, then rotated in blocks of
+// `rotate` where it is not 0) quantized per row (dynamic:
 // input_scale empty; s = max(amax|x| / qmax, min_scale)) or by the 0-dim input_scale, times the int8 weight (N, K),
 // rescaled by s_x * weight_scale (N,) in fp32, plus bias (N,) fp32 where given, rounded to x's dtype.
 at::Tensor w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                      const at::Tensor& input_scale, const at::Tensor& smooth, const at::Tensor& bias, double qmax,
-                     double min_scale) {
+                     double min_scale, int64_t rotate) {
   check_rows(x, w, w_scale);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(rotate == 0 || (rotate >= 2 && (rotate & (rotate - 1)) == 0 && k % rotate == 0),
+              "rotate must be 0 or a power of two dividing K");
   at::Tensor out = at::empty({m, n}, x.options());
   const bool dynamic = input_scale.numel() == 0;
   TORCH_CHECK(dynamic || (input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat),
@@ -233,6 +258,7 @@ at::Tensor w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     const auto* xp = qs::raw(x.data_ptr<scalar_t>());
     for (int64_t r = 0; r < m; ++r) {  // quant.primitives.quantize_act_dynamic / _static, in the same fp32 steps
       row_f32<scalar_t>(xp + r * k, sm, xf.data(), k);
+      if (rotate) hadamard_blocks(xf.data(), k, rotate);
       float s;
       if (dynamic) {
         float amax = 0.f;
@@ -594,13 +620,30 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+// x (M, K) fp32 or fp64 rotated in place in blocks of `block` (quant.hadamard on the CPU), parallel over the rows.
+at::Tensor& hadamard_(at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "hadamard_: x must be a contiguous (M, K) tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "hadamard_: x must be fp32 or fp64");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0 && k % block == 0,
+              "hadamard_: the block must be a power of two dividing K");
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hadamard_", [&] {
+    scalar_t* o = x.data_ptr<scalar_t>();
+    at::parallel_for(0, m, grain_rows(k * 8), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) hadamard_blocks(o + r * k, k, block);
+    });
+  });
+  return x;
+}
+
 TORCH_LIBRARY(quantserve_rows, m) {
   m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
-        "float qmax, float min_scale) -> Tensor");
+        "float qmax, float min_scale, int rotate) -> Tensor");
   m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias) -> Tensor");
   m.def("int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, Tensor scales_zeros, "
         "int group_size, Tensor bias) -> Tensor");
   m.def("bf16_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  m.def("hadamard_(Tensor(a!) x, int block) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
@@ -608,4 +651,5 @@ TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("int8_weight_rows", &int8_weight_rows);
   m.impl("int4_rows", &int4_rows);
   m.impl("bf16_rows", &bf16_rows);
+  m.impl("hadamard_", &hadamard_);
 }

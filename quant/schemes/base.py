@@ -71,7 +71,7 @@ class Scheme:
 
     def quantization_config(self, cfg: BuildConfig, resolved: dict, modules: dict[str, dict]) -> dict:
         """config.json's ``quantization_config``: ours lists every quantized module's spec."""
-        return {"quant_method": artifact.QUANT_METHOD, "format_version": artifact.FORMAT_VERSION,
+        return {"quant_method": artifact.QUANT_METHOD, "format_version": artifact.format_version(modules),
                 "scheme": self.name, "modules": modules}
 
     def extra_files(self, cfg: BuildConfig, resolved: dict) -> dict[str, str]:

@@ -17,7 +17,7 @@ class W8A8Scheme(Scheme):
     runtime = (W8A8Linear,)
     needs_calibration = True
     options = ("calib", "calib_method", "smooth", "smooth_alpha", "act_dynamic", "search_tokens", "weight_gptq",
-               "damp", "act_order")
+               "damp", "act_order", "rotate")
     summary = "int8 weights and activations, smoothed, calibrated input scales"
 
     def layer_quantizer(self, cfg, model, calib_ids, resolved):
@@ -38,6 +38,7 @@ class W8A8Scheme(Scheme):
             "smooth_alpha": (cfg.smooth_alpha if cfg.smooth_alpha is not None else "searched") if cfg.smooth else None,
             "weights": ({"method": "gptq", "damp": cfg.damp, "act_order": cfg.act_order} if cfg.weight_gptq
                         else {"method": "rtn"}),
+            "rotate": w8a8.rotation(report),
             "calibration_summary": w8a8.summarize(report),
         }
 
