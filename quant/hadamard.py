@@ -41,8 +41,13 @@ def block_size(k: int) -> int:
     return b if b >= MIN_BLOCK else 0
 
 
+def is_block(k: int, block) -> bool:
+    """Whether `block` can rotate `k` channels: an int power of two >= 2 dividing k."""
+    return type(block) is int and block >= 2 and not block & (block - 1) and not k % block
+
+
 def check_block(k: int, block: int) -> None:
-    if type(block) is not int or block < 2 or block & (block - 1) or k % block:
+    if not is_block(k, block):
         raise ValueError(f"cannot rotate {k} channels in blocks of {block!r}: a block is a power of two dividing them")
 
 

@@ -429,7 +429,7 @@ class W8A8Linear(QuantizedLinear):
         rotate: int = 0,
     ):
         super().__init__()
-        if type(rotate) is not int or (rotate and (rotate < 2 or rotate & (rotate - 1) or in_features % rotate)):
+        if not (type(rotate) is int and rotate == 0) and not hadamard.is_block(in_features, rotate):
             raise ValueError(f"w8a8: rotate must be a power of two >= 2 dividing the {in_features} input features, "
                              f"got {rotate!r}")
         self.in_features, self.out_features, self.dynamic, self.rotate = in_features, out_features, dynamic, rotate

@@ -76,6 +76,9 @@ void row_f32(const typename qs::Raw<T>::type* __restrict x, const float* __restr
     for (int64_t j = 0; j < k; ++j) o[j] = o[j] / smooth[j];
 }
 
+// Whether `block` can rotate k channels: a power of two >= 2 dividing k (quant.hadamard.is_block).
+bool is_block(int64_t k, int64_t block) { return block >= 2 && (block & (block - 1)) == 0 && k % block == 0; }
+
 // x (k,) times the block-diagonal normalized Hadamard transform, blocks of `block` (a power of two) in place: the
 // butterfly, log2(block) passes of sums and differences (the pass with stride 1 first), then the 1 / sqrt(block)
 // scale rounded to T. Each value is the same chain of exactly rounded sums wherever it is computed, so this op, the
@@ -242,8 +245,7 @@ at::Tensor w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                      double min_scale, int64_t rotate) {
   check_rows(x, w, w_scale);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(rotate == 0 || (rotate >= 2 && (rotate & (rotate - 1)) == 0 && k % rotate == 0),
-              "rotate must be 0 or a power of two dividing K");
+  TORCH_CHECK(rotate == 0 || is_block(k, rotate), "rotate must be 0 or a power of two dividing K");
   at::Tensor out = at::empty({m, n}, x.options());
   const bool dynamic = input_scale.numel() == 0;
   TORCH_CHECK(dynamic || (input_scale.dim() == 0 && input_scale.scalar_type() == at::kFloat),
@@ -625,8 +627,7 @@ at::Tensor& hadamard_(at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "hadamard_: x must be a contiguous (M, K) tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "hadamard_: x must be fp32 or fp64");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0 && k % block == 0,
-              "hadamard_: the block must be a power of two dividing K");
+  TORCH_CHECK(is_block(k, block), "hadamard_: the block must be a power of two dividing K");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hadamard_", [&] {
     scalar_t* o = x.data_ptr<scalar_t>();
     at::parallel_for(0, m, grain_rows(k * 8), [&](int64_t b, int64_t e) {
