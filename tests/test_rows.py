@@ -178,6 +178,14 @@ def test_bad_operands_get_one_line_errors():
         rows.int4(packed, 64, 128, (64, True), sz[:1], 64, None)(torch.zeros(1, 128))
     with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) tensor"):
         rows.int4(packed, 64, 128, (64, True), sz, 64, None)(torch.zeros(1, 64))
+    with pytest.raises(RuntimeError, match="rotate must be 0 or a power of two dividing K"):
+        rows.w8a8(q, s, None, None, None, rotate=24)(torch.zeros(1, 64))
+    with pytest.raises(RuntimeError, match="hadamard_: the block must be a power of two dividing K"):
+        rows.hadamard_(torch.zeros(2, 64), 128)
+    with pytest.raises(RuntimeError, match="hadamard_: x must be fp32 or fp64"):
+        rows.hadamard_(torch.zeros(2, 64).bfloat16(), 64)
+    with pytest.raises(RuntimeError, match="hadamard_: x must be a contiguous \\(M, K\\) tensor"):
+        rows.hadamard_(torch.zeros(64, 2).t(), 64)
 
 
 def test_an_inexact_int_mm_is_not_offered(monkeypatch):
