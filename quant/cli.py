@@ -14,8 +14,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quant import schemes
-from quant.config import CALIB_METHODS, DTYPES, EVAL_DTYPES, BuildConfig, CalibConfig, EvalConfig
+from quant.build import schemes
+from quant.build.config import (
+    CALIB_METHODS,
+    DTYPES,
+    EVAL_DTYPES,
+    BuildConfig,
+    CalibConfig,
+    EvalConfig,
+)
 from quant.errors import ConfigError, QuantError
 
 EVAL_DTYPE_HELP = (f"{', '.join(EVAL_DTYPES)}: float64 (default) is the reference arithmetic, the same figures on "
@@ -185,7 +192,7 @@ def summary(manifest: dict, path: Path) -> list:
 
 
 def _size_arg(flag: str, text: str) -> int:
-    from quant.memory import parse_bytes
+    from quant.shape.memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -194,7 +201,7 @@ def _size_arg(flag: str, text: str) -> int:
 
 
 def _cmd_build(args, console: Console, cache_dir: Path) -> int:
-    from quant.build import build
+    from quant.build.pipeline import build
 
     cfg = BuildConfig(
         scheme=args.scheme, model=args.model, lora=args.lora, out=args.out, force=args.force,
@@ -210,7 +217,7 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
                         dtype=args.eval_dtype, flag="--eval-"),
     )
     out = build(cfg, cache_dir, progress=not args.no_progress, log=lambda m: console.print(f"[dim]{m}[/dim]"))
-    from quant.artifact import read_manifest
+    from quant.format.artifact import read_manifest
 
     for table in summary(read_manifest(out), out):
         console.print(table)
@@ -219,8 +226,14 @@ def _cmd_build(args, console: Console, cache_dir: Path) -> int:
 
 
 def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
-    from quant import calibration, evaluate, loader, models
-    from quant.build import reference_model, resolve_eval_adapter, resolve_eval_source
+    from quant.build import calibration, evaluate
+    from quant.build.pipeline import (
+        reference_model,
+        resolve_eval_adapter,
+        resolve_eval_source,
+    )
+    from quant.format import sources as models
+    from quant.runtime import loader
 
     EvalConfig(data=args.data, windows=args.windows, seqlen=args.seqlen, dtype=args.dtype).validate()
     art = loader.load(args.artifact, dtype=models.torch_dtype(args.dtype))
@@ -241,7 +254,7 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
 
 
 def _cmd_merge(args, console: Console, cache_dir: Path) -> int:
-    from quant.build import merge
+    from quant.build.pipeline import merge
 
     dtype = None if args.dtype == "auto" else args.dtype
     out = merge(args.model, args.lora, Path(args.out), args.force, cache_dir, dtype)
@@ -250,7 +263,7 @@ def _cmd_merge(args, console: Console, cache_dir: Path) -> int:
 
 
 def _cmd_estimate(args, console: Console, cache_dir: Path) -> int:
-    from quant.estimate import estimate
+    from quant.build.estimate import estimate
 
     if args.requests is not None:  # the server's plan, computed offline: its code, imported when it runs
         return importlib.import_module(PLAN_OWNER).estimate_command(args, console, cache_dir)
@@ -274,7 +287,7 @@ def _cmd_estimate(args, console: Console, cache_dir: Path) -> int:
 
 
 def _cmd_inspect(args, console: Console) -> int:
-    from quant.artifact import read_manifest
+    from quant.format.artifact import read_manifest
 
     manifest = read_manifest(Path(args.artifact))
     if args.json:
@@ -286,7 +299,7 @@ def _cmd_inspect(args, console: Console) -> int:
 
 
 def _cmd_verify(args, console: Console) -> int:
-    from quant.artifact import verify
+    from quant.format.artifact import verify
 
     manifest = verify(Path(args.artifact))
     console.print(f"ok: {len(manifest['files'])} files match their sha256 in {args.artifact}")
@@ -297,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
         return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
 
     args = _build_parser().parse_args(argv)
     console = Console(stderr=False)

@@ -278,8 +278,9 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     import torch
     from transformers import AutoConfig
 
-    from quant import models
-    from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
+    from quant.format import sources as models
+    from quant.shape.memory import dtype_bytes, engine_prefill_bytes
+    from quant.shape.model import ModelShape
     from server import attention, fastops
     from server.engine import EngineConfig
     from server.kv_pool import KVLayout, resolve_budget
@@ -329,9 +330,10 @@ def estimate_command(args, console, cache_dir) -> int:
     `quant serve`): :func:`offline`, printed as quant-client prints a live plan."""
     import json
 
-    from quant.errors import ConfigError
     from quantserve.client.render import plan_table
     from quantserve.client.types import parse_shape, plan_from_dict
+
+    from quant.errors import ConfigError
 
     try:
         shapes = [Shape(s.prompt_tokens, s.max_new_tokens, s.count, s.n)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     import logging
 
     from quant.errors import QuantError
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
 
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,25 +31,47 @@ from typing import Callable
 
 import torch
 
-from quant import artifact
-from quant.kernel_choice import MODES as KERNEL_MODES
-from quant.kernel_choice import Chooser
-from quant.memory import ModelShape, dtype_bytes, engine_prefill_bytes
+from quant.format import artifact
+from quant.runtime.kernel_choice import MODES as KERNEL_MODES
+from quant.runtime.kernel_choice import Chooser
+from quant.shape.memory import dtype_bytes, engine_prefill_bytes
+from quant.shape.model import ModelShape
 from server import capacity, models
 from server import outputs as out
 from server.batch import stage
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.grammar import Grammars, Matcher, fill_bitmask
-from server.kv_pool import BlockPool, KVBudgetError, KVLayout, budget_fraction, free_memory, resolve_budget
+from server.kv_pool import (
+    BlockPool,
+    KVBudgetError,
+    KVLayout,
+    budget_fraction,
+    free_memory,
+    resolve_budget,
+)
 from server.layers.embedding import check_mode as check_embeddings
 from server.layers.embedding import describe as describe_embeddings
 from server.layers.embedding import resolve as resolve_embeddings
 from server.outputs import (
-    Accounting, EngineClosedError, EngineTotals, Event, OverloadedError, RequestError, TokenLogprob, TraceStep,
+    Accounting,
+    EngineClosedError,
+    EngineTotals,
+    Event,
+    OverloadedError,
+    RequestError,
+    TokenLogprob,
+    TraceStep,
 )
 from server.runner import SCORE_ROWS, ModelRunner, build_step
-from server.sampling import (SEED_LIMIT, TRACE_STAGES, TRACE_STATS, SamplingBatch, SamplingParams,
-                             SamplingParamsError, sample)
+from server.sampling import (
+    SEED_LIMIT,
+    TRACE_STAGES,
+    TRACE_STATS,
+    SamplingBatch,
+    SamplingParams,
+    SamplingParamsError,
+    sample,
+)
 from server.scheduler import Group, Scheduler, Sequence
 from server.settings import setting
 
@@ -71,7 +93,7 @@ class EngineConfig:
     dtype: str = setting("dtype")
     device: str = setting("device")
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
-    kernels: str = setting("kernels")  # quant/kernel_choice.py
+    kernels: str = setting("kernels")  # quant/runtime/kernel_choice.py
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
@@ -117,10 +139,11 @@ class ModelInfo:
 def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_dir: Path):
     """(model, tokenizer, name, scheme): a quantserve / GPTQ artifact dir, or a plain model dir, GGUF or hub id
     (served unquantized); None is the embedded default model. Local safetensors checkpoints load as a module tree
-    without transformers' modeling classes (quant.loader.load_for_engine); a hub id or a .bin-only dir goes
+    without transformers' modeling classes (quant.runtime.loader.load_for_engine); a hub id or a .bin-only dir goes
     through transformers."""
-    from quant import loader, shards
-    from quant import models as sources
+    from quant.format import shards
+    from quant.format import sources as sources
+    from quant.runtime import loader
 
     check = models.model_class  # an architecture the engine does not serve is refused before any weight
     p = Path(spec).expanduser() if spec else None
@@ -576,7 +599,7 @@ class Engine:
 
     def activation_estimate(self, chunk_tokens: int, past: int = 0, scored: int = 0) -> int:
         """Estimated activation peak of a step that prefills a chunk of this many tokens after ``past`` cached
-        ones (quant.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
+        ones (quant.shape.memory.engine_prefill_bytes, the runner's own model, with its glue ops and the measured
         dequantization transients of this model's projections). ``scored``: rows of it whose next token is scored
         (prompt logprobs): the runner forms their logits SCORE_ROWS at a time, each row's in the head's output and
         its fp32 log-softmax, counted as two more sampled rows each."""

@@ -6,7 +6,7 @@ CPU each costs a few microseconds of dispatch however small it is, which added u
 layer: the residual add with the next RMSNorm, rotary embedding in place (partial rotary included), the K/V
 cache write of the sdpa backend, and the gated activations (SiLU·up, GELU-tanh·up).
 
-The C++ source is compiled on first use (``quant.native``: needs a C++ compiler; ~15 s, cached under torch's
+The C++ source is compiled on first use (``quant.runtime.kernels.native``: needs a C++ compiler; ~15 s, cached under torch's
 extensions dir). Where it cannot be built, :func:`load` says why and the runner uses the references below,
 which are the eager ops it replaces; tests hold the two to each other. ``server/csrc/attention_ops.cpp``, in the
 same library, has the sdpa backend's attention over the paged cache in place: decode rows, and prefill chunks
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quant.native import Extension
+from quant.runtime.kernels.native import Extension
 
 _CSRC = Path(__file__).with_name("csrc")
 _EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp"], "quantserve_decode_ops")
@@ -131,7 +131,7 @@ class Ops:
     "eager" (the references); the layers and the attention backends call these and do not care which.
 
     ``fused`` says the C++ library is loaded (the sdpa backend's CPU attention kernels come with it); ``memory``
-    is the glue's kind for the activation model (quant.memory.engine_prefill_bytes): the Triton kernels allocate
+    is the glue's kind for the activation model (quant.shape.memory.engine_prefill_bytes): the Triton kernels allocate
     what the fused CPU ones do, the references keep temporaries."""
 
     def __init__(self, kind: str):

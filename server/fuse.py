@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quant.layers import QuantizedLinear, fused_bias, fused_offsets, view_rows
+from quant.runtime.linear import QuantizedLinear, fused_bias, fused_offsets, view_rows
 
 
 def _fuse_dense(mods: list[nn.Linear]) -> nn.Linear:

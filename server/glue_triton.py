@@ -30,7 +30,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from quant.triton_kernels import gated_act, inv_rms, rms_normed  # the arithmetic the fused epilogues share
+from quant.runtime.kernels.triton_kernels import (  # the arithmetic the fused epilogues share
+    gated_act,
+    inv_rms,
+    rms_normed,
+)
 
 
 def _pow2(n: int) -> int:

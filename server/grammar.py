@@ -29,6 +29,7 @@ from torch import Tensor
 
 from server.sampling import SamplingParamsError
 
+
 class Grammars:
     """The engine's grammar compiler over its tokenizer (built on first use; compiled schemas cached by xgrammar)."""
 

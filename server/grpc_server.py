@@ -15,10 +15,12 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from quantserve.client.types import SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
+from quantserve.client.types import (
+    SAMPLING_TYPES,  # the one list of sampling controls (stdlib only)
+)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
 from server.capacity import Shape
 from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
 from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingParams

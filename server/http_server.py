@@ -20,13 +20,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from quantserve.client.types import (  # the one list of sampling controls (stdlib only)
+    SAMPLING_FIELDS,
+    SAMPLING_TYPES,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES  # the one list of sampling controls (stdlib only)
 from server.capacity import Shape
 from server.metrics import CONTENT_TYPE
 from server.outputs import Accounting, EngineClosedError, OverloadedError, RequestError
-from server.sampling import MAX_LOGPROBS, TRACE_STAGES, TRACE_STATS, SamplingParams, SamplingParamsError
+from server.sampling import (
+    MAX_LOGPROBS,
+    TRACE_STAGES,
+    TRACE_STATS,
+    SamplingParams,
+    SamplingParamsError,
+)
 from server.service import CHAT_ROLES, AuthError, DeadlineError, Service, classify
 
 _OPEN_PATHS = ("/health", "/metrics")

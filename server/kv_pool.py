@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.memory import ModelShape, kv_bytes_per_token
+from quant.shape.memory import kv_bytes_per_token
+from quant.shape.model import ModelShape
 
 
 class KVBudgetError(ValueError):
@@ -45,7 +46,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) * layers * kv_heads * head_dim * bytes(dtype): quant.memory's formula."""
+        """2 (K and V) * layers * kv_heads * head_dim * bytes(dtype): quant.shape.memory's formula."""
         shape = ModelShape(self.layers, 1, 1, self.kv_heads, self.kv_heads, self.head_dim, 1)
         return kv_bytes_per_token(shape, self.dtype)
 
@@ -80,7 +81,7 @@ def free_memory(device: torch.device | str = "cpu") -> int:
 def resolve_budget(spec: str | int | float, device: torch.device | str = "cpu") -> int:
     """Bytes for the pool: an integer byte count ("2147483648", "2GiB") or a fraction of the memory
     free right now ("0.3"). Invalid specs are errors, not silently clamped."""
-    from quant.memory import parse_bytes
+    from quant.shape.memory import parse_bytes
 
     text = str(spec).strip()
     value = budget_fraction(text)

@@ -62,7 +62,7 @@ class Accounting:
     kv_blocks_reserved: int  # ceil((prompt + max_new_tokens) / block_size)
     kv_bytes_reserved: int  # kv_blocks_reserved * block_size * kv_bytes_per_token
     kv_bytes_used: int  # (tokens whose K/V was written) * kv_bytes_per_token
-    activation_peak_bytes: int  # estimated peak of this request's prefill steps (quant.memory)
+    activation_peak_bytes: int  # estimated peak of this request's prefill steps (quant.shape.memory)
     attention: str  # the attention implementation the estimate assumed (the engine's)
     engine: EngineTotals
     # Of kv_bytes_reserved: the blocks it mapped from the prefix cache, or that another live request also held while

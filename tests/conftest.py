@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels (server.attention.triton_paged, quant.triton_ops) run on CPU tensors under
+# Without a GPU the Triton kernels (server.attention.triton_paged, quant.runtime.kernels.triton_ops) run on CPU tensors under
 # Triton's interpreter; it is read when triton decorates a kernel, so it is set before anything imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,7 +55,7 @@ def cache_dir(tmp_path_factory) -> Path:
     env = os.environ.get("QUANTSERVE_TEST_CACHE")
     if env:
         return Path(env)
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
 
     return default_cache_dir()
 
@@ -63,10 +63,10 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     """The default model's tokenizer, read straight from its GGUF (no model conversion needed), with the special
-    tokens its config names, as the conversion gives it (quant.models.agree_special_tokens)."""
+    tokens its config names, as the conversion gives it (quant.format.sources.agree_special_tokens)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from quant.models import agree_special_tokens, default_gguf_path
+    from quant.format.sources import agree_special_tokens, default_gguf_path
 
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -187,12 +187,12 @@ def run_cli(*args: str) -> int:
 
 def rerun_capped_to_avx2(test_file: str, select: str) -> None:
     """Runs the tests of ``test_file`` that ``-k select`` picks again in a process capped to AVX2
-    (``ATEN_CPU_CAPABILITY=avx2``: our C++ kernels are then compiled without AVX-512, quant/native.py), so CI on an
+    (``ATEN_CPU_CAPABILITY=avx2``: our C++ kernels are then compiled without AVX-512, quant/runtime/kernels/native.py), so CI on an
     AVX-512 machine holds the kernels an AVX2-only CPU gets too; every test must run and pass there."""
     import subprocess
     import sys
 
-    from quant import native
+    from quant.runtime.kernels import native
 
     if "avx512f" not in native.cpu_flags().split() or "avx2" not in native.cpu_flags().split():
         pytest.skip("this CPU's own run covers its kernels; no AVX-512 to cap")

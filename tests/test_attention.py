@@ -140,7 +140,7 @@ def test_triton_split_merge_in_one_launch_rearms_its_counters():
     attention launch, its counter re-armed: with 80 query heads on one KV head a row takes two blocks of 64, so
     each block's counter must count its own programs; a second launch on the same counters gives the same
     output, and every counter is zero after each."""
-    from quant.triton_ops import split_counters
+    from quant.runtime.kernels.triton_ops import split_counters
 
     spec = AttentionSpec(80, 1, 16, 0.25, window=150)
     for seed in (11, 12):  # twice: a counter left mid-count would hand the merge to the wrong program

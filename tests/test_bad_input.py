@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from quant.errors import ArtifactError
-from conftest import run_cli
 
 CALIB = ("--calib-samples", "4", "--calib-seqlen", "32")
 EVAL = ("--eval-windows", "2", "--eval-seqlen", "32")
@@ -282,7 +282,7 @@ def test_quality_gate_missed_publishes_nothing(capsys, tmp_path, tiny_model_dir,
 
 
 def test_quality_gate_passed_is_recorded(tmp_path, tiny_model_dir, text_file):
-    from quant.artifact import read_manifest
+    from quant.format.artifact import read_manifest
 
     out = tmp_path / "art"
     assert run_cli(*build_args(tiny_model_dir, out, "--eval-data", text_file, *EVAL, "--max-kl", "100",
@@ -339,7 +339,7 @@ def test_out_parent_unwritable(capsys, tmp_path, tiny_model_dir, monkeypatch):
             # Running as root, chmod does not make a dir unwritable: report it unwritable the way an
             # ordinary user's os.access would, so the check itself is still exercised.
             real_access = os.access
-            monkeypatch.setattr("quant.artifact.os.access",
+            monkeypatch.setattr("quant.format.artifact.os.access",
                                 lambda p, mode: False if Path(p) == parent else real_access(p, mode))
         out = parent / "art"
         msg = failing_build(capsys, out, *build_args(tiny_model_dir, out))
@@ -383,29 +383,29 @@ def test_out_is_an_existing_file_with_force(capsys, tmp_path, tiny_model_dir):
 
 
 def _crash_cfg(tiny_model_dir, out, text_file=None, force=False):
-    from quant.config import BuildConfig, EvalConfig
+    from quant.build.config import BuildConfig, EvalConfig
 
     ev = EvalConfig(data=str(text_file), windows=2, seqlen=32) if text_file else EvalConfig()
     return BuildConfig(scheme="int8-sym", model=str(tiny_model_dir), out=str(out), force=force, eval=ev)
 
 
 def test_crash_in_write_manifest(tmp_path, tiny_model_dir, monkeypatch):
-    import quant.build
+    import quant.build.pipeline
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash while writing the manifest")
 
-    monkeypatch.setattr(quant.build.artifact, "write_manifest", boom)
+    monkeypatch.setattr(quant.build.pipeline.artifact, "write_manifest", boom)
     out = tmp_path / "art"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        quant.build.build(_crash_cfg(tiny_model_dir, out), tmp_path / "cache", progress=False, log=lambda m: None)
+        quant.build.pipeline.build(_crash_cfg(tiny_model_dir, out), tmp_path / "cache", progress=False, log=lambda m: None)
     assert_nothing_written(out)
 
 
 def test_crash_in_evaluation_keeps_the_old_artifact(tmp_path, tiny_model_dir, text_file, monkeypatch):
     """With --force, a build that dies (here: during the quality report, after files were written to
     staging) leaves the previous artifact exactly as it was."""
-    import quant.build
+    import quant.build.pipeline
 
     def boom(*a, **k):
         raise RuntimeError("simulated crash during evaluation")
@@ -415,7 +415,7 @@ def test_crash_in_evaluation_keeps_the_old_artifact(tmp_path, tiny_model_dir, te
     out.mkdir()
     (out / "marker").write_text("old artifact")
     with pytest.raises(RuntimeError, match="simulated crash"):
-        quant.build.build(_crash_cfg(tiny_model_dir, out, text_file, force=True), tmp_path / "cache",
+        quant.build.pipeline.build(_crash_cfg(tiny_model_dir, out, text_file, force=True), tmp_path / "cache",
                           progress=False, log=lambda m: None)
     assert [p.name for p in out.iterdir()] == ["marker"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".art.")) == []
@@ -440,7 +440,7 @@ def artifact_copy(good_artifact, tmp_path) -> Path:
 
 
 def _rehash(art: Path, rel: str) -> None:
-    from quant.artifact import sha256_file
+    from quant.format.artifact import sha256_file
 
     mpath = art / "quant_manifest.json"
     manifest = json.loads(mpath.read_text())

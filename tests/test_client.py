@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from live_server import self_signed_cert, start
 from quantserve.client import AsyncClient, Client, ClientError, to_dict
 from quantserve.client.cli import main
-from live_server import self_signed_cert, start
 
 from bench.reliability import metric_sum
 
@@ -214,7 +213,6 @@ def test_cli_trace_tables_json_and_plot_on_both_transports(server, capsys, tmp_p
 
 def test_cli_sweep_csv_json_and_heatmaps(server, capsys, tmp_path):
     from matplotlib.image import imread
-
     from quantserve.client.sweep import COLUMNS
 
     grid = ["--temperature", "0,1", "--top-k", "0,5", "--top-p", "1.0,0.5", "--seeds", "2",

@@ -10,11 +10,34 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from quantserve.client.errors import ClientError, from_grpc, from_http, param_from_message
-from quantserve.client.metrics import cell_metrics, distinct_n, ngrams, pooled_mean, repeats, repetition_rate
-from quantserve.client.types import (Candidate, EngineMemory, MemoryAccounting, Message, Request, Result, Sampling,
-                                     TokenLogprob, TraceStep, Usage, to_dict, trace_from_dict)
+from quantserve.client.errors import (
+    ClientError,
+    from_grpc,
+    from_http,
+    param_from_message,
+)
+from quantserve.client.metrics import (
+    cell_metrics,
+    distinct_n,
+    ngrams,
+    pooled_mean,
+    repeats,
+    repetition_rate,
+)
+from quantserve.client.types import (
+    Candidate,
+    EngineMemory,
+    MemoryAccounting,
+    Message,
+    Request,
+    Result,
+    Sampling,
+    TokenLogprob,
+    TraceStep,
+    Usage,
+    to_dict,
+    trace_from_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,10 +210,16 @@ def test_sse_events_join_into_one_result_and_errors_in_the_stream_raise():
 def test_sweep_files_round_trip_and_plots_have_the_documented_size(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
-
     from quantserve.client import plot
     from quantserve.client.metrics import CellMetrics
-    from quantserve.client.sweep import COLUMNS, SweepRow, SweepSpec, read_rows, write_csv, write_json
+    from quantserve.client.sweep import (
+        COLUMNS,
+        SweepRow,
+        SweepSpec,
+        read_rows,
+        write_csv,
+        write_json,
+    )
 
     spec = SweepSpec("p", (0.0, 1.0), (0, 5), (1.0, 0.5), seeds=2)
     rows = [SweepRow(t, k, p, CellMetrics(2, 4.0, 0.5 + t / 4, math.nan if k else 0.25 * p, 0.1, -3.0, 1.0 * t,

@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def _gptq(n, k, gs, act_order, device, symmetric=False):
-    from quant.int4 import GPTQLinear, pack_rows
+    from quant.runtime.int4 import GPTQLinear
+    from quant.runtime.kernels.int4_layout import pack_rows
 
     g = torch.Generator().manual_seed(n + k)
     m = GPTQLinear(k, n, True, gs, v2=False)
@@ -58,7 +59,7 @@ def test_gptq_int4pack_on_cuda_takes_k_not_a_multiple_of_128():
 
 @pytest.mark.parametrize("affine", [False, True])
 def test_int8_weight_linear_on_cuda_uses_triton(affine):
-    from quant.layers import Int8WeightLinear
+    from quant.runtime.int8 import Int8WeightLinear
 
     lin = torch.nn.Linear(576, 1536, bias=True)
     m = Int8WeightLinear.from_float(lin, affine).to("cuda")
@@ -76,7 +77,7 @@ def test_int8_weight_linear_on_cuda_uses_triton(affine):
 def test_gated_one_row_products_equal_the_product_then_act_mul_in_bf16(act):
     """A [gate | up] projection's one-row launch ending in the activation gives the plain product put through the
     Triton act_mul bit for bit, in bf16 (which the interpreter cannot run), for both weight-only kernels."""
-    from quant.layers import Int8WeightLinear
+    from quant.runtime.int8 import Int8WeightLinear
     from server import glue_triton as G
 
     gptq = _gptq(2 * 768, 576, 64, False, "cuda", symmetric=True)
@@ -96,7 +97,7 @@ def test_norm_epilogues_equal_the_product_then_add_rms_norm_in_bf16():
     """o's and down's one-row launch ending in the residual add and the next RMSNorm (and Gemma's output norm and
     Granite's multiplier before the add) gives what the product and the Triton glue give apart, in bf16: Llama's
     residual bit for bit, the rest within a rounding (1536 columns: each sum of squares in two chunks)."""
-    from quant.layers import Int8WeightLinear
+    from quant.runtime.int8 import Int8WeightLinear
     from server import glue_triton as G
 
     gptq = _gptq(1536, 576, 64, False, "cuda", symmetric=False)
@@ -125,8 +126,8 @@ def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
     the reference product at every row count through what was chosen."""
     import json
 
-    from quant.kernel_choice import Chooser
-    from quant.layers import Int8WeightLinear
+    from quant.runtime.int8 import Int8WeightLinear
+    from quant.runtime.kernel_choice import Chooser
     from server.layers.linear import bind
 
     dtype = torch.bfloat16
@@ -151,7 +152,7 @@ def test_one_row_launches_and_plans_are_measured_on_the_gpu_and_kept(tmp_path):
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
 @pytest.mark.parametrize("rotate", [0, 64])
 def test_w8a8_linear_on_cuda_int_mm(rows, rotate):
-    from quant.layers import W8A8Linear
+    from quant.runtime.w8a8 import W8A8Linear
 
     lin = torch.nn.Linear(576, 1536, bias=True)
     m = W8A8Linear.from_float(lin, input_scale=None, rotate=rotate).to("cuda")
@@ -162,9 +163,9 @@ def test_w8a8_linear_on_cuda_int_mm(rows, rotate):
 
 @pytest.mark.parametrize("kronecker", [False, True])
 def test_hadamard_rotation_on_cuda_matches_its_definition(kronecker, monkeypatch):
-    """quant.hadamard on CUDA: the butterfly in PyTorch (the default) gives the CPU op's bits; the Kronecker form
+    """quant.runtime.hadamard on CUDA: the butterfly in PyTorch (the default) gives the CPU op's bits; the Kronecker form
     (two products per block, behind CUDA_KRONECKER until this passes) the dense definition to fp32 accuracy."""
-    from quant import hadamard
+    from quant.runtime import hadamard
 
     monkeypatch.setattr(hadamard, "CUDA_KRONECKER", kronecker)
     x = torch.randn(37, 14336, generator=torch.Generator().manual_seed(0))
@@ -177,10 +178,10 @@ def test_hadamard_rotation_on_cuda_matches_its_definition(kronecker, monkeypatch
 
 @pytest.mark.parametrize("kronecker", [False, True])
 def test_w8a8_rotated_linear_in_a_cuda_graph(kronecker, monkeypatch):
-    """A rotated module's input transform (quant.hadamard; the Kronecker form's factors made by prepare, before the
+    """A rotated module's input transform (quant.runtime.hadamard; the Kronecker form's factors made by prepare, before the
     capture) captured in a CUDA graph and replayed on new inputs gives what the eager call gives."""
-    from quant import hadamard
-    from quant.layers import W8A8Linear
+    from quant.runtime import hadamard
+    from quant.runtime.w8a8 import W8A8Linear
 
     monkeypatch.setattr(hadamard, "CUDA_KRONECKER", kronecker)
     torch.manual_seed(0)
@@ -280,9 +281,9 @@ def test_cuda_graph_decode_matches_eager_decode():
 
 
 def test_cuda_graph_decode_with_rotated_w8a8_down_projections_matches_eager():
-    """down_proj as rotated W8A8 modules (the w8a8 build's default: quant.hadamard's transform before the int8
+    """down_proj as rotated W8A8 modules (the w8a8 build's default: quant.runtime.hadamard's transform before the int8
     product): a greedy request gives the same tokens with the decode graphs as with eager steps."""
-    from quant.layers import W8A8Linear
+    from quant.runtime.w8a8 import W8A8Linear
 
     def rotated():
         model = _tiny_llama()
@@ -346,6 +347,7 @@ def test_triton_glue_in_bf16_matches_the_eager_ops():
     """The CUDA glue kernels (server/glue_triton.py) in bf16, which the interpreter cannot round faithfully: each
     against its eager reference, and the engine on CUDA chooses them."""
     from glue_cases import assert_close_ulps
+
     from server import fastops
 
     tri, ref = fastops.Ops("triton"), fastops.Ops("eager")
@@ -439,9 +441,9 @@ def test_a_cuda_build_records_the_allocators_peak(request, text_file, tmp_path, 
     package is not installed (a lent GPU's image), the test skips, saying so."""
     import json
 
-    from quant.build import build
-    from quant.config import BuildConfig, CalibConfig
-    from quant.models import ModelSourceError, default_gguf_path
+    from quant.build.config import BuildConfig, CalibConfig
+    from quant.build.pipeline import build
+    from quant.format.sources import ModelSourceError, default_gguf_path
 
     try:
         default_gguf_path()
@@ -459,13 +461,13 @@ def test_a_cuda_build_records_the_allocators_peak(request, text_file, tmp_path, 
 
 
 def test_timings_one_after_another_and_a_failed_capture_leave_the_gpu_usable():
-    """quant.timing on the real CUDA graph API (tests/test_timing.py holds the same rules on a stand-in): timings
+    """quant.runtime.timing on the real CUDA graph API (tests/test_timing.py holds the same rules on a stand-in): timings
     one after another each capture into a pool of their own (the allocator asserted when one pool outlived its
     graphs), and a call that cannot be captured (it synchronises) raises without leaving the device's generator in
     capture mode or the allocator mid-capture: random draws, emptying the cache, a graph capture and timings after
     it work. Last in this file: were the device left broken, the
     tests before it have run."""
-    from quant.timing import cuda_time_us
+    from quant.runtime.timing import cuda_time_us
 
     x = torch.randn(1024, 1024, device="cuda")
     for _ in range(3):

@@ -10,11 +10,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import SHARED_DATA
-from quant import artifact, load, models
-from quant.build import build
-from quant.config import BuildConfig, CalibConfig, EvalConfig
+
+from quant import load
+from quant.build.config import BuildConfig, CalibConfig, EvalConfig
+from quant.build.pipeline import build
+from quant.format import artifact
+from quant.format import sources as models
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,13 @@
-"""The one-pass C++ dequantizers (quant/csrc/dequant_ops.cpp) against their PyTorch references, bit for bit."""
+"""The one-pass C++ dequantizers (quant/runtime/kernels/csrc/dequant_ops.cpp) against their PyTorch references, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quant import dequant
-from quant import primitives as P
-from quant.int4 import _cpu_layout, _pack_for_kernel
+from quant.runtime import primitives as P
+from quant.runtime.kernels import dequant
+from quant.runtime.kernels.int4_layout import cpu_layout, pack_for_kernel
 
 pytestmark = pytest.mark.skipif(not dequant.load(), reason=f"dequant ops not built: {dequant.unavailable_reason()}")
 
@@ -40,13 +40,13 @@ def test_int8_bf16_rounding_matches_torch_at_ties_and_specials():
 @pytest.mark.parametrize("n", [192, 64 * 3 + 32 + 16])  # whole blocks; a partial last block (interleaved)
 @pytest.mark.parametrize("permuted", [False, True])  # act-order checkpoints permute the columns
 def test_int4pack_equals_reference(dtype, n, permuted):
-    layout = _cpu_layout()
+    layout = cpu_layout()
     if layout is None:
         pytest.skip("this CPU's int4pack layout is not one we read")
     k, gs = 256, 64
     g = torch.Generator().manual_seed(n)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    packed = _pack_for_kernel(codes)
+    packed = pack_for_kernel(codes)
     sz = torch.randn(k // gs, n, 2, generator=g).to(torch.bfloat16)  # (G, N, 2) scale, zero
     perm = torch.randperm(k, generator=g) if permuted else None
     got = dequant.int4pack(packed, n, k, layout, sz, gs, perm, dtype)

@@ -144,7 +144,7 @@ def test_the_default_tokenizer_ends_on_the_eos_its_config_names(tokenizer):
     import copy
     from types import SimpleNamespace
 
-    from quant.models import agree_special_tokens
+    from quant.format.sources import agree_special_tokens
 
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.bos_token_id) == ("<|im_end|>", 2, 1)
     tok = copy.deepcopy(tokenizer)

@@ -12,10 +12,12 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import wait_until
-from quant.memory import MemoryTracker, ModelShape, engine_prefill_bytes, weight_report
+from quant.runtime.measure import MemoryTracker, weight_report
+from quant.shape.memory import engine_prefill_bytes
+from quant.shape.model import ModelShape
 from server import fastops
 from server.engine import Engine, EngineConfig
 from server.kv_pool import BlockPool, KVLayout
@@ -153,7 +155,8 @@ def test_fused_and_reference_ops_agree_in_bf16(tiny_model_dir):
 @pytest.mark.parametrize("scheme,dtype", [("int8-sym", torch.float32), ("w4a16", torch.bfloat16)])
 def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_model_dir, text_file, scheme, dtype):
     from conftest import run_cli
-    from quant.loader import load
+
+    from quant.runtime.loader import load
 
     out = tmp_path / scheme
     assert run_cli("build", "--model", tiny_model_dir, "--scheme", scheme, "--calib", text_file, "--calib-samples",
@@ -216,7 +219,8 @@ def test_activation_estimate_within_15_percent_of_the_runner_peak(tiny_model_dir
 def test_activation_estimate_counts_dequantization_above_the_kernel_rows(tmp_path, tiny_model_dir, text_file):
     """int8 weight-only layers dequantize above 64 rows; the estimate carries that transient."""
     from conftest import run_cli
-    from quant.loader import load
+
+    from quant.runtime.loader import load
 
     out = tmp_path / "int8"
     assert run_cli("build", "--model", tiny_model_dir, "--scheme", "int8-sym", "--calib", text_file,

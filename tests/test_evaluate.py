@@ -1,4 +1,4 @@
-"""quant.evaluate.compare on models whose logits are known: perplexity, KL, top-1 and the standard error of Δppl
+"""quant.build.evaluate.compare on models whose logits are known: perplexity, KL, top-1 and the standard error of Δppl
 over windows against the formulas computed by hand, in float64 (the evaluation's default arithmetic)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from quant.calibration import TokenWindows
-from quant.evaluate import compare
+from quant.build.calibration import TokenWindows
+from quant.build.evaluate import compare
 
 
 class _Table(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The pipeline's walk over each family's decoder layers (quant.families), on every tiny architecture of
+"""The pipeline's walk over each family's decoder layers (quant.build.families), on every tiny architecture of
 tests/archs.py: every layer calibrated with its own kwargs, smoothing folds that leave the float layer unchanged,
 staged GPTQ equal to GPTQ through the exact layer forward, and layers the pipeline cannot quantize refused."""
 
@@ -8,13 +8,18 @@ import copy
 
 import pytest
 import torch
+from archs import ARCHITECTURES
 from transformers import AutoModelForCausalLM
 
-from archs import ARCHITECTURES
-from quant import gptq as G
-from quant import smooth
-from quant.families import FAMILIES
-from quant.sequential import capture_layer_inputs, decoder_layers, layer_plan, run_layer
+from quant.build import gptq as G
+from quant.build import smooth
+from quant.build.families import FAMILIES
+from quant.build.sequential import (
+    capture_layer_inputs,
+    decoder_layers,
+    layer_plan,
+    run_layer,
+)
 
 ARCHS = list(ARCHITECTURES)
 
@@ -92,7 +97,7 @@ def test_smoothing_folds_leave_every_layer_unchanged(arch, arch_dirs):
 
 
 def _gptq_into_weights(layer, record):
-    from quant.gptq import Hessian
+    from quant.build.gptq import Hessian
 
     def quantize_group(names, inputs):
         hess = Hessian(layer.get_submodule(names[0]).in_features)
@@ -111,7 +116,7 @@ def _gptq_into_weights(layer, record):
 @pytest.mark.parametrize("matmul", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", [a for a in ARCHS if FAMILIES[_model_type(a)].staged])
 def test_staged_gptq_equals_gptq_through_the_exact_layer(arch, arch_dirs, matmul):
-    from quant.sequential import exact_pass, layer_pass, linear_products_in
+    from quant.build.sequential import exact_pass, layer_pass, linear_products_in
 
     model = _model(arch_dirs, arch)
     hidden, kws = capture_layer_inputs(model, _ids(3, 24))
@@ -155,10 +160,10 @@ def test_w8a8_sequential_calibration_is_what_its_int8_modules_compute(arch, arch
     """The layer pass that calibrates W8A8 runs each finished group in float (dequantized weights, fake-quantized
     inputs, smoothing folded into already quantized v/up rows); the int8 modules swapped in afterwards compute
     the same layer output, and the pass is the staged one exactly where the family allows."""
-    from quant.config import BuildConfig, CalibConfig
-    from quant.layers import W8A8Linear
-    from quant.moe import quantizable_linears
-    from quant.w8a8 import LayerQuantizer
+    from quant.build.config import BuildConfig, CalibConfig
+    from quant.build.schemes.w8a8 import LayerQuantizer
+    from quant.runtime.moe import quantizable_linears
+    from quant.runtime.w8a8 import W8A8Linear
 
     model = _model(arch_dirs, arch)
     cfg = BuildConfig(scheme="w8a8", calib=CalibConfig(samples=2, seqlen=48), search_tokens=64)
@@ -177,7 +182,7 @@ def test_w8a8_sequential_calibration_is_what_its_int8_modules_compute(arch, arch
 
 
 def test_int8_product_is_the_integer_product_on_either_path(monkeypatch):
-    from quant import primitives as P
+    from quant.runtime import primitives as P
 
     g = torch.Generator().manual_seed(0)
     xq = torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8)
@@ -189,7 +194,7 @@ def test_int8_product_is_the_integer_product_on_either_path(monkeypatch):
 
 
 def test_bf16_linear_products_change_only_the_products():
-    from quant.sequential import linear_products_in
+    from quant.build.sequential import linear_products_in
 
     g = torch.Generator().manual_seed(3)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False))

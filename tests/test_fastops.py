@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import rerun_capped_to_avx2
 from glue_cases import check_activations, check_norms, check_rope, check_store_kv
+
 from server import fastops
 
 pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""The tiled many-row int4 and int8 products (quant/gemm.py, quant/csrc/gemm_ops.cpp) against the modules' fp32
+"""The tiled many-row int4 and int8 products (quant/runtime/kernels/gemm.py, quant/runtime/kernels/csrc/gemm_ops.cpp) against the modules' fp32
 references and the dequantize-then-matmul paths they stand in for; where they are offered; their one-line errors."""
 
 from __future__ import annotations
@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import rerun_capped_to_avx2
-from quant import gemm, int4
-from quant import gptq as G
-from quant.layers import Int8WeightLinear
+
+from quant.build import gptq as G
+from quant.runtime import int4
+from quant.runtime.int8 import Int8WeightLinear
+from quant.runtime.kernels import gemm
 
 
 def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64) -> int4.GPTQLinear:
@@ -124,7 +125,7 @@ def test_gemm_is_offered_only_where_it_computes():
     assert "gemm" in _int8(64, 128, False, False).paths(torch.bfloat16)
     assert "gemm" not in _int8(72, 128, False, False).paths(torch.bfloat16)  # blocks of 64 (AVX-512) or 16 (AVX2)
     assert "gemm" not in _int8(64, 127, False, False).paths(torch.bfloat16)  # K odd: pairs of columns
-    from quant.layers import W8A8Linear
+    from quant.runtime.w8a8 import W8A8Linear
 
     for k, offered in ((128, True), (127, False)):
         a8 = W8A8Linear.from_float(torch.nn.Linear(k, 64), 0.05)
@@ -175,7 +176,7 @@ def test_bad_operands_get_one_line_errors():
 @pytest.mark.parametrize("rows_", [1, 7, 70])
 def test_bf16_gemm_computes_the_fp32_product(bias, rows_):
     """Only where the CPU has no fast bf16 GEMM (AVX2): a bf16 Linear's many-row product in fp32 tiles."""
-    from quant.kernel_choice import dense_paths
+    from quant.runtime.kernel_choice import dense_paths
 
     g = torch.Generator().manual_seed(9)
     w = torch.randn(48, 200, generator=g).bfloat16()  # K = 200: a last 8-column step of its own
@@ -211,7 +212,7 @@ def test_w8a8_gemm_computes_the_fp32_paths_numbers(dynamic, smooth, bias, rows_,
     """The same integer products and fp32 rescale as W8A8Linear's fp32 path: equal after rounding (fp32 sums in
     another order; with AVX2 or AVX512-VNNI, int32 sums, so int_mm's exactly), and held to the module's
     reference."""
-    from quant.layers import W8A8Linear
+    from quant.runtime.w8a8 import W8A8Linear
 
     torch.manual_seed(3)
     lin = torch.nn.Linear(k, 64, bias=bias)

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from glue_cases import (
+    assert_close_ulps,
+    check_activations,
+    check_norms,
+    check_rope,
+    check_store_kv,
+)
 
-from glue_cases import assert_close_ulps, check_activations, check_norms, check_rope, check_store_kv
 from server import fastops
 from server.attention.triton_paged import available
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant import gptq as G
-from quant import int4
-from quant import primitives as P
+from quant.build import gptq as G
 from quant.errors import ConfigError
+from quant.runtime import int4
+from quant.runtime import primitives as P
+from quant.runtime.kernels import int4_layout
 
 
 def _problem(n=64, k=256, rows=2048, seed=0, corr=True):
@@ -69,7 +70,7 @@ def test_blocked_cholesky_gptq_equals_the_textbook_algorithm(sym):
 
 
 def test_int8_grid_gptq_equals_the_textbook_algorithm_and_beats_rounding():
-    # W8A8's weights: one group per row on the symmetric int8 grid of quant.primitives.
+    # W8A8's weights: one group per row on the symmetric int8 grid of quant.runtime.primitives.
     w, x, h = _problem(n=32, k=256)
     q = G.gptq(w, h, group_size=256, grid=G.Grid.int8(), block=64)
     assert q.fallback is None and q.bits == 8
@@ -173,7 +174,7 @@ def test_group_size_must_divide():
 def test_checkpoint_format_bit_for_bit_with_the_v1_formula(v2, sym):
     w, _, h = _problem(n=64, k=256)
     q = G.gptq(w, h, 4, 64, sym)
-    t = int4.pack_gptq(q.codes, q.scales, q.zeros, 64, v2)
+    t = int4_layout.pack_gptq(q.codes, q.scales, q.zeros, 64, v2)
     assert t["qweight"].shape == (32, 64) and t["qweight"].dtype == torch.int32
     assert t["qzeros"].shape == (4, 8) and t["scales"].dtype == torch.float16
     assert torch.equal(t["g_idx"], torch.arange(256, dtype=torch.int32) // 64)
@@ -188,18 +189,18 @@ def test_checkpoint_format_bit_for_bit_with_the_v1_formula(v2, sym):
             value = float(sc[gi[k], n].float()) * (code - zero)
             assert value == float(fake[n, k]), (k, n)
     # And the whole tensor, vectorised.
-    assert torch.equal(int4.dequantize_gptq(qw, qz, sc, gi, v2), fake)
+    assert torch.equal(int4_layout.dequantize_gptq(qw, qz, sc, gi, v2), fake)
 
 
 def test_v1_cannot_hold_zero_point_zero_but_v2_can():
     codes = torch.zeros(8, 64, dtype=torch.int32)
     zeros = torch.zeros(1, 8, dtype=torch.int32)
     scales = torch.ones(1, 8)
-    v1 = int4.pack_gptq(codes, scales, zeros, 64, v2=False)
-    v2 = int4.pack_gptq(codes, scales, zeros, 64, v2=True)
+    v1 = int4_layout.pack_gptq(codes, scales, zeros, 64, v2=False)
+    v2 = int4_layout.pack_gptq(codes, scales, zeros, 64, v2=True)
     # The known v1 overflow: zero 0 is stored as -1 & 0xF = 15 and read back as 16.
-    assert torch.equal(int4.unpack_gptq(*v1.values(), v2=False)[1], zeros + 16)
-    assert torch.equal(int4.unpack_gptq(*v2.values(), v2=True)[1], zeros)
+    assert torch.equal(int4_layout.unpack_gptq(*v1.values(), v2=False)[1], zeros + 16)
+    assert torch.equal(int4_layout.unpack_gptq(*v2.values(), v2=True)[1], zeros)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,7 +227,7 @@ def _act_order_checkpoint(k: int = 256, n: int = 128, group: int = 64):
     q = G.rtn(w[:, perm], 4, group)  # quantized in the permuted order
     m = int4.GPTQLinear.from_quantized(q, None, v2=False)
     inv = torch.argsort(perm)
-    t = int4.pack_gptq(q.codes[:, inv], q.scales, q.zeros, group, v2=False)  # codes back in checkpoint order
+    t = int4_layout.pack_gptq(q.codes[:, inv], q.scales, q.zeros, group, v2=False)  # codes back in checkpoint order
     m.qweight = t["qweight"]
     m.g_idx = (inv // group).to(torch.int32)  # column c sits at position inv[c] of the order
     return m, w
@@ -274,9 +275,15 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from quant.families import plan
-    from quant.sequential import capture_layer_inputs, decoder_layers, exact_pass, run_layer, staged_pass
-    from quant.smooth import layer_groups
+    from quant.build.families import plan
+    from quant.build.sequential import (
+        capture_layer_inputs,
+        decoder_layers,
+        exact_pass,
+        run_layer,
+        staged_pass,
+    )
+    from quant.build.smooth import layer_groups
 
     path = make_tiny_llama(tmp_path / "m", tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -308,7 +315,7 @@ def test_group_size_choice(tokenizer, tmp_path):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from quant.w4a16 import choose_group_size
+    from quant.build.schemes.w4 import choose_group_size
 
     path = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=96, intermediate_size=192)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -319,7 +326,7 @@ def test_group_size_choice(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("k", [40, 128, 300])
 def test_streamed_hessian_is_the_full_product(k):
-    from quant.gptq import Hessian
+    from quant.build.gptq import Hessian
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(1, 17, k, generator=g) for _ in range(3)] + [torch.randn(5, k, generator=g)]
@@ -339,6 +346,7 @@ def test_a_gptq_checkpoint_without_our_manifest_is_served_as_written(tmp_path, t
     import shutil
 
     from conftest import run_cli
+
     from quant import load
     from quant.errors import ArtifactError
     from server.engine import load_for_serving

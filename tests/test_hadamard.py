@@ -1,11 +1,11 @@
-"""quant.hadamard: the block Walsh-Hadamard rotation against its dense definition."""
+"""quant.runtime.hadamard: the block Walsh-Hadamard rotation against its dense definition."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quant import hadamard
+from quant.runtime import hadamard
 
 
 @pytest.mark.parametrize("k,block", [(1536, 512), (576, 64), (14336, 2048), (128, 128), (8192, 4096)])

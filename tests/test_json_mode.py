@@ -11,11 +11,11 @@ import grpc
 import httpx
 import jsonschema
 import pytest
-
 from live_server import start
-from quant import models
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
+from quant.format import sources as models
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("xgrammar")

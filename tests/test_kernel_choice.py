@@ -1,4 +1,4 @@
-"""Kernel choice per CPU (quant/kernel_choice.py): every path of every runtime module equals its reference, the
+"""Kernel choice per CPU (quant/runtime/kernel_choice.py): every path of every runtime module equals its reference, the
 plan picks what it measured and is cached per CPU, the int4pack layout reads back on every vector width, and the
 engine reports what it chose."""
 
@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from quant import dequant, gemm
-from quant import gptq as G
-from quant import int4
-from quant import kernel_choice as KC
-from quant import rows
-from quant.layers import Int8WeightLinear, W8A8Linear
+from quant.build import gptq as G
+from quant.runtime import int4
+from quant.runtime import kernel_choice as KC
+from quant.runtime.int8 import Int8WeightLinear
+from quant.runtime.kernels import dequant, gemm, rows
+from quant.runtime.w8a8 import W8A8Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,17 +171,19 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
     native_ops = bool(dequant.load() and rows.available(torch.empty(0, dtype=torch.int8)))
     code = (
         "import torch\n"
-        "from quant import dequant, gptq as G, int4, rows\n"
-        "from quant.layers import W8A8Linear\n"
+        "from quant.build import gptq as G\n"
+        "from quant.runtime import int4\n"
+        "from quant.runtime.kernels import dequant, int4_layout, rows\n"
+        "from quant.runtime.w8a8 import W8A8Linear\n"
         f"NATIVE = {native_ops}  # the C++ ops build in this test's process: then they must under the cap too\n"
         "assert not NATIVE or (dequant.load() and rows.available(torch.empty(0, dtype=torch.int8)))\n"
-        "assert int4._cpu_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
+        "assert int4_layout.cpu_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
         "for n in (16, 48, 80, 576, 960):\n"
         "    w = torch.randn(n, 128, generator=torch.Generator().manual_seed(n))\n"
         "    m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)\n"
         "    ref = m.dequantized(torch.float32)\n"
         "    m.prepare(torch.bfloat16)\n"
-        "    fast = int4._kernel_codes_cpu(m.packed, n, 128, int4._cpu_layout()).to(torch.int32)\n"
+        "    fast = int4_layout.kernel_codes_cpu(m.packed, n, 128, int4_layout.cpu_layout()).to(torch.int32)\n"
         "    assert torch.equal(fast, m._kernel_codes()), n\n"
         "    err = (m.dequantized(torch.float32) - ref).abs().max() / ref.abs().max()\n"
         "    assert err < 1e-2, (n, err)  # scales and zeros are held in bf16\n"
@@ -192,8 +194,8 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
         "    sz = m.scales_zeros.clone()\n"
         "    sz[0, :3, 0] = torch.tensor([float('nan'), float('inf'), 1e-3])  # specials through the rounding\n"
         "    for dt in (torch.float32, torch.bfloat16):  # the C++ dequantizer as built for this capability\n"
-        "        fast = dequant.int4pack(m.packed, n, 128, int4._cpu_layout(), sz, 64, None, dt)\n"
-        "        ref = dequant.int4pack_reference(m.packed, n, 128, int4._cpu_layout(), sz, 64, None, dt)\n"
+        "        fast = dequant.int4pack(m.packed, n, 128, int4_layout.cpu_layout(), sz, 64, None, dt)\n"
+        "        ref = dequant.int4pack_reference(m.packed, n, 128, int4_layout.cpu_layout(), sz, 64, None, dt)\n"
         "        torch.testing.assert_close(fast, ref, rtol=0, atol=0, equal_nan=True)  # NaN payloads aside\n"
         "w = W8A8Linear.from_float(torch.nn.Linear(200, 98), None)\n"
         "x = torch.randn(3, 200).bfloat16()\n"
@@ -230,6 +232,7 @@ def test_dense_paths_agree():
 def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_model_dir, tmp_path, text_file,
                                                                       monkeypatch, caplog):
     from conftest import run_cli
+
     from server.engine import Engine, EngineConfig
 
     art = tmp_path / "int8"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant.memory import KNOWN_SHAPES, kv_bytes_per_token
+from quant.shape.memory import kv_bytes_per_token
+from quant.shape.model import KNOWN_SHAPES
 from server.kv_pool import BlockPool, KVBudgetError, KVLayout, resolve_budget
 
 SMOL = KVLayout(layers=30, kv_heads=3, head_dim=64, dtype=torch.bfloat16, block_size=16)

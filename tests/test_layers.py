@@ -7,10 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from quant import hadamard, layers
-from quant import primitives as P
-from quant.layers import Int8WeightLinear, W8A8Linear
-from quant.schemes import module_from_spec
+from quant.runtime import hadamard
+from quant.runtime import primitives as P
+from quant.runtime.int8 import INT8PACK_MAX_ROWS, Int8WeightLinear
+from quant.runtime.kernels import rows as rowops
+from quant.runtime.registry import module_from_spec
+from quant.runtime.w8a8 import W8A8Linear
 
 
 def _linear(k=128, n=96, bias=True, seed=0, shift=0.0):
@@ -50,7 +52,7 @@ def test_int8pack_branch_is_taken_for_short_bf16_inputs(monkeypatch):
 
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", Spy())
     m(_x(2, dtype=torch.bfloat16))
-    m(_x(layers.INT8PACK_MAX_ROWS + 1, dtype=torch.bfloat16))
+    m(_x(INT8PACK_MAX_ROWS + 1, dtype=torch.bfloat16))
     assert calls == [(4, 128)]  # only the short input went through the int8 kernel
 
 
@@ -84,7 +86,7 @@ def test_w8a8_rotated_input_every_path_matches_reference(dynamic, dtype):
     ref = m.reference_forward(x.double()).float()  # (10, 96)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     paths = m.paths(dtype)
-    assert "rows" in paths or not layers.rowops.available(m.weight)
+    assert "rows" in paths or not rowops.available(m.weight)
     for name, path in paths.items():
         y = path(x.contiguous()).float()
         assert float((y - ref).abs().max() / ref.abs().max()) < tol, name

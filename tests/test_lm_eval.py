@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from live_server import start
-from quant import models
+
+from quant.format import sources as models
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("lm_eval")

@@ -2,7 +2,7 @@
 
 Adapters are made by PEFT itself on the tiny Llama (lora_A / lora_B randomised, since PEFT starts B at
 zero), saved with `save_pretrained`, then merged twice into fresh base models: by PEFT
-(`PeftModel.from_pretrained(...).merge_and_unload()`) and by `quant.lora.merge_adapter`. Both compute
+(`PeftModel.from_pretrained(...).merge_and_unload()`) and by `quant.build.lora.merge_adapter`. Both compute
 the delta as (B @ A) * scaling in fp32 and add it to W rounding once to W's dtype, so every parameter
 is compared with torch.equal, not a tolerance.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_adapter
-from quant.lora import AdapterInfo, LoraError, merge_adapter, read_adapter
+
+from quant.build.lora import AdapterInfo, LoraError, merge_adapter, read_adapter
 
 peft = pytest.importorskip("peft")
 

@@ -6,10 +6,18 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from quant import load
-from quant import memory as M
+from quant.build.memory import TrainSetup, lora_params, training_bytes, weight_bytes
+from quant.runtime.measure import MemoryTracker, float_model_bytes, weight_report
+from quant.shape.memory import (
+    dtype_bytes,
+    kv_bytes_per_token,
+    parse_bytes,
+    prefill_activation_bytes,
+)
+from quant.shape.model import KNOWN_SHAPES, ModelShape, parse_size, shape_for_params
 
 
 def _tiny(tokenizer, tmp_path, **kw):
@@ -28,26 +36,26 @@ def test_predicted_weight_bytes_equal_the_artifact(tmp_path, tiny_model_dir, tex
     out = tmp_path / "a"
     assert run_cli("build", "--scheme", scheme, "--model", tiny_model_dir, "--out", out, "--dtype", dtype,
                    "--calib", text_file, "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress") == 0
-    from quant.artifact import mmap_safetensors
+    from quant.format.artifact import mmap_safetensors
 
     art = load(out, verify=True)
-    shape = M.ModelShape.from_config(art.model.config)
-    fb = M.dtype_bytes(getattr(torch, dtype))
-    predicted = M.weight_bytes(shape, scheme, float_bytes=fb, group_size=64)
+    shape = ModelShape.from_config(art.model.config)
+    fb = dtype_bytes(getattr(torch, dtype))
+    predicted = weight_bytes(shape, scheme, float_bytes=fb, group_size=64)
     stored = mmap_safetensors(out / "model.safetensors")
     assert predicted["total"] == sum(t.numel() * t.element_size() for t in stored.values())
     manifest = json.loads((out / "quant_manifest.json").read_text())
     assert manifest["memory"]["weights"] == predicted
     # Loaded for serving in its float dtype, the model holds its runtime layout (int4: repacked for the kernel).
-    assert M.weight_bytes(shape, scheme, float_bytes=fb, group_size=64, served=True) == M.weight_report(art.model)
+    assert weight_bytes(shape, scheme, float_bytes=fb, group_size=64, served=True) == weight_report(art.model)
 
 
 def test_float_prediction_and_params(tokenizer, tmp_path):
     _, model = _tiny(tokenizer, tmp_path)
-    shape = M.ModelShape.from_config(model.config)
+    shape = ModelShape.from_config(model.config)
     assert shape.params() == sum(p.numel() for p in model.parameters())
-    assert M.weight_bytes(shape, "float", 4)["total"] == M.float_model_bytes(model)
-    assert M.kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 2 * 2 * 16 * 2  # 2 layers, 2 kv heads of 16
+    assert weight_bytes(shape, "float", 4)["total"] == float_model_bytes(model)
+    assert kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 2 * 2 * 16 * 2  # 2 layers, 2 kv heads of 16
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -60,22 +68,22 @@ def test_activation_estimate_within_15_percent_of_measurement(tokenizer, tmp_pat
     model = model.to(dtype)
     model.config._attn_implementation = attn
     ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode(), M.MemoryTracker() as tr:
+    with torch.inference_mode(), MemoryTracker() as tr:
         model(ids, use_cache=False, logits_to_keep=1)
-    est = M.prefill_activation_bytes(M.ModelShape.from_config(model.config), batch, seq, attn, M.dtype_bytes(dtype))
+    est = prefill_activation_bytes(ModelShape.from_config(model.config), batch, seq, attn, dtype_bytes(dtype))
     assert abs(est / tr.peak - 1) < 0.15, (est, tr.peak)
 
 
 def test_eager_is_quadratic_and_sdpa_linear():
-    s = M.KNOWN_SHAPES["135M"]
-    eager = [M.prefill_activation_bytes(s, 1, n, "eager", 2) for n in (2048, 4096)]
-    sdpa = [M.prefill_activation_bytes(s, 1, n, "sdpa", 2) for n in (2048, 4096)]
+    s = KNOWN_SHAPES["135M"]
+    eager = [prefill_activation_bytes(s, 1, n, "eager", 2) for n in (2048, 4096)]
+    sdpa = [prefill_activation_bytes(s, 1, n, "sdpa", 2) for n in (2048, 4096)]
     assert 3.5 < eager[1] / eager[0] < 4.1
     assert 1.9 < sdpa[1] / sdpa[0] < 2.1
 
 
 def test_memory_tracker_sees_frees():
-    with M.MemoryTracker() as tr:
+    with MemoryTracker() as tr:
         a = torch.ones(1024)  # 4 KiB
         b = a * 2
         del a
@@ -86,30 +94,30 @@ def test_memory_tracker_sees_frees():
 
 
 def test_training_classes():
-    s = M.KNOWN_SHAPES["7B"]
+    s = KNOWN_SHAPES["7B"]
     P = s.params()
-    full = M.training_bytes(s, M.TrainSetup("mixed", 32), 1, 2048)
+    full = training_bytes(s, TrainSetup("mixed", 32), 1, 2048)
     assert (full["W"], full["G"], full["O"]) == (6 * P, 2 * P, 8 * P)
-    fp32 = M.training_bytes(s, M.TrainSetup("fp32", 32), 1, 2048)
+    fp32 = training_bytes(s, TrainSetup("fp32", 32), 1, 2048)
     assert (fp32["W"], fp32["G"], fp32["O"]) == (4 * P, 4 * P, 8 * P)
-    assert M.training_bytes(s, M.TrainSetup("mixed", 8), 1, 2048)["O"] == 2 * P
-    assert M.training_bytes(s, M.TrainSetup("mixed", 4), 1, 2048)["O"] == P
-    lora = M.training_bytes(s, M.TrainSetup("mixed", 32, lora_rank=16, base_scheme="w4a16"), 1, 2048)
-    assert lora["trainable_params"] == M.lora_params(s, 16) == 32 * 16 * sum(n + k for _, n, k in s.linears())
+    assert training_bytes(s, TrainSetup("mixed", 8), 1, 2048)["O"] == 2 * P
+    assert training_bytes(s, TrainSetup("mixed", 4), 1, 2048)["O"] == P
+    lora = training_bytes(s, TrainSetup("mixed", 32, lora_rank=16, base_scheme="w4a16"), 1, 2048)
+    assert lora["trainable_params"] == lora_params(s, 16) == 32 * 16 * sum(n + k for _, n, k in s.linears())
     assert lora["G"] == 4 * lora["trainable_params"] and lora["W"] < full["W"] / 5
-    ckpt = M.training_bytes(s, M.TrainSetup("mixed", 32, checkpointing=True), 1, 2048)
+    ckpt = training_bytes(s, TrainSetup("mixed", 32, checkpointing=True), 1, 2048)
     assert ckpt["A"] < full["A"] / 5
 
 
 def test_sizes_parse_and_known_shapes():
-    assert M.parse_size("7B") == 7e9 and M.parse_size("135M") == 135e6
-    assert M.shape_for_params(7e9).name == "Llama-2-7B"
-    assert M.shape_for_params(1.35e8).name == "SmolLM2-135M"
-    assert M.parse_bytes("24GiB") == 24 * 2**30 and M.parse_bytes("80GB") == 80 * 10**9
+    assert parse_size("7B") == 7e9 and parse_size("135M") == 135e6
+    assert shape_for_params(7e9).name == "Llama-2-7B"
+    assert shape_for_params(1.35e8).name == "SmolLM2-135M"
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9
     with pytest.raises(ValueError):
-        M.parse_size("seven")
+        parse_size("seven")
     with pytest.raises(ValueError):
-        M.parse_bytes("lots")
+        parse_bytes("lots")
 
 
 def test_estimate_cli(tiny_model_dir, capsys):

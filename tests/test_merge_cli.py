@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import torch
-
-from conftest import run_cli
-from quant import artifact, load
-from conftest import make_adapter
+from conftest import make_adapter, run_cli
 from test_lora import _base, _peft_merged
+
+from quant import load
+from quant.format import artifact
 
 
 def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
@@ -64,7 +64,7 @@ def test_build_with_lora_records_adapter_and_evaluates_against_the_merged_model(
     art = load(out, dtype=torch.float32)
     ids = torch.randint(0, 1000, (1, 16))
     merged = _base(tiny_model_dir)
-    from quant.lora import merge_adapter
+    from quant.build.lora import merge_adapter
 
     merge_adapter(merged, adapter)
     with torch.inference_mode():

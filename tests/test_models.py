@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
+from archs import ARCHITECTURES, WINDOW
 from transformers import AutoModelForCausalLM
 
-from archs import ARCHITECTURES, WINDOW
 from server.engine import Engine, EngineConfig
 from server.kv_pool import BlockPool, KVLayout
 from server.runner import ModelRunner, build_step
@@ -148,11 +148,11 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
     apart, and near the artifact's own through transformers in fp32."""
     from collections import Counter
 
+    from conftest import run_cli
     from triton.runtime.interpreter import InterpretedFunction
 
-    from conftest import run_cli
-    from quant.int4 import GPTQLinear
-    from quant.loader import load_for_engine
+    from quant.runtime.int4 import GPTQLinear
+    from quant.runtime.loader import load_for_engine
 
     out = tmp_path / "w4"
     assert run_cli("build", "--model", arch_dirs(arch), "--scheme", "w4a16", "--calib", text_file,
@@ -197,7 +197,7 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
                         for n in ("attn_out", "mlp_in", "mlp_out", "attn_in"))
             assert launched["_norm_kernel"] == norms + 1 + qk and norms >= 2 * layers
     assert torch.equal(logits[True], logits[False])
-    from quant.loader import load
+    from quant.runtime.loader import load
 
     want = hf_logits(load(out, dtype=torch.float32).model, a + [7])[-1]  # the artifact through transformers, fp32
     err = (logits[True][0] - want).abs().max() / want.abs().max()
@@ -298,7 +298,8 @@ def artifact_cases():
 def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme, arch_dirs, text_file, tmp_path,
                                                                    cache_dir):
     from conftest import run_cli
-    from quant.loader import load
+
+    from quant.runtime.loader import load
 
     out = tmp_path / f"{arch}-{scheme}"
     extra = ["--calib-method", "minmax"] if scheme == "w8a8" else []

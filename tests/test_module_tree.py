@@ -1,5 +1,5 @@
 """The engine's loading path without transformers' modeling classes: the config normalised out of process
-(quant.model_config), the checkpoint as a module tree by name (quant.module_tree), and what the serving process
+(quant.format.model_config), the checkpoint as a module tree by name (quant.runtime.module_tree), and what the serving process
 then does not import."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from archs import ARCHITECTURES
-from quant import model_config, module_tree
+
 from quant.errors import ArtifactError, ModelSourceError, QuantError
+from quant.format import model_config
+from quant.runtime import module_tree
 from server.engine import load_for_serving
 from server.kv_pool import BlockPool, KVLayout
 from server.runner import ModelRunner, build_step

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 
-from conftest import run_cli
-from quant import moe
 from quant.errors import UnsupportedModelError
+from quant.runtime import moe
 
 CALIB = ("--calib-samples", "8", "--calib-seqlen", "64")
 EVAL = ("--eval-windows", "2", "--eval-seqlen", "64")
@@ -166,9 +166,9 @@ def test_an_expert_no_token_reaches_falls_back_and_is_named(tokenizer, tmp_path,
 def test_experts_are_calibrated_in_two_stages_not_one_pass_per_expert(name, tokenizer):
     """Every expert's gate/up read the block's input and its down their product: one layer pass captures all the
     gate/up inputs, one more all the downs', so a layer costs 5 passes whatever the expert count (it was 3E + 5)."""
-    from quant.families import plan
-    from quant.sequential import decoder_layers
-    from quant.w4a16 import LayerQuantizer
+    from quant.build.families import plan
+    from quant.build.schemes.w4 import LayerQuantizer
+    from quant.build.sequential import decoder_layers
 
     model = _model(name, tokenizer)
     moe.unfuse_experts(model)

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
-from quant import artifact, load
-from quant.int4 import GPTQLinear
-from quant.layers import Int8WeightLinear, W8A8Linear
-from quant.models import ModelSource, load_model
+
+from quant import load
+from quant.format import artifact
+from quant.format.sources import ModelSource, load_model
+from quant.runtime.int4 import GPTQLinear
+from quant.runtime.int8 import Int8WeightLinear
+from quant.runtime.w8a8 import W8A8Linear
 
 CALIB = ("--calib-samples", "8", "--calib-seqlen", "64", "--seed", "0")
 EVAL = ("--eval-windows", "4", "--eval-seqlen", "64")
@@ -193,7 +195,7 @@ def test_group_size_that_does_not_divide_is_refused_before_any_work(tmp_path, ti
 
 
 def test_cholesky_failure_falls_back_to_rtn_and_the_manifest_says_so(tmp_path, tiny_model_dir, text_file, monkeypatch):
-    from quant import gptq
+    from quant.build import gptq
 
     real = gptq._inverse_hessian_factor
     calls = []

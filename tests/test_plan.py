@@ -13,10 +13,10 @@ import grpc
 import httpx
 import pytest
 from live_server import start
-
 from quantserve.client import Client, ClientError, RequestShape
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
 from server import capacity
 from server.capacity import Refusal, Shape
 from server.engine import Engine, EngineConfig, load_for_serving
@@ -200,7 +200,7 @@ def test_invalid_plan_inputs_are_400_and_invalid_argument_naming_the_field(serve
 @pytest.mark.slow
 def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
     """The default model: `quant estimate --requests` (config only) and an idle server's Plan, same settings."""
-    from quant import models
+    from quant.format import sources as models
 
     default_model_dir = models.resolve(None, cache_dir).path
     shapes = "300x100x4,1000x200x40,9000x10"

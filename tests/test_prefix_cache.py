@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
-
 from archs import ARCHITECTURES
 from conftest import wait_until
+
 from server.engine import Engine, EngineConfig
 from server.outputs import RequestError
 from server.sampling import SamplingParams
@@ -87,7 +87,7 @@ def test_outputs_with_the_cache_equal_those_without_and_say_what_was_cached(engi
 
 def test_in_bf16_the_cache_gives_the_uncached_tokens(tiny_model_dir, cache_dir):
     """What holds in bfloat16: a cached block's K/V was computed in another prefill chunk of another step than the
-    uncached request computes it, and a projection's kernel may be chosen per row count (quant/kernel_choice.py),
+    uncached request computes it, and a projection's kernel may be chosen per row count (quant/runtime/kernel_choice.py),
     so the two may round differently. Held here: greedy tokens equal and each token's logprob within 0.02."""
     on = make(tiny_model_dir, cache_dir, dtype="bfloat16")
     off = make(tiny_model_dir, cache_dir, prefix_cache=False, dtype="bfloat16")
@@ -314,7 +314,6 @@ def test_n_over_http_grpc_the_openai_sdk_and_the_client(server):
     sample i is the request of seed + i alone, and the response says what the prefix cache gave."""
     import grpc
     import openai
-
     from quantserve.client import Client
     from quantserve.v1 import inference_pb2 as pb
     from quantserve.v1 import inference_pb2_grpc as pb_grpc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from quant import primitives as P
+from quant.runtime import primitives as P
 
 
 def _w(n=64, k=96, seed=0):

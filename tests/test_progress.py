@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from quant.progress import track
+from quant.build.progress import track
 
 
 class _Clock:

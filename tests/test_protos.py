@@ -37,9 +37,9 @@ def test_stubs_import_without_torch():
 
 def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     from google.protobuf.descriptor import FieldDescriptor
-
     from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
     from quantserve.v1 import inference_pb2 as pb
+
     from server.sampling import SamplingParams
 
     proto = pb.SamplingParameters.DESCRIPTOR.fields
@@ -66,6 +66,7 @@ def test_every_transport_reads_and_writes_every_control():
     from quantserve.client.transport_grpc import request_to_proto
     from quantserve.client.transport_http import path_and_body
     from quantserve.client.types import SAMPLING_FIELDS, Request
+
     from server.grpc_server import params_from_proto
     from server.http_server import ChatBody, CompletionBody, params_from_body
 
@@ -107,6 +108,7 @@ def test_the_trace_has_the_samplers_stages_on_every_layer():
     proto's, the client's, and the keys of the HTTP body (which the client parses with trace_from_dict)."""
     from quantserve.client import types
     from quantserve.v1 import inference_pb2 as pb
+
     from server import outputs
     from server.sampling import TRACE_STAGES, TRACE_STATS
 

@@ -14,11 +14,17 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from live_server import self_signed_cert, start
-
-from bench.fuzz import fuzz_grpc, fuzz_http
-from bench.reliability import ServerProcess, drain_under_load, load_round, reference_texts, wait_idle
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
+
+from bench.fuzz import fuzz_grpc, fuzz_http
+from bench.reliability import (
+    ServerProcess,
+    drain_under_load,
+    load_round,
+    reference_texts,
+    wait_idle,
+)
 from server.service import Limits
 
 LIMIT_NEW = 32

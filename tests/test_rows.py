@@ -1,4 +1,4 @@
-"""The one-call int8 and int4 Linears (quant/rows.py, quant/csrc/rows_ops.cpp) against exact and fp32 references,
+"""The one-call int8 and int4 Linears (quant/runtime/kernels/rows.py, quant/runtime/kernels/csrc/rows_ops.cpp) against exact and fp32 references,
 the check that keeps an inexact ``torch._int_mm`` out of the W8A8 paths, and the ISA cap of the C++ builds."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from quant import gptq as G
-from quant import int4, native, rows
-from quant import primitives as P
-from quant.layers import Int8WeightLinear, W8A8Linear
+from quant.build import gptq as G
+from quant.runtime import int4
+from quant.runtime import primitives as P
+from quant.runtime.int8 import Int8WeightLinear
+from quant.runtime.kernels import int4_layout, native, rows
+from quant.runtime.w8a8 import W8A8Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +116,7 @@ def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0) -> int4.GP
 @pytest.mark.parametrize("rows_", [1, 5])
 def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
     m = _gptq(n, 128, bias, act_order)
-    if int4._cpu_layout() is None:
+    if int4_layout.cpu_layout() is None:
         pytest.skip("this CPU's int4pack layout is not one the C++ ops read")
     assert (m.perm is not None) == act_order
     x = torch.randn(rows_, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
@@ -133,7 +135,7 @@ def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
 def test_int4_rows_of_a_fused_module_are_its_parts_products():
     """Parts of 64 and 128 rows end on block boundaries of every layout, so each row's sums are the same."""
     fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])
-    if fused is None or int4._cpu_layout() is None:
+    if fused is None or int4_layout.cpu_layout() is None:
         pytest.skip("parts of these sizes do not fuse on this CPU's layout")
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
     y = fused.paths(torch.bfloat16)["rows"](x)
@@ -212,7 +214,7 @@ def test_an_inexact_int_mm_is_not_offered(monkeypatch):
 
 @pytest.mark.skipif("avx512f" not in native.cpu_flags().split(), reason="the CPU has no AVX-512 to cap")
 def test_kernels_built_under_an_avx2_cap_leave_out_avx512():
-    code = "from quant import native; print(native.isa_cap())"
+    code = "from quant.runtime.kernels import native; print(native.isa_cap())"
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
     capped = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             check=True)
@@ -227,8 +229,8 @@ def test_kernels_built_under_an_avx2_cap_leave_out_avx512():
 def test_a_native_path_counts_its_staging_in_the_projection_transients(path):
     """The rows and gemm ops stage x and their tiles in C++ vectors the allocator tracker cannot see; the engine's
     transients add them."""
-    from quant import gemm
-    from quant.kernel_choice import ROW_BUCKETS, RowPlan
+    from quant.runtime.kernel_choice import ROW_BUCKETS, RowPlan
+    from quant.runtime.kernels import gemm
     from server.layers.linear import Projections
 
     m = _gptq(192, 128, False, False)

@@ -15,19 +15,19 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from server.sampling import (
+    TRACE_STAGES,
+    TRACE_STATS,
     SampleOutput,
     SamplingBatch,
     SamplingParams,
     SamplingParamsError,
     apply_penalty,
     filtered_probs,
-    TRACE_STAGES,
-    TRACE_STATS,
+    processed_logits,
     random_u32,
     random_uniform,
-    ref_min_p,
-    processed_logits,
     ref_logit_bias,
+    ref_min_p,
     ref_penalty,
     ref_presence_frequency,
     ref_temperature,
@@ -264,7 +264,11 @@ MIXED = [
 
 
 def test_matches_transformers_warpers():
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(0)
     V = 64
@@ -358,8 +362,12 @@ NEW_CONTROLS = [
 def test_min_p_matches_transformers_placed_after_temperature():
     """vLLM's place for min-p (right after temperature), which the design document gives; transformers runs its
     MinPLogitsWarper after top-p instead, which differs only where top-p cuts inside min-p's set."""
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                         TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(11)
     rows = [p for p in NEW_CONTROLS if p.min_p > 0 and not (p.uses_history or p.logit_bias)]

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant import schemes
-from quant.config import BuildConfig
+from quant.build import schemes
+from quant.build.config import BuildConfig
 from quant.errors import ConfigError
-from quant.layers import QuantizedLinear
+from quant.runtime.linear import QuantizedLinear
+from quant.runtime.registry import module_from_spec
 from server.fuse import fuse_linears
 
 IN, OUTS = 128, (128, 64, 64)  # multiples of 64: every 4-bit part takes the int4 kernel, as fused
@@ -31,8 +32,8 @@ def _quantized_layer(name: str) -> nn.Module:
     """`name`'s runtime modules for a random layer. Schemes that need no model run their own layer quantizer;
     the others get their runtime modules from the float Linears as their quantizers make them (W8A8 with a
     fixed input scale, 4-bit from RTN codes): no model or calibration set is needed."""
-    from quant import gptq as G
-    from quant.int4 import GPTQLinear
+    from quant.build import gptq as G
+    from quant.runtime.int4 import GPTQLinear
 
     torch.manual_seed(0)
     layer = _Layer()
@@ -55,7 +56,7 @@ def test_runtime_modules_roundtrip_their_spec(name):
     for n in ("a", "b", "c"):
         m = getattr(layer, n)
         assert isinstance(m, QuantizedLinear) and type(m) in schemes.get(name).runtime
-        empty = schemes.module_from_spec(m.spec(), m.in_features, m.out_features, device="meta")
+        empty = module_from_spec(m.spec(), m.in_features, m.out_features, device="meta")
         empty.load_state_dict(m.state_dict(), assign=True, strict=True)
         empty.prepare(torch.bfloat16)
         m.prepare(torch.bfloat16)
@@ -103,11 +104,12 @@ def test_fused_module_is_the_concatenation(name, layout_dtype):
 
 def test_unknown_scheme_names_the_choices():
     with pytest.raises(ConfigError, match="'int3'.*int8-sym, int8-affine, w8a8, w4a16, rtn-w4"):
-        BuildConfig(scheme="int3").validate()
+        schemes.validated(BuildConfig(scheme="int3"))
 
 
 def test_every_scheme_predicts_build_memory_and_weights():
-    from quant.memory import KNOWN_SHAPES, build_peak_bytes, weight_bytes
+    from quant.build.memory import build_peak_bytes, weight_bytes
+    from quant.shape.model import KNOWN_SHAPES
 
     shape = next(iter(KNOWN_SHAPES.values()))
     float_total = weight_bytes(shape, "float")["total"]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from quant import artifact
-from quant import gptq as G
-from quant.int4 import GPTQLinear
-from quant.memory import weight_report
+from quant.build import gptq as G
+from quant.format import artifact
+from quant.runtime.int4 import GPTQLinear
+from quant.runtime.measure import weight_report
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -164,7 +164,7 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
         in_file = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
                    if any(a <= t.data_ptr() < b for a, b, _ in maps)}
         slack = 2 * 4096 * (len(in_file) + len(maps))  # each held tensor's partial first and last page
-        # The embedding is held as int8 rows and the norms are copies (quant.loader.copy_small_params): nothing
+        # The embedding is held as int8 rows and the norms are copies (quant.runtime.loader.copy_small_params): nothing
         # held lies in the file, so after a request none of it is resident beyond partial pages.
         assert sum(in_file.values()) == 0
         assert _mapped_rss(weights) <= sum(in_file.values()) + slack

@@ -11,13 +11,12 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from live_server import start
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
-from server.service import Limits
-from live_server import start
 
 from bench.reliability import metric_sum
+from server.service import Limits
 
 
 @pytest.fixture(scope="module")

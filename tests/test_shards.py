@@ -1,4 +1,4 @@
-"""Sharded safetensors written a tensor at a time (quant.shards): what the safetensors library and
+"""Sharded safetensors written a tensor at a time (quant.format.shards): what the safetensors library and
 transformers read back, the shard layout and index, the header-reserve overflow, damaged shards."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from quant.errors import ArtifactError
-from quant.shards import INDEX, ShardWriter, header_reserve, read_weights
+from quant.format.shards import INDEX, ShardWriter, header_reserve, read_weights
 
 
 def _tensors() -> dict[str, torch.Tensor]:

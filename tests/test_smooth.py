@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant import smooth
-from quant.families import plan
-from quant.sequential import capture_layer_inputs, decoder_layers, run_layer
+from quant.build import smooth
+from quant.build.families import plan
+from quant.build.sequential import capture_layer_inputs, decoder_layers, run_layer
 
 
 def _tiny(tokenizer, tmp_path, **kw):

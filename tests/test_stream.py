@@ -1,4 +1,4 @@
-"""Layer-streamed builds (quant.stream): the model lives on the meta device and one part at a time is
+"""Layer-streamed builds (quant.build.stream): the model lives on the meta device and one part at a time is
 read from the checkpoint. Held to the same build over the model loaded whole, tensor for tensor, with
 and without a LoRA adapter; one layer at a time is checked while the build runs."""
 
@@ -9,15 +9,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_adapter
-from quant import stream, w4a16
-from quant.build import build
-from quant.config import BuildConfig, CalibConfig
+
+from quant.build import stream
+from quant.build.config import BuildConfig, CalibConfig
+from quant.build.pipeline import build
+from quant.build.schemes import w4 as w4a16
+from quant.build.sequential import decoder_layers
 from quant.errors import ConfigError
-from quant.models import ModelSource
-from quant.sequential import decoder_layers
-from quant.shards import INDEX, read_weights
+from quant.format.shards import INDEX, read_weights
+from quant.format.sources import ModelSource
 
 
 def _source(path) -> ModelSource:
@@ -137,7 +138,9 @@ def test_one_layer_is_materialised_at_a_time(tmp_path, sharded_dir, text_file, m
     assert seen == [(0, [0], True), (1, [1], True)]
     manifest = json.loads((out / "quant_manifest.json").read_text())
     assert manifest["build"]["streamed"] and len(manifest["build"]["layer_seconds"]) == 2
-    from quant.primitives import bf16_matmul_is_faster  # "auto": what this CPU measured, recorded
+    from quant.runtime.primitives import (
+        bf16_matmul_is_faster,  # "auto": what this CPU measured, recorded
+    )
 
     want = "bfloat16" if bf16_matmul_is_faster(torch.device("cpu")) else "float32"
     assert manifest["build"]["matmul_dtype"] == want
@@ -158,7 +161,7 @@ def test_a_sharded_artifact_serves_like_a_single_file(tmp_path, sharded_dir, tex
 
 
 def test_self_calibration_of_a_model_too_large_to_hold_is_refused(tmp_path, sharded_dir, monkeypatch):
-    from quant import memory
+    from quant.shape import memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
     cfg = BuildConfig(scheme="w4a16", model=str(sharded_dir), out=str(tmp_path / "art"))

@@ -1,4 +1,4 @@
-"""Tests for quant.thresholds: histogram collection and min-max / percentile / entropy thresholds."""
+"""Tests for quant.build.thresholds: histogram collection and min-max / percentile / entropy thresholds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from quant.thresholds import (  # noqa: E402
+from quant.build.thresholds import (
     EPS_SCALE,
     AbsHistogram,
     abs_histogram,

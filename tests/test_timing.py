@@ -1,4 +1,4 @@
-"""quant.timing's GPU timer held to the CUDA graph API's rules on the CPU, through a stand-in for that API which
+"""quant.runtime.timing's GPU timer held to the CUDA graph API's rules on the CPU, through a stand-in for that API which
 fails the way the real one does (tests/test_cuda.py times real kernels on a lent GPU).
 
 The stand-in models the two behaviours that took every measured CUDA engine down at start (bench/RESULTS.md,
@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from quant import timing
+from quant.runtime import timing
 
 
 class _GenState:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("quant/triton_kernels.py", "server/attention/triton_kernels.py", "server/glue_triton.py")
+KERNEL_MODULES = ("quant/runtime/kernels/triton_kernels.py", "server/attention/triton_kernels.py", "server/glue_triton.py")
 
 pytest.importorskip("triton")
 
@@ -131,9 +131,7 @@ def test_the_gpu_checks_parts_are_named_and_ordered():
     import argparse
 
     sys.path.insert(0, str(ROOT))
-    from bench.gpu import parts
-
-    from bench.gpu import HELP_PARTS, PARTS
+    from bench.gpu import HELP_PARTS, PARTS, parts
 
     assert PARTS[:2] == ("headline", "bf16") and set(HELP_PARTS) == set(PARTS)  # the lease's order: headline first
     assert parts("headline, gemv,linear") == ["headline", "gemv", "linear"]

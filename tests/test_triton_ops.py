@@ -1,4 +1,4 @@
-"""The Triton weight-only GEMMs (quant/triton_ops.py) against their plain PyTorch references, on CPU tensors under
+"""The Triton weight-only GEMMs (quant/runtime/kernels/triton_ops.py) against their plain PyTorch references, on CPU tensors under
 Triton's interpreter (tests/conftest.py sets it where no GPU is): fp16 and fp32 (the interpreter has no bf16
 tl.dot), decode-shaped inputs (split K, fp32 atomics) and prefill-shaped ones, partial tiles in M and N."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant import triton_ops as T
-from quant.int4 import pack_rows
+from quant.runtime.kernels import triton_ops as T
+from quant.runtime.kernels.int4_layout import pack_rows
 
 pytestmark = pytest.mark.skipif(T.available() is not None, reason="triton is not installed")
 
@@ -164,7 +164,7 @@ def test_int8_gemv_matches_reference(affine, config):
 def test_gptq_linear_in_the_triton_layout_computes_its_weights(act_order):
     """The layout CUDA takes (GPTQ words + one scale/zero table), prepared on CPU tensors: its kernel path, its
     dequantized weights and a fused q/k/v over it all agree with the module's reference."""
-    from quant.int4 import GPTQLinear
+    from quant.runtime.int4 import GPTQLinear
 
     k, gs = 256, 64
     mods = []
@@ -199,7 +199,7 @@ def test_a_symmetric_gptq_linear_in_the_triton_layout_is_zero_free(v2):
     """Zero-points all 8 (symmetric GPTQ, in either format): the table's zeros are 0 and the module says so, fused
     too, and its one-row kernel path (which then skips them) equals the reference; one asymmetric part makes the
     fused module read them."""
-    from quant.int4 import GPTQLinear
+    from quant.runtime.int4 import GPTQLinear
 
     k, gs = 256, 64
     mods = []
@@ -391,7 +391,7 @@ def test_the_server_does_not_import_triton_until_a_kernel_runs():
     import sys
     from pathlib import Path
 
-    code = ("import sys, server.engine, server.serve, quant.cli, quant.loader; "
+    code = ("import sys, server.engine, server.serve, quant.cli, quant.runtime.loader; "
             "assert 'triton' not in sys.modules, 'triton imported'; print('clean')")
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                        text=True, timeout=120)
@@ -405,7 +405,7 @@ def _neighbours(start, axes):
 
 @pytest.mark.parametrize("gs", [32, 128])
 def test_every_one_row_launch_the_search_starts_with_computes_the_product(gs):
-    """The launches a device's search tries first (quant.kernel_choice.search, from the rule's config): each W4A16
+    """The launches a device's search tries first (quant.runtime.kernel_choice.search, from the rule's config): each W4A16
     and int8 one computes the reference product (the search also holds each to it on the device itself)."""
     n, k = 96, 512
     qw, sz, *_ = _w4(n, k, gs, seed=4)
@@ -433,7 +433,7 @@ def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, mon
     """Bound through the server's projections with a measuring chooser, a W4A16 module in the layout CUDA takes
     searches its one-row launch (here on the interpreter's CPU tensors), keeps it, reports it, and its one-row
     kernel calls then take that launch and still equal the reference."""
-    from quant.kernel_choice import Chooser
+    from quant.runtime.kernel_choice import Chooser
     from server.layers.linear import bind
 
     n, k, gs = 64, 256, 64
@@ -455,7 +455,7 @@ def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, mon
 
 
 def test_split_counters_reset_after_a_refused_launch():
-    """quant.kernel_choice.search resets the split-K counters after a launch it refuses: a counter left mid-count
+    """quant.runtime.kernel_choice.search resets the split-K counters after a launch it refuses: a counter left mid-count
     would make the next split product reduce too early."""
     qw, sz, *_ = _w4(64, 1024, 64, seed=11)
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(12))
@@ -472,7 +472,7 @@ def test_split_counters_reset_after_a_refused_launch():
 def _w4triton(n, k, gs, seed, dtype=torch.float16, prepare=True):
     """A GPTQLinear in the layout CUDA takes (the Triton kernels), here on the interpreter's CPU tensors (not
     ``prepare``: as stored, dequantized per call)."""
-    from quant.int4 import GPTQLinear
+    from quant.runtime.int4 import GPTQLinear
 
     qw, sz, codes, s, zero = _w4(n, k, gs, seed=seed)
     m = GPTQLinear(k, n, False, gs, v2=True)
@@ -485,7 +485,7 @@ def _w4triton(n, k, gs, seed, dtype=torch.float16, prepare=True):
 
 def test_a_one_row_mlp_over_triton_modules_ends_gate_up_in_its_activation(monkeypatch):
     """Bound through the server's projections, a [gate | up] pair in the layout CUDA takes fuses into one module
-    whose one-row call ends in the activation (quant.layers.WeightOnlyLinear.gated_call): a one-row MLP launches no
+    whose one-row call ends in the activation (quant.runtime.linear.WeightOnlyLinear.gated_call): a one-row MLP launches no
     activation kernel and equals the unfused MLP bit for bit; more rows take the projection and act_mul as before.
     A module whose one-row path is no Triton kernel (a CPU layout) offers no such call."""
     from collections import Counter
@@ -535,7 +535,7 @@ def test_split_counters_made_under_inference_mode_are_rearmed_outside_it(monkeyp
 def test_the_one_row_epilogues_refuse_what_they_cannot_compute():
     """The gated and norm epilogues are the one-row kernels': more rows, both at once, or a module whose kernel has
     none (a part of a fused projection, the CPU's int8 kernels) are refused in one line."""
-    from quant.layers import Int8WeightLinear
+    from quant.runtime.int8 import Int8WeightLinear
 
     qw, sz, *_ = _w4(128, 256, 64, seed=3)
     x2 = torch.randn(2, 256)
@@ -559,7 +559,7 @@ def test_the_one_row_epilogues_refuse_what_they_cannot_compute():
     assert kernel.normed_call(w[:-1], 1e-5, torch.float16) is None
     assert kernel.normed_call(w, 1e-5, torch.float16, (w.float(), 1e-6)) is None
     gate, up = _w4triton(64, 256, 64, 51), _w4triton(64, 256, 64, 52)
-    from quant.int4 import GPTQLinear
+    from quant.runtime.int4 import GPTQLinear
 
     fused = GPTQLinear.fuse([gate, up])
     assert fused is not None

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from server.attention.base import AttentionBackend, AttentionSpec
 from server.attention import triton_paged
+from server.attention.base import AttentionBackend, AttentionSpec
 from server.attention.sdpa import SdpaBackend
 from server.attention.triton_paged import TritonBackend
 

@@ -73,7 +73,7 @@ class SdpaBackend(AttentionBackend):
     features = frozenset({"window", "softcap"})
     # The C++ decode kernel takes decode steps of at most this many rows. Session 14 measured it slower than the
     # SDPA path from 4 rows up (16 streams: 411.5 tok/s with it, 559.3 without) and kept it to 1 row; it was then
-    # running on one thread (built without OpenMP, see quant/native.py). On all threads it is ahead at 1, 4, 8 and
+    # running on one thread (built without OpenMP, see quant/runtime/kernels/native.py). On all threads it is ahead at 1, 4, 8 and
     # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16),
     # and at 32 and 64 too (session 19: 1.23x and 1.14x), so every decode step takes it; benches lower this.
     FUSED_DECODE_MAX_ROWS = 1 << 30

@@ -5,7 +5,12 @@ should not pay."""
 import triton
 import triton.language as tl
 
-from quant.triton_kernels import arrived_last, inv_rms, rearm, rms_normed  # shared with the products' epilogues
+from quant.runtime.kernels.triton_kernels import (  # shared with the products' epilogues
+    arrived_last,
+    inv_rms,
+    rearm,
+    rms_normed,
+)
 
 
 @triton.jit
@@ -152,7 +157,7 @@ def paged_attention(
     else:
         # Partials (S, H, SPLITS[, D]) (rows are single tokens: decode); the last of the row block's SPLITS programs
         # to finish (its counter says which) merges them in split order, so the merge is no launch of its own and
-        # its sums do not depend on which program finished first (as quant.triton_kernels.store_or_reduce).
+        # its sums do not depend on which program finished first (as quant.runtime.kernels.triton_kernels.store_or_reduce).
         part = (seq * G * tl.num_programs(2) + head) * SPLITS  # (BM,) split 0's partial of each row
         tl.store(M_part + part + split, m_i, mask=row_ok)
         tl.store(L_part + part + split, l_i, mask=row_ok)

@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 
 from quant.errors import UnsupportedModelError
-from quant.triton_ops import multiprocessors, split_counters
+from quant.runtime.kernels.triton_ops import multiprocessors, split_counters
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.batch import StepInputs, stage
+
 
 def available() -> str | None:
     """None when the kernels can run here, else why not (looked up without importing triton: the kernels are

@@ -5,7 +5,7 @@ read whole at every decode step for the logits (2.4 ms of an 8 ms step on the de
 is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (bench/RESULTS.md).
 
 int8: every row of the (V, hidden) matrix is quantized symmetrically with its own scale (max |w| / 127), as
-``quant.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
+``quant.runtime.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
 it looks up; the head runs ``aten._weight_int8pack_mm`` on the sampled rows (``server.models.base``: only they
 reach the head), 64 rows per call at most (beyond that the kernel loses to a dense matmul, and dequantizing the
 whole matrix would cost a transient of its float size). A tied embedding and head share the one int8 tensor; an
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quant import rows as rowops
-from quant.layers import INT8PACK_MAX_ROWS
-from quant.primitives import quantize_weight_sym
+from quant.runtime.int8 import INT8PACK_MAX_ROWS
+from quant.runtime.kernels import rows as rowops
+from quant.runtime.primitives import quantize_weight_sym
 
 MODES = ("auto", "float", "int8")
 

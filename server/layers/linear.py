@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quant import gemm, rows as rowops
-from quant.kernel_choice import Chooser, dense_key, dense_paths
-from quant.layers import QuantizedLinear, module_device
+from quant.runtime.kernel_choice import Chooser, dense_key, dense_paths
+from quant.runtime.kernels import gemm
+from quant.runtime.kernels import rows as rowops
+from quant.runtime.linear import QuantizedLinear, module_device
 from server.fuse import fuse_linears
 
-ROLES = ("qkv", "o", "gate_up", "down")  # quant.memory.engine_prefill_bytes keys its transients by these
+ROLES = ("qkv", "o", "gate_up", "down")  # quant.shape.memory.engine_prefill_bytes keys its transients by these
 
 # Bytes a path's C++ op holds inside the call on (rows, K) x, by path name: (rows, K) -> bytes
 _STAGING: dict[str, Callable[[int, int], int]] = {"rows": rowops.staging_bytes, "gemm": gemm.staging_bytes}
@@ -68,7 +69,7 @@ def bind(mod: nn.Module, dtype: torch.dtype, chooser: Chooser | None = None,
 
 
 def computation(mod: nn.Module, dtype: torch.dtype) -> str:
-    """The key a projection's plan is kept under (quant.kernel_choice.computation_key)."""
+    """The key a projection's plan is kept under (quant.runtime.kernel_choice.computation_key)."""
     return mod.plan_key(dtype) if isinstance(mod, QuantizedLinear) else dense_key(mod.weight, mod.bias, dtype)
 
 
@@ -154,7 +155,7 @@ class Projections:
     def transients(self, rows: int) -> dict[str, int]:
         """Bytes each role holds beyond its output while it runs on ``rows`` rows: a layer whose path at that row
         count dequantizes its weight (or upcasts it, or its input, to fp32) holds those copies while it runs. Each
-        is measured once per computation and path with quant.memory's MemoryTracker, on the path itself at this
+        is measured once per computation and path with quant.shape.memory's MemoryTracker, on the path itself at this
         row count (every scheme and path allocates with its own arithmetic; tracking it is exact), plus, for the
         ``rows`` and ``gemm`` paths, the staging their C++ ops hold where the tracker cannot see (:data:`_STAGING`)."""
         if rows not in self._transients:
@@ -168,7 +169,7 @@ class Projections:
             return 0
         key = (computation(m, self.dtype), self._path_name(m, rows), rows)
         if key not in self._peak_cache:
-            from quant.memory import MemoryTracker
+            from quant.runtime.measure import MemoryTracker
 
             x = torch.zeros(rows, m.in_features, dtype=self.dtype, device=module_device(m))  # (M, K)
             with torch.inference_mode(), MemoryTracker() as mt:

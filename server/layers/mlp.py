@@ -26,7 +26,7 @@ def act_op(act: str) -> str:
 
 class GatedMLP:
     """``gated``: where the gate_up projection has one (a GPU's one-row kernel), a call of one-row inputs giving
-    act(gate) * up from the projection's own launch (quant.layers.WeightOnlyLinear.gated_call): a decode step of one
+    act(gate) * up from the projection's own launch (quant.runtime.linear.WeightOnlyLinear.gated_call): a decode step of one
     sequence then launches no activation kernel. Equal to act_mul(gate_up(h)) bit for bit."""
 
     def __init__(self, gate_up: Callable[[Tensor], Tensor], down: Callable[[Tensor], Tensor], act: str, ops,

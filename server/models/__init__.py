@@ -64,7 +64,7 @@ def model_class(config) -> type:
 def build(model, ops, embeddings: str = "float", chooser=None):
     """The engine's model over a loaded checkpoint's module tree (``base.Weights``), its embedding and head held
     as ``embeddings`` says (server.layers.embedding), each projection computed by the path ``chooser`` (a
-    ``quant.kernel_choice.Chooser``) plans for it, or by its module's own rule without one."""
+    ``quant.runtime.kernel_choice.Chooser``) plans for it, or by its module's own rule without one."""
     from server.models.base import Weights
 
     return model_class(model.config)(model.config, Weights(model), ops, embeddings, chooser)

@@ -311,7 +311,7 @@ class CausalLM:
 
     def _attention(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
         """Layer i's attention sub-layer output (T, hidden). A method of its own so that q/k/v and the attention
-        output are freed before the MLP, the layer's activation peak (quant.memory.engine_prefill_bytes)."""
+        output are freed before the MLP, the layer's activation peak (quant.shape.memory.engine_prefill_bytes)."""
         return layer.o(self._attention_heads(i, layer, h, cos_sin, backend, meta))
 
     def _attention_heads(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:

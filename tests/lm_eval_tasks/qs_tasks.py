@@ -9,7 +9,10 @@ import re
 from pathlib import Path
 
 import datasets
-from lm_eval.tasks.wikitext.preprocess_wikitext import process_results, wikitext_detokenizer  # noqa: F401 (the YAML's)
+from lm_eval.tasks.wikitext.preprocess_wikitext import (  # noqa: F401 (the YAML's)
+    process_results,
+    wikitext_detokenizer,
+)
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[2] / "shared" / "data" / "wikitext-2" / "test.txt"  # ../shared beside the checkout

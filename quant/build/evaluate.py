@@ -1,0 +1,89 @@
+"""Quality of a quantized model against its base on the same fixed windows.
+
+Per window, the base logits are computed once and every candidate is compared with them:
+perplexity (next-token NLL over all predicted positions), mean KL(base || candidate) of the
+next-token distributions, and top-1 agreement (argmax equal).
+
+Models loaded in float64 (`quant eval`'s default) compute every quantized Linear by its reference path in float64
+(quant.runtime.linear): the weights and the int8 activations are exact there and only sums round, at ~1e-16, so a rounding
+to the int8 grid, and with it the report, comes out the same whatever the CPU's vector width, kernels or threads.
+In fp32 the serving kernels run, and their sums' order (which the CPU decides) flips a few of the activations'
+roundings: enough to move Δppl by about 0.1 point between CPUs (bench/RESULTS.md, #43).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quant.build.calibration import TokenWindows
+from quant.runtime.primitives import compute_dtype
+from quant.build.progress import track
+
+
+@dataclass(frozen=True)
+class Quality:
+    ppl: float
+    base_ppl: float
+    delta_ppl_pct: float
+    mean_kl: float
+    top1_agreement: float
+    tokens: int
+    # The standard error of delta_ppl_pct over the windows (their per-token NLL differences' spread / sqrt(W)):
+    # how far another sample of text of this size would put it. None with one window.
+    delta_ppl_se_pct: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids, use_cache=False).logits[0, :-1]  # (T-1, V)
+    return F.log_softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
+
+
+@torch.inference_mode()
+def compare(base, candidates: dict, windows: TokenWindows, progress: bool = True) -> dict[str, Quality]:
+    """Evaluate every candidate model against `base` over `windows`; one base pass per window."""
+    ids_all = windows.ids
+    nll_base = 0.0
+    acc = {name: {"nll": 0.0, "kl": 0.0, "top1": 0, "windows": []} for name in candidates}
+    n = 0
+    for w in track(range(ids_all.shape[0]), ids_all.shape[0], "evaluating", "windows", progress):
+        ids = ids_all[w : w + 1]  # (1, T)
+        target = ids[0, 1:]  # (T-1,)
+        lp_base = _logprobs(base, ids)  # (T-1, V)
+        w_base = float(F.nll_loss(lp_base, target, reduction="sum"))
+        nll_base += w_base
+        p_base = lp_base.exp()
+        top_base = lp_base.argmax(-1)  # (T-1,)
+        for name, model in candidates.items():
+            lp = _logprobs(model, ids)  # (T-1, V)
+            a = acc[name]
+            w_nll = float(F.nll_loss(lp, target, reduction="sum"))
+            a["nll"] += w_nll
+            a["windows"].append((w_nll - w_base) / target.numel())  # this window's mean NLL difference
+            a["kl"] += float((p_base * (lp_base - lp)).sum())
+            a["top1"] += int((lp.argmax(-1) == top_base).sum())
+        n += target.numel()
+    base_ppl = math.exp(nll_base / n)
+    out = {}
+    for name, a in acc.items():
+        ppl = math.exp(a["nll"] / n)
+        d = a["windows"]  # Δppl% ~ 100 * mean NLL difference: its standard error, from the windows' spread
+        se = 100.0 * statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None
+        out[name] = Quality(
+            ppl=ppl,
+            base_ppl=base_ppl,
+            delta_ppl_pct=100.0 * (ppl / base_ppl - 1.0),
+            mean_kl=a["kl"] / n,
+            top1_agreement=a["top1"] / n,
+            tokens=n,
+            delta_ppl_se_pct=se,
+        )
+    return out

@@ -1,0 +1,93 @@
+"""Whole quantized Linears for a few rows in one C++ call each (``quant/runtime/kernels/csrc/rows_ops.cpp``): the ``rows`` path of
+the W8A8, weight-only int8 and int4 runtime Linears (``quant.runtime.linear``, ``quant.runtime.int4``) and of unquantized bf16 ones
+(``quant.runtime.kernel_choice.dense_paths``), which their kernel plans take where it is the fastest.
+
+At batch 1 a quantized Linear's eager form is a dozen small ATen ops, each costing about what its arithmetic does,
+and on CPUs without VNNI ``torch._int_mm`` is far slower than a float product; one pass over the quantized weight,
+with the activation quantization and the rescale folded in, reads a fraction of a bf16 weight's bytes in one call.
+
+:func:`w8a8` equals the module's ``_int_mm`` path bit for bit (a rotated module's too: :func:`hadamard_` makes the
+same sums); :func:`int8_weight`, :func:`int4` and :func:`bf16`
+round once, in fp32, and are held to their modules' fp32 references (tests/test_rows.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from quant.runtime import primitives as P
+from quant.runtime.kernels.native import Extension
+
+_EXT = Extension(Path(__file__).with_name("csrc") / "rows_ops.cpp", "quantserve_rows_ops")
+unavailable_reason = _EXT.unavailable_reason
+Rows = Callable[[torch.Tensor], torch.Tensor]
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the C++ ops can compute a module whose weight is ``t`` (a CPU tensor, the extension built)."""
+    return t.device.type == "cpu" and _EXT.load()
+
+
+def staging_bytes(m: int, k: int) -> int:
+    """What a rows op holds besides its output while it runs on (m, K) x, at most: x widened to fp32 (W8A8 holds
+    it as int16 instead), plus, for int4, per-group sums of x and one (m, 64) fp32 block per thread. C++ vectors,
+    which quant.shape.memory's MemoryTracker (it sees op outputs) cannot see: the engine adds this to what it tracks."""
+    return 4 * m * k + 4 * m * (k // 32 + 64 * torch.get_num_threads())
+
+
+def _op(name: str):
+    """The op's one overload (called directly: the overload packet's resolution costs ~a microsecond a call)."""
+    if not _EXT.load():
+        raise RuntimeError(f"quant.runtime.kernels.rows needs its C++ ops: {_EXT.unavailable_reason()}")
+    return getattr(torch.ops.quantserve_rows, name).default
+
+
+def _opt(t: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32) if t is None else t
+
+
+# Each function below binds a module's tensors once and returns its call: (M, K) contiguous -> (M, N). At one row
+# a call is a few microseconds of arithmetic, so what is per call and what is per module matters.
+
+def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+         smooth: torch.Tensor | None, bias: torch.Tensor | None, rotate: int = 0) -> Rows:
+    """In x's dtype: x (/ smooth, then rotated in blocks of ``rotate`` where not 0: quant.runtime.hadamard) quantized per row
+    (``input_scale`` None) or by the static scale, times the (N, K) int8 weight, rescaled by s_x * weight_scale in
+    fp32, plus the fp32 bias."""
+    op, s, sm, b = _op("w8a8_rows"), _opt(input_scale), _opt(smooth), _opt(bias)
+    qmax, floor = float(P.QMAX), float(P.MIN_SCALE)
+    return lambda x2: op(x2, weight, weight_scale, s, sm, b, qmax, floor, rotate)
+
+
+def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
+         group_size: int, bias: torch.Tensor | None) -> Rows:
+    """In x's dtype, x in the kernel's column order, read straight from the CPU int4pack layout (``layout``: block
+    rows, split nibbles; see ``quant.runtime.kernels.int4_layout.cpu_layout``) and its (G, N, 2) scale/zero table: per group
+    s * (x . codes) + (z - 8 s) * sum(x), in fp32, plus the fp32 bias, rounded once."""
+    op, sz, b = _op("int4_rows"), scales_zeros.contiguous(), _opt(bias)
+    block, split = layout
+    return lambda x2: op(x2, packed, n, k, block, split, sz, group_size, b)
+
+
+def bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
+    """bf16 x @ weight (N, K) bf16 ^T (+ the bias in fp32) -> bf16: fp32 sums, rounded once."""
+    op, b = _op("bf16_rows"), _opt(bias)
+    return lambda x2: op(x2, weight, b)
+
+
+def int8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,
+                bias: torch.Tensor | None) -> Rows:
+    """In x's dtype: (x . q) * s - rowsum(x) * offset (+ bias), offset = s * z (None when symmetric), all in fp32,
+    rounded once."""
+    op, off, b = _op("int8_weight_rows"), _opt(offset), _opt(bias)
+    return lambda x2: op(x2, weight, weight_scale, off, b)
+
+
+def hadamard_(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (M, K) fp32 or fp64, contiguous, times the block-diagonal normalized Hadamard transform (quant.runtime.hadamard), in
+    place: the butterfly the ``w8a8`` pass applies to a rotated module's input, bit for bit."""
+    return _op("hadamard_")(x, block)
+
