@@ -24,7 +24,7 @@ PERCENTILES = (99.99, 99.999, 99.9)
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
 # Evaluation: float64 is the reference arithmetic (quantized modules by their reference_forward), whose figures are
-# the same on every CPU (#43); the others run the serving kernels this CPU picks, which move Δppl by ~0.1 point.
+# the same on every CPU; the others run the serving kernels this CPU picks, which move Δppl by ~0.1 point.
 EVAL_DTYPES = ("float64", *DTYPES)
 MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -76,13 +76,12 @@ class BuildConfig:
     smooth_alpha: float | None = None  # None: searched over ALPHA_GRID per smoothing group
     act_dynamic: bool = False
     # w8a8: int8 weights by GPTQ against each Linear's smoothed calibration inputs (False: round to nearest).
-    # Smoothing moves activation range into the weights, and on the default model their rounding then cost as much
-    # KL as the activations' (bench/RESULTS.md, #43): with GPTQ the dynamic build's Δppl halved.
+    # Smoothing moves activation range into the weights, where rounding to nearest costs the default model as much
+    # KL as the int8 activations do (bench/quality.py's figures: bench/RESULTS.md).
     weight_gptq: bool = True
-    # w8a8: down_proj's input rotated online by a block Hadamard transform (quant.runtime.hadamard), its weight stored rotated:
-    # its few outlier channels spread over their block before the int8 rounding. On the default model (40 x 512)
-    # static +1.86% -> +0.72%, KL 0.0249 -> 0.0101; dynamic +0.54% -> +0.44%, KL 0.0070 -> 0.0036 (bench/RESULTS.md,
-    # #43); batch-1 decode on the CPU unchanged within noise (the transform runs inside the C++ rows pass).
+    # w8a8: down_proj's input rotated online by a block Hadamard transform (quant.runtime.hadamard), its weight
+    # stored rotated: its few outlier channels spread over their block before the int8 rounding (bench/quality.py's
+    # rotated and unrotated rows: bench/RESULTS.md). On the CPU the transform runs inside the C++ rows pass.
     rotate: bool = True
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
@@ -91,12 +90,12 @@ class BuildConfig:
     group_size: int | None = None  # None: 128 if it divides every Linear's input dim, else 64, else 32
     asym: bool = False
     damp: float = 0.01
-    # On by default: measured on the default model, GPTQ without act-order recovers a third of RTN's
-    # perplexity loss and with it two thirds (bench/RESULTS.md). Static groups make it free at run time.
+    # On by default: on the default model GPTQ recovers more of RTN's perplexity loss with act-order than without
+    # (bench/gptq_options.py: bench/RESULTS.md). Static groups make it free at run time.
     act_order: bool = True
     # w4a16: each group's range searched (shrunk where that rounds the group closer, each weight's error weighed by
-    # its input's energy, quant.build.gptq.group_params): on the default model 81.5% of RTN's perplexity loss recovered
-    # instead of 68.8%, KL 0.0999 against 0.1466 (40 windows, bench/RESULTS.md, #43).
+    # its input's energy, quant.build.gptq.group_params), which recovers more of RTN's perplexity loss on the default
+    # model (bench/quality.py: bench/RESULTS.md).
     clip_search: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096

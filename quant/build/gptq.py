@@ -86,7 +86,7 @@ class QuantizedWeight:
 # steps down to 20% of it, keeping per row the one whose rounding error |w - q|^2.4 summed over the group is least
 # (an exponent above 2 weighs the large errors that clipping makes). GPTQ weighs each column's error by its input's
 # energy, diag(H) = 2 E[x_k^2]: a weight on a loud input costs more in the output than one on a quiet input, and on
-# the default model that took w4a16 from 71% to 81.5% of RTN's perplexity loss recovered (bench/RESULTS.md, #43).
+# the default model the weighing recovers more of RTN's perplexity loss (bench/quality.py: bench/RESULTS.md).
 CLIP_STEPS, CLIP_MAX_SHRINK, CLIP_NORM = 100, 0.8, 2.4
 
 

@@ -113,7 +113,7 @@ class QuantizedLinear(nn.Module):
         return self.paths(x2.dtype)[self.static_path(x2.shape[0], x2.dtype)](x2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float64:  # the reference arithmetic `quant eval` runs: the same on every machine (#43)
+        if x.dtype == torch.float64:  # the reference arithmetic `quant eval` runs: the same on every machine
             return self.reference_forward(x)
         shape = x.shape
         y = self.call2d(x.reshape(-1, self.in_features).contiguous())  # (M, N)

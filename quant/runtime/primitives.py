@@ -120,7 +120,7 @@ _BF16_FASTER: dict[str, bool] = {}
 def bf16_matmul_is_faster(device: torch.device) -> bool:
     """Whether a bf16 matmul beats an fp32 one on `device`, measured once per device type on a calibration-sized
     product. With AVX512-BF16 or AMX oneDNN's bf16 GEMM is ~4x the fp32 rate; on AVX2-only CPUs bf16 is
-    emulated, ~8x slower (bench/RESULTS.md, issue #16); CUDA GPUs with bf16 support multiply it faster."""
+    emulated, ~8x slower; CUDA GPUs with bf16 support multiply it faster."""
     key = torch.device(device).type
     if key not in _BF16_FASTER:
         if key == "cuda":

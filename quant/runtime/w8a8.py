@@ -169,7 +169,7 @@ class W8A8Linear(QuantizedLinear):
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The module's function from its dequantized weight and fake-quantized input, in fp32, or in float64 for
         float64 inputs: there the weight, the quantized input and their products are exact and only the sums
-        round (~1e-16), so a rounding to the int8 grid comes out the same on every CPU (`quant eval`, #43)."""
+        round (~1e-16), so a rounding to the int8 grid comes out the same on every CPU (`quant eval`)."""
         ct = P.compute_dtype(x.dtype)
         x2 = x.reshape(-1, self.in_features).to(ct)  # (M, K)
         if self.smooth_scale is not None:
