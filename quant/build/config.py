@@ -24,7 +24,7 @@ PERCENTILES = (99.99, 99.999, 99.9)
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DTYPES = ("float32", "bfloat16", "float16")
 # Evaluation: float64 is the reference arithmetic (quantized modules by their reference_forward), whose figures are
-# the same on every CPU; the others run the serving kernels this CPU picks, which move Δppl by ~0.1 point.
+# the same on every CPU; the others run the serving kernels this CPU picks, which move Δppl by tenths of a point.
 EVAL_DTYPES = ("float64", *DTYPES)
 MATMUL_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -77,11 +77,12 @@ class BuildConfig:
     act_dynamic: bool = False
     # w8a8: int8 weights by GPTQ against each Linear's smoothed calibration inputs (False: round to nearest).
     # Smoothing moves activation range into the weights, where rounding to nearest costs the default model as much
-    # KL as the int8 activations do (bench/quality.py's figures: bench/RESULTS.md).
+    # KL as the int8 activations do (bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy).
     weight_gptq: bool = True
     # w8a8: down_proj's input rotated online by a block Hadamard transform (quant.runtime.hadamard), its weight
-    # stored rotated: its few outlier channels spread over their block before the int8 rounding (bench/quality.py's
-    # rotated and unrotated rows: bench/RESULTS.md). On the CPU the transform runs inside the C++ rows pass.
+    # stored rotated: its few outlier channels spread over their block before the int8 rounding (the rotated and
+    # unrotated rows of bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy). On the CPU the
+    # transform runs inside the C++ rows pass.
     rotate: bool = True
     include_lm_head: bool = False
     dtype: str = "bfloat16"  # storage dtype of the tensors that stay float (embeddings, norms, biases)
@@ -91,11 +92,11 @@ class BuildConfig:
     asym: bool = False
     damp: float = 0.01
     # On by default: on the default model GPTQ recovers more of RTN's perplexity loss with act-order than without
-    # (bench/gptq_options.py: bench/RESULTS.md). Static groups make it free at run time.
+    # (bench/RESULTS.md#gptq-options-by-group-size-benchgptq_optionspy). Static groups make it free at run time.
     act_order: bool = True
     # w4a16: each group's range searched (shrunk where that rounds the group closer, each weight's error weighed by
     # its input's energy, quant.build.gptq.group_params), which recovers more of RTN's perplexity loss on the default
-    # model (bench/quality.py: bench/RESULTS.md).
+    # model (bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy).
     clip_search: bool = True
     # Tokens sampled from the calibration set to score alpha / threshold candidates by output error.
     search_tokens: int = 4096

@@ -8,7 +8,7 @@ Models loaded in float64 (`quant eval`'s default) compute every quantized Linear
 (quant.runtime.linear): the weights and the int8 activations are exact there and only sums round, at ~1e-16, so a rounding
 to the int8 grid, and with it the report, comes out the same whatever the CPU's vector width, kernels or threads.
 In fp32 the serving kernels run, and their sums' order (which the CPU decides) flips a few of the activations'
-roundings: enough to move Δppl by about 0.1 point between CPUs.
+roundings: enough to move Δppl by 0.29 point between an AVX-512 and an AVX2 CPU (bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class QuantizedWeight:
 # steps down to 20% of it, keeping per row the one whose rounding error |w - q|^2.4 summed over the group is least
 # (an exponent above 2 weighs the large errors that clipping makes). GPTQ weighs each column's error by its input's
 # energy, diag(H) = 2 E[x_k^2]: a weight on a loud input costs more in the output than one on a quiet input, and on
-# the default model the weighing recovers more of RTN's perplexity loss (bench/quality.py: bench/RESULTS.md).
+# the default model the weighing recovers more of RTN's perplexity loss (bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy).
 CLIP_STEPS, CLIP_MAX_SHRINK, CLIP_NORM = 100, 0.8, 2.4
 
 
@@ -158,7 +158,7 @@ class Hessian:
     """Streaming H = 2 X^T X / n in fp32.
 
     On the CPU only the upper triangle is accumulated, in row blocks (block r: H[r, r:] += X[:, r]^T X[:, r:]),
-    and mirrored once at the end: 0.69-0.83x the time of the full product (bench/hessian.py), where the
+    and mirrored once at the end: 0.69-0.83x the time of the full product (bench/RESULTS.md#gptq-against-gptqmodel-benchgptq_peerpy), where the
     Hessians cost as much as the layer pass itself. On CUDA one full product per batch is faster."""
 
     BLOCK = 128  # rows of H per product on the CPU (128..256 timed alike, ad hoc, for K = 576..4096)

@@ -3,7 +3,7 @@
 For an orthonormal H, y = W x = (W H^T)(H x): the build stores the rotated weight W H^T and the runtime rotates its
 input before quantizing it. H spreads a channel outlier over every channel of its block, so one per-tensor int8
 scale covers the rotated input with far less rounding error for the other channels (down_proj's input, whose few
-outlier channels cost the static w8a8 build most of its loss: bench/quality.py's rotated and unrotated rows).
+outlier channels cost the static w8a8 build most of its loss: the rotated and unrotated rows of bench/RESULTS.md#quality-perplexity-and-kl-by-scheme-benchqualitypy).
 
 H is block diagonal: blocks of `b` consecutive channels, b the largest power of two dividing K (at most
 MAX_BLOCK), each the normalized Sylvester matrix H_b / sqrt(b). Sylvester matrices are symmetric, so the same

@@ -2,7 +2,7 @@
 
 A runtime Linear can be computed several ways, and which is fastest depends on the CPU far more than on the
 model: on an AVX2-only CPU a 512-row bf16 matmul is 8x slower than fp32 and ``torch._int_mm`` 25x slower, while
-with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESULTS.md). So each module offers
+with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy). So each module offers
 its *paths* for an activation dtype (``QuantizedLinear.paths``; dense Linears get :func:`dense_paths`), each a
 callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :class:`Chooser` measures them:
 

@@ -140,7 +140,7 @@ _INT_MM_FASTER: dict[str, bool] = {}
 def int_mm_is_faster(device: torch.device) -> bool:
     """Whether ``torch._int_mm`` beats an fp32 matmul on `device`, measured once per device type. On CPUs
     with int8 dot-product instructions (VNNI, AMX) it is ~2x faster; on AVX2-only ones ~25x slower
-    (bench/RESULTS.md), so calibration, which only needs the product's value, picks per machine."""
+    (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy), so calibration, which only needs the product's value, picks per machine."""
     key = torch.device(device).type
     if key not in _INT_MM_FASTER:
         if key == "cuda":

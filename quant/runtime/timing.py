@@ -88,7 +88,7 @@ class CudaGraphAPI:
     """What :func:`cuda_time_us` asks of CUDA, in one place: a CPU test stands in for it (tests/test_timing.py), so
     the rules below hold in CI, not only on a lent GPU.
 
-    The rules (both broke an engine's start on an H100 when they were not kept, bench/RESULTS.md, 2026-11):
+    The rules (both broke an engine's start on an H100 when they were not kept, bench/RESULTS.md#gpu-figures-not-re-measured-since-benchgpupy):
 
     1. **A graph memory pool per timing, never captured into again.** The caching allocator frees a private pool
        once the last graph captured into it is deleted; a later capture into the same handle trips its internal

@@ -1,5 +1,5 @@
 // The tiled many-row products' AVX2 kernel (gemm_ops.cpp has the driver and the ops), for CPUs without AVX512-BF16,
-// where a 16-bit GEMM is slower than fp32 (bench/RESULTS.md): x widened to fp32 once per call, 16-row blocks of W
+// where a 16-bit GEMM is slower than fp32 (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy): x widened to fp32 once per call, 16-row blocks of W
 // expanded into fp32 tiles, 6 x 16 register-blocked strips of FMAs (12 accumulators, 2 tile loads and 6 broadcasts
 // per 12 FMAs). What the dequantize-to-fp32 + fp32 GEMM paths compute, without W in fp32 through memory.
 //
