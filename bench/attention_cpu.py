@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from common import PREFILL, PREFILLS, PROMPT, greedy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # (name, chunk, past, heads, kv heads, head dim)
 CASES = [("135M chunk 1 of 512", 256, 0, 9, 3, 64), ("135M chunk 2 of 512", 256, 256, 9, 3, 64),
@@ -36,9 +37,7 @@ def served_prefill(fused: bool, threads: int) -> float:
     """ms to the first token of a 512-token prompt through a fresh engine on the default model, best of 5."""
     import torch
 
-    from bench.cpu_paths import PREFILL, PREFILLS
-    from bench.decode import PROMPT, greedy
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.attention.sdpa import SdpaBackend
     from server.engine import Engine, EngineConfig
 
@@ -116,14 +115,13 @@ def main() -> None:
                               "max_abs_diff": diff}
         print(f"{name:22s} fused {fused:7.2f} ms ({flops / fused / 1e6:5.0f} GFLOP/s)  sdpa {peer:7.2f} ms  "
               f"{peer / fused:5.2f}x  (max |diff| {diff:.1e})", flush=True)
-    import os
     import subprocess
 
     served = {"fused": [], "sdpa": []}
     for _ in range(a.engine_rounds):
         for case in served:
             p = subprocess.run([sys.executable, __file__, "--served-case", case, "--threads", str(a.threads)],
-                               capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               capture_output=True, text=True, cwd=ROOT)
             if p.returncode:
                 raise RuntimeError(f"served {case} failed:\n{p.stderr[-3000:]}")
             served[case].append(json.loads(p.stdout.strip().splitlines()[-1]))

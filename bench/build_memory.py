@@ -5,7 +5,8 @@ heads, the default model's tokenizer and vocabulary, untied head), then built by
 process one after the other (16 x 256 WikiText-2 calibration tokens, seed 0). Peak RSS, the build's own
 estimate and the per-layer seconds come from the artifact's manifest.
 
-Bar (#14): going from 2 to 4 layers grows the peak by at most half of those two layers' bf16 bytes.
+The limit: going from 2 to 4 layers grows the peak by at most half of those two layers' bf16 bytes (a streamed
+build's peak does not grow with the model's depth).
 
 On a GPU (``--device cuda``) the build's time and the CUDA allocator's peak (the manifest's
 ``build_peak_device_allocated_bytes``) are reported too. ``--tokenizer word`` gives the model a word-level
@@ -28,7 +29,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              head_dim=128, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)
@@ -51,18 +51,18 @@ def make_model(path: Path, layers: int, seed: int = 0, tokenizer: str = "default
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from quant.shards import ShardWriter, header_reserve
+    from quant.format.shards import ShardWriter, header_reserve
 
     if (path / "config.json").is_file():
         return path
     if tokenizer == "word":
-        from gpu import word_tokenizer  # bench/gpu.py: token i is the word 't<i>'
+        from common import word_tokenizer  # token i is the word 't<i>'
 
         tok = word_tokenizer(LLAMA3_VOCAB)
     else:
         from transformers import AutoTokenizer
 
-        from quant.models import default_gguf_path
+        from quant.format.sources import default_gguf_path
 
         gguf = default_gguf_path()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -137,13 +137,13 @@ def main() -> None:
     if len(counts) == 2:
         a, b = counts
         growth = rows[b]["peak_rss_bytes"] - rows[a]["peak_rss_bytes"]
-        bar = (b - a) * layer_bf16 / 2
+        limit = (b - a) * layer_bf16 / 2
         all_s = sorted(s for n in counts for s in rows[n]["layer_seconds"])
         per_layer = all_s[len(all_s) // 2]
-        summary.update(growth_bytes=growth, bar_bytes=bar, median_layer_s=per_layer,
+        summary.update(growth_bytes=growth, limit_bytes=limit, median_layer_s=per_layer,
                        extrapolated_32_layers_min=32 * per_layer / 60)
-        print(f"peak growth {a} -> {b} layers: {growth / 2**30:.3f} GiB (bar {bar / 2**30:.3f} GiB: "
-              f"{'met' if growth <= bar else 'MISSED'}); median layer {per_layer:.0f} s, "
+        print(f"peak growth {a} -> {b} layers: {growth / 2**30:.3f} GiB (limit {limit / 2**30:.3f} GiB: "
+              f"{'within' if growth <= limit else 'PAST IT'}); median layer {per_layer:.0f} s, "
               f"32 layers ~ {32 * per_layer / 60:.1f} min")
     (out / f"build_memory-{args.scheme}-{args.device.replace(':', '')}{tag}.json").write_text(json.dumps(summary, indent=2))
 

@@ -1,6 +1,6 @@
 """Build time of w8a8 against w4a16 (GPTQ) on the default model, same calibration, one run.
 
-The bar (issue #14): a w8a8 build costs at most 2x a w4a16 build of the same model and calibration, on this
+The limit: a w8a8 build costs at most 2x a w4a16 build of the same model and calibration, on this
 CPU and on an AVX2-only one (where `torch._int_mm` is ~25x slower than fp32, so calibration must not run it).
 Calibration: WikiText-2 valid, 128 x 512 tokens, seed 0. Each build is its own `quant build` process, timed
 whole (load, calibration, quantization, writing); the manifest's phase timings are printed beside it.
@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
@@ -39,15 +40,8 @@ CONFIGS = {
     "w8a8-fp32": ["--scheme", "w8a8"],
 }
 # Runs `quant build` with the probes' answers fixed to "fp32 is faster" (see the docstring).
-FP32_PRODUCTS = ("import sys; from quant import primitives as P; P._INT_MM_FASTER['cpu'] = False; "
+FP32_PRODUCTS = ("import sys; from quant.runtime import primitives as P; P._INT_MM_FASTER['cpu'] = False; "
                  "P._BF16_FASTER['cpu'] = False; from quant.cli import main; sys.exit(main(sys.argv[1:]))")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -61,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from quant.primitives import int_mm_is_faster
+    from quant.runtime.primitives import int_mm_is_faster
 
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, capability {torch.backends.cpu.get_cpu_capability()}, "
           f"torch {torch.__version__}; int8 products in calibration: "
@@ -80,7 +74,9 @@ def main() -> None:
         print(f"{name}: {wall:.1f} s ({', '.join(f'{k} {v:.1f}' for k, v in timings.items())})", flush=True)
     quality = {}
     if args.eval_windows:
-        from quant import calibration, evaluate, load, models
+        from quant import load
+        from quant.build import calibration, evaluate
+        from quant.format import sources as models
 
         base, tok = models.load_model(models.resolve(None, models.default_cache_dir()))
         windows = calibration.eval_windows(tok, DATA / "test.txt", args.eval_windows, args.seqlen)

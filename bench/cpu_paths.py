@@ -8,15 +8,14 @@ oneDNN's (bf16 and int8 GEMMs: without it they still use AVX-512 bf16/VNNI) and 
 artifacts (bf16 base served unquantized, int8-sym, int8-affine, w8a8, w4a16), a fresh process loads the engine
 (``--kernels``: measured per-CPU plans, cached, or the static rules), runs a warm-up, then:
 - decode: batch-1 greedy, 128 new tokens (EOS suppressed), tokens/s of the whole request, best of 2;
-- prefill: a 512-token prompt and one new token, ms to the first token (chunked prefill as served), best of 5
-  (session 17 and before: best of 2).
+- prefill: a 512-token prompt and one new token, ms to the first token (chunked prefill as served), best of 5.
 Cases alternate scheme by scheme within each round; the median over ``--rounds`` is kept. The plans each
 process used (``ModelInfo.kernels``) are recorded beside its figures.
 
-The prefill ratio against the base is also measured paired (session 20 on): per scheme and round, two worker
+The prefill ratio against the base is also measured paired: per scheme and round, two worker
 processes, one serving the base and one the scheme, time their prefills in turn (A B B A, :data:`PAIRS` pairs), the
 ratio of each pair being kept. On a shared 2-vCPU VM the machine's speed moved by ~12% between processes, for
-tens of seconds at a time (session 20: the base's best-of-5 prefill ranged 355-407 ms over 9 processes), which
+tens of seconds at a time (the base's best-of-5 prefill ranged 355-407 ms over 9 processes, 2026-11-25), which
 decided ratios of schemes whose prefill does the base's multiply-adds; two prefills 0.4 s apart see the same
 machine. Reported: the median of each process's median pair ratio, and the medians of both sides' times.
 """
@@ -32,23 +31,20 @@ import sys
 import time
 from pathlib import Path
 
+from common import NEW, PREFILL, PREFILLS, PROMPT, ensure_artifact, greedy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SCHEMES = ("bf16 base", "int8-sym", "int8-affine", "w8a8", "w4a16")
-NEW = 128
-PREFILL = 512
 DECODES = 2  # decode requests per process (~0.6 s each), the best kept
 PAIRS = 12  # paired prefills (base, scheme) per process, in A B B A order
-PREFILLS = 5  # prefills per process (~0.25 s each), the best kept: with 2, a process's best spread by ~10% run to run
 
 
 def _engine(spec: str, threads: int, kernels: str):
     """(an engine as `quant serve` runs it, its load seconds, a 512-token prompt), warmed up."""
     import torch
 
-    from bench.decode import PROMPT, greedy
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.engine import Engine, EngineConfig
 
     torch.set_num_threads(threads)
@@ -66,8 +62,6 @@ def _engine(spec: str, threads: int, kernels: str):
 
 def case(spec: str, threads: int, kernels: str) -> dict:
     import torch
-
-    from bench.decode import PROMPT, greedy
 
     eng, load_s, long_ids = _engine(spec, threads, kernels)
     try:
@@ -91,8 +85,6 @@ def prefill_worker(spec: str, threads: int, kernels: str) -> None:
     """One engine in this process, timing a 512-token prefill per line read from stdin (ms, one line each): the
     paired measurement's two sides (module docstring) each have a process of their own, as served. Two engines in
     one process are not that: the second engine thread's OpenMP pool ran this model's W8A8 prefill 1.6x slower."""
-    from bench.decode import greedy
-
     eng, _, long_ids = _engine(spec, threads, kernels)
     try:
         print("ready", flush=True)
@@ -154,15 +146,14 @@ def main(argv=None) -> int:
     if a.prefill_worker:
         prefill_worker(a.prefill_worker[1], a.threads, a.prefill_worker[0])
         return 0
-    from bench.decode import ensure_artifact
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
     schemes = a.schemes.split(",")
     specs = {s: "" if s == "bf16 base" else str(ensure_artifact(Path(a.artifacts), s, cache)) for s in schemes}
     res: dict = {"date": time.strftime("%Y-%m-%d"), "threads": a.threads, "kernels": a.kernels, "results": {}}
     for cap in a.capabilities.split(","):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = dict(os.environ)
         for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
             env.pop(var, None)
         if cap != "native":

@@ -36,21 +36,9 @@ from pathlib import Path
 
 import torch
 
+from common import NEW, PROMPT, ensure_artifact, greedy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-PROMPT = "The history of the city begins in the early years of the"
-NEW = 128
-
-
-def ensure_artifact(art_dir: Path, scheme: str, cache: Path) -> Path:
-    path = art_dir / scheme
-    if (path / "quant_manifest.json").is_file():
-        return path
-    cmd = [sys.executable, "-m", "quant.cli", "build", "--scheme", scheme, "--out", str(path), "--no-progress"]
-    print("building", scheme, ":", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "QUANTSERVE_CACHE": str(cache)})
-    return path
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True):
@@ -58,12 +46,6 @@ def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512Mi
 
     cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops)
     return Engine.from_path(spec, cfg, cache).start()
-
-
-def greedy(max_new=NEW):
-    from server.sampling import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_new_tokens=max_new, min_tokens=max_new, seed=0)
 
 
 def ours_batch1(engine, repeats: int) -> dict:
@@ -104,7 +86,7 @@ def llama_cpp_batch1(threads: int, repeats: int) -> dict:
     ensure_llama_cpp()
     from llama_cpp import Llama
 
-    from quant.models import default_gguf_path
+    from quant.format.sources import default_gguf_path
 
     llm = Llama(model_path=str(default_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=512,
                 verbose=False)
@@ -162,7 +144,7 @@ def serve_case(case: str, spec: str, threads: int, repeats: int, server_root: Pa
     difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
     import httpx
 
-    from bench.reliability import ServerProcess
+    from reliability import ServerProcess
 
     srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", root=server_root)
     try:
@@ -301,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--server-root", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from quant.models import default_cache_dir, resolve
+    from quant.format.sources import default_cache_dir, resolve
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
     if args.case:
@@ -352,7 +334,7 @@ def main(argv=None) -> int:
         ensure_llama_cpp()
         record("batch1", "llama.cpp Q4_1", "llama-b1", base)
     if "http" in only:
-        # The issue's bar: batch-1 through `quant serve` against llama.cpp, alternated process by process.
+        # Batch-1 through `quant serve` against llama.cpp, alternated process by process.
         ensure_llama_cpp()
         pairs = {"llama.cpp Q4_1": [], "ours w4a16 via quant serve (HTTP)": []}
         for _ in range(args.rounds):

@@ -5,9 +5,8 @@ through the engine (no transport), on the default model's w4a16 artifact.
 
 For each stream count, each variant runs in its own fresh process, alternated round by round: N concurrent greedy
 requests of 128 new tokens (EOS ignored) after a warm-up request; aggregate tokens/s; the median over rounds.
-Variants set ``SdpaBackend.FUSED_DECODE_MAX_ROWS``: ``kernel`` (every decode step through the C++ kernel, the rule
-before session 14, and again since session 19) and ``gather`` (no step through it, the path without the fused ops;
-sessions 14-18 took it above 1, then 16, rows).
+Variants set ``SdpaBackend.FUSED_DECODE_MAX_ROWS``: ``kernel`` (every decode step through the C++ kernel, the
+engine's rule) and ``gather`` (no step through it: the path without the fused ops).
 
 Also reports the resident memory that imports add to a process (``--imports``): triton, building the model
 classes on the meta device, ``AutoTokenizer`` after that, and the bare ``tokenizers`` object.
@@ -23,7 +22,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"kernel": 1 << 30, "gather": 0}
 
@@ -33,7 +31,7 @@ def one_run(artifact: str, streams: int, variant: str) -> float:
     import concurrent.futures as cf
     import time
 
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.attention.sdpa import SdpaBackend
     from server.engine import Engine, EngineConfig
     from server.sampling import SamplingParams
@@ -67,9 +65,10 @@ def import_memory(artifact: str) -> dict:
     import triton  # noqa: F401
 
     out["triton"] = rss() - r
-    import server.engine  # noqa: F401
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import server.engine  # noqa: F401
 
     cfg = js.loads((Path(artifact) / "config.json").read_text())
     cfg.pop("quantization_config", None)

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import PROMPT
 
-PROMPT = "The history of the city begins in the early years of the"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -32,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import server.engine as se
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.engine import Engine, EngineConfig
     from server.sampling import SamplingParams
 

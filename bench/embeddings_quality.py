@@ -15,15 +15,14 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import ensure_artifact
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def with_int8_embeddings(model):
@@ -49,8 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--artifacts", default=str(ROOT / "bench" / "out" / "quality"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "embeddings_quality.json"))
     args = ap.parse_args(argv)
-    from decode import ensure_artifact
-    from quant import calibration, evaluate, loader, models
+    from quant.build import calibration, evaluate
+    from quant.format import sources as models
+    from quant.runtime import loader
 
     torch.manual_seed(0)
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or models.default_cache_dir())

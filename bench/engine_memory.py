@@ -5,8 +5,8 @@
 - KV: the pool's bytes vs 2 * layers * kv_heads * head_dim * bytes(dtype) * tokens, and the resident memory the
   pool's allocation added to the process (RSS before/after creating the engine's pool).
 - Activations: for prefill chunks of several lengths (with and without cached past), the engine's estimate
-  (``Engine.activation_estimate``: quant.memory.engine_prefill_bytes, the runner's own model) vs the peak of
-  live tensor bytes created during the runner's forward, tracked op by op (``quant.memory.MemoryTracker``),
+  (``Engine.activation_estimate``: quant.shape.memory.engine_prefill_bytes, the runner's own model) vs the peak of
+  live tensor bytes created during the runner's forward, tracked op by op (``quant.runtime.measure.MemoryTracker``),
   for the bf16 base and the int8-sym and w4a16 artifacts, with the fused and with the eager glue ops.
 """
 
@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,11 +23,10 @@ import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def activation_rows(eng) -> list[dict]:
-    from quant.memory import MemoryTracker
+    from quant.runtime.measure import MemoryTracker
     from server.runner import build_step
 
     rows = []
@@ -53,8 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--artifacts", default=str(ROOT / "bench" / "out" / "quality"))
     args = ap.parse_args(argv)
-    from quant.memory import kv_bytes_per_token
-    from quant.models import default_cache_dir, load_model, resolve
+    from quant.format.sources import default_cache_dir, load_model, resolve
+    from quant.shape.memory import kv_bytes_per_token
     from server.engine import Engine, EngineConfig, load_for_serving
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())

@@ -37,7 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from quant import calibration, evaluate, load, models
+    from quant import load
+    from quant.build import calibration, evaluate
+    from quant.format import sources as models
 
     for name, extra in CONFIGS.items():
         t = time.perf_counter()

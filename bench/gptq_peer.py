@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -27,16 +26,11 @@ from pathlib import Path
 
 import torch
 
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 GROUP, DAMP, SEED = 64, 0.01, 0
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def _ours(out: Path, scheme: str, samples: int, seqlen: int) -> dict:
@@ -67,8 +61,8 @@ def _dequantized_peer(base_dir: Path, peer_dir: Path):
     """The fp32 base with every Linear GPTQModel quantized replaced by its dequantized weight."""
     from safetensors import safe_open
 
-    from quant import models
-    from quant.int4 import dequantize_gptq
+    from quant.format import sources as models
+    from quant.runtime.kernels.int4_layout import dequantize_gptq
 
     qc = json.loads((peer_dir / "quantize_config.json").read_text())
     assert qc["bits"] == 4 and qc.get("checkpoint_format", qc.get("format")) == "gptq", qc
@@ -94,13 +88,15 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from quant import calibration, evaluate, load, models
+    from quant import load
+    from quant.build import calibration, evaluate
+    from quant.format import sources as models
 
     src = models.resolve(None, models.default_cache_dir())
     base, tok = models.load_model(src)
     win = calibration.random_windows(tok, DATA / "valid.txt", args.samples, args.seqlen, SEED)
     torch.save(win.ids, out / "calib_ids.pt")
-    print(f"CPU: {_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} (ours)", flush=True)
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} (ours)", flush=True)
 
     ours = _ours(out / "ours", "w4a16", args.samples, args.seqlen)
     got = ours["manifest"]["calibration"]["fingerprint"]
@@ -113,7 +109,7 @@ def main() -> None:
 
     peer_model, n_peer = _dequantized_peer(Path(src.path), out / "gptqmodel")
     windows = calibration.eval_windows(tok, DATA / "test.txt", args.eval_windows, args.seqlen)
-    from quant.int4 import GPTQLinear
+    from quant.runtime.int4 import GPTQLinear
 
     ours_model = load(out / "ours", dtype=torch.float32).model
     n_ours = sum(isinstance(m, GPTQLinear) for m in ours_model.modules())

@@ -14,15 +14,13 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quant.format import sources as models
+from quant.format.sources import default_cache_dir
+from server.engine import Engine, EngineConfig
+from server.sampling import SamplingParams
 
-from bench.prefix_cache import cpu_name  # noqa: E402
-from quant import models  # noqa: E402
-from quant.models import default_cache_dir  # noqa: E402
-from server.engine import Engine, EngineConfig  # noqa: E402
-from server.sampling import SamplingParams  # noqa: E402
+from common import cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

@@ -1,5 +1,5 @@
 """Per-Linear path timings on the default model's served shapes: where each path wins, and what the tiled `gemm`
-path (quant/gemm.py) gains over the dequantize + dense product it stands in for, against the unquantized Linear.
+path (quant/runtime/kernels/gemm.py) gains over the dequantize + dense product it stands in for, against the unquantized Linear.
 
 For each projection of SmolLM2-135M as the server fuses them (q/k/v 960x576, o 576x576, gate/up 3072x576, down
 576x1536) and each row count, every path the runtime modules offer for bf16 activations (``paths(bf16)``: the same
@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate/up 3072x576": (3072, 576),
           "down 576x1536": (576, 1536)}
@@ -39,8 +37,11 @@ def main() -> None:
     import torch
     from torch import nn
 
-    from quant import gptq, int4, layers
-    from quant.kernel_choice import dense_paths
+    from quant.build import gptq
+    from quant.runtime import int4
+    from quant.runtime.int8 import Int8WeightLinear
+    from quant.runtime.kernel_choice import dense_paths
+    from quant.runtime.w8a8 import W8A8Linear
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -49,9 +50,9 @@ def main() -> None:
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
             lin = nn.Linear(k, n, bias=False)
-            w8 = layers.Int8WeightLinear.from_float(lin, affine=False)
+            w8 = Int8WeightLinear.from_float(lin, affine=False)
             w4 = int4.GPTQLinear.from_quantized(gptq.rtn(lin.weight.data, 4, 64), None, v2=False)
-            a8 = layers.W8A8Linear.from_float(lin, input_scale=0.05)
+            a8 = W8A8Linear.from_float(lin, input_scale=0.05)
             for m in (w8, w4, a8):
                 m.prepare(dt)
             paths = {f"bf16 {p}": f for p, f in dense_paths(lin.weight.data.to(dt), None, dt).items()}

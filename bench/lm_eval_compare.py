@@ -9,7 +9,7 @@ per-article loglikelihoods give against `quant eval`'s on the same text and wind
   (echo, logprobs 1, 4 prompts per request);
 - transformers: the float model by `lm_eval --model hf`; the w4a16 artifact through quant.load (its GPTQ-format
   layers in the transformers model; gptqmodel publishes no wheel, only a source build) by lm-eval's HFLM;
-- quant eval: quant.evaluate over the articles lm-eval scored (detokenized as it detokenizes them), in windows of
+- quant eval: quant.build.evaluate over the articles lm-eval scored (detokenized as it detokenizes them), in windows of
   --window tokens, against lm-eval's token perplexity exp(-sum loglikelihood / tokens).
 
 Without --artifact the w4a16 artifact is built as the README builds it (GPTQ on WikiText-2 valid).
@@ -28,12 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-TASKS = ROOT / "tests" / "lm_eval_tasks"
-sys.path.insert(0, str(TASKS))
+from common import LM_EVAL_TASKS as TASKS
+from common import cpu_name, wikitext_articles
 
-from bench.prefix_cache import cpu_name  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ENV = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -110,15 +108,17 @@ def in_transformers(model_dir: str, artifact: str | None, out: Path, docs: int, 
 
 
 def quant_eval(path: str, model_dir: str, docs: int, window: int, work: Path) -> tuple[float, int]:
-    """quant.evaluate's perplexity (and tokens) over the articles lm-eval scored, in windows of ``window``."""
+    """quant.build.evaluate's perplexity (and tokens) over the articles lm-eval scored, in windows of ``window``."""
     import torch
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
-    import qs_tasks
-    from quant import calibration, evaluate, load, models
-    from quant.build import reference_model
-    from quant.models import default_cache_dir
+    from quant import load
+    from quant.build import calibration, evaluate
+    from quant.build.pipeline import reference_model
+    from quant.format import sources as models
+    from quant.format.sources import default_cache_dir
 
-    pages = [qs_tasks.wikitext_detokenizer(d) for d in qs_tasks.wikitext(docs=docs)["test"]]
+    pages = [wikitext_detokenizer({"page": p}) for p in wikitext_articles(docs)]
     text = work / "articles.txt"
     text.write_text("".join(pages), encoding="utf-8")
     source = models.resolve(None, default_cache_dir())
@@ -135,12 +135,11 @@ def quant_eval(path: str, model_dir: str, docs: int, window: int, work: Path) ->
 
 
 def token_ppl(loglik: list[float], tokenizer: str, docs: int) -> float:
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
     from transformers import AutoTokenizer
 
-    import qs_tasks
-
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    pages = [qs_tasks.wikitext_detokenizer(d) for d in qs_tasks.wikitext(docs=docs)["test"]]
+    pages = [wikitext_detokenizer({"page": p}) for p in wikitext_articles(docs)]
     tokens = sum(len(tok(p, add_special_tokens=False).input_ids) for p in pages)
     return math.exp(-sum(loglik) / tokens)
 
@@ -153,8 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "lm_eval"))
     ap.add_argument("--models", default="float,w4a16", help="which of float, w4a16 to compare")
     a = ap.parse_args(argv)
-    from quant import models
-    from quant.models import default_cache_dir
+    from quant.format import sources as models
+    from quant.format.sources import default_cache_dir
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-sys.path.insert(0, str(ROOT / "bench"))
-from build_time import cpu_name  # noqa: E402
 
 BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "I32": 4, "U8": 1}
 
@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from quant import models
+    from quant.format import sources as models
 
     _, tok = models.load_model(models.resolve(None, models.default_cache_dir()))
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}", flush=True)

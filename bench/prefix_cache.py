@@ -1,4 +1,4 @@
-"""Shared KV on the default model on this CPU (#41): the prefix cache's TTFT, n samples' capacity, the sweep.
+"""Shared KV on the default model on this CPU: the prefix cache's TTFT, n samples' capacity, the sweep.
 
     python bench/prefix_cache.py [--only ttft,capacity,sweep] [--dtype bfloat16] [--artifact DIR]
 
@@ -18,23 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
 
 def prompts(tok, n: int, prefix: int, suffix: int) -> list[list[int]]:
     import torch
@@ -52,7 +42,7 @@ def prompts(tok, n: int, prefix: int, suffix: int) -> list[list[int]]:
 
 
 def ttft(args) -> dict:
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.engine import Engine, EngineConfig
     from server.sampling import SamplingParams
 
@@ -99,7 +89,7 @@ def capacity(args) -> dict:
 
     import torch
 
-    from quant.models import default_cache_dir
+    from quant.format.sources import default_cache_dir
     from server.engine import Engine, EngineConfig
     from server.kv_pool import KVLayout
     from server.sampling import SamplingParams
@@ -163,11 +153,9 @@ def sweep(args) -> dict:
     where products round, so a sample's tokens can differ from its seed's request alone."""
     import dataclasses
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from reliability import ServerProcess
-
     from quantserve.client import Client
     from quantserve.client.sweep import MAX_N, SweepSpec, run_sweep
+    from reliability import ServerProcess
 
     spec = SweepSpec(prompt="The history of the river valley", temperatures=(0.0, 0.7, 1.0),
                      top_ks=(0, 50), top_ps=(0.9, 0.95, 1.0), seeds=4, max_new_tokens=32, concurrency=4)

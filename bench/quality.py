@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.prefix_cache import cpu_name  # noqa: E402
-
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 CONFIGS = {
@@ -119,7 +117,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.configs.split(",") if n]
 
-    from quant import calibration, evaluate, load, memory, models
+    from quant import load
+    from quant.build import calibration, evaluate
+    from quant.format import sources as models
+    from quant.runtime import measure
 
     builds = build_all(names, out, args.calib_samples, args.calib_seqlen, args.reuse)
 
@@ -149,12 +150,12 @@ def main() -> None:
     rows = []
     base_ppl = next(iter(quality.values())).base_ppl
     rows.append({"name": "fp32 base", "ppl": base_ppl, "delta_ppl_pct": 0.0, "se": None, "mean_kl": 0.0, "top1": 1.0,
-                 "weight_bytes": memory.float_model_bytes(base32), "build_s": None, "ms_per_token": lat["fp32 base"]})
+                 "weight_bytes": measure.float_model_bytes(base32), "build_s": None, "ms_per_token": lat["fp32 base"]})
     for name, q in quality.items():
         if name in builds:
             wbytes, build_s = builds[name]["weight_bytes"], builds[name]["build_s"]
         elif name == "bf16 base":
-            wbytes, build_s = memory.float_model_bytes(base16), None
+            wbytes, build_s = measure.float_model_bytes(base16), None
         else:
             wbytes, build_s = cands[name].get_memory_footprint(), None
         rows.append({"name": name, "ppl": q.ppl, "delta_ppl_pct": q.delta_ppl_pct, "se": q.delta_ppl_se_pct,

@@ -41,12 +41,10 @@ from pathlib import Path
 
 import grpc
 import httpx
-
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script: bench.fuzz
 PROMPTS = ("The city of", "Once upon a time", "In the beginning", "The river flows", "A quiet morning")
 
 
@@ -406,7 +404,7 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=2))
         return 0 if all(not r["failures"] for r in rows) else 1
-    from bench.fuzz import fuzz_grpc, fuzz_http
+    from fuzz import fuzz_grpc, fuzz_http
 
     def serve_args(limit_new: int, budget: str = "256MiB") -> tuple[str, ...]:
         return ("--threads", str(a.threads), "--memory-budget", budget, "--max-new-tokens", str(limit_new),

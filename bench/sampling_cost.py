@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
+from server import sampling
+
+from common import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench.prefix_cache import cpu_name  # noqa: E402
-from server import sampling  # noqa: E402
-
-BASE = "a461a2a"  # main before #42's controls
+BASE = "a461a2a"  # main before min_p, the presence / frequency penalties and logit_bias
 
 
 def load_sampler(rev: str):

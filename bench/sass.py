@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # Shared memory one block may use (opt-in maximum), by compute capability: what Triton's launcher checks a
 # kernel's shared memory against on that GPU.
@@ -113,7 +112,7 @@ def compile_only(arch: int = 90):
         compiled.append((self.fn.__name__, kernel))
         return kernel
 
-    from quant import triton_ops
+    from quant.runtime.kernels import triton_ops
 
     saved = driver._active
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
@@ -209,7 +208,7 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
     iteration of the K loop (for instructions per weight)."""
     import torch
 
-    from quant import triton_ops as T
+    from quant.runtime.kernels import triton_ops as T
 
     dt = getattr(torch, dtype_name)
     cases = []
@@ -265,24 +264,15 @@ def gemv_cases(dtype_name: str = "bfloat16", axes: bool = True) -> list[tuple[st
 
 
 def prior_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], object], dict]]:
-    """What the present kernels replaced, for a same-run comparison: the one-row W4A16 kernel of sessions 21-22
-    (bench/gemv_v2.py) at the 8B shapes, the tiled W4A16 kernel over whole weights at the row counts the code planes
-    took over, and the attention kernel stepping one page of keys at a time."""
+    """What the present kernels replaced and still offer, for a same-run comparison: the tiled W4A16 kernel over
+    whole weights at the row counts the code planes took over, and the attention kernel stepping one page of keys
+    at a time."""
     import torch
 
-    from quant import triton_ops as T
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from gemv_v2 import w4_gemv_v2
+    from quant.runtime.kernels import triton_ops as T
 
     dt = getattr(torch, dtype_name)
     cases = []
-    for label, n, k, g in LINEARS:
-        qw, sz = _w4(n, k, g, dt)
-        bn, bk, _, warps = T.w4_gemv_config(n, k, g)
-        cases.append((f"w4_gemv_v2 {label} {dtype_name}",
-                      lambda qw=qw, sz=sz, k=k, g=g: w4_gemv_v2(torch.zeros(1, k, dtype=dt), qw, sz, g),
-                      {"weights_per_thread": bn * bk / (32 * warps)}))
     for label, n, k, g in (LINEARS[5], LINEARS[6]):  # the tiled kernel over whole weights, where planes now run
         qw, sz = _w4(n, k, g, dt)
         for rows in (16, 32, 64):
@@ -297,7 +287,7 @@ def product_cases(dtype_name: str = "bfloat16") -> list[tuple[str, Callable[[], 
     """The tiled int4 and int8 kernels at the row counts the engine sends them, and the int4 dequantizer."""
     import torch
 
-    from quant import triton_ops as T
+    from quant.runtime.kernels import triton_ops as T
 
     dt = getattr(torch, dtype_name)
     cases = []
@@ -325,11 +315,10 @@ def attention_cases(dtype_name: str = "bfloat16",
     engine launches it, and Qwen3's q/k head norms; a prefill chunk; soft-capping and a window) with its splits' merge, at the default model's heads (9/3 x 64), Llama-3-8B's (32/8 x 128) and Gemma 2's
     (8/4 x 256); ``keys_per_step`` overrides the kernel's rule (16: one page per step). The dict gives the keys a
     step of the key loop takes (for instructions per key)."""
-    from server.attention.triton_paged import step_keys
     import torch
 
     from server.attention.base import AttentionSpec
-    from server.attention.triton_paged import TritonMeta, paged_attention
+    from server.attention.triton_paged import TritonMeta, paged_attention, step_keys
 
     dt = getattr(torch, dtype_name)
     cases = []

@@ -10,10 +10,10 @@ is read again (``/proc/self/status``: VmRSS, RssAnon, RssFile). Reported per cas
 - the RSS growth over an engine with no model: the same process on a tiny random model of the same architecture
   and tokenizer (hidden 64, 2 layers), minus that model's own weights. It holds what every engine holds
   whatever its size: the tokenizer, the KV pool, the rotary tables, the modules the load imports (the engine
-  loads without transformers' modeling and config classes: quant.loader.load_for_engine). ``growth / file
-  bytes`` is the bar (<= 1.1);
+  loads without transformers' modeling and config classes: quant.runtime.loader.load_for_engine). ``growth / file
+  bytes`` is held to at most 1.1;
 - load time (load + repack + fuse), the startup a user waits for. A config seen for the first time is
-  normalised by transformers in a child process (quant.model_config, ~3.5 s on the developers' CPU) and cached;
+  normalised by transformers in a child process (quant.format.model_config, ~3.5 s on the developers' CPU) and cached;
   each case here is loaded once untimed first, so load time is that of a server starting on a known config.
 
 Cases: the default model's bf16 base, its int8-sym and w4a16 artifacts (from ``bench/out/quality`` or built).
@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from common import ensure_artifact
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 BUDGET = "64MiB"
 BIG = dict(hidden_size=2048, num_hidden_layers=22, intermediate_size=5632, num_attention_heads=32,
@@ -81,7 +81,7 @@ def run_case(spec: str, threads: int, cache: str) -> dict:
 
 def warm_config(spec: str, cache: Path) -> None:
     """Normalise the case's config into the cache (what the first serve of a config does, in a child)."""
-    from quant import model_config
+    from quant.format import model_config
 
     model_config.read(spec, cache, in_process=False)
 
@@ -128,15 +128,13 @@ def main(argv=None) -> int:
     ap.add_argument("--big", action="store_true", help="also the 1.1B-shaped random Llama, bf16 vs 4-bit")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from quant.models import default_cache_dir, resolve
+    from quant.format.sources import default_cache_dir, resolve
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
     if args.case:
         print(json.dumps(run_case(args.case, args.threads, str(cache))))
         return 0
     import torch
-
-    from decode import ensure_artifact
 
     work = Path(args.work)
     base = Path(resolve(None, cache).path)

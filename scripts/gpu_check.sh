@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA device: the CUDA-marked tests first, then bench/gpu.py's parts by priority (headline:
 # the 8B w4a16 engine; bf16: the same rows for a bf16 8B; then attention, linear, gemv, engine, default; each
-# kernel against its reference, timed beside its peers), appending the run's dated section (with the device name)
-# to bench/RESULTS.md.
+# kernel against its reference, timed beside its peers). The run's report (dated, with the device name and the
+# CUDA tests' summary) takes the place of bench/RESULTS.md's "GPU check" section (`bench/gpu.py --record`).
 #   scripts/gpu_check.sh [--deadline SECONDS] [--tests-timeout SECONDS] [bench/gpu.py's options: --only, --quick, ...]
 # Needs torch with CUDA and triton (both in the GPU images); nothing here needs torch 2.13-only APIs. Outputs
-# (gpu.md, gpu.json, cuda_tests.log) go to $GPU_CHECK_OUT (default bench/out/gpu).
+# (gpu.md, gpu.json, cuda_tests.log, section.md: what went into bench/RESULTS.md) go to $GPU_CHECK_OUT (default
+# bench/out/gpu).
 #
 # --deadline: the seconds from this script's start after which no benchmark part starts (a lent GPU has 15 minutes,
 # the machine's start included). The tests run first (at most --tests-timeout, default 180 s; about 45 s on an H100),
 # the parts then take what is left. The plan for a lease, as one device call (timeout_s 600):
 #   GPU_CHECK_OUT=$OUT scripts/gpu_check.sh --deadline 420      (carry: [".whl"], after scripts/gpu_wheels.sh here)
+# and back here, `python bench/gpu.py --record <the returned section.md>` puts the run into this checkout's RESULTS.md.
 # Wheels in .whl/ (scripts/gpu_wheels.sh: xgrammar, which the image lacks, for the JSON-mask test) are installed
 # into a scratch directory first; without them that one test is skipped, saying so.
 # Before it, see scripts/gpu_unverified.md: the CUDA-only paths changed since the last green GPU run, each with the
@@ -51,10 +53,15 @@ if [ -n "$deadline" ]; then
 fi
 "$PY" bench/gpu.py --out "$OUT_DIR" "${args[@]+"${args[@]}"}" || status=1
 summary=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT_DIR/cuda_tests.log" | tail -n 1 || true)
-{
-    if [ -f "$OUT_DIR/gpu.md" ]; then cat "$OUT_DIR/gpu.md"; else
-        echo "## GPU check $(date +%F): bench/gpu.py wrote no report (see its output)"; status=1; fi
-    echo
-    echo "- CUDA tests (tests/test_cuda.py, run first): ${summary:-no summary (cut by --tests-timeout)}"
-} >> bench/RESULTS.md
+if [ -f "$OUT_DIR/gpu.md" ]; then
+    {
+        cat "$OUT_DIR/gpu.md"
+        echo
+        echo "- CUDA tests (tests/test_cuda.py, run first): ${summary:-no summary (cut by --tests-timeout)}"
+    } > "$OUT_DIR/section.md"
+    "$PY" bench/gpu.py --record "$OUT_DIR/section.md" || status=1
+else  # bench/RESULTS.md keeps the last run's section
+    echo "gpu_check: bench/gpu.py wrote no report (see its output); bench/RESULTS.md left as it was" >&2
+    status=1
+fi
 exit $status

@@ -1,9 +1,23 @@
-"""bench/gpu.py's report and options on the CPU: the section a lease appends to bench/RESULTS.md is written from
-rows shaped as each part writes them, so a formatting slip fails here, not after a lease's GPU time is spent."""
+"""bench/gpu.py's report on the CPU, run as a lease runs it (a process of its own, no import of bench/): the section
+a GPU check puts into bench/RESULTS.md is written from rows shaped as each part writes them, so a formatting slip
+fails here, not after a lease's GPU time is spent."""
 
 from __future__ import annotations
 
-from bench import gpu
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## GPU check (`bench/gpu.py`)"
+
+
+def _gpu_py(*args: str) -> str:
+    got = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return got.stdout
 
 
 def _engine_row(scheme: str, headline: bool) -> dict:
@@ -25,9 +39,11 @@ def _engine_row(scheme: str, headline: bool) -> dict:
     return row
 
 
-def test_the_report_holds_every_parts_rows():
-    results = {
-        "env": {"date": "2026-11-27", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"},
+def _run() -> dict:
+    """A saved run (gpu.json) with a row of every kind each part writes."""
+    return {
+        "env": {"date": "2026-11-27", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+                "commit": "629e7b3"},
         "linear": [{"op": "w4", "shape": "8B", "layer": "qkv", "n": 6144, "k": 4096, "m": 1, "dtype": "bfloat16",
                     "rel_err": 1e-3, "triton_us": 11.8, "whole_us": 12.0, "sym_us": 11.0, "tinygemm_us": 11.0,
                     "bf16_us": 20.0, "dequant_cublas_us": 40.0},
@@ -43,9 +59,8 @@ def test_the_report_holds_every_parts_rows():
                        "triton_us": 200.0, "sdpa_us": 300.0, "triton_page_us": 210.0}],
         "gemv_sweep": [{"op": "w4", "layer": "gate_up", "n": 28672, "k": 4096, "rule": (128, 64, 1, 4),
                         "best": (128, 64, 2, 4), "searched": (128, 64, 2, 4), "searched_measured": 12,
-                        "search_s": 3.0, **{f"{k}_us": 40.0 for k in ("rule", "best", "searched", "sym", "v1", "v2",
-                                                                      "tinygemm")},
-                        **{f"{k}_bw_share": 0.4 for k in ("rule", "best", "searched", "sym", "v1", "v2", "tinygemm")},
+                        "search_s": 3.0, **{f"{k}_us": 40.0 for k in ("rule", "best", "searched", "sym", "tinygemm")},
+                        **{f"{k}_bw_share": 0.4 for k in ("rule", "best", "searched", "sym", "tinygemm")},
                         "gated_us": 41.0, "then_act_us": 45.0},
                        {"op": "int8", "layer": "down", "n": 4096, "k": 14336, "rule": (64, 128, 2, 4),
                         "best": (64, 128, 2, 4), "searched": (64, 128, 2, 4), "searched_measured": 8, "search_s": 2.0,
@@ -54,8 +69,13 @@ def test_the_report_holds_every_parts_rows():
         "skipped": ["default model"],
         "cut": ["linear: 12 rows checked but not timed (past 110 s)"],
     }
-    md = gpu.markdown(results, ["linear: x"])
-    assert md.startswith("## GPU check 2026-11-27 on NVIDIA H100 80GB HBM3")
+
+
+def test_the_report_holds_every_parts_rows(tmp_path):
+    saved = tmp_path / "gpu.json"
+    saved.write_text(json.dumps({"results": _run(), "failures": ["linear: x"]}))  # as bench/gpu.py saves a run
+    md = _gpu_py("--render", str(saved))
+    assert md.startswith(HEADING + "\n\nRun 2026-11-27 on NVIDIA H100 80GB HBM3, commit 629e7b3, torch 2.11.0")
     assert "FAILED: linear: x" in md
     assert "random-weight bf16 8B (headline rows)" in md and "random-weight w4a16 8B (headline rows)" in md
     assert "streams64x256_triton+graphs_tok_s 8192" in md
@@ -63,15 +83,25 @@ def test_the_report_holds_every_parts_rows():
     assert "cut to the part's time: linear: 12 rows checked but not timed" in md
     assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line
     assert "measuring failed (RuntimeError: x), the built-in rule" in md
+    assert "| gate_up | 28672x4096 | (128, 64, 1, 4) |" in md and "40.0 | 40.0 | 40.0 | 40.0 | 40.0 | 40% /" in md
     headline, full = (line for line in md.splitlines() if line.startswith("- engine, random-weight w4a16"))
     assert "eager steps" not in headline and "serial steps instead of overlapped: 250.9" in headline  # not run: not shown
     assert "eager steps: 100.0" in full and "built-in rules instead of measured launches and plans: 288.9" in full
 
 
-def test_a_parts_clock_cuts_timings_not_checks(monkeypatch):
-    t = [100.0]
-    monkeypatch.setattr(gpu.time, "perf_counter", lambda: t[0])
-    clock = gpu.Clock(limit=10.0)
-    assert not clock.over()
-    t[0] = 111.0
-    assert clock.over()
+def test_a_report_replaces_its_section_and_nothing_else(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    before = ["# Benchmark results", "", "## Quality (`bench/quality.py`)", "", "quality rows", ""]
+    after = ["## GPU: earlier figures", "", "older rows", ""]
+    results.write_text("\n".join(before + [HEADING, "", "an earlier run's rows", ""] + after))
+    section = tmp_path / "section.md"
+    section.write_text(f"{HEADING}\n\nthis run's rows\n\n- CUDA tests: 37 passed\n")
+    _gpu_py("--record", str(section), "--results", str(results))
+    assert results.read_text() == "\n".join(before + [HEADING, "", "this run's rows", "", "- CUDA tests: 37 passed",
+                                                      ""] + after)
+    _gpu_py("--record", str(section), "--results", str(results))  # a second run: the same, once
+    assert results.read_text().count(HEADING) == 1 and "an earlier run's rows" not in results.read_text()
+    lone = tmp_path / "LONE.md"  # a file without the section: appended
+    lone.write_text("# Benchmark results\n")
+    _gpu_py("--record", str(section), "--results", str(lone))
+    assert lone.read_text() == f"# Benchmark results\n\n{HEADING}\n\nthis run's rows\n\n- CUDA tests: 37 passed\n"
