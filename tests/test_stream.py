@@ -161,9 +161,9 @@ def test_a_sharded_artifact_serves_like_a_single_file(tmp_path, sharded_dir, tex
 
 
 def test_self_calibration_of_a_model_too_large_to_hold_is_refused(tmp_path, sharded_dir, monkeypatch):
-    from quant.shape import memory
+    from quant.runtime import measure
 
-    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(measure, "available_bytes", lambda device: 1 << 20)
     cfg = BuildConfig(scheme="w4a16", model=str(sharded_dir), out=str(tmp_path / "art"))
     with pytest.raises(ConfigError, match="--calib self .* pass --calib FILE") as e:
         build(cfg, tmp_path, progress=False, log=lambda m: None)

@@ -8,34 +8,10 @@ the command line on top. Plotting (quantserve.client.plot) needs matplotlib, imp
 
 from quantserve.client.client import AsyncClient, Client, default_target, make_sampling
 from quantserve.client.errors import EXIT_CODES, ClientError
-from quantserve.client.metrics import (
-                                     CellMetrics,
-                                     cell_metrics,
-                                     distinct_n,
-                                     repetition_rate,
-)
-from quantserve.client.types import (
-                                     Alternative,
-                                     Candidate,
-                                     EngineMemory,
-                                     MemoryAccounting,
-                                     Message,
-                                     ModelInfo,
-                                     Options,
-                                     Plan,
-                                     Refusal,
-                                     Request,
-                                     RequestShape,
-                                     Result,
-                                     Sampling,
-                                     ShapePlan,
-                                     StreamChunk,
-                                     TokenLogprob,
-                                     Tokens,
-                                     TraceStep,
-                                     Usage,
-                                     to_dict,
-)
+from quantserve.client.metrics import CellMetrics, cell_metrics, distinct_n, repetition_rate
+from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, Message, ModelInfo,
+                                     Options, Plan, Refusal, Request, RequestShape, Result, Sampling, ShapePlan,
+                                     StreamChunk, TokenLogprob, Tokens, TraceStep, Usage, to_dict)
 
 __all__ = [
     "AsyncClient", "Client", "ClientError", "EXIT_CODES", "default_target", "make_sampling",

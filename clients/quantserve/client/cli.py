@@ -18,14 +18,7 @@ from rich.console import Console
 
 from quantserve.client.client import Client, default_target
 from quantserve.client.errors import EXIT_CODES, EXIT_LOCAL, ClientError
-from quantserve.client.types import (
-    SAMPLING_FIELDS,
-    SAMPLING_TYPES,
-    Message,
-    RequestShape,
-    parse_shape,
-    to_dict,
-)
+from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Message, RequestShape, parse_shape, to_dict
 
 EPILOG = "exit status: 0 ok, 1 local problem (file, missing package), 2 bad command line, " + ", ".join(
     f"{v} {k}" for k, v in sorted(EXIT_CODES.items(), key=lambda kv: kv[1])) + "."
@@ -356,9 +349,8 @@ def cmd_sweep(a, out: Console, err: Console) -> None:
 
 def cmd_plot(a, out: Console, err: Console) -> None:
     try:
-        import matplotlib  # noqa: F401 - only to give a clear message when it is missing
-
         from quantserve.client import plot
+        import matplotlib  # noqa: F401 - only to give a clear message when it is missing
     except ImportError:
         raise _Local("plot needs matplotlib: pip install 'quantserve-client[plot]'") from None
     try:

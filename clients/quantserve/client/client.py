@@ -19,20 +19,8 @@ import numbers
 from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence, Union
 
 from quantserve.client.errors import INVALID_ARGUMENT, ClientError
-from quantserve.client.types import (
-    SAMPLING_FIELDS,
-    SAMPLING_TYPES,
-    Message,
-    ModelInfo,
-    Options,
-    Plan,
-    Request,
-    RequestShape,
-    Result,
-    Sampling,
-    StreamChunk,
-    Tokens,
-)
+from quantserve.client.types import (SAMPLING_FIELDS, SAMPLING_TYPES, Message, ModelInfo, Options, Plan, Request,
+                                     RequestShape, Result, Sampling, StreamChunk, Tokens)
 
 GRPC_PORT, HTTP_PORT = 50051, 8000
 Prompt = Union[str, Sequence[int]]

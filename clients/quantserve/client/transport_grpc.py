@@ -13,27 +13,9 @@ import grpc
 from google.protobuf import json_format
 
 from quantserve.client.errors import INVALID_ARGUMENT, ClientError, from_grpc
-from quantserve.client.types import (
-    TRACE_CONTROLS,
-    TRACE_STAGES,
-    Alternative,
-    Candidate,
-    EngineMemory,
-    MemoryAccounting,
-    ModelInfo,
-    Options,
-    Plan,
-    Request,
-    RequestShape,
-    Result,
-    StreamChunk,
-    TokenLogprob,
-    Tokens,
-    TraceStep,
-    Usage,
-    _Joined,
-    plan_from_dict,
-)
+from quantserve.client.types import (Alternative, Candidate, EngineMemory, MemoryAccounting, ModelInfo, Options, Plan,
+                                     Request, RequestShape, Result, StreamChunk, TokenLogprob, Tokens, TRACE_CONTROLS,
+                                     TRACE_STAGES, TraceStep, Usage, _Joined, plan_from_dict)
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 

@@ -20,32 +20,11 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
-from quantserve.client.errors import (
-    DEADLINE_EXCEEDED,
-    INTERNAL,
-    INVALID_ARGUMENT,
-    ClientError,
-    from_http,
-    from_http_exception,
-)
-from quantserve.client.types import (
-    Alternative,
-    ModelInfo,
-    Options,
-    Plan,
-    Request,
-    RequestShape,
-    Result,
-    StreamChunk,
-    TokenLogprob,
-    Tokens,
-    Usage,
-    _Joined,
-    engine_from_dict,
-    memory_from_dict,
-    plan_from_dict,
-    trace_from_dict,
-)
+from quantserve.client.errors import (DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, ClientError, from_http,
+                                     from_http_exception)
+from quantserve.client.types import (Alternative, ModelInfo, Options, Plan, Request, RequestShape, Result, StreamChunk,
+                                     TokenLogprob, Tokens, Usage, _Joined, engine_from_dict, memory_from_dict,
+                                     plan_from_dict, trace_from_dict)
 
 _REASON = MappingProxyType({"abort": "cancelled"})  # the HTTP API says "abort" for the engine's "cancelled"
 # proto name -> OpenAI body field (the other fields keep their names)
