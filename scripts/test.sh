@@ -6,5 +6,6 @@ PY="${PYTHON:-python3}"
 scripts/setup.sh --dev
 # A worker per core (pytest-xdist). worksteal: each worker starts on its half of the tests in file order and takes
 # from the other's tail when done, so a module's fixtures are built twice only where the halves meet (measured
-# 8:21 against 9:14 for a file per worker, and 16:12 for one process, bench/RESULTS.md, session 27).
+# 8:21 against 9:14 for a file per worker; pytest 589.4 s against 971.9 s in one process:
+# bench/RESULTS.md#test-suite-wall-time-scriptstestsh).
 exec "$PY" -m pytest -q -p no:cacheprovider --timeout 900 -n auto --dist worksteal "$@"
