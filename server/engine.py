@@ -188,8 +188,8 @@ class Engine:
     def from_path(cls, spec: str | None, config: EngineConfig, cache_dir: Path) -> "Engine":
         """Load ``spec`` and return a started engine. Loading happens on the thread that then runs the engine
         loop: OpenMP keeps one worker pool per thread that starts parallel work, and a thread whose pool is
-        second to another's ran the same decode step about 3x slower here (a one-off diagnostic, bench/RESULTS.md), so all
-        torch work of a served model stays on the engine thread."""
+        second to another's ran the same decode step about 3x slower here (a one-off diagnostic), so all torch work
+        of a served model stays on the engine thread."""
         config.validate()
         box: dict = {}
         ready = threading.Event()
