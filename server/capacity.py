@@ -282,10 +282,9 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     from quant.shape.memory import dtype_bytes, engine_prefill_bytes
     from quant.shape.model import ModelShape
     from server import attention, fastops
-    from server.engine import EngineConfig
+    from server.config import EngineConfig, Limits
     from server.kv_pool import KVLayout, resolve_budget
     from server.runner import glue_ops_choice
-    from server.service import Limits
 
     given = {"dtype": dtype, "memory_budget": memory_budget, "max_batch": max_batch, "max_queue": max_queue,
              "max_prefill_tokens": max_prefill_tokens}

@@ -26,9 +26,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, api_key: str | None):
     """The ServeConfig the parsed flags ask for (``api_key``: the key itself, read from --api-key-file or not)."""
-    from server.engine import EngineConfig
+    from server.config import EngineConfig, Limits
     from server.serve import ServeConfig
-    from server.service import Limits
 
     return ServeConfig(**{**settings.config_values("serve", args), "api_key": api_key},
                        engine=EngineConfig(**settings.config_values("engine", args)),

@@ -16,8 +16,9 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.engine import Engine, EngineConfig
-from server.service import Limits, Service
+from server.config import EngineConfig, Limits
+from server.engine import Engine
+from server.service import Service
 from server.settings import setting
 
 log = logging.getLogger("quantserve.serve")

@@ -19,35 +19,17 @@ from typing import AsyncIterator
 
 from server import capacity
 from server import outputs as out
+from server.config import Limits
 from server.engine import Engine
 from server.metrics import Metrics
 from server.outputs import EngineClosedError, Event, OverloadedError, RequestError
 from server.sampling import SamplingParams, SamplingParamsError
-from server.settings import setting
 
 log = logging.getLogger("quantserve.service")
 PLAN_TIMEOUT_S = 120.0  # the engine answers a plan between two steps; longer only when it has stopped
 request_log = logging.getLogger("quantserve.requests")
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Per-request limits of a server (on top of the engine's own: context length, KV pool)."""
-
-    max_prompt_tokens: int | None = setting("max_prompt_tokens")  # None: the model's context length
-    max_new_tokens: int = setting("max_new_tokens")
-    max_request_bytes: int = setting("max_request_bytes")
-    max_stop: int = 16  # stop sequences per request (SamplingParams allows at most 16)
-
-    def validate(self) -> "Limits":
-        for name in ("max_new_tokens", "max_request_bytes", "max_stop"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
-                                                   or self.max_prompt_tokens < 1):
-            raise ValueError(f"--max-prompt-tokens must be an integer >= 1, got {self.max_prompt_tokens!r}")
-        return self
 
 
 def _utf8_len(text: str) -> int:

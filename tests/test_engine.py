@@ -366,16 +366,16 @@ def test_overlapped_steps_give_every_event_the_serial_ones_do(tiny_model_dir, ca
         ("At least", greedy(14, min_tokens=14)),
         ("A long prompt " * 12, greedy(17)),
     ]
-    import server.engine as engine_module
+    import server.step as step_module
 
     fed = {False: 0, True: 0}
-    real_build = engine_module.build_step
+    real_build = step_module.build_step
 
     def counting_build(*a, **kw):
         fed[overlap] += a[4] is not None  # decode rows fed from the previous step's samples on the device
         return real_build(*a, **kw)
 
-    monkeypatch.setattr(engine_module, "build_step", counting_build)
+    monkeypatch.setattr(step_module, "build_step", counting_build)
     got = {}
     for overlap in (False, True):
         eng = make_engine(tiny_model_dir, cache_dir, overlap=overlap, max_prefill_tokens=16)
@@ -708,7 +708,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
 def test_a_request_that_fails_to_advance_fails_alone_and_the_engine_keeps_serving(engine, monkeypatch):
     """An error while a step's samples are applied to one request (detokenizing, stop matching) ends that request
     with an error event; the others in the step and later requests are served."""
-    real = engine._advance
+    import server.engine
+
+    real = server.engine.next_token
     hit = {"n": 0}
 
     def flaky(seq, *a):
@@ -718,7 +720,7 @@ def test_a_request_that_fails_to_advance_fails_alone_and_the_engine_keeps_servin
                 raise RuntimeError("boom")
         return real(seq, *a)
 
-    monkeypatch.setattr(engine, "_advance", flaky)
+    monkeypatch.setattr(server.engine, "next_token", flaky)
     results = {}
 
     def run(rid):
@@ -788,11 +790,11 @@ def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, 
     """A fraction of free memory is taken after the runner exists, from what is free then, and the backend attends
     over that pool; a fraction that would leave less than one step's activation workspace is refused in one line
     that names the numbers, before the engine serves."""
-    from server import engine as engine_mod
+    from server import accounting
     from server.kv_pool import KVBudgetError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 64 * 2**20)  # what "free" reads, after the runner
+    monkeypatch.setattr(accounting, "free_memory", lambda device: 64 * 2**20)  # what "free" reads, after the runner
     eng = Engine(model, tok, EngineConfig(memory_budget="0.25", dtype="float32"))
     assert eng.pool.capacity_bytes == (16 * 2**20 // eng.layout.bytes_per_block) * eng.layout.bytes_per_block
     assert eng.runner.backend.kv.untyped_storage().data_ptr() == eng.pool.storage.untyped_storage().data_ptr()
@@ -802,7 +804,7 @@ def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, 
     finally:
         eng.close()
     workspace = eng.step_workspace()
-    monkeypatch.setattr(engine_mod, "free_memory", lambda device: workspace * 2)
+    monkeypatch.setattr(accounting, "free_memory", lambda device: workspace * 2)
     with pytest.raises(KVBudgetError, match=r"--memory-budget 0\.9 of .* MiB free leaves .* for the activations of one "
                                             r"step, which need .*; use at most 0\.50"):
         Engine(model, tok, EngineConfig(memory_budget="0.9", dtype="float32"))

@@ -68,7 +68,7 @@ def test_every_transport_reads_and_writes_every_control():
     from quantserve.client.types import SAMPLING_FIELDS, Request
 
     from server.grpc_server import params_from_proto
-    from server.http_server import ChatBody, CompletionBody, params_from_body
+    from server.openai_api import ChatBody, CompletionBody, params_from_body
 
     values = dict(temperature=0.5, top_k=7, top_p=0.9, repetition_penalty=1.1, seed=3, max_new_tokens=9,
                   min_tokens=0, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,  # 0: response_format

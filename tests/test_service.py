@@ -587,7 +587,7 @@ def test_a_cancelled_wait_cancels_its_work():
     cancel the request too (the engine then frees its blocks), not leave it running."""
     import asyncio
 
-    from server.http_server import _unless_disconnected
+    from server.openai_api import _unless_disconnected
 
     class Connected:
         async def is_disconnected(self):

@@ -1,0 +1,90 @@
+"""The engine's and the service's settings (``EngineConfig``, ``Limits``: validated once, at the boundary; those
+`quant serve` exposes take their default and meaning from the settings table, server/settings.py) and what the
+engine reports of the model it serves (``ModelInfo``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quant.runtime.kernel_choice import MODES as KERNEL_MODES
+from server.layers.embedding import check_mode as check_embeddings
+from server.settings import setting
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings. Those `quant serve` exposes take their default and meaning from the settings table
+    (server/settings.py); the others are the engine's own."""
+
+    memory_budget: str = setting("memory_budget")
+    max_queue: int = setting("max_queue")
+    max_batch: int = setting("max_batch")
+    max_prefill_tokens: int = setting("max_prefill_tokens")
+    prefix_cache: bool = setting("prefix_cache")  # server/kv_pool.py's BlockPool
+    block_size: int = 16  # tokens per KV block
+    dtype: str = setting("dtype")
+    device: str = setting("device")
+    embeddings: str = setting("embeddings")  # server/layers/embedding.py
+    kernels: str = setting("kernels")  # quant/runtime/kernel_choice.py
+    threads: int | None = setting("threads")  # None leaves torch's default
+    fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
+    cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
+    # Launch each step before reading the previous one's samples back (decode rows take their tokens on the device),
+    # so the host's per-token work overlaps the device's; None: on CUDA, where the device runs asynchronously.
+    overlap: bool | None = None
+
+    def validate(self) -> "EngineConfig":
+        for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
+        check_embeddings(self.embeddings, getattr(torch, self.dtype))
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str  # what was loaded (artifact dir or model source)
+    scheme: str  # quantization scheme, or "none" for a model served unquantized
+    dtype: str
+    device: str
+    attention: str
+    context_length: int
+    vocab_size: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_capacity_bytes: int
+    kv_block_size: int
+    glue_ops: str  # "fused" (server/csrc kernels), "triton" (server/glue_triton.py) or "eager" with the reason
+    embeddings: str  # "float", or "int8" with the head's kernel (server/layers/embedding.py)
+    kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count and why (measured)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits of a server (on top of the engine's own: context length, KV pool)."""
+
+    max_prompt_tokens: int | None = setting("max_prompt_tokens")  # None: the model's context length
+    max_new_tokens: int = setting("max_new_tokens")
+    max_request_bytes: int = setting("max_request_bytes")
+    max_stop: int = 16  # stop sequences per request (SamplingParams allows at most 16)
+
+    def validate(self) -> "Limits":
+        for name in ("max_new_tokens", "max_request_bytes", "max_stop"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens < 1):
+            raise ValueError(f"--max-prompt-tokens must be an integer >= 1, got {self.max_prompt_tokens!r}")
+        return self
