@@ -39,7 +39,8 @@ def served_prefill(fused: bool, threads: int) -> float:
 
     from quant.format.sources import default_cache_dir
     from server.attention.sdpa import SdpaBackend
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     torch.set_num_threads(threads)
     SdpaBackend.FUSED_PREFILL = fused

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]

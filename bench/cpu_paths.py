@@ -45,7 +45,8 @@ def _engine(spec: str, threads: int, kernels: str):
     import torch
 
     from quant.format.sources import default_cache_dir
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     torch.set_num_threads(threads)
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())

@@ -35,14 +35,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import NEW, PROMPT, ensure_artifact, greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True):
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops)
     return Engine.from_path(spec, cfg, cache).start()
@@ -143,7 +143,6 @@ def serve_case(case: str, spec: str, threads: int, repeats: int, server_root: Pa
     decode, ``serve-16`` 16 concurrent requests; same prompts and token counts as the engine-level cases, so the
     difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
     import httpx
-
     from reliability import ServerProcess
 
     srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", root=server_root)

@@ -33,7 +33,8 @@ def one_run(artifact: str, streams: int, variant: str) -> float:
 
     from quant.format.sources import default_cache_dir
     from server.attention.sdpa import SdpaBackend
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.sampling import SamplingParams
 
     SdpaBackend.FUSED_DECODE_MAX_ROWS = VARIANTS[variant]

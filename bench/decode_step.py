@@ -31,7 +31,8 @@ def main() -> None:
 
     import server.engine as se
     from quant.format.sources import default_cache_dir
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.sampling import SamplingParams
 
     total: dict[str, float] = collections.defaultdict(float)

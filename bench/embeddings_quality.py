@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import ensure_artifact
 
 ROOT = Path(__file__).resolve().parents[1]

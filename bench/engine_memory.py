@@ -53,7 +53,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from quant.format.sources import default_cache_dir, load_model, resolve
     from quant.shape.memory import kv_bytes_per_token
-    from server.engine import Engine, EngineConfig, load_for_serving
+    from server.config import EngineConfig
+    from server.engine import Engine
+    from server.loading import load_for_serving
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
     dtype = getattr(torch, args.dtype)

@@ -19,8 +19,8 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from common import PEAK_BW, ROOT, SHAPES, word_tokenizer
+
 
 def random_model(shape: str, dev: str, scheme: str = "w4a16", gs: int = 128):
     """A Llama of the shape in bf16 on the device: with ``scheme="w4a16"`` every decoder Linear a GPTQLinear of
@@ -73,7 +73,8 @@ _PLANS: list[Path] = []  # one kernel-plan cache for this run's engines: a shape
 def make_engine(model, tok, budget: str, fused_ops: bool = True, kernels: str = "measure"):
     import tempfile
 
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     if not _PLANS:
         _PLANS.append(Path(tempfile.mkdtemp(prefix="quantserve-plans-")))
@@ -248,7 +249,8 @@ def default_model_check(results: dict, failures: list, gguf: Path, data: Path, w
     logits on the same tokens (teacher-forced: the CPU's argmax at each generated position)."""
     import subprocess
 
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.sampling import SamplingParams
 
     art = work / "art-w4a16"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 from common import PEAK_BW, SHAPES, cuda_time
 
 PART_S = 110.0  # a part's timings stop after this many seconds (each part of a lease's check ends within 120 s)

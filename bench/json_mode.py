@@ -15,12 +15,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from common import cpu_name
+
 from quant.format import sources as models
 from quant.format.sources import default_cache_dir
-from server.engine import Engine, EngineConfig
+from server.config import EngineConfig
+from server.engine import Engine
 from server.sampling import SamplingParams
-
-from common import cpu_name
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

@@ -43,7 +43,8 @@ def prompts(tok, n: int, prefix: int, suffix: int) -> list[list[int]]:
 
 def ttft(args) -> dict:
     from quant.format.sources import default_cache_dir
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.sampling import SamplingParams
 
     rows = {}
@@ -90,7 +91,8 @@ def capacity(args) -> dict:
     import torch
 
     from quant.format.sources import default_cache_dir
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.kv_pool import KVLayout
     from server.sampling import SamplingParams
 

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_name
 
 from server import sampling
-
-from common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

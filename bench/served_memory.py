@@ -57,7 +57,9 @@ def run_case(spec: str, threads: int, cache: str) -> dict:
     import torch
 
     from server import fastops
-    from server.engine import Engine, EngineConfig, release_freed_memory
+    from server.config import EngineConfig
+    from server.engine import Engine
+    from server.loading import release_freed_memory
     from server.sampling import SamplingParams
 
     torch.set_num_threads(threads)

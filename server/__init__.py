@@ -1,1 +1,1 @@
-"""quantserve's inference engine and transports (issues #4 and #5)."""
+"""quantserve's inference engine and its transports (gRPC, OpenAI-compatible HTTP)."""

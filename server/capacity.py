@@ -68,7 +68,7 @@ def validate(shapes: list[Shape]) -> list[Shape]:
 
 
 def check_max_new_tokens(max_new_tokens: int, limit: int) -> None:
-    """A server's limit on max_new_tokens (server.service.Limits): RequestError naming the parameter."""
+    """A server's limit on max_new_tokens (server.config.Limits): RequestError naming the parameter."""
     if max_new_tokens > limit:
         raise RequestError("max_new_tokens", f"max_new_tokens must be <= {limit} on this server, got {max_new_tokens}")
 

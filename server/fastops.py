@@ -2,7 +2,7 @@
 
 A batch-1 decode step of the default model runs ~40 small tensor ops per layer around the four matmuls; on
 CPU each costs a few microseconds of dispatch however small it is, which added up to a third of the step
-(bench/RESULTS.md, session 3). ``server/csrc/decode_ops.cpp`` does the same arithmetic in a few calls per
+(bench/RESULTS.md#cpu-decode-step-benchdecode_steppy). ``server/csrc/decode_ops.cpp`` does the same arithmetic in a few calls per
 layer: the residual add with the next RMSNorm, rotary embedding in place (partial rotary included), the K/V
 cache write of the sdpa backend, and the gated activations (SiLU·up, GELU-tanh·up).
 

@@ -5,7 +5,7 @@ Why they exist: on CUDA the eager glue is ~30 small kernels per decoder layer (t
 reductions, rotate-half's slices, negation, concatenation and products, two index copies, SiLU and the product)
 around five real ones. A CUDA graph removes their launch cost but not their execution: each still takes a couple
 of microseconds of a mostly idle GPU, ~1000 of them per decode step of a 30-layer model, which is most of a
-batch-1 step of the default model and a third of Llama-3-8B's (bench/RESULTS.md, session 14). Here each op is
+batch-1 step of the default model and a third of Llama-3-8B's (bench/RESULTS.md#gpu-figures-not-re-measured-since-benchgpupy). Here each op is
 one kernel:
 
 - ``rms_norm`` / ``add_rms_norm``: one program per row; the residual add rounds once to the dtype (as the eager

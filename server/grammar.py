@@ -1,7 +1,8 @@
 """Structured output: ``response_format`` JSON mode (``{"type": "json_object"}``) and JSON-schema mode
 (``{"type": "json_schema", "json_schema": {"schema": ...}}``), enforced token by token with xgrammar.
 
-Why xgrammar (bench/grammar_libs.py, session 28, AMD EPYC, the default model's 49152-token vocabulary): of the
+Why xgrammar (a comparison on an AMD EPYC with the default model's 49152-token vocabulary, noted in
+bench/RESULTS.md#json-modes-cost-per-decode-step-benchjson_modepy): of the
 three well-kept libraries compared, xgrammar (Apache-2.0) filled a step's mask fastest (2 us median for a nested
 schema, 8 us for any JSON object; llguidance, MIT: 16 and 9 us; outlines-core: 2 and 59 us but 7.3 s to compile
 ``{"type": "object"}``), accepted the most valid documents (outlines-core rejects pretty-printed JSON and \\u

@@ -5,7 +5,7 @@ once.
 A row is one setting. Its flag is ``--name`` (underscores as dashes; ``artifact`` is a positional argument),
 its environment variable ``QUANTSERVE_NAME`` (``env`` names another suffix, or None for no variable), and
 ``config`` says which dataclass holds it: ``"serve"`` (server.serve.ServeConfig), ``"engine"``
-(server.engine.EngineConfig) or ``"limits"`` (server.service.Limits), as the field ``field`` (default: the
+(server.config.EngineConfig) or ``"limits"`` (server.config.Limits), as the field ``field`` (default: the
 name); None is a setting of the command line only. A dataclass declares such a field as
 ``name: T = setting("name")``, which takes the default from here. Adding a setting: a row here, and that field.
 

@@ -9,9 +9,9 @@ import ipaddress
 import threading
 import time
 
-from server.engine import Engine, EngineConfig
+from server.config import EngineConfig, Limits
+from server.engine import Engine
 from server.serve import ServeConfig, run
-from server.service import Limits
 
 
 class Running:

@@ -248,7 +248,8 @@ def _tiny_llama():
 
 def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB", tokenizer=None, model=None):
     from bench.gpu import word_tokenizer
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     eng = Engine(model or _tiny_llama(), tokenizer or word_tokenizer(512),
                  EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=8,

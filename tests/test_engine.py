@@ -19,7 +19,8 @@ from quant.runtime.measure import MemoryTracker, weight_report
 from quant.shape.memory import engine_prefill_bytes
 from quant.shape.model import ModelShape
 from server import fastops
-from server.engine import Engine, EngineConfig
+from server.config import EngineConfig
+from server.engine import Engine
 from server.kv_pool import BlockPool, KVLayout
 from server.outputs import EngineClosedError, OverloadedError, RequestError, collect
 from server.runner import ModelRunner, build_step

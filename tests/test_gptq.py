@@ -349,7 +349,7 @@ def test_a_gptq_checkpoint_without_our_manifest_is_served_as_written(tmp_path, t
 
     from quant import load
     from quant.errors import ArtifactError
-    from server.engine import load_for_serving
+    from server.loading import load_for_serving
 
     art = tmp_path / "ours"
     assert run_cli("build", "--scheme", "w4a16", "--model", tiny_model_dir, "--out", art, "--calib", text_file,

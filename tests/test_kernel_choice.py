@@ -233,7 +233,8 @@ def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_mode
                                                                       monkeypatch, caplog):
     from conftest import run_cli
 
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
 
     art = tmp_path / "int8"
     assert run_cli("build", "--model", tiny_model_dir, "--scheme", "int8-sym", "--calib", text_file,

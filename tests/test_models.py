@@ -11,7 +11,8 @@ import torch
 from archs import ARCHITECTURES, WINDOW
 from transformers import AutoModelForCausalLM
 
-from server.engine import Engine, EngineConfig
+from server.config import EngineConfig
+from server.engine import Engine
 from server.kv_pool import BlockPool, KVLayout
 from server.runner import ModelRunner, build_step
 from server.sampling import SamplingParams

@@ -18,8 +18,8 @@ from archs import ARCHITECTURES
 from quant.errors import ArtifactError, ModelSourceError, QuantError
 from quant.format import model_config
 from quant.runtime import module_tree
-from server.engine import load_for_serving
 from server.kv_pool import BlockPool, KVLayout
+from server.loading import load_for_serving
 from server.runner import ModelRunner, build_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,8 @@ def test_the_serving_process_imports_no_modeling_stack(artifact, tmp_path):
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from server.engine import Engine, EngineConfig
+        from server.config import EngineConfig
+        from server.engine import Engine
         from server.sampling import SamplingParams
         e = Engine.from_path({str(artifact)!r}, EngineConfig(memory_budget="8MiB", dtype="float32"),
                              Path({str(tmp_path / 'cache')!r}))

@@ -19,10 +19,11 @@ from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 from server import capacity
 from server.capacity import Refusal, Shape
-from server.engine import Engine, EngineConfig, load_for_serving
+from server.config import EngineConfig, Limits
+from server.engine import Engine
+from server.loading import load_for_serving
 from server.outputs import OverloadedError, RequestError
 from server.sampling import SamplingParams
-from server.service import Limits
 
 # ------------------------------------------------------------------------------------------------ pure
 

@@ -12,7 +12,8 @@ import torch
 from archs import ARCHITECTURES
 from conftest import wait_until
 
-from server.engine import Engine, EngineConfig
+from server.config import EngineConfig
+from server.engine import Engine
 from server.outputs import RequestError
 from server.sampling import SamplingParams
 

@@ -25,7 +25,7 @@ from bench.reliability import (
     reference_texts,
     wait_idle,
 )
-from server.service import Limits
+from server.config import Limits
 
 LIMIT_NEW = 32
 LIMITS = Limits(max_new_tokens=LIMIT_NEW, max_request_bytes=64 * 1024)

@@ -112,7 +112,8 @@ def _served(tmp_path: Path, tokenizer, scheme: str):
     """(an engine serving a tiny Llama built with `scheme`, after one request; the artifact's weights file)."""
     from conftest import make_tiny_llama, run_cli
 
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.sampling import SamplingParams
 
     model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
@@ -194,7 +195,7 @@ def test_int8_rows_lookup_and_head_match_their_reference():
 
 
 def test_int8_embeddings_need_bfloat16_and_name_the_flag():
-    from server.engine import EngineConfig
+    from server.config import EngineConfig
 
     with pytest.raises(ValueError, match="--embeddings int8 needs --dtype bfloat16"):
         EngineConfig(embeddings="int8", dtype="float32").validate()
@@ -211,7 +212,8 @@ def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from server.engine import Engine, EngineConfig
+    from server.config import EngineConfig
+    from server.engine import Engine
     from server.layers.embedding import quantize_rows
     from server.runner import build_step
 

@@ -16,7 +16,7 @@ from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 from bench.reliability import metric_sum
-from server.service import Limits
+from server.config import Limits
 
 
 @pytest.fixture(scope="module")

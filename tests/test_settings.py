@@ -15,10 +15,9 @@ import pytest
 
 from server import settings
 from server.cli import build_parser, config_from_args
-from server.engine import EngineConfig
+from server.config import EngineConfig, Limits
 from server.envconfig import VARS, EnvError, serve_argv
 from server.serve import ServeConfig
-from server.service import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = {"serve": ServeConfig, "engine": EngineConfig, "limits": Limits}

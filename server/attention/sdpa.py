@@ -13,7 +13,7 @@ KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat
 - Prefill chunks: one call each, causal over the request's past plus the chunk (bottom-right aligned). With the
   fused CPU ops, the ``prefill_attention`` kernel (server/csrc/attention_ops.cpp) reads the chunk's keys through
   its block table in place, key tiles with an online softmax, windows and soft-capping included: no gather, mask
-  or score matrix (PyTorch's SDPA was 100 of the 263 ms of a 512-token prefill, bench/RESULTS.md session 19).
+  or score matrix (PyTorch's SDPA was 100 of the 263 ms of a 512-token prefill: bench/RESULTS.md#cpu-prefill-attention-benchattention_cpupy).
 - Sliding windows: the keys a window hides are cut from the view or masked; masks are built once per step per
   distinct window (Gemma alternates two).
 - Soft-capping: SDPA cannot express it, so those layers run the eager masked softmax of
@@ -71,14 +71,12 @@ class SdpaMeta:
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     features = frozenset({"window", "softcap"})
-    # The C++ decode kernel takes decode steps of at most this many rows. Session 14 measured it slower than the
-    # SDPA path from 4 rows up (16 streams: 411.5 tok/s with it, 559.3 without) and kept it to 1 row; it was then
-    # running on one thread (built without OpenMP, see quant/runtime/kernels/native.py). On all threads it is ahead at 1, 4, 8 and
-    # 16 rows through the engine (bench/decode_rows.py, bench/RESULTS.md session 16: 525.8 against 497.3 at 16),
-    # and at 32 and 64 too (session 19: 1.23x and 1.14x), so every decode step takes it; benches lower this.
+    # The C++ decode kernel takes decode steps of at most this many rows: on all threads (built with OpenMP, see
+    # quant/runtime/kernels/native.py) it is ahead of the SDPA path at every row count measured through the engine
+    # (bench/RESULTS.md#cpu-decode-attention-by-decode-rows-benchdecode_rowspy), so every decode step takes it;
+    # benches lower this to compare the two.
     FUSED_DECODE_MAX_ROWS = 1 << 30
-    # Prefill chunks through the C++ kernel when the fused ops are on (False: SDPA, as before session 19; benches
-    # compare the two with it).
+    # Prefill chunks through the C++ kernel when the fused ops are on (False: SDPA; benches compare the two with it).
     FUSED_PREFILL = True
 
     @staticmethod

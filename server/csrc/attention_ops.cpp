@@ -194,9 +194,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 // cache's bytes), the numerators P rounded to bf16 for the weighted sum, as PyTorch's flash attention does; other
 // dtypes and CPUs multiply in fp32 (F32). Softmax, sums and the output's rounding are fp32 either way.
 //
-// Why: PyTorch's CPU SDPA took 100 of the 263 ms of a 512-token prefill of the default model (bench/RESULTS.md,
-// session 18); the chunk after the first (a mask over past + chunk) went through its unfused path. This kernel is
-// 2-3x faster on those chunks (bench/attention_cpu.py, session 19).
+// Why: PyTorch's CPU SDPA took 100 of the 263 ms of a 512-token prefill of the default model; the chunk after the
+// first (a mask over past + chunk) went through its unfused path. This kernel is 2-3x faster on those chunks
+// (bench/RESULTS.md#cpu-prefill-attention-benchattention_cpupy).
 
 namespace {
 

@@ -2,7 +2,7 @@
 
 A small model's head is its largest matrix: the default model's tied 49152 x 576 embedding is 56 MB in bf16,
 read whole at every decode step for the logits (2.4 ms of an 8 ms step on the development machine). In int8 it
-is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (bench/RESULTS.md).
+is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy).
 
 int8: every row of the (V, hidden) matrix is quantized symmetrically with its own scale (max |w| / 127), as
 ``quant.runtime.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
@@ -30,7 +30,7 @@ MODES = ("auto", "float", "int8")
 
 def resolve(mode: str, dtype: torch.dtype, quantized: bool) -> str:
     """``auto``: int8 for a quantized artifact served in bf16 (measured on the default model's w4a16 artifact:
-    -0.10% perplexity change, mean KL 0.001, bench/RESULTS.md), float otherwise: a model served unquantized is
+    -0.10% perplexity change, mean KL 0.001, bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy), float otherwise: a model served unquantized is
     served as it is, and other dtypes have no fast int8 kernel."""
     if mode != "auto":
         return mode
@@ -63,7 +63,7 @@ class Int8Rows:
         self.scale = scale.to(dtype)  # (V,) in the activation dtype: what the int8pack kernel takes
         self.dtype = dtype
         # One row (batch-1 decode) goes through the one-call C++ product: at 49152 x 576 it reads the matrix in
-        # ~0.6x the int8pack kernel's time on both vector widths (bench/RESULTS.md, session 16).
+        # ~0.6x the int8pack kernel's time (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy).
         use = dtype == torch.bfloat16 and rowops.available(self.q)
         self.rows = rowops.int8_weight(self.q, self.scale, None, None) if use else None
 
