@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quant.build import schemes
-from quant.shape.memory import ATTN_IMPLS
 from quant.shape.model import ModelShape
 
 
