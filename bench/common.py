@@ -39,7 +39,7 @@ PREFILLS = 5  # prefills per process (~0.25 s each), the best kept: with 2, a pr
 
 def greedy(max_new: int = NEW):
     """Greedy sampling of exactly ``max_new`` tokens."""
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=max_new, min_tokens=max_new, seed=0)
 

@@ -35,7 +35,7 @@ def one_run(artifact: str, streams: int, variant: str) -> float:
     from server.attention.sdpa import SdpaBackend
     from server.config import EngineConfig
     from server.engine import Engine
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     SdpaBackend.FUSED_DECODE_MAX_ROWS = VARIANTS[variant]
     eng = Engine.from_path(artifact, EngineConfig(threads=2, memory_budget="512MiB"), default_cache_dir())

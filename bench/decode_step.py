@@ -33,7 +33,7 @@ def main() -> None:
     from quant.format.sources import default_cache_dir
     from server.config import EngineConfig
     from server.engine import Engine
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     total: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -103,7 +103,7 @@ def use_backend(eng, mode: str, saved: dict) -> None:
 def run_requests(eng, prompts: list[list[int]], new: int) -> tuple[float, list]:
     import concurrent.futures as cf
 
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     p = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     t0 = time.perf_counter()
@@ -251,7 +251,7 @@ def default_model_check(results: dict, failures: list, gguf: Path, data: Path, w
 
     from server.config import EngineConfig
     from server.engine import Engine
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     art = work / "art-w4a16"
     cmd = [sys.executable, "-m", "quant.cli", "build", "--model", str(gguf), "--scheme", "w4a16", "--out", str(art),

@@ -21,7 +21,7 @@ from quant.format import sources as models
 from quant.format.sources import default_cache_dir
 from server.config import EngineConfig
 from server.engine import Engine
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

@@ -45,7 +45,7 @@ def ttft(args) -> dict:
     from quant.format.sources import default_cache_dir
     from server.config import EngineConfig
     from server.engine import Engine
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     rows = {}
     first_tokens = {}
@@ -94,7 +94,7 @@ def capacity(args) -> dict:
     from server.config import EngineConfig
     from server.engine import Engine
     from server.kv_pool import KVLayout
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     groups, n, prompt_len, new, blocks = 4, 8, 1024, 128, 540
     probe = Engine.from_path(args.artifact, EngineConfig(memory_budget="64MiB", dtype=args.dtype),

@@ -23,6 +23,7 @@ import torch
 from common import cpu_name
 
 from server import sampling
+from server.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,9 +80,9 @@ def main(argv=None) -> int:
         fns = {}
         for name, kw in plain.items():
             fns[(name, "base")] = case(base, [base.SamplingParams(**kw)] * b, logits, 512)
-            fns[(name, "now")] = case(sampling, [sampling.SamplingParams(**kw)] * b, logits, 512)
+            fns[(name, "now")] = case(sampling, [SamplingParams(**kw)] * b, logits, 512)
         for name, kw in controls.items():
-            fns[(name, "now")] = case(sampling, [sampling.SamplingParams(temperature=0.7, top_p=0.9, **kw)] * b,
+            fns[(name, "now")] = case(sampling, [SamplingParams(temperature=0.7, top_p=0.9, **kw)] * b,
                                       logits, 512)
         for fn in fns.values():  # warm up
             fn()

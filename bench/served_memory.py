@@ -60,7 +60,7 @@ def run_case(spec: str, threads: int, cache: str) -> dict:
     from server.config import EngineConfig
     from server.engine import Engine
     from server.loading import release_freed_memory
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     fastops.load()

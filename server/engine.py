@@ -55,11 +55,7 @@ from server.outputs import (
     RequestError,
 )
 from server.runner import ModelRunner
-from server.sampling import (
-    SEED_LIMIT,
-    SamplingParams,
-    SamplingParamsError,
-)
+from server.sampling_params import SEED_LIMIT, SamplingParams, SamplingParamsError
 from server.scheduler import Group, Scheduler, Sequence
 from server.step import (
     Launched,

@@ -28,7 +28,7 @@ import threading
 
 from torch import Tensor
 
-from server.sampling import SamplingParamsError
+from server.sampling_params import SamplingParamsError
 
 
 class Grammars:

@@ -23,7 +23,8 @@ from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 from server.capacity import Shape
 from server.outputs import Accounting, Event, RequestError, TokenLogprob, TraceStep
-from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingParams
+from server.sampling import TRACE_STAGES, TRACE_STATS
+from server.sampling_params import SamplingParams
 from server.service import Service, classify
 
 log = logging.getLogger("quantserve.grpc")

@@ -19,7 +19,7 @@ from server.openai_api import (
     TokenizeBody,
 )
 from server.outputs import EngineClosedError, OverloadedError, RequestError
-from server.sampling import SamplingParamsError
+from server.sampling_params import SamplingParamsError
 from server.service import AuthError, DeadlineError, Service, classify
 
 _OPEN_PATHS = ("/health", "/metrics")

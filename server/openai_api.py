@@ -24,7 +24,8 @@ from quantserve.client.types import (  # the one list of sampling controls (stdl
 
 from server.capacity import Shape
 from server.outputs import Accounting, RequestError
-from server.sampling import MAX_LOGPROBS, TRACE_STAGES, TRACE_STATS, SamplingParams
+from server.sampling import TRACE_STAGES, TRACE_STATS
+from server.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.service import CHAT_ROLES, Service, classify
 
 

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, shared_blocks
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

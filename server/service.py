@@ -23,7 +23,7 @@ from server.config import Limits
 from server.engine import Engine
 from server.metrics import Metrics
 from server.outputs import EngineClosedError, Event, OverloadedError, RequestError
-from server.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger("quantserve.service")
 PLAN_TIMEOUT_S = 120.0  # the engine answers a plan between two steps; longer only when it has stopped

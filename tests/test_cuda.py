@@ -260,7 +260,7 @@ def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str =
 
 def _greedy_with_and_without_graphs(new: int, model_fn=_tiny_llama) -> dict:
     """A lone greedy request's tokens with the decode graphs (bucket 1) and with eager steps: {graphs: tokens}."""
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     prompt = torch.randint(2, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     p = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
@@ -331,7 +331,7 @@ def test_cuda_graph_padded_bucket_matches_eager_step():
 def test_fractional_budget_on_cuda_is_taken_after_the_runner_and_serves():
     """--memory-budget 0.3 on CUDA: the pool is 30% of what was free once the runner existed, the graphs are
     captured over that pool, and a request runs."""
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     eng = _tiny_engine(True, budget="0.3")
     try:
@@ -411,7 +411,7 @@ def test_overlapped_steps_on_cuda_give_the_serial_tokens():
     device): four concurrent greedy requests of different lengths give the same tokens as with serial steps."""
     import threading
 
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     prompts = [torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 21, 40, 9)]
     got = {}
@@ -507,7 +507,7 @@ def test_prompt_logprobs_on_cuda_come_back_through_the_launched_step():
     """A step with scored rows and no samples (max_new_tokens 0), and scored rows beside sampled ones, bring their
     prompt logprobs back through the launched step's pinned copies, equal to the fp32 log-softmax of the same
     weights."""
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     eng = _tiny_engine(True, tokenizer=_char_tokenizer(512))
     assert eng.overlap and eng.cuda_graphs != "off"
@@ -537,7 +537,7 @@ def test_the_json_mask_on_cuda_keeps_every_token_in_the_grammar():
     import json
 
     xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed: carry it (scripts/gpu_wheels.sh)")
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     eng = _tiny_engine(True, tokenizer=_char_tokenizer(512))
     assert eng.overlap and eng.cuda_graphs != "off"

@@ -24,7 +24,7 @@ from server.engine import Engine
 from server.kv_pool import BlockPool, KVLayout
 from server.outputs import EngineClosedError, OverloadedError, RequestError, collect
 from server.runner import ModelRunner, build_step
-from server.sampling import SamplingParams, SamplingParamsError
+from server.sampling_params import SamplingParams, SamplingParamsError
 
 CPU = torch.device("cpu")
 

@@ -310,7 +310,7 @@ def test_measuring_that_fails_gives_the_rule_and_on_a_gpu_stops_measuring(monkey
 
 
 def greedy_params(n):
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, seed=0)
 

@@ -15,7 +15,7 @@ from server.config import EngineConfig
 from server.engine import Engine
 from server.kv_pool import BlockPool, KVLayout
 from server.runner import ModelRunner, build_step
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 ARCHS = list(ARCHITECTURES)

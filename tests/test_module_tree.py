@@ -126,7 +126,7 @@ def test_the_serving_process_imports_no_modeling_stack(artifact, tmp_path):
         from pathlib import Path
         from server.config import EngineConfig
         from server.engine import Engine
-        from server.sampling import SamplingParams
+        from server.sampling_params import SamplingParams
         e = Engine.from_path({str(artifact)!r}, EngineConfig(memory_budget="8MiB", dtype="float32"),
                              Path({str(tmp_path / 'cache')!r}))
         with e:

@@ -23,7 +23,7 @@ from server.config import EngineConfig, Limits
 from server.engine import Engine
 from server.loading import load_for_serving
 from server.outputs import OverloadedError, RequestError
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 # ------------------------------------------------------------------------------------------------ pure
 

@@ -15,7 +15,7 @@ from conftest import wait_until
 from server.config import EngineConfig
 from server.engine import Engine
 from server.outputs import RequestError
-from server.sampling import SamplingParams
+from server.sampling_params import SamplingParams
 
 BS = 16  # the engine's block size
 

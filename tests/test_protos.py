@@ -40,7 +40,7 @@ def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
     from quantserve.v1 import inference_pb2 as pb
 
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     proto = pb.SamplingParameters.DESCRIPTOR.fields
     assert tuple(f.name for f in proto) == SAMPLING_FIELDS  # same names, in the proto's order

@@ -14,18 +14,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from server.random_stream import random_u32, random_uniform
 from server.sampling import (
     TRACE_STAGES,
     TRACE_STATS,
     SampleOutput,
     SamplingBatch,
-    SamplingParams,
-    SamplingParamsError,
     apply_penalty,
     filtered_probs,
     processed_logits,
-    random_u32,
-    random_uniform,
+    sample,
+    unpack_bitmask,
+)
+from server.sampling_params import SamplingParams, SamplingParamsError
+from server.sampling_reference import (
     ref_logit_bias,
     ref_min_p,
     ref_penalty,
@@ -33,9 +35,8 @@ from server.sampling import (
     ref_temperature,
     ref_top_k,
     ref_top_p,
+    ref_unpack,
     reference_filter,
-    sample,
-    unpack_bitmask,
 )
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -495,7 +496,7 @@ def test_the_grammar_mask_unpacks_as_the_reference_and_applies_after_the_penalti
     mask[1] = -1  # a row without a grammar: every token allowed
     got = unpack_bitmask(mask, V)  # (B, V) bool
     for b in range(3):
-        assert got[b].tolist() == [bool((int(mask[b, t // 32]) >> (t % 32)) & 1) for t in range(V)]
+        assert got[b].tolist() == ref_unpack(mask[b], V)
     assert bool(got[1].all())
     params = [SamplingParams(temperature=0.9, presence_penalty=1.0, logit_bias={3: 2.0}), SamplingParams(top_k=5),
               SamplingParams(temperature=0.0)]

@@ -114,7 +114,7 @@ def _served(tmp_path: Path, tokenizer, scheme: str):
 
     from server.config import EngineConfig
     from server.engine import Engine
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     model_dir = make_tiny_llama(tmp_path / "m", tokenizer, hidden_size=256, intermediate_size=512,
                                 num_attention_heads=4, num_key_value_heads=2)

@@ -46,7 +46,7 @@ def test_http_completion_matches_the_engine_and_reports_seed_usage_memory(server
     r = httpx.post(server.http + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     j = r.json()
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     ref = server.engine.complete("The city of", SamplingParams(temperature=0.8, top_k=40, seed=7, max_new_tokens=12))
     assert j["choices"][0]["text"] == ref.text and j["seed"] == 7
@@ -478,7 +478,7 @@ def test_api_key_on_both_transports(tiny_model_dir, cache_dir):
 
 
 def test_overload_is_429_and_resource_exhausted(tiny_model_dir, cache_dir):
-    from server.sampling import SamplingParams
+    from server.sampling_params import SamplingParams
 
     s = start(tiny_model_dir, cache_dir, max_queue=1, max_batch=1)
     gate, entered = threading.Event(), threading.Event()

@@ -26,7 +26,7 @@ class Sampling:
     The one list of sampling controls, in the proto's order (SamplingParameters): the client's keyword
     arguments, the client CLI's flags and, imported by the server, the fields its gRPC and HTTP transports read
     are derived from these fields (SAMPLING_FIELDS, SAMPLING_TYPES below). A new control is a field here, in
-    the proto and in the engine's server.sampling.SamplingParams; tests/test_protos.py holds the three equal.
+    the proto and in the engine's server.sampling_params.SamplingParams; tests/test_protos.py holds the three equal.
 
     Server defaults differ by endpoint for one field: max_new_tokens is 128 over gRPC and HTTP chat, but
     16 over HTTP /v1/completions (the OpenAI default); both are capped by the server's limit. Pass it
