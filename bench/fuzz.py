@@ -10,10 +10,12 @@ it (hypothesis shrinks it first).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import grpc
 import httpx
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +32,15 @@ SURROGATES = ("\ud800", "a\udfffb", "\udbff\udc00")  # the last pair is valid UT
 HUGE_TEXT = ("word " * 20_000, "\u4e2d" * 30_000, "ab " * 700)  # over the byte limit / over the token limit
 
 floats_any = st.floats(allow_nan=True, allow_infinity=True)
+# Floats at the edges of float64 and float32, drawn on purpose (a uniform float draw rarely lands there): zeros, the
+# smallest subnormals, values that are 0 or subnormal in fp32 (the logits' type) and just above, and the largest
+# float32 and float64 values. Every float sampling field draws from these: a repetition_penalty of 2.1e-53 (0 in
+# fp32) made the trace NaN and the response a 500, and only one hypothesis version's examples happened to hold one.
+EXTREME_FLOATS = (0.0, -0.0, 5e-324, -5e-324, 2.2250738585072014e-308, 2.1e-53, 1e-45, 1.4e-45, 1e-40, 1e-38,
+                  1.2e-38, 1e-30, 1e-7, 9.99e-7, 1e-6, 0.0099, 100.01, 1e30, 3.4028234663852886e38, 3.5e38, 1e300,
+                  1.7976931348623157e308, -1e-45, -1e-300, -3.5e38, -1.7976931348623157e308)
+floats_extreme = st.one_of(st.sampled_from(EXTREME_FLOATS), st.sampled_from(EXTREME_FLOATS).map(lambda x: -x),
+                           floats_any)
 garbage = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), floats_any, st.text(max_size=12),
                     st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(),
                                                                                max_size=2))
@@ -44,18 +55,25 @@ SHARED_PREFIX = "You are a careful assistant who answers in plain words and chec
 
 
 def _sampling_fields(limit_new_tokens: int) -> dict[str, tuple]:
-    """Per sampling field: (values the server must accept, extreme values it may refuse)."""
+    """Per sampling field: (values the server must accept, extreme values it may refuse). Every numeric field
+    of the client's list (quantserve.client.types.SAMPLING_TYPES) is here; tests/test_reliability.py holds it so."""
     return {
-        "temperature": (st.floats(0, 2), floats_any),
-        "top_p": (st.floats(0, 1), floats_any),
+        "temperature": (st.one_of(st.just(0.0), st.floats(1e-6, 2)), floats_extreme),
+        "top_p": (st.floats(0, 1), floats_extreme),
         "top_k": (st.integers(0, 100), st.integers(*INT64)),
         "seed": (st.integers(0, 2**63 - 1), st.integers(*INT64)),
-        "repetition_penalty": (st.floats(0.5, 2), floats_any),
+        "repetition_penalty": (st.floats(0.5, 2), floats_extreme),
         "max_new_tokens": (st.integers(1, limit_new_tokens), st.integers(*INT64)),
         "min_tokens": (st.integers(0, 2), st.integers(-2, 2**40)),
         "ignore_eos": (st.booleans(), st.booleans()),
         "logprobs": (st.integers(0, 20), st.integers(*INT64)),
         "trace": (st.integers(1, 50), st.integers(-2, 60)),
+        "min_p": (st.floats(0, 1), floats_extreme),
+        "presence_penalty": (st.floats(-2, 2), floats_extreme),
+        "frequency_penalty": (st.floats(-2, 2), floats_extreme),
+        "logit_bias": (st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=3),
+                       st.dictionaries(st.integers(*INT64), floats_extreme, max_size=3)),
+        "prompt_logprobs": (st.integers(0, 5), st.integers(*INT64)),
     }
 
 
@@ -77,12 +95,38 @@ def _field_values(draw, table: dict[str, tuple], mode: str, loose: bool) -> dict
     return out
 
 
+# An "edge" request is valid but for one float control set to a magnitude at float32's edges (0 or subnormal in
+# fp32, just above, past the largest), with its trace and logprobs on: what the server accepts must give finite
+# numbers, what it refuses it must name. Each run makes dozens of them, so every run meets such values whatever
+# examples this hypothesis version's derandomized search makes (a uniform float draw almost never lands there).
+EDGE_FIELDS = ("repetition_penalty", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+               "logit_bias")
+EDGE_MAGNITUDES = (2.1e-53, 1e-45, 1e-40, 5e-324, 1e-38, 1e-30, 1e-7, 1e-6, 0.0099, 100.01, 3.5e38, 1e300)
+
+
+def _edge_fields(draw, chat: bool, grpc_names: bool = False) -> dict:
+    """The sampling fields of an edge request (HTTP's names, or the proto's with ``grpc_names``)."""
+    field = draw(st.sampled_from(EDGE_FIELDS))
+    value = draw(st.sampled_from(EDGE_MAGNITUDES))
+    if field in ("presence_penalty", "frequency_penalty", "logit_bias") and draw(st.booleans()):
+        value = -value
+    out = {field: {draw(st.integers(0, 1000)): value} if field == "logit_bias" else value,
+           "trace": draw(st.integers(1, 5)), "max_new_tokens" if grpc_names else "max_tokens": draw(st.integers(1, 3))}
+    if grpc_names or not chat:
+        out["logprobs"] = draw(st.integers(0, 5))
+    else:
+        out |= {"logprobs": True, "top_logprobs": draw(st.integers(0, 5))}
+    return out
+
+
 @st.composite
 def http_requests(draw, limit_new_tokens: int):
-    """(path, body bytes, headers): JSON objects that are valid, mutated or wild, and some raw garbage."""
+    """(path, body bytes, headers): JSON objects that are valid, at a float edge, mutated or wild, and some raw
+    garbage."""
     chat = draw(st.booleans())
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    kind = draw(st.sampled_from(["valid"] * 3 + ["mutated"] * 3 + ["wild"] * 3 + ["raw", "non_object"]))
+    kind = draw(st.sampled_from(["valid"] * 3 + ["edge"] * 4 + ["mutated"] * 3 + ["wild"] * 3
+                                + ["raw", "non_object"]))
     headers = {"content-type": "application/json"}
     if kind == "raw":
         return path, draw(st.one_of(st.binary(max_size=64), st.just(b'{"prompt": "x", "max_tok'))), headers
@@ -95,15 +139,19 @@ def http_requests(draw, limit_new_tokens: int):
     if chat:
         table["logprobs"] = (st.booleans(), st.booleans())
         table["top_logprobs"] = (st.integers(0, 20), st.integers(-1, 25))
-    body = _field_values(draw, table, kind, loose=True)
+    if kind == "edge":
+        body = _edge_fields(draw, chat) | {"stream": draw(st.booleans()), "n": draw(st.integers(1, 2))}
+    else:
+        body = _field_values(draw, table, kind, loose=True)
     if chat and body.get("top_logprobs") is not None and kind == "valid":
         body["logprobs"] = True
-    if draw(st.integers(0, 9)) == 0:  # n samples; a field we refuse by name, or do not know
+    if kind != "edge" and draw(st.integers(0, 9)) == 0:  # n samples; a field we refuse by name, or do not know
         body[draw(st.sampled_from(["n", "best_of", "unknown_field"]))] = 2
+    valid = kind in ("valid", "edge")  # the rest of the request (the prompt or messages)
     good_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip())
     if chat:
         role = st.sampled_from(["user", "system", "assistant"])
-        if kind == "valid":
+        if valid:
             message = st.fixed_dictionaries({"role": role, "content": good_text})
             system = st.just([{"role": "system", "content": SHARED_PREFIX}])
             body["messages"] = draw(st.one_of(st.just([]), system)) + draw(st.lists(message, min_size=1, max_size=3))
@@ -116,7 +164,7 @@ def http_requests(draw, limit_new_tokens: int):
             messages = draw(st.one_of(st.just(_ABSENT), st.lists(message, max_size=3), garbage))
             if messages is not _ABSENT:
                 body["messages"] = messages
-    elif kind == "valid":
+    elif valid:
         body["prompt"] = draw(st.one_of(good_text, st.lists(st.integers(0, 40_000), min_size=1, max_size=6),
                                         good_text.map(lambda t: SHARED_PREFIX + t)))
     else:
@@ -128,21 +176,29 @@ def http_requests(draw, limit_new_tokens: int):
     return path, json.dumps(body, allow_nan=True).encode(), headers  # NaN / Infinity literals on purpose
 
 
+def _strict_json(text: str):
+    """JSON as RFC 8259 has it: a NaN or Infinity (which json.loads would take) breaks the contract."""
+    def refuse(name):
+        raise AssertionError(f"non-finite number {name} in the response: {text[:300]}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def check_http(r: httpx.Response, limit_new_tokens: int) -> str:
     """The outcome name, or AssertionError when the answer breaks the contract."""
     if r.status_code in (400, 411, 413):
-        err = r.json()["error"]
+        err = _strict_json(r.text)["error"]
         assert isinstance(err["message"], str) and err["message"], r.text
         return f"http {r.status_code}"
     assert r.status_code == 200, f"unexpected {r.status_code}: {r.text[:300]}"
     if r.headers["content-type"].startswith("text/event-stream"):
         lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
         assert lines and lines[-1] == "[DONE]", r.text[-300:]
-        chunks = [json.loads(x) for x in lines[:-1]]
+        chunks = [_strict_json(x) for x in lines[:-1]]
         assert not any("error" in c for c in chunks), r.text[-300:]
         assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop") or chunks[-1].get("usage")
         return "http 200 stream"
-    j = r.json()
+    j = _strict_json(r.text)
     n = len(j["choices"])  # the body's n (1 when absent)
     assert n >= 1 and [c["index"] for c in j["choices"]] == list(range(n)), j
     assert all(c["finish_reason"] in ("length", "stop") for c in j["choices"]), j
@@ -178,19 +234,26 @@ def _utf8(s: str) -> bool:
 
 @st.composite
 def grpc_requests(draw, limit_new_tokens: int):
-    """(method, request message or raw bytes): valid, mutated or wild requests, and raw garbage."""
+    """(method, request message or raw bytes): valid, at a float edge, mutated or wild requests, and raw
+    garbage."""
     method = draw(st.sampled_from(["Generate"] * 4 + ["GenerateStream"] * 3 + ["Tokenize", "raw"]))
     if method == "raw":
         return method, draw(st.binary(max_size=64))
     utext = st.one_of(texts, st.sampled_from(HUGE_TEXT)).filter(_utf8)
     if method == "Tokenize":
         return method, pb.TokenizeRequest(text=draw(utext))
-    kind = draw(st.sampled_from(["valid", "mutated", "wild"]))
-    kw = _field_values(draw, _sampling_fields(limit_new_tokens), kind, loose=False)
-    stop = draw(st.lists(st.text(min_size=1, max_size=4).filter(_utf8), max_size=3) if kind == "valid"
+    kind = draw(st.sampled_from(["valid", "edge", "edge", "mutated", "wild"]))
+    if kind == "edge":
+        kw = _edge_fields(draw, False, grpc_names=True)
+    else:
+        kw = _field_values(draw, _sampling_fields(limit_new_tokens), kind, loose=False)
+    valid = kind in ("valid", "edge")
+    stop = draw(st.lists(st.text(min_size=1, max_size=4).filter(_utf8), max_size=3) if valid
                 else st.lists(texts.filter(_utf8), max_size=20))
     req = pb.GenerateRequest(sampling=pb.SamplingParameters(stop=stop, **kw))
-    if kind == "valid":
+    if kind == "edge" and method == "Generate":  # (a stream of n samples ends each with its own final message)
+        req.n = draw(st.integers(1, 2))
+    if valid:
         good_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() and _utf8(t))
         part = draw(st.sampled_from(["prompt", "prompt_ids", "messages"]))
         if part == "prompt":
@@ -216,6 +279,18 @@ def grpc_requests(draw, limit_new_tokens: int):
     return method, req
 
 
+def _nonfinite(msg) -> list:
+    """The NaN and infinite doubles anywhere in a protobuf message (logprobs, trace probabilities and figures)."""
+    out = []
+    for field, value in msg.ListFields():
+        for v in ([value] if isinstance(value, (Message, str, bytes, int, float)) else value):  # else repeated
+            if isinstance(v, Message):
+                out += _nonfinite(v)
+            elif isinstance(v, float) and not math.isfinite(v):
+                out.append((field.name, v))
+    return out
+
+
 def check_grpc(method: str, stub, raw, req, limit_new_tokens: int, timeout: float) -> str:
     try:
         if method == "raw":
@@ -226,10 +301,12 @@ def check_grpc(method: str, stub, raw, req, limit_new_tokens: int, timeout: floa
             return "grpc OK tokenize"
         if method == "Generate":
             r = stub.Generate(req, timeout=timeout)
+            assert not _nonfinite(r), (_nonfinite(r)[:5], req)
             final = r.final
         else:
             msgs = list(stub.GenerateStream(req, timeout=timeout))
             assert msgs and msgs[-1].HasField("final") and not any(m.HasField("final") for m in msgs[:-1])
+            assert not any(_nonfinite(m) for m in msgs), ([_nonfinite(m) for m in msgs][:5], req)
             final = msgs[-1].final
         assert final.finish_reason in ("length", "stop"), final
         assert 0 <= final.usage.completion_tokens <= limit_new_tokens, final

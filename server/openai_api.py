@@ -415,7 +415,8 @@ class Responder:
                         generated += ev.accounting.generated_tokens if ev.accounting else 0
                         if i == 0:
                             usage_of = ev.accounting
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    # as the unary path's JSONResponse: a non-finite number is an error, never NaN on the wire
+                    yield f"data: {json.dumps(chunk, allow_nan=False)}\n\n"
                     if left == 0:
                         if include_usage:
                             yield "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": created,

@@ -81,7 +81,7 @@ class Accounting:
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float  # under the model's raw distribution (log_softmax of the logits)
+    logprob: float  # under the model's raw distribution (log_softmax of the logits), >= -9999.0 (LOGPROB_FLOOR)
     top: tuple[tuple[int, float], ...]  # the N most probable (id, logprob), N = params.logprobs
 
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from quant.errors import UnsupportedModelError
 from server import attention, fastops, models
 from server.batch import StepInputs, stage
+from server.sampling import LOGPROB_FLOOR
 
 SCORE_ROWS = 32  # prompt rows whose logits are formed at once when scoring a prompt (Engine: its memory estimate)
 
@@ -143,16 +144,17 @@ class ModelRunner:
     def score(self, hidden: Tensor, targets: Tensor, k: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Prompt logprobs from a step's scored rows: ``hidden`` (P, H) final-normed states, ``targets`` (P,) the
         prompt token each row predicts. The head runs over SCORE_ROWS rows at a time, so the logits never exceed
-        (SCORE_ROWS, V) whatever the chunk; fp32 log-softmax of the model's own logits (no sampling control).
-        Returns (chosen (P,) fp32, top ids (P, k) int64, top logprobs (P, k) fp32; None when k = 0)."""
+        (SCORE_ROWS, V) whatever the chunk; fp32 log-softmax of the model's own logits (no sampling control), at
+        least LOGPROB_FLOOR as the sampler reports them. Returns (chosen (P,) fp32, top ids (P, k) int64, top
+        logprobs (P, k) fp32; None when k = 0)."""
         chosen, ids, lps = [], [], []
         for i in range(0, hidden.shape[0], SCORE_ROWS):
             lp = torch.log_softmax(self.model.logits(hidden[i: i + SCORE_ROWS]), -1)  # (R, V) fp32
-            chosen.append(lp.gather(1, targets[i: i + SCORE_ROWS, None])[:, 0])  # (R,)
+            chosen.append(lp.gather(1, targets[i: i + SCORE_ROWS, None])[:, 0].clamp_(min=LOGPROB_FLOOR))  # (R,)
             if k:
                 top = lp.topk(min(k, lp.shape[1]), dim=-1)  # (R, k) each
                 ids.append(top.indices)
-                lps.append(top.values)
+                lps.append(top.values.clamp_(min=LOGPROB_FLOOR))
             del lp
         return torch.cat(chosen), (torch.cat(ids) if k else None), (torch.cat(lps) if k else None)
 

@@ -24,8 +24,9 @@ EOS logits to -inf while a request has fewer than ``min_tokens`` tokens):
 Every step is skipped for the whole batch when no row uses it (host flags on :class:`SamplingBatch`), so a request
 that uses none of the controls pays for none of them.
 
-The parameters were validated once, at the boundary (server/sampling_params.py): nothing here checks or clamps
-them. Reported logprobs are the model's own (log-softmax of the raw logits).
+The parameters were validated once, at the boundary (server/sampling_params.py), into ranges where every step
+stays finite in fp32 for finite logits: nothing here checks or clamps them. Reported logprobs are the model's own
+(log-softmax of the raw logits), floored at :data:`LOGPROB_FLOOR` so a token of zero probability has a finite one.
 
 Each fast op below names its reference: plain per-row code in server/sampling_reference.py that the tests hold the
 batched path (:func:`filtered_probs`, the distribution :func:`sample` draws from) equal to.
@@ -43,6 +44,10 @@ from torch import Tensor
 from server.batch import stage
 from server.random_stream import random_uniform
 from server.sampling_params import SEED_LIMIT
+
+# A reported logprob of -inf (a token the model gives zero probability, such as an EOS held off by min_tokens) is
+# this instead: JSON has no infinity and a proto double should not carry one. vLLM's OpenAI server floors at -9999.0.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
@@ -135,10 +140,11 @@ TRACE_STATS = ("kept_min_p", "kept_top_k", "kept_top_p", "mass_min_p", "mass_top
 @dataclass
 class SampleOutput:
     tokens: Tensor  # (B,) int64
-    # (B,) fp32: log-prob of the chosen token under log_softmax(raw logits), like vLLM's default; None for a
-    # greedy batch in which no row asked for logprobs or a trace
+    # (B,) fp32: log-prob of the chosen token under log_softmax(raw logits), like vLLM's default, at least
+    # LOGPROB_FLOOR; None for a greedy batch in which no row asked for logprobs or a trace
     logprob: Tensor | None
-    top_logprobs: tuple[Tensor, Tensor] | None  # ids (B, N) int64, logprobs (B, N) fp32 of the raw distribution
+    # ids (B, N) int64, logprobs (B, N) fp32 of the raw distribution (at least LOGPROB_FLOOR)
+    top_logprobs: tuple[Tensor, Tensor] | None
     # TRACE_STAGES -> (ids (B, N), probs (B, N)), every stage listing the same ids (the temperature stage's top N)
     trace: dict[str, tuple[Tensor, Tensor]] | None
     # Exact over the whole vocabulary (the top-N above is not), with a trace only; (B, 7) float64 columns
@@ -286,7 +292,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     8. renormalise and draw with Gumbel-max on the counter-based uniforms of (seed, step, v).
 
     Also returns the chosen token's log-prob under the raw distribution, the raw top-N log-probs when any row
-    asked for logprobs, and each stage's top-N when any row asked for a trace. No host synchronisation.
+    asked for logprobs (both floored at LOGPROB_FLOOR), and each stage's top-N when any row asked for a trace.
+    No host synchronisation.
     A greedy batch that asked for none of these is the argmax of steps 1-3 alone, with ``logprob`` None: at batch
     1 the softmaxes and one-hot of the general path cost ~5% of a decode step of the default model.
     """
@@ -303,10 +310,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         gumbel = u.log_().neg_().log_().neg_()  # (B, V) -log(-log u): standard Gumbel, finite as 0 < u < 1
         drawn = gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
         tokens = torch.where(batch.temperature == 0, greedy_tok, drawn)  # (B,)
-    logprob = raw.gather(1, tokens[:, None])[:, 0]  # (B,)
+    logprob = raw.gather(1, tokens[:, None])[:, 0].clamp_(min=LOGPROB_FLOOR)  # (B,)
     top = None
     if batch.logprobs_n > 0:
         top_lp, top_ids = raw.topk(min(batch.logprobs_n, raw.shape[1]), dim=-1)  # (B, N) each
-        top = (top_ids, top_lp)
+        top = (top_ids, top_lp.clamp_(min=LOGPROB_FLOOR))
     return SampleOutput(tokens=tokens, logprob=logprob, top_logprobs=top, trace=stages, trace_stats=stats)
 

@@ -4,8 +4,9 @@ documented order").
 Both transports build a :class:`SamplingParams` from what the client sent; an invalid value raises
 :class:`SamplingParamsError` naming the field (HTTP 400 / gRPC INVALID_ARGUMENT) and nothing is ever clamped. Past
 this boundary the sampler (server/sampling.py) trusts the values. The ranges are the APIs' own where one exists
-(OpenAI's for logit_bias and the presence / frequency penalties) and otherwise what the sampler's fp32 arithmetic
-takes.
+(OpenAI's for logit_bias and the presence / frequency penalties) and otherwise where the sampler's fp32 arithmetic
+stays finite: the logits are fp32, and a value that overflows them (a temperature of 1e-40 divides a logit of 1
+into inf) would turn every probability of the row into NaN.
 
 The standard library only: no torch here, so the limits can be read without loading the sampler.
 """
@@ -27,6 +28,15 @@ LOGIT_BIAS_LIMIT = 100.0  # |bias|, as OpenAI's API allows
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI's API allows
 SEED_LIMIT = 2**63  # seeds are int64 on the device; non-negative so "seed + 1" style derivations never wrap
 FLOAT32_MAX = (2 - 2**-23) * 2**127  # float32's largest finite value (the logits are fp32)
+# temperature: 0 (greedy) or in [TEMPERATURE_MIN, FLOAT32_MAX]. Below 1e-6 a draw is greedy to within the fp32
+# rounding of the logits (their spacing, ~1e-6 at |logit| ~ 10, becomes a whole nat), and below ~1e-37 a logit of
+# 10 divided by T overflows fp32 (inf, then NaN probabilities); above FLOAT32_MAX T itself is inf in fp32. With
+# T >= 1e-6 the division stays finite for any processed logit below 3e32.
+TEMPERATURE_MIN = 1e-6
+# repetition_penalty (1 = off): p in [1/100, 100]. At the ends the penalty is already total (a seen token's logit
+# divided or multiplied by 100), and logit / p and logit * p stay finite in fp32 for any logit below 3e36;
+# a penalty of 2.1e-53 (0 in fp32) divided a logit into inf and the row's probabilities into NaN.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class SamplingParamsError(ValueError):
@@ -37,7 +47,8 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
-def _real(name: str, value, lo: float, hi: float | None, lo_open: bool, rng: str) -> float:
+def _real(name: str, value, lo: float, hi: float, rng: str) -> float:
+    """``value`` as a Python float in [lo, hi], else SamplingParamsError naming ``name`` and the range ``rng``."""
     # bool is an int subclass, but True as a temperature is a client bug, not 1.0.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SamplingParamsError(name, f"{name} must be a number {rng}, got {type(value).__name__} {value!r}")
@@ -45,8 +56,7 @@ def _real(name: str, value, lo: float, hi: float | None, lo_open: bool, rng: str
         f = float(value)
     except (OverflowError, ValueError):  # huge ints do not fit a float
         raise SamplingParamsError(name, f"{name} must be a finite number {rng}, got {value!r}") from None
-    ok = math.isfinite(f) and (f > lo if lo_open else f >= lo) and (hi is None or f <= hi)
-    if not ok:
+    if not (math.isfinite(f) and lo <= f <= hi):
         raise SamplingParamsError(name, f"{name} must be {rng}, got {value!r}")
     return f
 
@@ -113,10 +123,10 @@ def normalize_response_format(response_format) -> str | None:
 class SamplingParams:
     """One request's sampling settings, validated once at construction (never clamped)."""
 
-    temperature: float = 1.0  # >= 0, finite; 0 = greedy
+    temperature: float = 1.0  # 0 = greedy, or in [1e-6, FLOAT32_MAX]
     top_k: int = 0  # >= 0; 0 = off
     top_p: float = 1.0  # in [0, 1]; 1 = off
-    repetition_penalty: float = 1.0  # > 0, finite; 1 = off
+    repetition_penalty: float = 1.0  # in [0.01, 100]; 1 = off
     seed: int | None = None  # 0 <= seed < 2**63; None = the engine picks one (with_seed) and reports it
     max_new_tokens: int = 128  # >= 1
     min_tokens: int = 0  # 0..max_new_tokens; the engine suppresses EOS before that
@@ -140,16 +150,18 @@ class SamplingParams:
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        # Logits are fp32: a value past float32's range would become inf there (-inf / inf is NaN).
-        put("temperature", _real("temperature", self.temperature, 0.0, FLOAT32_MAX, False,
-                                 f"finite, >= 0 and <= {FLOAT32_MAX:.4g} (float32)"))
+        # Logits are fp32: the ranges keep every step of the sampler finite (see TEMPERATURE_MIN and
+        # REPETITION_PENALTY_RANGE).
+        t_rng = f"0 (greedy) or in [{TEMPERATURE_MIN:g}, {FLOAT32_MAX:.4g}] (finite in float32 arithmetic)"
+        t = _real("temperature", self.temperature, 0.0, FLOAT32_MAX, t_rng)
+        if 0.0 < t < TEMPERATURE_MIN:
+            raise SamplingParamsError("temperature", f"temperature must be {t_rng}, got {self.temperature!r}")
+        put("temperature", t)
         put("top_k", _int("top_k", self.top_k, 0, None, ">= 0 (0 = off)"))
-        put("top_p", _real("top_p", self.top_p, 0.0, 1.0, False, "in [0, 1]"))
-        put(
-            "repetition_penalty",
-            _real("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, True,
-                  f"finite, > 0 and <= {FLOAT32_MAX:.4g} (float32)"),
-        )
+        put("top_p", _real("top_p", self.top_p, 0.0, 1.0, "in [0, 1]"))
+        lo, hi = REPETITION_PENALTY_RANGE
+        put("repetition_penalty", _real("repetition_penalty", self.repetition_penalty, lo, hi,
+                                        f"in [{lo:g}, {hi:g}] (1 = off)"))
         put("seed", _int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63)", optional=True))
         put("prompt_logprobs", _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null",
                                     optional=True))
@@ -167,9 +179,9 @@ class SamplingParams:
         put("stop", self._check_stop(self.stop))
         put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null", optional=True))
         put("trace", _int("trace", self.trace, 1, MAX_TRACE, "in [1, 50] or null", optional=True))
-        put("min_p", _real("min_p", self.min_p, 0.0, 1.0, False, "in [0, 1] (0 = off)"))
+        put("min_p", _real("min_p", self.min_p, 0.0, 1.0, "in [0, 1] (0 = off)"))
         for name in ("presence_penalty", "frequency_penalty"):
-            put(name, _real(name, getattr(self, name), -PENALTY_LIMIT, PENALTY_LIMIT, False, "in [-2, 2] (0 = off)"))
+            put(name, _real(name, getattr(self, name), -PENALTY_LIMIT, PENALTY_LIMIT, "in [-2, 2] (0 = off)"))
         put("logit_bias", self._check_logit_bias(self.logit_bias))
         put("response_format", normalize_response_format(self.response_format))
         if self.response_format is not None and self.min_tokens:
@@ -216,7 +228,7 @@ class SamplingParams:
                                                         f"got {key!r}")
             if int(tok) in out:
                 raise SamplingParamsError("logit_bias", f"logit_bias names token {int(tok)} twice")
-            out[int(tok)] = _real("logit_bias", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, False,
+            out[int(tok)] = _real("logit_bias", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT,
                                   f"in [-100, 100] (token {int(tok)}'s bias)")
         return tuple(sorted(out.items()))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path):
     pytest.importorskip("grpc_tools")
-    subprocess.run(["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT)
+    # this interpreter's grpcio-tools (the one importorskip found), not whatever python is first on PATH
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHON": sys.executable})
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
     assert fresh, "nothing generated"
     for rel in fresh:
@@ -28,7 +32,7 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path):
 def test_stubs_import_without_torch():
     code = ("import sys; import quantserve.v1.inference_pb2_grpc; "
             "assert 'torch' not in sys.modules, 'the stubs pulled in torch'")
-    subprocess.run(["python", "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 # ------------------------------------------------------------------ the one list of sampling controls

@@ -51,6 +51,23 @@ def assert_idle_and_healthy(s) -> None:
 # ------------------------------------------------------------------------------------------------ fuzz
 
 
+def test_the_fuzzers_draw_extreme_values_for_every_numeric_sampling_field():
+    """Every numeric control of the client's list is fuzzed, and every float one (logit_bias's values too) from
+    the edges of float64 and float32 (subnormals, values that are 0 in fp32, the largest floats) on every run,
+    whatever examples this hypothesis version's derandomized search happens to make."""
+    from quantserve.client.types import SAMPLING_TYPES
+
+    from bench.fuzz import EDGE_FIELDS, EDGE_MAGNITUDES, EXTREME_FLOATS, _sampling_fields, floats_extreme
+
+    table = _sampling_fields(LIMIT_NEW)
+    numeric = {f for f, t in SAMPLING_TYPES.items() if t in (int, float, dict)}
+    assert numeric <= set(table), numeric - set(table)
+    floats = {f for f, t in SAMPLING_TYPES.items() if t is float}
+    assert all(table[f][1] is floats_extreme for f in floats)
+    assert set(EDGE_FIELDS) == floats | {"logit_bias"}  # the "edge" requests: one float control at an edge
+    assert {2.1e-53, 5e-324, 1e-45, 1e-40, 3.5e38} <= set(EXTREME_FLOATS) & set(EDGE_MAGNITUDES)
+
+
 def test_fuzz_http(server):
     hits = server.engine.totals().prefix_hit_tokens
     seen = fuzz_http(server.http, 300, LIMIT_NEW)

@@ -16,6 +16,7 @@ from scipy import stats
 
 from server.random_stream import random_u32, random_uniform
 from server.sampling import (
+    LOGPROB_FLOOR,
     TRACE_STAGES,
     TRACE_STATS,
     SampleOutput,
@@ -26,7 +27,13 @@ from server.sampling import (
     sample,
     unpack_bitmask,
 )
-from server.sampling_params import SamplingParams, SamplingParamsError
+from server.sampling_params import (
+    FLOAT32_MAX,
+    REPETITION_PENALTY_RANGE,
+    TEMPERATURE_MIN,
+    SamplingParams,
+    SamplingParamsError,
+)
 from server.sampling_reference import (
     ref_logit_bias,
     ref_min_p,
@@ -96,7 +103,15 @@ INVALID = [
     ("trace", 2.0),
     ("trace", False),
     ("temperature", 7.9e68),  # finite in Python, inf in the fp32 logits (the HTTP fuzz found it: NaN trace probs)
+    ("temperature", 1e-40),  # a logit of 1 / T overflows fp32: inf, then NaN probabilities
+    ("temperature", 5e-324),  # the smallest subnormal double
+    ("temperature", 9.9e-7),
     ("repetition_penalty", 1e39),
+    ("repetition_penalty", 2.1e-53),  # 0 in fp32: a seen token's logit / p was inf (the HTTP fuzz found it: a 500)
+    ("repetition_penalty", 5e-324),
+    ("repetition_penalty", 0.0099),
+    ("repetition_penalty", 100.01),
+    ("repetition_penalty", -0.0),
     ("min_p", -0.1),
     ("min_p", 1.01),
     ("min_p", float("nan")),
@@ -145,13 +160,22 @@ def test_messages_give_the_allowed_range():
     with pytest.raises(SamplingParamsError, match="min_tokens must be <= max_new_tokens") as err:
         SamplingParams(max_new_tokens=4, min_tokens=5)
     assert err.value.param == "min_tokens"
+    # one line naming the field and the range, as the HTTP 400 and gRPC INVALID_ARGUMENT carry it
+    with pytest.raises(SamplingParamsError, match=r"^repetition_penalty must be in \[0.01, 100\] \(1 = off\), "
+                                                  r"got 2.1e-53$"):
+        SamplingParams(repetition_penalty=2.1e-53)
+    with pytest.raises(SamplingParamsError, match=r"^temperature must be 0 \(greedy\) or in \[1e-06, 3.403e\+38\]"):
+        SamplingParams(temperature=1e-40)
 
 
 def test_valid_edges_stored_unchanged():
     p = SamplingParams(temperature=0.0, top_p=0.0, top_k=1, seed=2**63 - 1, logprobs=20, trace=50)
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, p.trace) == (0.0, 0.0, 1, 2**63 - 1, 20, 50)
-    p = SamplingParams(top_p=1.0, repetition_penalty=1e-3, max_new_tokens=1, min_tokens=1, logprobs=0, trace=1)
-    assert (p.top_p, p.repetition_penalty, p.min_tokens, p.logprobs, p.trace) == (1.0, 1e-3, 1, 0, 1)
+    p = SamplingParams(top_p=1.0, repetition_penalty=0.01, max_new_tokens=1, min_tokens=1, logprobs=0, trace=1)
+    assert (p.top_p, p.repetition_penalty, p.min_tokens, p.logprobs, p.trace) == (1.0, 0.01, 1, 0, 1)
+    assert SamplingParams(repetition_penalty=100).repetition_penalty == 100.0
+    assert SamplingParams(temperature=1e-6).temperature == 1e-6 and SamplingParams(temperature=-0.0).temperature == 0
+    assert SamplingParams(temperature=FLOAT32_MAX).temperature == FLOAT32_MAX
     p = SamplingParams(temperature=2, top_k=np.int64(5), top_p=np.float64(0.25), stop=["a", "x" * 256] + ["b"] * 14)
     assert p.temperature == 2.0 and type(p.temperature) is float and type(p.top_k) is int and p.top_p == 0.25
     assert isinstance(p.stop, tuple) and len(p.stop) == 16
@@ -203,8 +227,8 @@ def test_random_values_validate_or_raise_params_error(kwargs):
         assert e.param in _FIELDS and e.param in str(e)
         return
     # Accepted values satisfy every documented constraint.
-    assert math.isfinite(p.temperature) and p.temperature >= 0
-    assert 0 <= p.top_p <= 1 and p.top_k >= 0 and 0 < p.repetition_penalty < math.inf
+    assert p.temperature == 0 or 1e-6 <= p.temperature <= FLOAT32_MAX
+    assert 0 <= p.top_p <= 1 and p.top_k >= 0 and 0.01 <= p.repetition_penalty <= 100
     assert p.seed is None or 0 <= p.seed < 2**63
     assert 0 <= p.min_tokens <= p.max_new_tokens and isinstance(p.ignore_eos, bool)
     assert isinstance(p.stop, tuple) and len(p.stop) <= 16 and all(0 < len(s) <= 256 for s in p.stop)
@@ -778,6 +802,59 @@ def test_the_largest_float32_temperature_samples_uniformly_without_nan():
     assert res.tokens[0].item() != 7
     assert not any(pr.isnan().any() for _, pr in res.trace.values())
     assert not res.trace_stats.isnan().any()
+
+
+# Every value the validation accepts, at its extremes: the edges of each range (read from its constants, so a wider
+# range is tested at its new edges), the smallest subnormal above a lower bound of 0, values just inside each bound.
+_P_LO, _P_HI = REPETITION_PENALTY_RANGE
+_TINY = (1e-45, 1e-40, 1e-38, 1e-30, 1e-6)  # float32's subnormals and just above: where fp32 division overflows
+_T_LOW = sorted({max(TEMPERATURE_MIN, t) for t in _TINY})  # the tiny values the range takes
+_P_LOW = sorted({max(_P_LO, t) for t in _TINY})
+_EXTREME_VALID = {
+    "temperature": st.one_of(st.sampled_from([0.0, -0.0, *_T_LOW, 1.0, 1e30, FLOAT32_MAX]),
+                             st.floats(TEMPERATURE_MIN, FLOAT32_MAX)),
+    "repetition_penalty": st.one_of(st.sampled_from([*_P_LOW, _P_LO * 1.00001, 1.0, _P_HI * 0.9999, _P_HI]),
+                                    st.floats(_P_LO, _P_HI)),
+    "top_p": st.sampled_from([0.0, 5e-324, 1e-45, 0.5, 1.0 - 1e-16, 1.0]),
+    "min_p": st.sampled_from([0.0, 5e-324, 1e-45, 0.5, 1.0]),
+    "top_k": st.sampled_from([0, 1, 2, 63, 64, 10**9]),
+    "presence_penalty": st.sampled_from([-2.0, -5e-324, 0.0, 5e-324, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, -5e-324, 0.0, 5e-324, 2.0]),
+    "logit_bias": st.dictionaries(st.integers(0, 70), st.sampled_from([-100.0, -5e-324, 100.0]), max_size=4),
+}
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(kw=st.fixed_dictionaries({}, optional=_EXTREME_VALID), scale=st.sampled_from([1.0, 30.0, 1e4]),
+       seed=st.integers(0, 2**16))
+def test_every_accepted_value_gives_finite_outputs(kw, scale, seed):
+    """Whatever the validation accepts, every number the sampler reports (logprobs, the trace's probabilities,
+    counts, masses and entropy) is finite and the draw is from the row's support: the ranges are where the fp32
+    arithmetic stays finite. The rows hold -inf (an EOS held off, a grammar's mask) and large logits."""
+    params = SamplingParams(**kw, logprobs=20, trace=5)
+    g = torch.Generator().manual_seed(seed)
+    V = 64
+    logits = torch.randn(2, V, generator=g) * scale  # (B, V)
+    logits[:, 5] = -math.inf  # held off: its logprob is reported as LOGPROB_FLOOR
+    logits[0, 9] = logits[0].max() + scale  # a seen token far above the rest (the penalty divides it)
+    histories = [[9, 1, 2, 9], [0, 9, 63]]
+    out = sample(logits, SamplingBatch.build([params] * 2, [seed, seed + 1], [0, 3], histories, prompt_lens=[2, 1]))
+    assert not bool((out.tokens == 5).any()), "a token of probability 0 was drawn"
+    assert bool(torch.isfinite(out.logprob).all()) and bool(torch.isfinite(out.top_logprobs[1]).all())
+    assert float(out.top_logprobs[1].min()) >= LOGPROB_FLOOR
+    for ids, pr in out.trace.values():
+        assert bool(torch.isfinite(pr).all()) and bool(((pr >= 0) & (pr <= 1)).all()), kw
+    assert bool(torch.isfinite(out.trace_stats).all()), (kw, out.trace_stats)
+
+
+def test_a_logprob_of_minus_infinity_is_reported_at_the_floor():
+    """A token the model gives probability 0 (an EOS held off by min_tokens) has logprob -inf, which neither JSON nor
+    a client's float arithmetic takes: it is reported as LOGPROB_FLOOR (-9999.0, vLLM's floor)."""
+    logits = torch.tensor([[2.0, 1.0, -math.inf, -math.inf]])  # (1, V)
+    out = sample(logits, _batch([SamplingParams(temperature=0.0, logprobs=4)]))
+    assert out.top_logprobs[0][0, :2].tolist() == [0, 1] and sorted(out.top_logprobs[0][0, 2:].tolist()) == [2, 3]
+    assert out.top_logprobs[1][0, 2:].tolist() == [LOGPROB_FLOOR] * 2
+    assert out.top_logprobs[1][0, :2].tolist() == torch.log_softmax(logits[0, :2], -1).tolist()  # the rest as before
 
 
 def test_greedy_fast_path_matches_the_general_path():
