@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -31,9 +32,56 @@ _LONG_MODULES = ("test_lm_eval", "test_json_mode", "test_models", "test_reliabil
                  "test_prefix_cache", "test_attention", "test_module_tree", "test_pipeline")
 
 
+# Every test is of one tier (pyproject.toml's markers): unit, reference or e2e, marked on its module (pytestmark) or,
+# where a module mixes them, on each test.
+TIERS = ("unit", "reference", "e2e")
+
+
+def _sampling_tier(name: str) -> str:
+    """tests/test_sampling.py's tests, marked here while its module is being split: those held to transformers'
+    warpers or the plain reference are reference, the rest unit."""
+    return "reference" if re.search(r"transformers|reference|_matches_|equal", name) else "unit"
+
+
+def _module_tiers(path: Path) -> set[str]:
+    """The tiers a test module's source marks (test_sampling.py's are given here, see _sampling_tier)."""
+    if path.name == "test_sampling.py":
+        return {"unit", "reference"}
+    return set(re.findall(r"pytest\.mark\.(unit|reference|e2e)\b", path.read_text()))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m`` over tiers alone (``-m unit``, ``-m "unit or reference"``, ``-m "not e2e"``), a module none of
+    whose tiers the expression selects is not imported: its tests would all be deselected, and importing it costs
+    (peft, transformers' model classes, the C++ kernels' build on a fresh machine)."""
+    expr = config.option.markexpr
+    if not expr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    words = re.findall(r"\(|\)|[^\s()]+", expr)
+    if any(w not in ("(", ")", "and", "or", "not") + TIERS for w in words):
+        return None  # other markers in the expression: leave the selection to -m
+    tiers = _module_tiers(collection_path)
+    if not tiers:
+        return None
+    chosen = [t for t in tiers if eval(" ".join(str(w == t) if w in TIERS else w for w in words), {})]
+    return True if not chosen else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONG_MODULES)}
     items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))  # stable
+    wrong = []
+    for item in items:
+        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+        if not tiers and item.path.name == "test_sampling.py":
+            tiers = [_sampling_tier(item.originalname)]
+            item.add_marker(tiers[0])
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {tiers or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError("every test carries exactly one of the markers " + ", ".join(TIERS) + ":\n  "
+                                + "\n  ".join(wrong))
 
 
 def pytest_configure(config):
@@ -61,17 +109,34 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    """The default model's tokenizer, read straight from its GGUF (no model conversion needed), with the special
-    tokens its config names, as the conversion gives it (quant.format.sources.agree_special_tokens)."""
+def tokenizer(cache_dir):
+    """The default model's tokenizer, read from its GGUF (no model conversion needed), with the special tokens its
+    config names, as the conversion gives it (quant.format.sources.agree_special_tokens). Reading the GGUF costs
+    ~10 s (the tokenizer and the config each parse it), so it is read once per machine: the tokenizer is saved
+    under the cache, by GGUF and transformers version, and every session and xdist worker reads it from there
+    (~1 s; the same files as saving the one read from the GGUF gives)."""
+    import shutil
+    import tempfile
+
+    import transformers
     from transformers import AutoConfig, AutoTokenizer
 
     from quant.format.sources import agree_special_tokens, default_gguf_path
 
     gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    agree_special_tokens(tok, AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
-    return tok
+    st = gguf.stat()
+    saved = cache_dir / "test-tokenizers" / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-{transformers.__version__}"
+    if not (saved / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        agree_special_tokens(tok, AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".save-", dir=saved.parent))
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(saved)  # written whole, then renamed into place: a worker saving at once loses the race
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(saved)
 
 
 def wait_until(cond, timeout: float = 30.0) -> bool:

@@ -1,5 +1,6 @@
 """A real server (gRPC + HTTP over one engine) on free loopback ports, run on its own event loop in a
-background thread, for the end-to-end tests."""
+background thread, for the end-to-end tests; ``module_server`` makes a module's ``server`` fixture of it, and
+``pool_back_to_zero`` checks after each test that every request gave its KV blocks back."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import datetime
 import ipaddress
 import threading
 import time
+
+import pytest
 
 from server.config import EngineConfig, Limits
 from server.engine import Engine
@@ -67,6 +70,29 @@ def start(tiny_model_dir, cache_dir, api_key=None, limits=Limits(), grace_s=2.0,
     cfg = ServeConfig(artifact=str(tiny_model_dir), grpc_port=0, http_port=0, grace_s=grace_s, api_key=api_key,
                       engine=ecfg, limits=limits, tls_cert=tls and tls[0], tls_key=tls and tls[1])
     return Running(engine, cfg)
+
+
+def module_server(**start_kw):
+    """A module-scoped ``server`` fixture: ``start(tiny_model_dir, cache_dir, **start_kw)``, shut down after the
+    module's last test, which then checks that it exited with status 0. Bind it as ``server = module_server(...)``."""
+
+    @pytest.fixture(scope="module")
+    def server(tiny_model_dir, cache_dir):
+        s = start(tiny_model_dir, cache_dir, **start_kw)
+        yield s
+        s.shutdown()
+        assert s.rc == 0
+
+    return server
+
+
+@pytest.fixture(autouse=True)
+def pool_back_to_zero(request):
+    """Bound in a module (``_pool_back_to_zero = live_server.pool_back_to_zero``), after each of its tests that used
+    ``server``: every request made so far has given its KV blocks back (Running.assert_idle)."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").assert_idle()
 
 
 def self_signed_cert(tmp_path) -> tuple[str, str]:

@@ -11,6 +11,8 @@ from server.attention import BACKENDS, AttentionSpec
 from server.attention import reference as R
 from server.batch import StepInputs
 
+pytestmark = pytest.mark.reference
+
 SPECS = {
     "plain": AttentionSpec(8, 2, 16, 0.25),
     "window": AttentionSpec(8, 2, 16, 0.25, window=7),

@@ -18,6 +18,8 @@ from conftest import run_cli
 
 from quant.errors import ArtifactError
 
+pytestmark = pytest.mark.e2e
+
 CALIB = ("--calib-samples", "4", "--calib-seqlen", "32")
 EVAL = ("--eval-windows", "2", "--eval-seqlen", "32")
 

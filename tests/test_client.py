@@ -16,31 +16,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import live_server
 import pytest
+from helpers import metric_sum
 from live_server import self_signed_cert, start
 from quantserve.client import AsyncClient, Client, ClientError, to_dict
 from quantserve.client.cli import main
 
-from bench.reliability import metric_sum
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "k3y-for-tests"
 TRANSPORTS = ("grpc", "http")
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, cache_dir):
-    s = start(tiny_model_dir, cache_dir, api_key=KEY)
-    yield s
-    s.shutdown()
-    assert s.rc == 0
-
-
-@pytest.fixture(autouse=True)
-def _pool_back_to_zero(request):
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").assert_idle()
+server = live_server.module_server(api_key=KEY)
+_pool_back_to_zero = live_server.pool_back_to_zero
 
 
 def target(server, transport: str) -> str:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from live_server import start
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

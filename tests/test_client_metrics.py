@@ -42,6 +42,7 @@ from quantserve.client.types import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_importing_the_client_loads_no_torch_server_or_transformers():
     code = ("import sys, quantserve.client, quantserve.client.cli, quantserve.client.plot, quantserve.client.sweep, quantserve.client.render; "
             "bad = [m for m in ('torch', 'server', 'transformers', 'matplotlib') if m in sys.modules]; "
@@ -53,6 +54,7 @@ def test_importing_the_client_loads_no_torch_server_or_transformers():
 # ------------------------------------------------------------------------------------------ metrics
 
 
+@pytest.mark.unit
 def test_ngrams_and_distinct_n_by_hand():
     assert ngrams([1, 2, 3], 2) == [(1, 2), (2, 3)] and ngrams([1], 2) == []
     assert distinct_n([[1, 2, 1, 2]], 1) == pytest.approx(2 / 4)
@@ -67,6 +69,7 @@ def test_ngrams_and_distinct_n_by_hand():
         ngrams([1], 0)
 
 
+@pytest.mark.unit
 def test_repetition_rate_by_hand():
     assert repeats([5, 6, 5, 5]) == 2
     assert repetition_rate([[5, 6, 5, 5], [7]]) == pytest.approx(2 / 5)
@@ -75,6 +78,7 @@ def test_repetition_rate_by_hand():
     assert math.isnan(repetition_rate([[]]))
 
 
+@pytest.mark.unit
 def test_pooled_mean_weighs_every_value_the_same():
     assert pooled_mean([[1.0, 2.0, 3.0], [10.0]]) == pytest.approx(16 / 4)
     assert math.isnan(pooled_mean([[], []]))
@@ -88,6 +92,7 @@ def _result(ids, lps, entropies, reserved, used, peak, http=False) -> Result:
                   trace=tuple(TraceStep((), (), (), (), (), 10, 10, 5, 1.0, 1.0, 0.9, e) for e in entropies))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("http", [False, True])
 def test_cell_metrics_by_hand(http):
     a = _result([1, 2, 1], [-1.0, -2.0, -3.0], [0.5, 1.5, 1.0], 1000, 300, 50, http)
@@ -117,6 +122,7 @@ class _FakeRpcError(Exception):
         return self._details
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,details,code,param", [
     ("INVALID_ARGUMENT", "top_p must be in [0, 1], got 2.0", "invalid_argument", "top_p"),
     ("INVALID_ARGUMENT", "messages[0].role must be one of system, user", "invalid_argument", "messages"),
@@ -134,6 +140,7 @@ def test_grpc_status_maps_to_one_code(name, details, code, param):
     assert (e.code, e.param, e.message) == (code, param, details) and str(e) == f"{code}: {details}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("status,body,code,param", [
     (400, {"error": {"message": "top_p must be in [0, 1], got 2.0", "param": "top_p", "code": 400}},
      "invalid_argument", "top_p"),
@@ -152,6 +159,7 @@ def test_http_status_maps_to_the_same_codes(status, body, code, param):
     assert param_from_message("temperature must be finite and >= 0, got -1") == "temperature"
 
 
+@pytest.mark.unit
 def test_sampling_is_type_checked_and_unset_fields_are_not_sent():
     from quantserve.client.client import make_sampling
     from quantserve.client.transport_grpc import request_to_proto
@@ -175,6 +183,7 @@ def test_sampling_is_type_checked_and_unset_fields_are_not_sent():
     assert body["stream_options"] == {"include_usage": True} and body["messages"] == [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.unit
 def test_sse_events_join_into_one_result_and_errors_in_the_stream_raise():
     from quantserve.client.transport_http import _Events
 
@@ -207,6 +216,7 @@ def test_sse_events_join_into_one_result_and_errors_in_the_stream_raise():
 # ------------------------------------------------------------------------------------------ files and plots
 
 
+@pytest.mark.unit
 def test_sweep_files_round_trip_and_plots_have_the_documented_size(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread

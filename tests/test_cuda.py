@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [pytest.mark.reference, pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
 def _gptq(n, k, gs, act_order, device, symmetric=False):
@@ -247,7 +248,8 @@ def _tiny_llama():
 
 
 def _tiny_engine(cuda_graphs: bool, backend_check: str = "triton", budget: str = "64MiB", tokenizer=None, model=None):
-    from bench.gpu import word_tokenizer
+    from helpers import word_tokenizer
+
     from server.config import EngineConfig
     from server.engine import Engine
 

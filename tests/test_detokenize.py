@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from server.detokenize import MAX_PENDING, IncrementalDetokenizer, StopMatcher
 
+pytestmark = pytest.mark.unit
+
 FFFD = "\ufffd"
 
 TEXTS = [

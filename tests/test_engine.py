@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from conftest import wait_until
+from helpers import greedy, hf_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quant.runtime.measure import MemoryTracker, weight_report
@@ -34,10 +35,6 @@ def assert_idle(engine: Engine) -> None:
     assert engine.pool.stats()["requests"] == 0
     assert engine._queued == 0
     engine.pool.audit()  # with the prefix cache on (the default): every reference given back, nothing mapped freed
-
-
-def greedy(n, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +73,7 @@ def _pool_back_to_zero(request):
 # ------------------------------------------------------------------------------------------------ runner
 
 
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
-
-
+@pytest.mark.reference
 @pytest.mark.parametrize("fused_ops", [True, False])
 def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps(hf_model, fused_ops):
     model = hf_model
@@ -112,6 +105,7 @@ def test_runner_matches_hf_forward_with_chunks_fragmented_blocks_and_mixed_steps
     torch.testing.assert_close(l3[2], hf_logits(model, c)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("fused", [False, True])
 def test_runner_single_row_decode_paths(hf_model, fused):
     """A lone decode row: eager ops attend to a view of the cache (no gather); the fused ops read the block
@@ -134,6 +128,7 @@ def test_runner_single_row_decode_paths(hf_model, fused):
     torch.testing.assert_close(runner.forward(step)[0], hf_logits(hf_model, ids + [99])[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.reference
 def test_fused_and_reference_ops_agree_in_bf16(tiny_model_dir):
     """The fused glue ops against the eager ones on a whole bf16 forward (prefill, then decode steps)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
@@ -153,6 +148,7 @@ def test_fused_and_reference_ops_agree_in_bf16(tiny_model_dir):
     torch.testing.assert_close(fused, ref, atol=0.02 * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("scheme,dtype", [("int8-sym", torch.float32), ("w4a16", torch.bfloat16)])
 def test_runner_on_quantized_artifacts_matches_their_own_forward(tmp_path, tiny_model_dir, text_file, scheme, dtype):
     from conftest import run_cli
@@ -196,6 +192,7 @@ def measured_step_peak(runner, step, pool) -> int:
     return mt.peak
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fused_ops", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_estimate_within_15_percent_of_the_runner_peak(tiny_model_dir, fused_ops, dtype):
@@ -217,6 +214,7 @@ def test_activation_estimate_within_15_percent_of_the_runner_peak(tiny_model_dir
         pool.release("m")
 
 
+@pytest.mark.e2e
 def test_activation_estimate_counts_dequantization_above_the_kernel_rows(tmp_path, tiny_model_dir, text_file):
     """int8 weight-only layers dequantize above 64 rows; the estimate carries that transient."""
     from conftest import run_cli
@@ -253,6 +251,7 @@ def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
+@pytest.mark.reference
 def test_greedy_equals_hf_generate_while_batched(engine, hf_model, tok):
     prompts = ["The castle stood on the hill", "In 1887 the railway", "Lobsters are"]
     results = [None] * len(prompts)
@@ -271,6 +270,7 @@ def test_greedy_equals_hf_generate_while_batched(engine, hf_model, tok):
         assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
 
 
+@pytest.mark.e2e
 def test_chunked_prefill_gives_the_same_tokens(engine, tiny_model_dir, cache_dir, tok):
     prompt = " ".join(["the river runs past the mill and"] * 30)
     assert len(tok(prompt).input_ids) > 150
@@ -283,6 +283,7 @@ def test_chunked_prefill_gives_the_same_tokens(engine, tiny_model_dir, cache_dir
     assert a.token_ids == b.token_ids
 
 
+@pytest.mark.e2e
 def test_seeded_replay_is_exact_alone_or_batched(engine):
     p = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_new_tokens=20, min_tokens=20)
     alone = engine.complete("A seeded request", p)
@@ -308,6 +309,7 @@ def test_seeded_replay_is_exact_alone_or_batched(engine):
     assert again.token_ids == free.token_ids
 
 
+@pytest.mark.e2e
 def test_stop_string_cuts_text_before_it(engine):
     base = engine.complete("Once upon a time", greedy(40, min_tokens=40))
     text = base.text
@@ -319,6 +321,7 @@ def test_stop_string_cuts_text_before_it(engine):
     assert len(r.token_ids) < 40
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlap", [False, True])
 def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model, overlap):
     g = hf_greedy(hf_model, tok, "The old bridge", 12)
@@ -353,6 +356,7 @@ def _split_event(ev) -> tuple[tuple, list[float]]:
     return exact, floats
 
 
+@pytest.mark.e2e
 def test_overlapped_steps_give_every_event_the_serial_ones_do(tiny_model_dir, cache_dir, monkeypatch):
     """Concurrent requests of every kind (greedy, seeded sampling, a repetition penalty, a stop string, logprobs and
     a trace, EOS suppressed by min_tokens, different lengths, joining while others decode) through an engine with
@@ -407,6 +411,7 @@ def test_overlapped_steps_give_every_event_the_serial_ones_do(tiny_model_dir, ca
     assert fed[False] == 0 and fed[True] > 20  # the overlapped engine did feed tokens on the device
 
 
+@pytest.mark.reference
 def test_logprobs_and_trace(engine, hf_model, tok):
     p = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, seed=7, max_new_tokens=6, min_tokens=6,
                        logprobs=3, trace=5)
@@ -428,6 +433,7 @@ def test_logprobs_and_trace(engine, hf_model, tok):
         assert 0 <= tr.entropy <= math.log(tr.kept_top_p) + 1e-6
 
 
+@pytest.mark.e2e
 def test_logprobs_zero_gives_the_chosen_token_alone(engine):
     # Found by the fuzz: with no row asking for alternatives the batch had no logprobs at all.
     r = engine.complete("The harbour", SamplingParams(temperature=0.8, seed=3, max_new_tokens=4, min_tokens=4,
@@ -443,6 +449,7 @@ def _teacher_forced(hf_model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(hf_logits(hf_model, ids), -1)  # (T, V) fp32: row i predicts token i + 1
 
 
+@pytest.mark.reference
 def test_prompt_logprobs_are_the_teacher_forced_log_softmax_across_chunks(engine, hf_model):
     """150 prompt tokens prefilled in chunks of 64: every prompt token after the first gets the model's fp32
     log-softmax at the position before it (within 1e-4) and its 3 most probable alternatives, computed in the
@@ -474,6 +481,7 @@ def _together(engine, requests: dict) -> dict:
     return {rid: collect(evs) for rid, evs in events.items()}
 
 
+@pytest.mark.reference
 def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf_model):
     """max_new_tokens 0 scores the prompt and ends ("length", no tokens, its blocks given back); scoring rows in a
     batch do not change the other requests' tokens; a request's samples each get the prompt's logprobs."""
@@ -496,6 +504,7 @@ def test_prompt_logprobs_with_no_generation_and_beside_other_requests(engine, hf
                                                                       abs=1e-5)
 
 
+@pytest.mark.e2e
 def test_response_format_rows_wait_for_their_last_token_and_stay_in_the_grammar(engine):
     """A constrained request beside free ones, with serial and with overlapped steps (where a constrained row is
     never decoded from a sample still on the device): every token is one its grammar accepts (a refused one would
@@ -518,6 +527,7 @@ def test_response_format_rows_wait_for_their_last_token_and_stay_in_the_grammar(
     assert e.value.param == "response_format"
 
 
+@pytest.mark.unit
 def test_prompt_logprobs_bad_values_are_refused_naming_them():
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(prompt_logprobs=21)
@@ -528,6 +538,7 @@ def test_prompt_logprobs_bad_values_are_refused_naming_them():
     assert SamplingParams(max_new_tokens=0, prompt_logprobs=5).max_new_tokens == 0
 
 
+@pytest.mark.e2e
 def test_accounting_matches_the_formula(engine, tok):
     prompt = "Memory accounting for one request"
     n = len(tok(prompt).input_ids)
@@ -555,6 +566,7 @@ def test_accounting_matches_the_formula(engine, tok):
 # ------------------------------------------------------------------------------------------------ admission
 
 
+@pytest.mark.e2e
 def test_invalid_requests_are_rejected_before_any_work(engine):
     ctx = engine.context_length
     with pytest.raises(RequestError, match="prompt is empty") as e:
@@ -576,6 +588,7 @@ def test_invalid_requests_are_rejected_before_any_work(engine):
     assert engine._queued == 0 and engine.pool.used_blocks == 0
 
 
+@pytest.mark.e2e
 def test_request_larger_than_the_pool_is_rejected_with_both_numbers(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512))  # 8 blocks = 128 tokens
     try:
@@ -590,6 +603,7 @@ def test_request_larger_than_the_pool_is_rejected_with_both_numbers(tiny_model_d
         eng.close()
 
 
+@pytest.mark.e2e
 def test_bounded_queue_overload_and_no_overflow(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512), max_queue=2, max_batch=4)
     seen_used = []
@@ -627,6 +641,7 @@ def test_bounded_queue_overload_and_no_overflow(tiny_model_dir, cache_dir):
 # ------------------------------------------------------------------------------------------------ cancellation
 
 
+@pytest.mark.e2e
 def test_cancel_while_waiting_for_blocks(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512))
     try:
@@ -644,6 +659,7 @@ def test_cancel_while_waiting_for_blocks(tiny_model_dir, cache_dir):
         eng.close()
 
 
+@pytest.mark.e2e
 def test_cancel_during_prefill(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir, max_prefill_tokens=1)
     try:
@@ -658,6 +674,7 @@ def test_cancel_during_prefill(tiny_model_dir, cache_dir):
         eng.close()
 
 
+@pytest.mark.e2e
 def test_cancel_during_decode_and_async_early_exit(engine):
     h, evs = engine.stream("Cancel me", greedy(200, min_tokens=200))
     got = []
@@ -678,6 +695,7 @@ def test_cancel_during_decode_and_async_early_exit(engine):
     assert asyncio.run(early_exit()) == 2
 
 
+@pytest.mark.e2e
 def test_many_cancellations_at_once(engine):
     handles = [engine.stream(f"request {i}", greedy(60 + i)) for i in range(20)]
     for h, _ in handles:
@@ -689,6 +707,7 @@ def test_many_cancellations_at_once(engine):
 # ------------------------------------------------------------------------------------------------ faults
 
 
+@pytest.mark.e2e
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
     real = engine.runner.forward
     calls = {"n": 0}
@@ -706,6 +725,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, 
     assert engine.complete("after the fault", greedy(4, min_tokens=4)).finish_reason == "length"
 
 
+@pytest.mark.e2e
 def test_a_request_that_fails_to_advance_fails_alone_and_the_engine_keeps_serving(engine, monkeypatch):
     """An error while a step's samples are applied to one request (detokenizing, stop matching) ends that request
     with an error event; the others in the step and later requests are served."""
@@ -738,6 +758,7 @@ def test_a_request_that_fails_to_advance_fails_alone_and_the_engine_keeps_servin
     assert engine.complete("after it", greedy(3, min_tokens=3)).finish_reason == "length"
 
 
+@pytest.mark.e2e
 def test_a_broken_sink_cancels_only_its_request(engine):
     def bad(ev):
         raise RuntimeError("client gone")
@@ -746,6 +767,7 @@ def test_a_broken_sink_cancels_only_its_request(engine):
     assert engine.complete("fine", greedy(5, min_tokens=5)).finish_reason == "length"
 
 
+@pytest.mark.e2e
 def test_close_cancels_in_flight_and_refuses_new(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir)
     h, evs = eng.stream("long", greedy(400, min_tokens=400))
@@ -758,6 +780,7 @@ def test_close_cancels_in_flight_and_refuses_new(tiny_model_dir, cache_dir):
         eng.submit("late", greedy(4), print)
 
 
+@pytest.mark.e2e
 def test_close_with_grace_lets_short_requests_finish(tiny_model_dir, cache_dir):
     eng = make_engine(tiny_model_dir, cache_dir)
     h, evs = eng.stream("short", greedy(8, min_tokens=8))
@@ -765,6 +788,7 @@ def test_close_with_grace_lets_short_requests_finish(tiny_model_dir, cache_dir):
     assert [ev for ev in evs][-1].finish_reason == "length"
 
 
+@pytest.mark.e2e
 def test_duplicate_request_id_is_rejected(engine):
     h, evs = engine.stream("first", greedy(40, min_tokens=40), request_id="same-id")
     with pytest.raises(RequestError, match="request id 'same-id' is already in use") as e:
@@ -774,6 +798,7 @@ def test_duplicate_request_id_is_rejected(engine):
     assert [ev for ev in evs][-1].request_id == "same-id"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field,value,message", [
     ("max_queue", 0, "--max-queue must be an integer >= 1"),
     ("max_batch", -1, "--max-batch must be an integer >= 1"),
@@ -787,6 +812,7 @@ def test_invalid_engine_config_is_rejected(field, value, message):
         EngineConfig(**{field: value}).validate()
 
 
+@pytest.mark.e2e
 def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, monkeypatch):
     """A fraction of free memory is taken after the runner exists, from what is free then, and the backend attends
     over that pool; a fraction that would leave less than one step's activation workspace is refused in one line

@@ -16,6 +16,7 @@ import pytest
 from server.envconfig import VARS, EnvError, main, serve_argv
 
 
+@pytest.mark.unit
 def test_every_variable_maps_to_its_flag():
     env = {"QUANTSERVE_ARTIFACT": "/artifacts/m", "QUANTSERVE_GRPC_PORT": "-1", "QUANTSERVE_HTTP_PORT": "8080",
            "QUANTSERVE_MEMORY_BUDGET": "0.3", "QUANTSERVE_MAX_QUEUE": "7", "QUANTSERVE_MAX_BATCH": "8",
@@ -43,6 +44,7 @@ def test_every_variable_maps_to_its_flag():
     assert parsed.prefix_cache is False
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("env,msg", [
     ({}, "QUANTSERVE_ARTIFACT must be set"),
     ({"QUANTSERVE_ARTIFACT": "a", "QUANTSERVE_GRPC_PORT": "http"}, "QUANTSERVE_GRPC_PORT must be an integer"),
@@ -63,17 +65,20 @@ def test_bad_environment_is_one_line_naming_the_variable(env, msg, capsys):
     assert err.startswith("quantserve: error: ") and msg in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.unit
 def test_unknown_arguments_are_refused(capsys):
     assert main(["--dry-run"], {"QUANTSERVE_ARTIFACT": "/a"}) == 2
     assert capsys.readouterr().err.startswith("usage: python -m server.envconfig")
 
 
+@pytest.mark.unit
 def test_print_shows_the_command(capsys):
     assert main(["--print"], {"QUANTSERVE_ARTIFACT": "/a", "QUANTSERVE_THREADS": "2"}) == 0
     cmd = json.loads(capsys.readouterr().out)
     assert cmd == ["-m", "server.cli", "/a", "--host", "0.0.0.0", "--threads", "2"]  # quant serve itself
 
 
+@pytest.mark.e2e
 def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(tiny_model_dir, tmp_path):
     """The real entrypoint process (exec'd into quant serve), probed as a container health check would."""
     key = tmp_path / "key"
@@ -109,6 +114,7 @@ def test_the_entrypoint_serves_with_the_key_file_and_the_health_probe_answers(ti
             proc.kill()
 
 
+@pytest.mark.e2e
 def test_health_probe_without_a_server_fails_fast():
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "quantserve.client.health", "--target", "127.0.0.1:9", "--timeout", "1"],

@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from quant.build.calibration import TokenWindows
 from quant.build.evaluate import compare
+
+pytestmark = pytest.mark.unit
 
 
 class _Table(torch.nn.Module):

@@ -21,6 +21,8 @@ from quant.build.sequential import (
     run_layer,
 )
 
+pytestmark = pytest.mark.reference
+
 ARCHS = list(ARCHITECTURES)
 
 

@@ -10,7 +10,8 @@ from glue_cases import check_activations, check_norms, check_rope, check_store_k
 
 from server import fastops
 
-pytestmark = pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")
+pytestmark = [pytest.mark.reference,
+              pytest.mark.skipif(not fastops.load(), reason=f"fused ops not built: {fastops.unavailable_reason()}")]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 FUSED = fastops.Ops("fused")

@@ -7,21 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rerun_capped_to_avx2
+from helpers import gptq_linear
 
-from quant.build import gptq as G
 from quant.runtime import int4
 from quant.runtime.int8 import Int8WeightLinear
 from quant.runtime.kernels import gemm
 
-
-def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64) -> int4.GPTQLinear:
-    g = torch.Generator().manual_seed(seed)
-    q = G.rtn(torch.randn(n, k, generator=g), 4, group)
-    m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
-    if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
-        m.g_idx = (torch.randperm(k, generator=g) // group).to(torch.int32)
-    m.prepare(torch.bfloat16)
-    return m
+pytestmark = pytest.mark.reference
 
 
 def _int8(n: int, k: int, bias: bool, affine: bool, seed: int = 0) -> Int8WeightLinear:
@@ -45,7 +37,7 @@ def _gemm_path(m):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows_", [1, 7, 13, 70])
 def test_gemm_computes_the_dequantize_then_matmul_product(n, k, group, bias, act_order, rows_):
-    _check_dequantized_product(_gptq(n, k, bias, act_order, group=group), rows_)
+    _check_dequantized_product(gptq_linear(n, k, bias, act_order, group=group), rows_)
 
 
 def _check_dequantized_product(m, rows_: int) -> None:
@@ -76,7 +68,7 @@ def test_int8_gemm_computes_the_dequantize_then_matmul_product(n, k, bias, affin
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_each_row_is_computed_alone(scheme):
     """Rows fall into strips of 6 and chunks per thread by their count; a row's sums must not depend on either."""
-    m = _gptq(128, 256, True, False) if scheme == "int4" else _int8(128, 256, True, True)
+    m = gptq_linear(128, 256, True, False) if scheme == "int4" else _int8(128, 256, True, True)
     path = _gemm_path(m)
     x = torch.randn(41, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     whole = path(x)
@@ -89,7 +81,7 @@ def test_non_finite_sums_come_out_as_c10_rounds_them(scheme):
     """The epilogue rounds fp32 sums to bf16 as c10 does (AVX2's in vector integer steps): a NaN in x makes its row
     NaN, an infinity makes its row +-inf, or NaN where a weight is 0, as the dequantized product says, a sum past
     bf16's largest finite value rounds to inf; every other row is untouched."""
-    m = _gptq(64, 128, False, False) if scheme == "int4" else _int8(64, 128, False, True)
+    m = gptq_linear(64, 128, False, False) if scheme == "int4" else _int8(64, 128, False, True)
     path = _gemm_path(m)
     w = m.dequantized(torch.float32)  # (N, K)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -108,19 +100,19 @@ def test_non_finite_sums_come_out_as_c10_rounds_them(scheme):
 
 def test_gemm_of_a_fused_module_is_its_parts_products():
     """Parts of 64 and 128 rows end on block boundaries, so each output's sums are the same."""
-    fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])
+    fused = int4.GPTQLinear.fuse([gptq_linear(n, 128, False, False, seed=n) for n in (64, 128)])
     if fused is None:
         pytest.skip("parts of these sizes do not fuse on this CPU's layout")
     y = _gemm_path(fused)(x := torch.randn(9, 128, generator=torch.Generator().manual_seed(7)).bfloat16())
-    want = torch.cat([_gptq(n, 128, False, False, seed=n).paths(torch.bfloat16)["gemm"](x) for n in (64, 128)], 1)
+    want = torch.cat([gptq_linear(n, 128, False, False, seed=n).paths(torch.bfloat16)["gemm"](x) for n in (64, 128)], 1)
     assert torch.equal(y, want)
 
 
 def test_gemm_is_offered_only_where_it_computes():
     """bf16 activations and whole 64-row blocks: fp16/fp32 inputs and an N with a partial block take other paths."""
-    _gemm_path(_gptq(64, 128, False, False))  # skips where the op is not built for this CPU
-    assert "gemm" not in _gptq(64, 128, False, False).paths(torch.float32)
-    m = _gptq(80, 128, False, False)  # one full block and a partial, interleaved one
+    _gemm_path(gptq_linear(64, 128, False, False))  # skips where the op is not built for this CPU
+    assert "gemm" not in gptq_linear(64, 128, False, False).paths(torch.float32)
+    m = gptq_linear(80, 128, False, False)  # one full block and a partial, interleaved one
     assert "gemm" not in m.paths(torch.bfloat16) and "rows" in m.paths(torch.bfloat16)
     assert "gemm" in _int8(64, 128, False, False).paths(torch.bfloat16)
     assert "gemm" not in _int8(72, 128, False, False).paths(torch.bfloat16)  # blocks of 64 (AVX-512) or 16 (AVX2)
@@ -134,7 +126,7 @@ def test_gemm_is_offered_only_where_it_computes():
 
 
 def test_bad_operands_get_one_line_errors():
-    m = _gptq(64, 128, False, False)
+    m = gptq_linear(64, 128, False, False)
     _gemm_path(m)
     packed, sz = m.packed, m.scales_zeros
     x = torch.zeros(2, 128).bfloat16()

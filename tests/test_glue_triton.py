@@ -18,7 +18,7 @@ from glue_cases import (
 from server import fastops
 from server.attention.triton_paged import available
 
-pytestmark = pytest.mark.skipif(available() is not None, reason="triton is not installed")
+pytestmark = [pytest.mark.reference, pytest.mark.skipif(available() is not None, reason="triton is not installed")]
 
 DTYPES = [torch.float16, torch.float32]
 REF = fastops.Ops("eager")

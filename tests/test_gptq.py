@@ -28,6 +28,7 @@ def _layer_loss(x, w, q) -> float:
     return float((x @ w.t() - x @ q.dequantize().t()).pow(2).mean())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
 def test_gptq_beats_rtn_on_the_layer_loss(act_order, sym):
@@ -63,12 +64,14 @@ def _reference_gptq(w, h, group, sym, damp=0.01, int8=False):
     return codes
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("sym", [True, False])
 def test_blocked_cholesky_gptq_equals_the_textbook_algorithm(sym):
     w, _, h = _problem(n=32, k=256)
     assert torch.equal(G.gptq(w, h, 4, 64, sym, block=128).codes, _reference_gptq(w, h, 64, sym))
 
 
+@pytest.mark.reference
 def test_int8_grid_gptq_equals_the_textbook_algorithm_and_beats_rounding():
     # W8A8's weights: one group per row on the symmetric int8 grid of quant.runtime.primitives.
     w, x, h = _problem(n=32, k=256)
@@ -83,6 +86,7 @@ def test_int8_grid_gptq_equals_the_textbook_algorithm_and_beats_rounding():
     assert loss < 0.8 * float((x @ w.t() - x @ rtn.t()).pow(2).mean())
 
 
+@pytest.mark.unit
 def test_int8_grid_gptq_with_identity_hessian_is_quantize_weight_sym():
     w, _, _ = _problem()
     q = G.gptq(w, torch.eye(256) * 2, group_size=256, grid=G.Grid.int8(), act_order=True)
@@ -96,6 +100,7 @@ def _range_error(w, s, z, importance=1.0):
     return ((s[:, None] * (q - z[:, None]) - w).abs().pow(G.CLIP_NORM) * importance).sum(1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sym", [True, False])
 def test_the_range_search_never_rounds_a_group_worse_and_only_shrinks_it(sym):
     w, _, _ = _problem(n=64, k=64)
@@ -106,6 +111,7 @@ def test_the_range_search_never_rounds_a_group_worse_and_only_shrinks_it(sym):
     assert torch.equal(q.scales[0], searched[0])  # GPTQ takes the searched parameters
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("act_order", [True, False])
 def test_the_range_search_weighs_each_column_by_its_inputs_energy(act_order):
     w, _, _ = _problem(n=64, k=128)
@@ -125,6 +131,7 @@ def test_the_range_search_weighs_each_column_by_its_inputs_energy(act_order):
         assert torch.equal(q.scales[g], G.group_params(w[:, cols], 4, True, clip=True, importance=energy[cols])[0])
 
 
+@pytest.mark.unit
 def test_gptq_with_identity_hessian_is_rtn():
     # Uncorrelated unit-variance inputs: no error is worth moving, GPTQ must round to nearest.
     w, _, _ = _problem()
@@ -133,6 +140,7 @@ def test_gptq_with_identity_hessian_is_rtn():
     assert torch.equal(q.codes, r.codes) and torch.equal(q.scales, r.scales)
 
 
+@pytest.mark.unit
 def test_codes_and_grid_are_in_range():
     w, _, h = _problem()
     q = G.gptq(w, h, 4, 64, True)
@@ -141,6 +149,7 @@ def test_codes_and_grid_are_in_range():
     assert q.scales.shape == (4, 64) and torch.equal(q.scales, q.scales.half().float())
 
 
+@pytest.mark.unit
 def test_dead_columns_are_zeroed():
     w, x, _ = _problem()
     x[:, 7] = 0
@@ -149,6 +158,7 @@ def test_dead_columns_are_zeroed():
     assert torch.equal(q.dequantize()[:, 7], torch.zeros(64))
 
 
+@pytest.mark.unit
 def test_cholesky_failure_falls_back_to_rtn():
     w, _, _ = _problem()
     q = G.gptq(w, -torch.eye(256), 4, 64, True)  # negative definite: no damping helps
@@ -156,6 +166,7 @@ def test_cholesky_failure_falls_back_to_rtn():
     assert torch.equal(q.codes, G.rtn(w, 4, 64, True).codes)
 
 
+@pytest.mark.unit
 def test_damping_grows_until_cholesky_succeeds():
     w, x, _ = _problem(rows=16)  # rank-deficient Hessian
     h = 2 * x.t() @ x / 16
@@ -164,12 +175,14 @@ def test_damping_grows_until_cholesky_succeeds():
     assert q.fallback is None and q.damp > 0.01
 
 
+@pytest.mark.unit
 def test_group_size_must_divide():
     w, _, h = _problem(k=256)
     with pytest.raises(ValueError, match="group size 96"):
         G.gptq(w, h, 4, 96, True)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("v2,sym", [(False, True), (True, False)])
 def test_checkpoint_format_bit_for_bit_with_the_v1_formula(v2, sym):
     w, _, h = _problem(n=64, k=256)
@@ -192,6 +205,7 @@ def test_checkpoint_format_bit_for_bit_with_the_v1_formula(v2, sym):
     assert torch.equal(int4_layout.dequantize_gptq(qw, qz, sc, gi, v2), fake)
 
 
+@pytest.mark.unit
 def test_v1_cannot_hold_zero_point_zero_but_v2_can():
     codes = torch.zeros(8, 64, dtype=torch.int32)
     zeros = torch.zeros(1, 8, dtype=torch.int32)
@@ -203,6 +217,7 @@ def test_v1_cannot_hold_zero_point_zero_but_v2_can():
     assert torch.equal(int4_layout.unpack_gptq(*v2.values(), v2=True)[1], zeros)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -233,6 +248,7 @@ def _act_order_checkpoint(k: int = 256, n: int = 128, group: int = 64):
     return m, w
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
     m, w = _act_order_checkpoint()
@@ -246,6 +262,7 @@ def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
     assert float((fast - ref).abs().max() / ref.abs().max()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.unit
 def test_act_order_g_idx_with_unequal_groups_is_refused():
     from quant.errors import ArtifactError
 
@@ -255,6 +272,7 @@ def test_act_order_g_idx_with_unequal_groups_is_refused():
         m.prepare(torch.bfloat16)
 
 
+@pytest.mark.unit
 def test_int4_kernel_branch_is_used_for_decode(monkeypatch):
     w, _, h = _problem(n=128, k=256)
     m = int4.GPTQLinear.from_quantized(G.rtn(w, 4, 64), None, v2=False)
@@ -271,6 +289,7 @@ def test_int4_kernel_branch_is_used_for_decode(monkeypatch):
     torch.testing.assert_close(y, m.reference_forward(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.reference
 def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
@@ -311,6 +330,7 @@ def test_staged_execution_equals_the_plain_layer(tokenizer, tmp_path):
     assert seen_exact == seen
 
 
+@pytest.mark.reference
 def test_group_size_choice(tokenizer, tmp_path):
     from conftest import make_tiny_llama
     from transformers import AutoModelForCausalLM
@@ -324,6 +344,7 @@ def test_group_size_choice(tokenizer, tmp_path):
         choose_group_size(model, 64)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("k", [40, 128, 300])
 def test_streamed_hessian_is_the_full_product(k):
     from quant.build.gptq import Hessian
@@ -340,6 +361,7 @@ def test_streamed_hessian_is_the_full_product(k):
     assert torch.equal(got, got.t())
 
 
+@pytest.mark.e2e
 def test_a_gptq_checkpoint_without_our_manifest_is_served_as_written(tmp_path, tiny_model_dir, text_file):
     """A GPTQ checkpoint another tool wrote has no quant_manifest.json: load_for_serving reads it from its
     config (unverified: there are no hashes), and it computes what the same tensors compute as our artifact."""

@@ -7,6 +7,8 @@ import torch
 
 from quant.runtime import hadamard
 
+pytestmark = pytest.mark.reference
+
 
 @pytest.mark.parametrize("k,block", [(1536, 512), (576, 64), (14336, 2048), (128, 128), (8192, 4096)])
 def test_block_size_is_the_largest_power_of_two_dividing(k, block):

@@ -17,7 +17,7 @@ from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 from quant.format import sources as models
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 pytest.importorskip("xgrammar")
 
 SCHEMA = {  # nested objects, arrays and enums; bounded strings so a sample ends within the token budget

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy_exact
 from torch import nn
 
 from quant.build import gptq as G
@@ -45,6 +46,7 @@ def _modules():
     }
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("name", list(_modules()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_path_matches_the_reference(name, dtype):
@@ -61,6 +63,7 @@ def test_every_path_matches_the_reference(name, dtype):
         assert float((y.float() - ref).abs().max() / ref.abs().max()) < tol, path
 
 
+@pytest.mark.unit
 def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     m = _modules()["int8-sym"]
     m.prepare(torch.bfloat16)
@@ -77,6 +80,7 @@ def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     assert plan.describe() == "kernel <= 4 rows, dequant-fp32 above 4"
 
 
+@pytest.mark.unit
 def test_plan_pick_and_describe():
     assert KC.ROW_BUCKETS == (1, 4, 16, 64, 256, 512)
     p = KC.RowPlan(("a",) * 6, {})
@@ -86,6 +90,7 @@ def test_plan_pick_and_describe():
     assert p.describe() == "a <= 1 rows, b <= 16 rows, a above 16"
 
 
+@pytest.mark.unit
 def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
     def slow(x):
         time.sleep(0.006)
@@ -105,6 +110,7 @@ def test_measure_picks_the_faster_path_per_bucket_and_drops_only_slow_calls():
     assert all(v is not None for v in plan.us["fixed"])
 
 
+@pytest.mark.unit
 def test_a_plan_bounded_in_rows_is_measured_no_further_and_kept_apart(tmp_path):
     seen = []
 
@@ -125,6 +131,7 @@ def test_a_plan_bounded_in_rows_is_measured_no_further_and_kept_apart(tmp_path):
     assert max(seen) == max(KC.ROW_BUCKETS)
 
 
+@pytest.mark.unit
 def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path, monkeypatch):
     paths = {"a": lambda x: x, "b": lambda x: x + 0}
     first = KC.Chooser("measure", tmp_path).plan("k", paths, 16, torch.float32, torch.device("cpu"))
@@ -153,6 +160,7 @@ def test_plans_are_cached_per_cpu_and_a_damaged_file_is_measured_again(tmp_path,
     assert len(measured) == 2
 
 
+@pytest.mark.unit
 def test_static_mode_measures_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(KC, "measure", lambda *a, **k: pytest.fail("measured in static mode"))
     c = KC.Chooser("static", tmp_path)
@@ -162,6 +170,7 @@ def test_static_mode_measures_nothing(tmp_path, monkeypatch):
         KC.Chooser("fastest")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("capability", ["avx2", "default", None])
 def test_int4pack_layout_reads_back_on_every_vector_width(capability):
     """The CPU int4pack layout depends on the vector width PyTorch dispatches to; each is checked in its own
@@ -214,6 +223,7 @@ def test_int4pack_layout_reads_back_on_every_vector_width(capability):
         assert p.stdout.strip() == capability.upper()
 
 
+@pytest.mark.reference
 def test_dense_paths_agree():
     lin = _linear()
     w, b = lin.weight.data.bfloat16(), lin.bias.data.bfloat16()
@@ -229,6 +239,7 @@ def test_dense_paths_agree():
     assert set(KC.dense_paths(lin.weight.data, lin.bias.data, torch.float32)) == {"dense"}
 
 
+@pytest.mark.e2e
 def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_model_dir, tmp_path, text_file,
                                                                       monkeypatch, caplog):
     from conftest import run_cli
@@ -247,13 +258,13 @@ def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_mode
         shapes = {k.split()[1] for k in kernels}
         assert shapes == {"128x64", "64x64", "256x64", "64x128"}, shapes  # fused q/k/v and gate/up, o, down
         assert len(list((tmp_path / "kernel-plans").glob("*.json"))) == 1
-        ref = eng.complete("The castle", greedy_params(8)).token_ids
+        ref = eng.complete("The castle", greedy_exact(8, seed=0)).token_ids
     finally:
         eng.close()
     eng = Engine.from_path(str(art), EngineConfig(kernels="static", **cfg), tmp_path)
     try:
         assert eng.info.kernels == ()
-        rule = eng.complete("The castle", greedy_params(8)).token_ids
+        rule = eng.complete("The castle", greedy_exact(8, seed=0)).token_ids
         assert len(rule) == len(ref)
     finally:
         eng.close()
@@ -267,7 +278,7 @@ def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_mode
         assert len(failed) == len(shapes) and all("RuntimeError: capture_begin failed" in m for m in failed), failed
         assert all("measuring failed (RuntimeError: capture_begin failed), the built-in rule" in k
                    for k in eng.info.kernels) and len(eng.info.kernels) == len(shapes)
-        assert eng.complete("The castle", greedy_params(8)).token_ids == rule
+        assert eng.complete("The castle", greedy_exact(8, seed=0)).token_ids == rule
     finally:
         eng.close()
     with pytest.raises(ValueError, match="--kernels must be one of measure, static, got 'fast'"):
@@ -278,6 +289,7 @@ def _failing_timer(paths, x, *a, **k):
     raise RuntimeError("capture_begin failed\nsecond line of the trace")
 
 
+@pytest.mark.unit
 def test_measuring_that_fails_gives_the_rule_and_on_a_gpu_stops_measuring(monkeypatch, caplog):
     """A plan or a launch search whose timing raises gives None (the module's built-in rule), one warning naming
     the computation, and a line in the engine's table; on a GPU the chooser then measures nothing more, since a
@@ -309,12 +321,6 @@ def test_measuring_that_fails_gives_the_rule_and_on_a_gpu_stops_measuring(monkey
     assert len(gpu.table()) == 1 and gpu.table()[0].startswith("b: measuring failed (RuntimeError: ")
 
 
-def greedy_params(n):
-    from server.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, seed=0)
-
-
 def _space(axes, start, cost, wrong=(), failing=(), resets=None):
     """A LaunchSpace over ``axes`` whose launch ``cfg`` computes x (x + 1 for a config in ``wrong``; raises for one
     in ``failing``, as a launch the compiler refuses) and costs ``cost(cfg)`` µs under the fake timer below."""
@@ -335,6 +341,7 @@ def _fake_timer(cost):
     return lambda paths, x, *a, **k: {name: cost(fn.cfg) for name, fn in paths.items()}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed", range(6))
 def test_launch_search_finds_the_grid_best_on_separable_costs(seed, monkeypatch):
     """Costs with one minimum per axis (tile, split and warps act roughly so): the coordinate search reaches the
@@ -358,6 +365,7 @@ def test_launch_search_finds_the_grid_best_on_separable_costs(seed, monkeypatch)
     assert len(timed) < len(grid) / 3
 
 
+@pytest.mark.unit
 def test_a_launch_that_disagrees_or_fails_is_never_chosen(monkeypatch, caplog):
     axes = ((1, 2, 3), (1, 2), (1,))
     cost = lambda cfg: float(sum(cfg))  # noqa: E731 - the smallest values are the fastest
@@ -373,6 +381,7 @@ def test_a_launch_that_disagrees_or_fails_is_never_chosen(monkeypatch, caplog):
         KC.search(_space(axes, (3, 2, 1), cost, wrong=every), 8, torch.float32)
 
 
+@pytest.mark.unit
 def test_a_tuned_launch_is_kept_per_device_and_reported(tmp_path, monkeypatch):
     axes = ((1, 2, 3), (1, 2), (1,))
     cost = lambda cfg: float(abs(cfg[0] - 2) + cfg[1])  # noqa: E731

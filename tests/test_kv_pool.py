@@ -9,6 +9,8 @@ from quant.shape.memory import kv_bytes_per_token
 from quant.shape.model import KNOWN_SHAPES
 from server.kv_pool import BlockPool, KVBudgetError, KVLayout, resolve_budget
 
+pytestmark = pytest.mark.unit
+
 SMOL = KVLayout(layers=30, kv_heads=3, head_dim=64, dtype=torch.bfloat16, block_size=16)
 
 

@@ -14,6 +14,8 @@ from quant.runtime.kernels import rows as rowops
 from quant.runtime.registry import module_from_spec
 from quant.runtime.w8a8 import W8A8Linear
 
+pytestmark = pytest.mark.reference
+
 
 def _linear(k=128, n=96, bias=True, seed=0, shift=0.0):
     torch.manual_seed(seed)

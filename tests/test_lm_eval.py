@@ -17,7 +17,7 @@ from live_server import start
 
 from quant.format import sources as models
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 pytest.importorskip("lm_eval")
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"

@@ -10,31 +10,18 @@ is compared with torch.equal, not a tolerance.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_adapter
+from helpers import hf_causal_lm, peft_merged
 
 from quant.build.lora import AdapterInfo, LoraError, merge_adapter, read_adapter
 
+pytestmark = pytest.mark.reference
+
 peft = pytest.importorskip("peft")
-
-
-def _base(model_dir, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-
-
-def _peft_merged(model_dir, adapter_dir, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    from peft import PeftModel
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        merged = PeftModel.from_pretrained(_base(model_dir, dtype), adapter_dir).merge_and_unload()
-    return merged.state_dict()
 
 
 def _edit_config(adapter_dir: Path, **changes) -> None:
@@ -45,8 +32,8 @@ def _edit_config(adapter_dir: Path, **changes) -> None:
 
 
 def _check_same_as_peft(model_dir, adapter_dir, dtype=torch.float32, also_changed=()) -> AdapterInfo:
-    want = _peft_merged(model_dir, adapter_dir, dtype)
-    base = _base(model_dir, dtype)
+    want = peft_merged(model_dir, adapter_dir, dtype)
+    base = hf_causal_lm(model_dir, dtype)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     info = merge_adapter(base, adapter_dir)
     got = base.state_dict()
@@ -162,10 +149,10 @@ def test_read_adapter_and_fingerprint(tiny_model_dir, tmp_path):
     config, tensors = read_adapter(adapter)
     assert config["peft_type"] == "LORA" and config["r"] == 2
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
-    info = merge_adapter(_base(tiny_model_dir), adapter)
+    info = merge_adapter(hf_causal_lm(tiny_model_dir), adapter)
     assert info.base_model == str(tiny_model_dir) and len(info.fingerprint) == 64
     _edit_config(adapter, lora_alpha=9)
-    assert merge_adapter(_base(tiny_model_dir), adapter).fingerprint != info.fingerprint
+    assert merge_adapter(hf_causal_lm(tiny_model_dir), adapter).fingerprint != info.fingerprint
 
 
 # ---- refusals ---------------------------------------------------------------------------------------
@@ -177,7 +164,7 @@ def adapter(tiny_model_dir, tmp_path) -> Path:
 
 
 def _refused(model_dir, adapter_dir, *needles) -> str:
-    base = _base(model_dir)
+    base = hf_causal_lm(model_dir)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     with pytest.raises(LoraError) as exc:
         merge_adapter(base, adapter_dir)

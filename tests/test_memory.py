@@ -28,6 +28,7 @@ def _tiny(tokenizer, tmp_path, **kw):
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("scheme,dtype", [
     ("int8-sym", "bfloat16"), ("int8-affine", "float32"), ("w8a8", "bfloat16"), ("rtn-w4", "bfloat16"),
     ("w4a16", "float32"),
@@ -50,6 +51,7 @@ def test_predicted_weight_bytes_equal_the_artifact(tmp_path, tiny_model_dir, tex
     assert weight_bytes(shape, scheme, float_bytes=fb, group_size=64, served=True) == weight_report(art.model)
 
 
+@pytest.mark.unit
 def test_float_prediction_and_params(tokenizer, tmp_path):
     _, model = _tiny(tokenizer, tmp_path)
     shape = ModelShape.from_config(model.config)
@@ -58,6 +60,7 @@ def test_float_prediction_and_params(tokenizer, tmp_path):
     assert kv_bytes_per_token(model.config, torch.bfloat16) == 2 * 2 * 2 * 16 * 2  # 2 layers, 2 kv heads of 16
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,seq", [(1, 256), (2, 512)])
@@ -74,6 +77,7 @@ def test_activation_estimate_within_15_percent_of_measurement(tokenizer, tmp_pat
     assert abs(est / tr.peak - 1) < 0.15, (est, tr.peak)
 
 
+@pytest.mark.unit
 def test_eager_is_quadratic_and_sdpa_linear():
     s = KNOWN_SHAPES["135M"]
     eager = [prefill_activation_bytes(s, 1, n, "eager", 2) for n in (2048, 4096)]
@@ -82,6 +86,7 @@ def test_eager_is_quadratic_and_sdpa_linear():
     assert 1.9 < sdpa[1] / sdpa[0] < 2.1
 
 
+@pytest.mark.unit
 def test_memory_tracker_sees_frees():
     with MemoryTracker() as tr:
         a = torch.ones(1024)  # 4 KiB
@@ -93,6 +98,7 @@ def test_memory_tracker_sees_frees():
     del b, c
 
 
+@pytest.mark.unit
 def test_training_classes():
     s = KNOWN_SHAPES["7B"]
     P = s.params()
@@ -109,6 +115,7 @@ def test_training_classes():
     assert ckpt["A"] < full["A"] / 5
 
 
+@pytest.mark.unit
 def test_sizes_parse_and_known_shapes():
     assert parse_size("7B") == 7e9 and parse_size("135M") == 135e6
     assert shape_for_params(7e9).name == "Llama-2-7B"
@@ -120,6 +127,7 @@ def test_sizes_parse_and_known_shapes():
         parse_bytes("lots")
 
 
+@pytest.mark.e2e
 def test_estimate_cli(tiny_model_dir, capsys):
     assert run_cli("estimate", "--model", tiny_model_dir, "--scheme", "w4a16", "--group-size", "64",
                    "--batch", "2", "--context", "128", "--json") == 0
@@ -131,6 +139,7 @@ def test_estimate_cli(tiny_model_dir, capsys):
     assert r["gpus"] == -(-r["total"] // (80 * 2**30)) and r["gpus"] >= 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args,needle", [
     (("--params", "7B", "--scheme", "int3"), "--scheme"),
     (("--params", "seven"), "--params"),
@@ -147,6 +156,7 @@ def test_estimate_bad_input(capsys, args, needle):
     assert len(err) == 1 and err[0].startswith("quant estimate: error:") and needle in err[0]
 
 
+@pytest.mark.e2e
 def test_estimate_model_and_params_conflict(tiny_model_dir, capsys):
     assert run_cli("estimate", "--model", tiny_model_dir, "--params", "7B") == 1
     assert "not both" in capsys.readouterr().err

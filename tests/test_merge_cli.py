@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import make_adapter, run_cli
-from test_lora import _base, _peft_merged
+from helpers import hf_causal_lm, peft_merged
 
 from quant import load
 from quant.format import artifact
+
+pytestmark = pytest.mark.e2e
 
 
 def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
@@ -17,8 +20,8 @@ def test_merge_command_equals_peft(tmp_path, tiny_model_dir):
                             target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)
     out = tmp_path / "merged"
     assert run_cli("merge", "--lora", adapter, "--model", tiny_model_dir, "--out", out) == 0
-    got = _base(out).state_dict()
-    want = _peft_merged(tiny_model_dir, adapter)
+    got = hf_causal_lm(out).state_dict()
+    want = peft_merged(tiny_model_dir, adapter)
     assert all(torch.equal(got[k], want[k]) for k in want)
     info = json.loads((out / "quantserve_merge.json").read_text())
     assert info["adapter"]["use_rslora"] is True and len(info["adapter"]["modules"]) == 6
@@ -30,7 +33,7 @@ def test_merge_writes_the_base_dtype_bit_exact_with_peft_in_it(tmp_path, tiny_mo
     from transformers import AutoTokenizer
 
     base = tmp_path / "bf16-base"
-    _base(tiny_model_dir, torch.bfloat16).save_pretrained(base)
+    hf_causal_lm(tiny_model_dir, torch.bfloat16).save_pretrained(base)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(base)
     adapter = make_adapter(base, tmp_path / "ad", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
 
@@ -42,8 +45,8 @@ def test_merge_writes_the_base_dtype_bit_exact_with_peft_in_it(tmp_path, tiny_mo
         out = tmp_path / f"merged-{dtype}"
         assert run_cli("merge", "--lora", adapter, "--model", base, "--out", out, *flag) == 0
         assert stored(out) == {dtype}  # a bf16 base was written as fp32, twice its size
-        got = _base(out, dtype).state_dict()
-        want = _peft_merged(base, adapter, dtype)  # PEFT on the base loaded in that dtype
+        got = hf_causal_lm(out, dtype).state_dict()
+        want = peft_merged(base, adapter, dtype)  # PEFT on the base loaded in that dtype
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert json.loads((out / "quantserve_merge.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
     capsys.readouterr()
@@ -63,12 +66,12 @@ def test_build_with_lora_records_adapter_and_evaluates_against_the_merged_model(
     assert manifest["quality"]["mean_kl"] < 0.01
     art = load(out, dtype=torch.float32)
     ids = torch.randint(0, 1000, (1, 16))
-    merged = _base(tiny_model_dir)
+    merged = hf_causal_lm(tiny_model_dir)
     from quant.build.lora import merge_adapter
 
     merge_adapter(merged, adapter)
     with torch.inference_mode():
-        a, b, c = art.model(ids).logits, merged(ids).logits, _base(tiny_model_dir)(ids).logits
+        a, b, c = art.model(ids).logits, merged(ids).logits, hf_causal_lm(tiny_model_dir)(ids).logits
     assert (a - b).norm() < 0.2 * (c - b).norm()
 
 

@@ -9,13 +9,15 @@ import threading
 import pytest
 import torch
 from archs import ARCHITECTURES, WINDOW
+from helpers import greedy_exact, hf_logits
 from transformers import AutoModelForCausalLM
 
 from server.config import EngineConfig
 from server.engine import Engine
 from server.kv_pool import BlockPool, KVLayout
 from server.runner import ModelRunner, build_step
-from server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.reference
 
 CPU = torch.device("cpu")
 ARCHS = list(ARCHITECTURES)
@@ -24,11 +26,6 @@ ARCHS = list(ARCHITECTURES)
 def prompt_ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, 40000, (n,), generator=g).tolist()
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
 
 
 def runner_for(model, blocks: int = 64, block_size: int = 16, fused_ops: bool = True, backend: str = "sdpa",
@@ -212,15 +209,11 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n)
-
-
 def run_batched(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     results: list = [None] * len(prompts)
 
     def run(i):
-        results[i] = list(engine.complete(prompts[i], greedy(n)).token_ids)
+        results[i] = list(engine.complete(prompts[i], greedy_exact(n)).token_ids)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -240,7 +233,7 @@ def test_greedy_48_past_the_window_equals_generate_alone_and_batched(arch, arch_
     engine = Engine.from_path(str(path), EngineConfig(memory_budget="8MiB", dtype="float32",
                                                       max_prefill_tokens=16), cache_dir)
     try:
-        assert list(engine.complete(main, greedy(48)).token_ids) == want
+        assert list(engine.complete(main, greedy_exact(48)).token_ids) == want
         batched = run_batched(engine, [others[0], main, others[1]], 48)
         assert batched[1] == want
         assert batched[2] == hf_greedy(model, others[1], 48)
@@ -256,8 +249,8 @@ def test_cancellation_mid_window_frees_blocks_and_others_continue(arch_dirs, cac
     try:
         keep, drop = prompt_ids(30, 7), prompt_ids(30, 8)
         events = []
-        handle = engine.submit(drop, greedy(200), events.append)
-        result = engine.complete(keep, greedy(40))
+        handle = engine.submit(drop, greedy_exact(200), events.append)
+        result = engine.complete(keep, greedy_exact(40))
         handle.cancel()
         for _ in range(2000):
             if events and events[-1].finished:
@@ -313,7 +306,7 @@ def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme,
                               cache_dir)
     try:
         assert engine.info.scheme == scheme
-        alone = list(engine.complete(main, greedy(40)).token_ids)
+        alone = list(engine.complete(main, greedy_exact(40)).token_ids)
         batched = run_batched(engine, [other, main], 40)
     finally:
         engine.close()

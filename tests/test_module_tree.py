@@ -46,6 +46,7 @@ def engine_logits(model) -> torch.Tensor:
     return ModelRunner(model, pool.storage, 16, "sdpa").forward(step)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_the_module_tree_computes_what_transformers_model_class_does(arch, arch_dirs, cache_dir):
     """Same tensors, found by name: the engine over the tree equals the engine over transformers' model, bit for
@@ -64,6 +65,7 @@ def test_the_module_tree_computes_what_transformers_model_class_does(arch, arch_
     assert tok("hello world")["input_ids"] == tok.__class__.from_pretrained(path)("hello world")["input_ids"]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", ["gemma3", "llama3-rope", "phi3-partial-window"])
 def test_the_config_normalised_in_a_child_equals_transformers_config_here(arch, arch_dirs, tmp_path):
     """The serving process reads the config a child process normalised (per-layer RoPE sets, layer types,
@@ -86,6 +88,7 @@ def test_the_config_normalised_in_a_child_equals_transformers_config_here(arch, 
     assert model_config.read(path, cache, in_process=False).vocab_size == 7  # read from the cache, no child
 
 
+@pytest.mark.reference
 def test_a_config_transformers_cannot_read_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family", "hidden_size": 8}))
     for in_process in (True, False):
@@ -97,6 +100,7 @@ def test_a_config_transformers_cannot_read_is_refused_in_one_line(tmp_path):
         model_config.read(tmp_path, tmp_path / "cache")
 
 
+@pytest.mark.reference
 def test_quantized_tensors_that_do_not_fit_their_spec_are_refused_naming_the_module(tmp_path, artifact):
     """A GPTQ checkpoint (no manifest: nothing verifies its hashes) whose config names a module the weights do
     not hold, or whose tensors do not match their spec, is refused in one line naming the module."""
@@ -118,6 +122,7 @@ def test_quantized_tensors_that_do_not_fit_their_spec_are_refused_naming_the_mod
         load_for_serving(str(other), torch.float32, "cpu", tmp_path / "cache")
 
 
+@pytest.mark.e2e
 def test_the_serving_process_imports_no_modeling_stack(artifact, tmp_path):
     """Load an artifact for the engine and complete a request in a fresh process: transformers' modeling
     classes, its config classes and torch dynamo (the ~190 MiB bench/served_memory.py measures) stay out."""
@@ -141,14 +146,15 @@ def test_the_serving_process_imports_no_modeling_stack(artifact, tmp_path):
     assert "heavy: []" in p.stdout, p.stdout
 
 
+@pytest.mark.reference
 def test_small_float_tensors_are_copied_out_of_the_weights_map(arch_dirs, cache_dir):
     """Served in the file's dtype, the projections stay views of the memory map, but norm weights are copies:
     touching a mapped norm would fault its page-cache folio in, with the released neighbours around it."""
-    from test_served_memory import _mappings
+    from helpers import file_mappings
 
     path = arch_dirs("llama")
     tree, *_ = load_for_serving(str(path), torch.float32, "cpu", cache_dir)
-    spans = [(a, b) for a, b, _ in _mappings(path / "model.safetensors")]
+    spans = [(a, b) for a, b, _ in file_mappings(path / "model.safetensors")]
     assert spans
 
     def mapped(t: torch.Tensor) -> bool:
@@ -166,6 +172,7 @@ def load_file_tensor(path: Path, name: str) -> torch.Tensor:
     return load_file(path / "model.safetensors")[name]
 
 
+@pytest.mark.reference
 def test_a_checkpoint_that_is_not_a_module_tree_is_refused_in_one_line(tmp_path):
     """Tensors with no module path, or a name that is both a module's tensors and another module's parent, are
     refused naming them; a dir without a readable config.json is refused naming the file."""

@@ -16,6 +16,8 @@ from safetensors import safe_open
 from quant.errors import UnsupportedModelError
 from quant.runtime import moe
 
+pytestmark = pytest.mark.reference
+
 CALIB = ("--calib-samples", "8", "--calib-seqlen", "64")
 EVAL = ("--eval-windows", "2", "--eval-seqlen", "64")
 

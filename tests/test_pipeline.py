@@ -17,6 +17,8 @@ from quant.runtime.int4 import GPTQLinear
 from quant.runtime.int8 import Int8WeightLinear
 from quant.runtime.w8a8 import W8A8Linear
 
+pytestmark = pytest.mark.e2e
+
 CALIB = ("--calib-samples", "8", "--calib-seqlen", "64", "--seed", "0")
 EVAL = ("--eval-windows", "4", "--eval-seqlen", "64")
 

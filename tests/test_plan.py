@@ -42,6 +42,7 @@ def _est(chunk, past):
     return 1000 * chunk + past
 
 
+@pytest.mark.unit
 def test_fifo_batch_and_queue_limits_in_order():
     # 4 blocks each: two fit the 10 blocks; the third waits for blocks, the fourth behind it, the fifth overloads.
     r = capacity.plan([Shape(40, 24, 5)], _state(), _ok, _est)
@@ -56,6 +57,7 @@ def test_fifo_batch_and_queue_limits_in_order():
     assert r.outcomes == ("admitted", "admitted", "queued", "queued")
 
 
+@pytest.mark.unit
 def test_batch_slots_and_waiting_requests_of_the_snapshot():
     r = capacity.plan([Shape(1, 1, 2)], _state(running=2), _ok, _est)
     assert r.outcomes == ("admitted", "queued") and r.shapes[0].fit_now_limited_by == "max_batch"
@@ -66,12 +68,14 @@ def test_batch_slots_and_waiting_requests_of_the_snapshot():
     assert r.outcomes == ("queued",) and r.shapes[0].fit_now == 2
 
 
+@pytest.mark.unit
 def test_long_prompts_are_planned_in_prefill_chunks():
     # 150 tokens at 64 per step: chunks (64, 0), (64, 64), (22, 128); the estimate is largest on the second.
     (p,) = capacity.plan([Shape(150, 10)], _state(num_blocks=100, free_blocks=100), _ok, _est).shapes
     assert p.activation_peak_bytes == max(_est(64, 0), _est(64, 64), _est(22, 128))
 
 
+@pytest.mark.unit
 def test_a_refused_shape_is_an_outcome_with_the_reason():
     def check(n, m):
         return Refusal("INVALID_ARGUMENT", "too long", "prompt") if n > 100 else None
@@ -83,6 +87,7 @@ def test_a_refused_shape_is_an_outcome_with_the_reason():
     assert p.refusal == Refusal("INVALID_ARGUMENT", "too long", "prompt")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shapes, param", [
     ([], "requests"),
     ([Shape(0, 1)], "requests[0].prompt_tokens"),
@@ -100,6 +105,7 @@ def test_invalid_plans_name_the_field(shapes, param):
 # ------------------------------------------------------------------------------- the engine, step by step
 
 
+@pytest.mark.e2e
 def test_the_plan_is_what_the_engine_then_does(tiny_model_dir, cache_dir):
     """Outcomes and KV for a grid of shapes: planned from a snapshot, then sent one by one with the engine's own
     admission run after each (the loop's drain + admit, by hand, so nothing races)."""
@@ -152,6 +158,7 @@ def server(tiny_model_dir, cache_dir):
     s.shutdown()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("http", [False, True])
 def test_plan_matches_the_accounting_of_real_requests(server, http):
     target = server.http.removeprefix("http://") if http else server.grpc_target
@@ -176,6 +183,7 @@ def test_plan_matches_the_accounting_of_real_requests(server, http):
     server.assert_idle()
 
 
+@pytest.mark.e2e
 def test_invalid_plan_inputs_are_400_and_invalid_argument_naming_the_field(server):
     for body, param in (({"requests": [{"prompt_tokens": 3, "max_new_tokens": 0}]}, "requests[0].max_new_tokens"),
                         ({"prompt_tokens": 3}, "max_new_tokens"),
@@ -198,6 +206,7 @@ def test_invalid_plan_inputs_are_400_and_invalid_argument_naming_the_field(serve
 # ------------------------------------------------------------------------------------ offline
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
     """The default model: `quant estimate --requests` (config only) and an idle server's Plan, same settings."""
@@ -228,6 +237,7 @@ def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
         want.kv_capacity_blocks, want.kv_bytes_per_token, want.max_batch, want.max_prefill_tokens)
 
 
+@pytest.mark.e2e
 def test_quant_estimate_requests_refuses_a_bad_shape_in_one_line():
     r = subprocess.run([sys.executable, "-m", "quant.cli", "estimate", "--requests", "12x0"], capture_output=True,
                        text=True, timeout=300)
@@ -236,6 +246,7 @@ def test_quant_estimate_requests_refuses_a_bad_shape_in_one_line():
     assert len(lines) == 1 and "requests[0].max_new_tokens" in lines[0], r.stderr
 
 
+@pytest.mark.e2e
 def test_the_client_and_cli_refuse_a_plan_without_one_clear_shape(server, capsys):
     from quantserve.client.cli import main
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from archs import ARCHITECTURES
 from conftest import wait_until
+from helpers import greedy_exact
 
 from server.config import EngineConfig
 from server.engine import Engine
@@ -22,10 +23,6 @@ BS = 16  # the engine's block size
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, min_tokens=n, **kw)
 
 
 def sampled(n: int, seed: int) -> SamplingParams:
@@ -59,6 +56,7 @@ def assert_books(engine: Engine) -> None:
     assert engine.pool.used_blocks == 0 and not engine.scheduler.has_work
 
 
+@pytest.mark.reference
 def test_outputs_with_the_cache_equal_those_without_and_say_what_was_cached(engines):
     """Prompts sharing a 48-token stem, one after another: ending on a block boundary (32), just past it (33, 35),
     a whole stem, past it, and diverging inside the second block. The cached tokens are the full blocks before the
@@ -69,7 +67,7 @@ def test_outputs_with_the_cache_equal_those_without_and_say_what_was_cached(engi
     prompts = [stem[:32], stem[:32] + [7], stem[:33] + [9, 9], stem, stem + ids(5, 2), stem[:16] + ids(20, 3)]
     first = [0, 32, 32, 32, 48, 16]  # the first pass: what earlier prompts of the pass published
     again = [16, 32, 32, 32, 48, 32]  # the second: a prompt ending on a boundary maps all but its last block
-    for params, cached in ((greedy(8, logprobs=3), first), (sampled(8, 11), again)):
+    for params, cached in ((greedy_exact(8, logprobs=3), first), (sampled(8, 11), again)):
         for p, want_cached in zip(prompts, cached):
             got, want = on.complete(p, params), off.complete(p, params)
             assert_same(got, want)
@@ -86,6 +84,7 @@ def test_outputs_with_the_cache_equal_those_without_and_say_what_was_cached(engi
         assert_books(e)
 
 
+@pytest.mark.reference
 def test_in_bf16_the_cache_gives_the_uncached_tokens(tiny_model_dir, cache_dir):
     """What holds in bfloat16: a cached block's K/V was computed in another prefill chunk of another step than the
     uncached request computes it, and a projection's kernel may be chosen per row count (quant/runtime/kernel_choice.py),
@@ -95,9 +94,9 @@ def test_in_bf16_the_cache_gives_the_uncached_tokens(tiny_model_dir, cache_dir):
     try:
         for i in range(4):
             stem = ids(48, 100 + i)
-            on.complete(stem, greedy(1))
+            on.complete(stem, greedy_exact(1))
             p = stem + ids(7, 200 + i)
-            a, b = on.complete(p, greedy(8, logprobs=1)), off.complete(p, greedy(8, logprobs=1))
+            a, b = on.complete(p, greedy_exact(8, logprobs=1)), off.complete(p, greedy_exact(8, logprobs=1))
             assert a.accounting.prompt_tokens_cached == 48
             assert a.token_ids == b.token_ids
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= 0.02
@@ -107,6 +106,7 @@ def test_in_bf16_the_cache_gives_the_uncached_tokens(tiny_model_dir, cache_dir):
         off.close()
 
 
+@pytest.mark.e2e
 def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
     """A leader prefills a 40-token prompt; three followers extending it map its two full blocks while it still
     runs. While all four run, the engine's used KV counts the shared blocks once (5 + 3 x 2 blocks, not 5 + 3 x 4);
@@ -116,7 +116,7 @@ def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
     prompt = ids(40, 5)
     bpb = on.layout.bytes_per_block
     leader_first, leader_done = threading.Event(), []
-    on.submit(prompt, greedy(30), lambda ev: (leader_first.set(), ev.finished and leader_done.append(ev)))
+    on.submit(prompt, greedy_exact(30), lambda ev: (leader_first.set(), ev.finished and leader_done.append(ev)))
     assert leader_first.wait(30)  # its prefill is done: its two full blocks are published
     firsts, finals = threading.Semaphore(0), {}
     used = []
@@ -130,7 +130,7 @@ def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
         return f
 
     for i in range(3):
-        on.submit(prompt + [100 + i], greedy(20), sink(i))
+        on.submit(prompt + [100 + i], greedy_exact(20), sink(i))
     for _ in range(3):
         assert firsts.acquire(timeout=30)
     if not leader_done:
@@ -148,6 +148,7 @@ def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
     assert_books(on)
 
 
+@pytest.mark.reference
 def test_a_full_pool_evicts_cached_blocks_least_recently_used_and_stays_exact(tiny_model_dir, cache_dir):
     """A pool of 8 blocks: prompts of five stems (two full blocks each) fill it with cached blocks; each new request
     evicts the least recently released ones it needs, never a block a running request holds, and outputs stay the
@@ -162,7 +163,7 @@ def test_a_full_pool_evicts_cached_blocks_least_recently_used_and_stays_exact(ti
         for rnd in range(2):
             for s in stems:
                 p = s + ids(3, 50 + rnd)
-                assert_same(on.complete(p, greedy(20, logprobs=2)), off.complete(p, greedy(20, logprobs=2)))
+                assert_same(on.complete(p, greedy_exact(20, logprobs=2)), off.complete(p, greedy_exact(20, logprobs=2)))
                 on.pool.audit()
         assert on.pool.evictions > 0 and on.totals().prefix_evictions == on.pool.evictions
         assert on.pool.free_blocks == on.pool.num_blocks
@@ -171,6 +172,7 @@ def test_a_full_pool_evicts_cached_blocks_least_recently_used_and_stays_exact(ti
         off.close()
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_every_family_gives_the_uncached_tokens(arch, arch_dirs, cache_dir):
     """Each registered family (sliding-window layers, partial rotary, soft-capping among them) over a 32-token stem
@@ -179,13 +181,13 @@ def test_every_family_gives_the_uncached_tokens(arch, arch_dirs, cache_dir):
     engine = make(arch_dirs(arch), cache_dir, budget="8MiB", max_prefill_tokens=16)
     try:
         stem = ids(33, 7)
-        engine.complete(stem, greedy(2))  # publishes its two full blocks
+        engine.complete(stem, greedy_exact(2))  # publishes its two full blocks
         prompts = [stem[:32] + ids(9, 8), stem + ids(16, 9)]
-        cached = [engine.complete(p, greedy(12, logprobs=2)) for p in prompts]
+        cached = [engine.complete(p, greedy_exact(12, logprobs=2)) for p in prompts]
         assert [c.accounting.prompt_tokens_cached for c in cached] == [32, 32]
         engine.pool.prefix_cache = False  # the same engine, nothing mapped
         for p, c in zip(prompts, cached):
-            u = engine.complete(p, greedy(12, logprobs=2))
+            u = engine.complete(p, greedy_exact(12, logprobs=2))
             assert u.accounting.prompt_tokens_cached == 0
             assert_same(c, u)
         assert_books(engine)
@@ -193,6 +195,7 @@ def test_every_family_gives_the_uncached_tokens(arch, arch_dirs, cache_dir):
         engine.close()
 
 
+@pytest.mark.e2e
 def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_model_dir, cache_dir, monkeypatch):
     """With shared blocks in flight: a leader cancelled while followers hold its blocks (they go on, and give the
     uncached tokens), a step that fails with a follower in it, and close() with requests sharing blocks; after each
@@ -201,13 +204,13 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
     try:
         prompt = ids(40, 30)
         started = threading.Event()
-        h = on.submit(prompt, greedy(200), lambda ev: started.set())
+        h = on.submit(prompt, greedy_exact(200), lambda ev: started.set())
         assert started.wait(30)
         follower = prompt + [5]
-        got = on.complete(follower, greedy(10))  # admitted while the leader runs: maps its two blocks
+        got = on.complete(follower, greedy_exact(10))  # admitted while the leader runs: maps its two blocks
         assert got.accounting.prompt_tokens_cached == 32
         h.cancel()
-        assert got.token_ids == off.complete(follower, greedy(10)).token_ids
+        assert got.token_ids == off.complete(follower, greedy_exact(10)).token_ids
         wait_until(lambda: on.pool.used_blocks == 0)
         assert_books(on)
         assert on.pool.cached_prefix(follower) == 2  # the cancelled leader's published blocks stay cached
@@ -222,16 +225,16 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
             return real(step)
 
         monkeypatch.setattr(on.runner, "forward", fail_once)
-        failed = on.complete(prompt + [6], greedy(5))
+        failed = on.complete(prompt + [6], greedy_exact(5))
         assert failed.finish_reason == "error"
         assert_books(on)
-        ok = on.complete(prompt + [6], greedy(5))
+        ok = on.complete(prompt + [6], greedy_exact(5))
         assert ok.accounting.prompt_tokens_cached == 32 and ok.finish_reason == "length"
         assert_books(on)
 
         events = []
         for i in range(3):
-            on.submit(prompt + [7 + i], greedy(300), lambda ev: ev.finished and events.append(ev))
+            on.submit(prompt + [7 + i], greedy_exact(300), lambda ev: ev.finished and events.append(ev))
         wait_until(lambda: on.pool.used_blocks > 2)
         on.close()
         assert len(events) == 3 and {ev.finish_reason for ev in events} == {"cancelled"}
@@ -245,6 +248,7 @@ def test_cancel_failure_and_close_give_back_exactly_the_references_taken(tiny_mo
 # ------------------------------------------------------------------------------------------- n samples
 
 
+@pytest.mark.reference
 def test_n_samples_share_one_prefill_and_each_is_its_seed_alone(engines):
     """A request of n = 4 samples of a 40-token prompt: admitted together, the first prefills the two shared
     blocks, the others their own last block; sample i equals a request of seed s + i alone (tokens and
@@ -266,31 +270,32 @@ def test_n_samples_share_one_prefill_and_each_is_its_seed_alone(engines):
     assert_books(on)
 
 
+@pytest.mark.e2e
 def test_n_is_checked_and_a_cancelled_request_ends_every_sample(engines):
     on, _ = engines
     with pytest.raises(RequestError, match=r"n must be an integer in \[1, 64\]"):
-        on.submit([5, 6, 7], greedy(2), print, n=0)
+        on.submit([5, 6, 7], greedy_exact(2), print, n=0)
     with pytest.raises(RequestError, match="KV blocks with the prompt's shared; the pool has"):
-        on.submit(ids(100, 1), greedy(400), print, n=64)
+        on.submit(ids(100, 1), greedy_exact(400), print, n=64)
     # A sample's pool id is its request's id and "/i": taken ids are refused, whichever comes first.
-    hold = on.submit(ids(20, 1), greedy(300), print, request_id="x", n=2)
+    hold = on.submit(ids(20, 1), greedy_exact(300), print, request_id="x", n=2)
     with pytest.raises(RequestError, match="'x/1' is already in use"):
-        on.submit([5, 6], greedy(2), print, request_id="x/1")
-    hold2 = on.submit([5, 6], greedy(300), print, request_id="y/1")
+        on.submit([5, 6], greedy_exact(2), print, request_id="x/1")
+    hold2 = on.submit([5, 6], greedy_exact(300), print, request_id="y/1")
     with pytest.raises(RequestError, match="request id 'y' names its samples 'y/i'; 'y/1' is already in use"):
-        on.submit([5, 6], greedy(2), print, request_id="y", n=2)
+        on.submit([5, 6], greedy_exact(2), print, request_id="y", n=2)
     hold.cancel()
     hold2.cancel()
     # A sink that fails for a later sample cancels the whole request (its blocks back at once, not at its end).
     def broken(ev):
         if ev.index == 1:
             raise RuntimeError("the caller went away")
-    on.submit(ids(40, 42), greedy(300), broken, n=2)
+    on.submit(ids(40, 42), greedy_exact(300), broken, n=2)
     wait_until(lambda: on.pool.used_blocks == 0 and not on.scheduler.has_work)
     assert_books(on)
     events = []
     started = threading.Event()
-    h = on.submit(ids(40, 41), greedy(300), lambda ev: (started.set(), events.append(ev)), n=3)
+    h = on.submit(ids(40, 41), greedy_exact(300), lambda ev: (started.set(), events.append(ev)), n=3)
     assert started.wait(30)
     h.cancel()
     wait_until(lambda: sum(ev.finished for ev in events) == 3)
@@ -309,6 +314,7 @@ def server(tiny_model_dir, cache_dir):
     s.shutdown()
 
 
+@pytest.mark.e2e
 def test_n_over_http_grpc_the_openai_sdk_and_the_client(server):
     """n = 3 through every door: the openai SDK's completions and chat (choices[i], streaming interleaved by index),
     gRPC's Generate (choices) and GenerateStream (index), the Python client (Result.samples) over both transports;
@@ -376,6 +382,7 @@ def httpx_post(url: str, body: dict):
     return httpx.post(url, json=body, timeout=60)
 
 
+@pytest.mark.e2e
 def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admitted(tiny_model_dir, cache_dir):
     """The blocks a request of n samples reserves (kv_pool.group_blocks: the plan counts with it) are what the
     pool's group reservation takes; a Plan of 5 requests of n = 4 samples (200-token prompt, 40 new: 15 blocks a
@@ -404,7 +411,7 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
         assert bad.refused == 1 and bad.refusal.param == "n"
         assert "n must be an integer in [1, 64]" in bad.refusal.message
         started: set = set()  # (request, sample) that have a token
-        handles = [eng.submit(ids(200, 70 + i), greedy(40), lambda ev: ev.token_ids and started.add(
+        handles = [eng.submit(ids(200, 70 + i), greedy_exact(40), lambda ev: ev.token_ids and started.add(
             (ev.request_id, ev.index)), n=4) for i in range(5)]
         wait_until(lambda: len(started) >= 16)
         assert len(started) == 16
@@ -418,6 +425,7 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
         eng.close()
 
 
+@pytest.mark.e2e
 def test_the_sweep_sends_a_cells_seeds_as_n_and_gets_the_rows_of_a_request_per_seed(server):
     """quant-client sweep: a cell's seeds as the samples of one request (a greedy cell as one sample standing for
     each seed) give, in float32, the rows of a request per seed (the same tokens; logprobs computed in other
@@ -437,6 +445,7 @@ def test_the_sweep_sends_a_cells_seeds_as_n_and_gets_the_rows_of_a_request_per_s
     server.assert_idle()
 
 
+@pytest.mark.reference
 @pytest.mark.slow
 def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cache_dir):
     """The real model: prompts sharing a 200-token stem (a system prompt and a question), one after another, with
@@ -453,7 +462,7 @@ def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cac
         runs = {}
         for cache in (False, True):  # the same engine, its pool mapping nothing, then with its cache
             on.pool.prefix_cache = cache
-            runs[cache] = [on.complete(p, params) for params in (greedy(8, logprobs=2), sampled(8, 5))
+            runs[cache] = [on.complete(p, params) for params in (greedy_exact(8, logprobs=2), sampled(8, 5))
                            for p in prompts]
         for i, (got, want) in enumerate(zip(runs[True], runs[False], strict=True)):
             assert want.accounting.prompt_tokens_cached == 0

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quant.runtime import primitives as P
+
+pytestmark = pytest.mark.unit
 
 
 def _w(n=64, k=96, seed=0):

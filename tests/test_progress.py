@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from quant.build.progress import track
+
+pytestmark = pytest.mark.unit
 
 
 class _Clock:

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_committed_stubs_match_a_fresh_generation(tmp_path):
     pytest.importorskip("grpc_tools")
     # this interpreter's grpcio-tools (the one importorskip found), not whatever python is first on PATH
@@ -29,6 +30,7 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path):
             f"{rel} differs from protos/: run scripts/gen_protos.sh and commit the result")
 
 
+@pytest.mark.e2e
 def test_stubs_import_without_torch():
     code = ("import sys; import quantserve.v1.inference_pb2_grpc; "
             "assert 'torch' not in sys.modules, 'the stubs pulled in torch'")
@@ -39,6 +41,7 @@ def test_stubs_import_without_torch():
 # quantserve.client.types.Sampling is the source; the proto and the engine's SamplingParams declare the same controls (a
 # layer each), and every transport's field list is derived from it.
 
+@pytest.mark.unit
 def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     from google.protobuf.descriptor import FieldDescriptor
     from quantserve.client.types import SAMPLING_FIELDS, SAMPLING_TYPES, Sampling
@@ -64,6 +67,7 @@ def test_the_proto_and_the_engine_have_the_clients_sampling_controls():
     assert Sampling().given() == {}
 
 
+@pytest.mark.unit
 def test_every_transport_reads_and_writes_every_control():
     """One request with every control set goes through each transport's conversion unchanged."""
     from quantserve.client import make_sampling
@@ -99,6 +103,7 @@ def test_every_transport_reads_and_writes_every_control():
     assert {f: getattr(got, f) for f in SAMPLING_FIELDS} == values
 
 
+@pytest.mark.unit
 def test_the_client_cli_has_a_flag_per_control():
     from quantserve.client.cli import build_parser
     from quantserve.client.types import SAMPLING_FIELDS
@@ -107,6 +112,7 @@ def test_the_client_cli_has_a_flag_per_control():
     assert set(SAMPLING_FIELDS) - gen == {"trace"}  # the trace command's own --trace-n
 
 
+@pytest.mark.unit
 def test_the_trace_has_the_samplers_stages_on_every_layer():
     """The sampler's stages and stats (server.sampling.TRACE_STAGES / TRACE_STATS) are the engine's TraceStep, the
     proto's, the client's, and the keys of the HTTP body (which the client parses with trace_from_dict)."""

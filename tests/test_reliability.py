@@ -1,7 +1,7 @@
 """Reliability of the service edge on the tiny model: fuzz (600 requests over both transports), 64 streaming
 clients with 20% cancelled over three rounds, SIGTERM under load, TLS end to end. Loopback only, bounded.
 
-The drivers are bench/reliability.py's and bench/fuzz.py's; the bench runs the long versions."""
+The drivers are tests/fuzz.py's and tests/load.py's; bench/fuzz.py and bench/reliability.py run the long versions."""
 
 from __future__ import annotations
 
@@ -11,32 +11,23 @@ import time
 
 import grpc
 import httpx
+import live_server
 import pytest
+from fuzz import fuzz_grpc, fuzz_http
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from live_server import self_signed_cert, start
+from load import ServerProcess, drain_under_load, load_round, reference_texts, wait_idle
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
-from bench.fuzz import fuzz_grpc, fuzz_http
-from bench.reliability import (
-    ServerProcess,
-    drain_under_load,
-    load_round,
-    reference_texts,
-    wait_idle,
-)
 from server.config import Limits
+
+pytestmark = pytest.mark.e2e
 
 LIMIT_NEW = 32
 LIMITS = Limits(max_new_tokens=LIMIT_NEW, max_request_bytes=64 * 1024)
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, cache_dir):
-    s = start(tiny_model_dir, cache_dir, limits=LIMITS)
-    yield s
-    s.shutdown()
-    assert s.rc == 0
+server = live_server.module_server(limits=LIMITS)
 
 
 def assert_idle_and_healthy(s) -> None:
@@ -55,9 +46,8 @@ def test_the_fuzzers_draw_extreme_values_for_every_numeric_sampling_field():
     """Every numeric control of the client's list is fuzzed, and every float one (logit_bias's values too) from
     the edges of float64 and float32 (subnormals, values that are 0 in fp32, the largest floats) on every run,
     whatever examples this hypothesis version's derandomized search happens to make."""
+    from fuzz import EDGE_FIELDS, EDGE_MAGNITUDES, EXTREME_FLOATS, _sampling_fields, floats_extreme
     from quantserve.client.types import SAMPLING_TYPES
-
-    from bench.fuzz import EDGE_FIELDS, EDGE_MAGNITUDES, EXTREME_FLOATS, _sampling_fields, floats_extreme
 
     table = _sampling_fields(LIMIT_NEW)
     numeric = {f for f, t in SAMPLING_TYPES.items() if t in (int, float, dict)}

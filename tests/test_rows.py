@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import gptq_linear
 from torch import nn
 
-from quant.build import gptq as G
 from quant.runtime import int4
 from quant.runtime import primitives as P
 from quant.runtime.int8 import Int8WeightLinear
@@ -21,8 +21,8 @@ from quant.runtime.w8a8 import W8A8Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not rows.available(torch.empty(0, dtype=torch.int8)),
-                                reason="the C++ int8 ops cannot be built here")
+pytestmark = [pytest.mark.reference, pytest.mark.skipif(not rows.available(torch.empty(0, dtype=torch.int8)),
+                                                          reason="the C++ int8 ops cannot be built here")]
 
 
 def _linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -99,23 +99,13 @@ def test_int8_weight_rows_of_a_fused_module_are_its_parts_products():
     assert torch.equal(y, want)
 
 
-def _gptq(n: int, k: int, bias: bool, act_order: bool, seed: int = 0) -> int4.GPTQLinear:
-    g = torch.Generator().manual_seed(seed)
-    q = G.rtn(torch.randn(n, k, generator=g), 4, 64)
-    m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
-    if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
-        m.g_idx = (torch.randperm(k, generator=g) // 64).to(torch.int32)
-    m.prepare(torch.bfloat16)
-    return m
-
-
 # N = 80: one full block of the AVX-512 layout (64 rows) and a partial, interleaved one; 2 and a half of AVX2's.
 @pytest.mark.parametrize("n", [80, 192])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows_", [1, 5])
 def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
-    m = _gptq(n, 128, bias, act_order)
+    m = gptq_linear(n, 128, bias, act_order)
     if int4_layout.cpu_layout() is None:
         pytest.skip("this CPU's int4pack layout is not one the C++ ops read")
     assert (m.perm is not None) == act_order
@@ -134,12 +124,12 @@ def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
 
 def test_int4_rows_of_a_fused_module_are_its_parts_products():
     """Parts of 64 and 128 rows end on block boundaries of every layout, so each row's sums are the same."""
-    fused = int4.GPTQLinear.fuse([_gptq(n, 128, False, False, seed=n) for n in (64, 128)])
+    fused = int4.GPTQLinear.fuse([gptq_linear(n, 128, False, False, seed=n) for n in (64, 128)])
     if fused is None or int4_layout.cpu_layout() is None:
         pytest.skip("parts of these sizes do not fuse on this CPU's layout")
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
     y = fused.paths(torch.bfloat16)["rows"](x)
-    want = torch.cat([_gptq(n, 128, False, False, seed=n).paths(torch.bfloat16)["rows"](x) for n in (64, 128)], 1)
+    want = torch.cat([gptq_linear(n, 128, False, False, seed=n).paths(torch.bfloat16)["rows"](x) for n in (64, 128)], 1)
     assert torch.equal(y, want)
 
 
@@ -233,7 +223,7 @@ def test_a_native_path_counts_its_staging_in_the_projection_transients(path):
     from quant.runtime.kernels import gemm
     from server.layers.linear import Projections
 
-    m = _gptq(192, 128, False, False)
+    m = gptq_linear(192, 128, False, False)
     if path not in m.paths(torch.bfloat16):
         pytest.skip(f"no {path} path on this CPU")
     staging = {"rows": rows.staging_bytes, "gemm": gemm.staging_bytes}[path]

@@ -15,6 +15,8 @@ from quant.runtime.linear import QuantizedLinear
 from quant.runtime.registry import module_from_spec
 from server.fuse import fuse_linears
 
+pytestmark = pytest.mark.unit
+
 IN, OUTS = 128, (128, 64, 64)  # multiples of 64: every 4-bit part takes the int4 kernel, as fused
 
 

@@ -4,12 +4,12 @@ counting tensors)."""
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import file_mappings
 from torch import nn
 
 from quant.build import gptq as G
@@ -20,22 +20,8 @@ from quant.runtime.measure import weight_report
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
 
-def _mappings(path: Path) -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of each of this process's mappings of `path` (/proc/self/smaps)."""
-    out, current = [], None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-            fields = line.split()
-            current = None
-            if len(fields) > 5 and fields[5] == str(path.resolve()):
-                current = [int(x, 16) for x in fields[0].split("-")]
-        elif line.startswith("Rss:") and current is not None:
-            out.append((*current, int(line.split()[1]) * 1024))
-    return out
-
-
 def _mapped_rss(path: Path) -> int:
-    return sum(rss for _, _, rss in _mappings(path))
+    return sum(rss for _, _, rss in file_mappings(path))
 
 
 def _gptq_module(n=256, k=512, seed=0) -> GPTQLinear:
@@ -43,6 +29,7 @@ def _gptq_module(n=256, k=512, seed=0) -> GPTQLinear:
     return GPTQLinear.from_quantized(G.rtn(torch.randn(n, k, generator=g), 4, 64), None, v2=False)
 
 
+@pytest.mark.unit
 def test_int4pack_layout_replaces_the_gptq_tensors():
     m = _gptq_module()
     stored = m.dequantized(torch.float32)  # (N, K) from the GPTQ tensors
@@ -59,6 +46,7 @@ def test_int4pack_layout_replaces_the_gptq_tensors():
     torch.testing.assert_close(m.dequantized(torch.float32), stored, atol=0.02 * float(stored.abs().max()), rtol=0)
 
 
+@pytest.mark.unit
 def test_prepare_keeps_the_gptq_layout_for_fp32_and_is_idempotent():
     m = _gptq_module()
     m.prepare(torch.float32)
@@ -69,6 +57,7 @@ def test_prepare_keeps_the_gptq_layout_for_fp32_and_is_idempotent():
     assert m.packed is packed
 
 
+@pytest.mark.unit
 @linux
 def test_release_unheld_pages_drops_only_what_is_not_held(tmp_path):
     from safetensors.torch import save_file
@@ -87,6 +76,7 @@ def test_release_unheld_pages_drops_only_what_is_not_held(tmp_path):
     assert int(mapped["a"].sum()) == pages * 4096 and int(mapped["c"].sum()) == 3 * pages * 4096
 
 
+@pytest.mark.unit
 @linux
 def test_own_held_pages_moves_held_tensors_out_of_the_file(tmp_path):
     """A held tensor read in place would fault its released neighbours back (a whole page-cache folio per fault on
@@ -101,7 +91,7 @@ def test_own_held_pages_moves_held_tensors_out_of_the_file(tmp_path):
     b, view = mapped["b"], mapped["b"].view(pages, 4096)  # a second tensor object on b's storage
     assert int(b.sum()) == b.numel() * 2
     assert artifact.own_held_pages([b, view, torch.zeros(3)]) == pages * 4096  # the file's tensor, once
-    assert not any(a <= b.data_ptr() < e for a, e, _ in _mappings(path))
+    assert not any(a <= b.data_ptr() < e for a, e, _ in file_mappings(path))
     assert view.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # still one storage
     artifact.release_unheld_pages([b, view])
     assert int(b.sum()) == b.numel() * 2 and int(view[-1].sum()) == 4096 * 2  # read: nothing comes back
@@ -130,6 +120,7 @@ def _served(tmp_path: Path, tokenizer, scheme: str):
     return engine, out / "model.safetensors"
 
 
+@pytest.mark.e2e
 @linux
 def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
     """An int8-sym artifact: o_proj and down_proj are not fused, so their codes would be read where the file maps
@@ -138,7 +129,7 @@ def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
     try:
         file_bytes = weights.stat().st_size
         assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
-        maps = _mappings(weights)
+        maps = file_mappings(weights)
         held = engine.runner.held_tensors()
         assert not any(a <= t.data_ptr() < b for t in held for a, b, _ in maps)
         assert sum(rss for _, _, rss in maps) <= 2 * 4096 * len(maps)
@@ -146,6 +137,7 @@ def test_served_int8_reads_no_page_of_its_file(tmp_path, tokenizer):
         engine.close()
 
 
+@pytest.mark.e2e
 @linux
 def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
     """Load, fuse and serve a w4a16 artifact: weight_bytes within 5% of the file, every projection in the kernel's
@@ -160,7 +152,7 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
         file_bytes = weights.stat().st_size
         assert engine.weight_bytes <= 1.05 * file_bytes, (engine.weight_bytes, file_bytes)
         held = engine.runner.held_tensors()
-        maps = _mappings(weights)
+        maps = file_mappings(weights)
         assert maps, "the artifact is served from its memory map"
         in_file = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
                    if any(a <= t.data_ptr() < b for a, b, _ in maps)}
@@ -176,6 +168,7 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
 # ------------------------------------------------------------------------------------- int8 embeddings
 
 
+@pytest.mark.reference
 def test_int8_rows_lookup_and_head_match_their_reference():
     from server.layers.embedding import Int8Rows
 
@@ -194,6 +187,7 @@ def test_int8_rows_lookup_and_head_match_their_reference():
         assert float((got - want).abs().max() / want.abs().max()) < 2e-2
 
 
+@pytest.mark.unit
 def test_int8_embeddings_need_bfloat16_and_name_the_flag():
     from server.config import EngineConfig
 
@@ -203,6 +197,7 @@ def test_int8_embeddings_need_bfloat16_and_name_the_flag():
         EngineConfig(embeddings="int4").validate()
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("tie", [True, False])
 def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
     """The engine's logits with int8 embeddings equal a float model whose embedding (and head) hold the int8 rows'
@@ -241,6 +236,7 @@ def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
     torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0)
 
 
+@pytest.mark.unit
 def test_auto_embeddings_are_int8_only_for_quantized_models_in_bfloat16():
     from server.layers.embedding import resolve
 

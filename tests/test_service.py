@@ -10,29 +10,20 @@ import time
 
 import grpc
 import httpx
+import live_server
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import metric_sum
 from live_server import start
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
-from bench.reliability import metric_sum
 from server.config import Limits
 
+pytestmark = pytest.mark.e2e
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, cache_dir):
-    s = start(tiny_model_dir, cache_dir)
-    yield s
-    s.shutdown()
-    assert s.rc == 0
-
-
-@pytest.fixture(autouse=True)
-def _pool_back_to_zero(request):
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").assert_idle()
+server = live_server.module_server()
+_pool_back_to_zero = live_server.pool_back_to_zero
 
 
 def stub(server):

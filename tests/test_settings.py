@@ -27,6 +27,7 @@ def _actions():
     return {a.dest: a for a in build_parser()._actions if a.dest != "help"}
 
 
+@pytest.mark.unit
 def test_every_row_is_a_flag_with_its_type_default_and_help():
     actions = _actions()
     assert list(actions) == [s.name for s in settings.SETTINGS]  # nothing else, in the table's order
@@ -42,6 +43,7 @@ def test_every_row_is_a_flag_with_its_type_default_and_help():
         build_parser().parse_args(["--api-key", "k", "--api-key-file", "f"])
 
 
+@pytest.mark.unit
 def test_every_row_but_the_key_itself_is_an_environment_variable():
     assert [v.name for v in VARS] == [s.var for s in settings.SETTINGS if s.name != "api_key"]
     assert all(v.name.startswith("QUANTSERVE_") for v in VARS)
@@ -59,6 +61,7 @@ def test_every_row_but_the_key_itself_is_an_environment_variable():
     assert args.host == "0.0.0.0"  # the container's default, not the command line's
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config", settings.CONFIGS)
 def test_the_dataclass_fields_are_the_table_rows_with_their_defaults(config):
     cls = CLASSES[config]
@@ -77,12 +80,14 @@ def test_the_dataclass_fields_are_the_table_rows_with_their_defaults(config):
         s.name for s in rows.values() if s.name != "artifact"}
 
 
+@pytest.mark.unit
 def test_default_flags_give_the_default_configs():
     cfg = config_from_args(build_parser().parse_args([]), api_key=None)
     assert cfg == ServeConfig(artifact=None)
     assert cfg.engine == EngineConfig() and cfg.limits == Limits()
 
 
+@pytest.mark.unit
 def test_flags_land_in_their_configs():
     args = build_parser().parse_args(["m", "--grpc-port", "-1", "--http-port", "0", "--grace", "3", "--max-batch",
                                       "5", "--dtype", "float32", "--max-prompt-tokens", "100", "--threads", "2"])
@@ -104,6 +109,7 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+@pytest.mark.e2e
 def test_the_pipeline_never_imports_the_server():
     bad = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "quant").rglob("*.py") for m in _imports(p)
            if m == "server" or m.startswith("server.")}
@@ -114,6 +120,7 @@ def test_the_pipeline_never_imports_the_server():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+@pytest.mark.unit
 def test_quant_lists_serve_and_hands_it_over(capsys):
     from quant.cli import main
 

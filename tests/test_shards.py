@@ -38,6 +38,7 @@ def _library_read(root, files) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("max_bytes,reserve", [(10**9, 4096), (3000, 4096), (10**9, 8), (3000, 16)])
 def test_written_shards_read_back_exactly(tmp_path, max_bytes, reserve):
     """One file or many, with the header reserve large enough or overflowing (the shard is rewritten):
@@ -69,6 +70,7 @@ def test_written_shards_read_back_exactly(tmp_path, max_bytes, reserve):
             and mapped[k].data_ptr() % 64] == []
 
 
+@pytest.mark.unit
 def test_a_tensor_larger_than_a_shard_gets_a_shard_of_its_own(tmp_path):
     w = ShardWriter(tmp_path, 100, 1024)
     w.add("small", torch.zeros(4))
@@ -79,6 +81,7 @@ def test_a_tensor_larger_than_a_shard_gets_a_shard_of_its_own(tmp_path):
     assert json.loads((tmp_path / INDEX).read_text())["weight_map"]["big"] == files[1]
 
 
+@pytest.mark.reference
 def test_transformers_loads_a_sharded_model(tmp_path):
     """The layout is the one transformers reads: a tiny Llama written through ShardWriter in small
     shards loads with from_pretrained and gives the same logits."""
@@ -99,6 +102,7 @@ def test_transformers_loads_a_sharded_model(tmp_path):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
+@pytest.mark.unit
 def test_writer_refuses_misuse(tmp_path):
     w = ShardWriter(tmp_path, 1000, 256)
     w.add("x", torch.zeros(2))
@@ -118,6 +122,7 @@ def _sharded(tmp_path):
     return w.finish()
 
 
+@pytest.mark.unit
 def test_damaged_shard_sets_are_refused_naming_the_file(tmp_path):
     files = _sharded(tmp_path)
     index_path = tmp_path / INDEX
@@ -142,6 +147,7 @@ def test_damaged_shard_sets_are_refused_naming_the_file(tmp_path):
         read_weights(tmp_path)
 
 
+@pytest.mark.unit
 def test_an_index_that_misplaces_a_tensor_is_refused(tmp_path):
     _sharded(tmp_path)
     index_path = tmp_path / INDEX

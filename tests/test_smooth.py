@@ -9,6 +9,8 @@ from quant.build import smooth
 from quant.build.families import plan
 from quant.build.sequential import capture_layer_inputs, decoder_layers, run_layer
 
+pytestmark = pytest.mark.reference
+
 
 def _tiny(tokenizer, tmp_path, **kw):
     from conftest import make_tiny_llama

@@ -20,6 +20,8 @@ from quant.errors import ConfigError
 from quant.format.shards import INDEX, read_weights
 from quant.format.sources import ModelSource
 
+pytestmark = pytest.mark.e2e
+
 
 def _source(path) -> ModelSource:
     return ModelSource(str(path), "dir", str(path), "x")

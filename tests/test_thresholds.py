@@ -104,6 +104,7 @@ def _gap_then_cluster(bins):
     return _hist_from_counts(counts)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize(
     "make, bins, start_bin, stride",
     [
@@ -124,12 +125,14 @@ def test_kl_matches_nvidia_reference(make, bins, start_bin, stride):
     assert kl_threshold(h, start_bin=start_bin, stride=stride) == want
 
 
+@pytest.mark.reference
 def test_kl_matches_reference_other_bit_width():
     h = _laplace_outliers(256)
     want = nvidia_entropy_reference(h.counts, h.edges, num_bits=6, start_bin=64)
     assert kl_threshold(h, num_bits=6, start_bin=64) == want
 
 
+@pytest.mark.unit
 def test_kl_ignores_bin_zero_count():
     # NVIDIA's bins[0] = bins[1]: the real count in bin 0 has no effect on the result.
     h = _laplace_outliers(256)
@@ -139,6 +142,7 @@ def test_kl_ignores_bin_zero_count():
     assert kl_threshold(h2) == kl_threshold(h)
 
 
+@pytest.mark.unit
 def test_kl_nan_quirk_selects_start_of_data():
     # Candidates keeping only empty bins have NaN divergence; like NVIDIA we let argmin pick the
     # last of them, so the threshold lands on the left edge of the first populated bin.
@@ -146,6 +150,7 @@ def test_kl_nan_quirk_selects_start_of_data():
     assert kl_threshold(h) == h.edges[200]
 
 
+@pytest.mark.unit
 def test_kl_does_not_mutate_histogram():
     h = _gaussian(256)
     before = np.array(h.counts)
@@ -153,6 +158,7 @@ def test_kl_does_not_mutate_histogram():
     np.testing.assert_array_equal(h.counts, before)
 
 
+@pytest.mark.unit
 def test_kl_clips_heavy_tails_and_keeps_uniform():
     g = torch.Generator().manual_seed(4)
     heavy = torch.from_numpy(np.random.default_rng(4).standard_t(1.5, size=200_000))
@@ -164,6 +170,7 @@ def test_kl_clips_heavy_tails_and_keeps_uniform():
     assert kl_threshold(h) >= 0.97 * h.amax
 
 
+@pytest.mark.unit
 def test_kl_full_search_is_fast():
     h = _laplace_outliers(2048)
     t0 = time.perf_counter()
@@ -171,6 +178,7 @@ def test_kl_full_search_is_fast():
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.unit
 def test_kl_argument_checks():
     h = _gaussian(256)
     with pytest.raises(ValueError, match="start_bin"):
@@ -179,6 +187,7 @@ def test_kl_argument_checks():
         kl_threshold(h, stride=0)
 
 
+@pytest.mark.unit
 def test_percentile_matches_quantile_within_one_bin():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(100_000, generator=g) * 1.7
@@ -189,6 +198,7 @@ def test_percentile_matches_quantile_within_one_bin():
         assert abs(percentile_threshold(h, pct) - np.quantile(data, pct / 100)) <= width * (1 + 1e-9)
 
 
+@pytest.mark.unit
 def test_percentile_100_is_amax_and_bad_pct_rejected():
     h = _gaussian(2048)
     assert percentile_threshold(h, 100) == h.amax == minmax_threshold(h)
@@ -197,6 +207,7 @@ def test_percentile_100_is_amax_and_bad_pct_rejected():
             percentile_threshold(h, bad)
 
 
+@pytest.mark.unit
 def test_abs_histogram_basic_properties():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 1000, generator=g)
@@ -207,6 +218,7 @@ def test_abs_histogram_basic_properties():
     assert not h.counts.flags.writeable
 
 
+@pytest.mark.unit
 def test_abs_histogram_chunks_equal_concatenation():
     g = torch.Generator().manual_seed(7)
     parts = [torch.randn(n, generator=g) * s for n, s in ((1000, 1.0), (10, 9.0), (0, 1.0), (500, 0.1))]
@@ -219,6 +231,7 @@ def test_abs_histogram_chunks_equal_concatenation():
         assert h.amax == whole.amax
 
 
+@pytest.mark.unit
 def test_abs_histogram_rejects_non_finite_and_empty():
     with pytest.raises(ValueError, match="NaN"):
         abs_histogram([torch.ones(4), torch.tensor([1.0, float("nan")])])
@@ -228,6 +241,7 @@ def test_abs_histogram_rejects_non_finite_and_empty():
         abs_histogram([torch.empty(0)])
 
 
+@pytest.mark.unit
 def test_all_zero_data():
     h = abs_histogram([torch.zeros(10, 10), torch.zeros(5)], bins=64)
     assert h.amax == 0.0 and h.counts.sum() == 105 and h.edges[-1] == 0.0
@@ -235,11 +249,13 @@ def test_all_zero_data():
     assert scale_from_threshold(kl_threshold(h, start_bin=32)) == EPS_SCALE
 
 
+@pytest.mark.unit
 def test_integer_input():
     h = abs_histogram([torch.tensor([-128, 0, 5], dtype=torch.int8)], bins=8)
     assert h.amax == 128.0 and h.counts.sum() == 3
 
 
+@pytest.mark.unit
 def test_scale_from_threshold():
     assert scale_from_threshold(127.0) == 1.0
     assert scale_from_threshold(2.54) == pytest.approx(0.02)

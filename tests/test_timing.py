@@ -17,6 +17,8 @@ import torch
 
 from quant.runtime import timing
 
+pytestmark = pytest.mark.unit
+
 
 class _GenState:
     def __init__(self, capturing: bool = False):

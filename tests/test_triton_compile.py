@@ -1,7 +1,7 @@
 """Every Triton kernel the engine launches compiles for an H100 (sm_90) and an A100 (sm_80) without spilling
-registers or overflowing shared memory, checked on this CPU by Triton's own compiler (bench/sass.py: the
-project's wrappers called with CPU tensors under a compile-only driver). The interpreter tests hold what the
-kernels compute; this holds that a GPU can run them, which the interpreter never checks."""
+registers or overflowing shared memory, checked on this CPU by Triton's own compiler (bench/sass.py, run as a
+script: the project's wrappers called with CPU tensors under a compile-only driver). The interpreter tests hold
+what the kernels compute; this holds that a GPU can run them, which the interpreter never checks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ("quant/runtime/kernels/triton_kernels.py", "server/attention/triton_kernels.py", "server/glue_triton.py")
@@ -94,50 +96,30 @@ def test_the_tiled_int4_kernel_keeps_its_code_planes_in_registers(compiled):
             (n, sym, ops)
 
 
-def test_the_innermost_loop_is_read_from_a_listing():
-    sys.path.insert(0, str(ROOT))
-    from bench.sass import innermost_loop
-
-    listing = """
-        /*0000*/                   MOV R1, c[0x0][0x28] ;
-.L_x_0:
-        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
-.L_x_1:
-        /*0020*/                   FFMA R8, R4, R5, R8 ;
-        /*0030*/               @P0 FFMA R9, R4, R6, R9 ;
-        /*0040*/               @P1 BRA `(.L_x_1) ;
-        /*0050*/                   LOP3.LUT R2, R2, 0xf, RZ, 0xc0, !PT ;
-        /*0060*/               @P2 BRA `(.L_x_0) ;
-        /*0070*/                   EXIT ;
-"""
-    loop = innermost_loop(listing)
-    assert loop == {"FFMA": 2, "BRA": 1}
-    assert innermost_loop("        /*0000*/                   EXIT ;\n") is None
-
-
 def test_compile_only_refuses_under_the_interpreter():
-    sys.path.insert(0, str(ROOT))
-    from bench.sass import compile_only
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest's, for the interpreter tests
-    with pytest.raises(RuntimeError, match="unset TRITON_INTERPRET"):
-        with compile_only(90):
-            pass
+    """bench/sass.py run where TRITON_INTERPRET=1 (conftest's, for the interpreter tests) refuses in so many words
+    rather than interpret what it should compile."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "--only", "glue"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    refusal = "RuntimeError: compile_only needs Triton's compiler: unset TRITON_INTERPRET"
+    assert r.returncode != 0 and refusal in r.stderr, r.stderr[-3000:]
 
 
 def test_the_gpu_checks_parts_are_named_and_ordered():
-    """bench/gpu.py --only (a lease's plan): parts run in the order given; an unknown one is refused in one line
-    before anything runs, even where no GPU is."""
-    import argparse
+    """bench/gpu.py --only (a lease's plan): an unknown part is refused in one line, naming the parts in a lease's
+    order (headline first), before anything runs, even where no GPU is; --help describes every part."""
 
-    sys.path.insert(0, str(ROOT))
-    from bench.gpu import HELP_PARTS, PARTS, parts
+    def gpu_py(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *args], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
 
-    assert PARTS[:2] == ("headline", "bf16") and set(HELP_PARTS) == set(PARTS)  # the lease's order: headline first
-    assert parts("headline, gemv,linear") == ["headline", "gemv", "linear"]
-    for bad in ("headline,gmev", ",", "", "kernels"):
-        with pytest.raises(argparse.ArgumentTypeError, match="unknown part"):
-            parts(bad)
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--only", "engine,nope"], capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 2 and "unknown part(s) nope" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = gpu_py("--only", "engine,nope, gmev")
+    assert r.returncode == 2 and "unknown part(s) nope, gmev; parts: " in r.stderr and "Traceback" not in r.stderr, \
+        r.stderr
+    parts = r.stderr.strip().splitlines()[-1].split("; parts: ")[1].split(", ")
+    assert parts[:2] == ["headline", "bf16"] and len(parts) == len(set(parts)) > 2, parts
+    r = gpu_py("--only", ",")
+    assert r.returncode == 2 and "unknown part(s) (none)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    described = " ".join(gpu_py("--help").stdout.split())  # argparse wraps the help's lines
+    assert all(f" {p}: " in described for p in parts), described

@@ -10,7 +10,7 @@ import torch
 from quant.runtime.kernels import triton_ops as T
 from quant.runtime.kernels.int4_layout import pack_rows
 
-pytestmark = pytest.mark.skipif(T.available() is not None, reason="triton is not installed")
+pytestmark = [pytest.mark.reference, pytest.mark.skipif(T.available() is not None, reason="triton is not installed")]
 
 
 def _w4(n, k, gs, seed):

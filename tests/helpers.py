@@ -1,0 +1,104 @@
+"""Helpers several test modules share (the live server and its fixture are tests/live_server.py's; the fuzz drivers
+tests/fuzz.py's, the load and drain drivers tests/load.py's). Each imports what it needs when called, so importing
+this module costs nothing."""
+
+from __future__ import annotations
+
+
+def greedy(n: int, **kw):
+    """Greedy decoding of at most ``n`` new tokens (a stop or EOS may end it sooner)."""
+    from server.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def greedy_exact(n: int, **kw):
+    """Greedy decoding of exactly ``n`` new tokens (``min_tokens=n``: an EOS cannot end it sooner)."""
+    return greedy(n, min_tokens=n, **kw)
+
+
+def hf_logits(model, ids: list[int]):
+    """A transformers model's float logits at every position of ``ids``: (T, V)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+def hf_causal_lm(model_dir, dtype=None):
+    """transformers' model of ``model_dir`` (float32 unless ``dtype``), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+
+
+def peft_merged(model_dir, adapter_dir, dtype=None) -> dict:
+    """The state dict PEFT's own ``merge_and_unload()`` gives for the adapter at ``adapter_dir`` on ``model_dir``."""
+    import warnings
+
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = PeftModel.from_pretrained(hf_causal_lm(model_dir, dtype), adapter_dir).merge_and_unload()
+    return merged.state_dict()
+
+
+def file_mappings(path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each of this process's mappings of the file ``path`` (/proc/self/smaps)."""
+    import re
+    from pathlib import Path
+
+    out, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            fields = line.split()
+            current = None
+            if len(fields) > 5 and fields[5] == str(Path(path).resolve()):
+                current = [int(x, 16) for x in fields[0].split("-")]
+        elif line.startswith("Rss:") and current is not None:
+            out.append((*current, int(line.split()[1]) * 1024))
+    return out
+
+
+def gptq_linear(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64):
+    """A GPTQLinear (v1, groups of ``group``) of a seeded random weight rounded to its grid, prepared for bf16."""
+    import torch
+
+    from quant.build import gptq as G
+    from quant.runtime import int4
+
+    g = torch.Generator().manual_seed(seed)
+    q = G.rtn(torch.randn(n, k, generator=g), 4, group)
+    m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
+    if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
+        m.g_idx = (torch.randperm(k, generator=g) // group).to(torch.int32)
+    m.prepare(torch.bfloat16)
+    return m
+
+
+def word_tokenizer(vocab: int):
+    """A tokenizer over ids alone (random-weight models have no text): token i is the word 't<i>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t2", eos_token="t1", unk_token="t0")
+
+
+def metric_sum(http_base: str, sample: str, **labels: str) -> float:
+    """The sum of the /metrics samples named ``sample`` whose labels include ``labels`` (what an operator
+    sees; 0 before a labelled counter's first increment). An error when the server exports no such metric,
+    so a renamed one cannot pass for an idle server."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(http_base + "/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text)
+                if sample == f.name or sample.startswith(f.name + "_")]  # counters: NAME_total samples
+    if not families:
+        raise RuntimeError(f"no {sample} in /metrics")
+    return sum(sm.value for f in families for sm in f.samples
+               if sm.name == sample and labels.items() <= sm.labels.items())
