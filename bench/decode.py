@@ -143,7 +143,8 @@ def serve_case(case: str, spec: str, threads: int, repeats: int, server_root: Pa
     decode, ``serve-16`` 16 concurrent requests; same prompts and token counts as the engine-level cases, so the
     difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
     import httpx
-    from reliability import ServerProcess
+
+    from server.loadgen.drive import ServerProcess
 
     srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", root=server_root)
     try:

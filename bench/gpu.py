@@ -36,11 +36,6 @@ from pathlib import Path
 
 import torch
 
-try:  # run as a script, bench/ is searched first; tests/test_cuda.py imports word_tokenizer from bench.gpu
-    from common import word_tokenizer  # noqa: F401
-except ImportError:
-    from bench.common import word_tokenizer  # noqa: F401
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -157,7 +157,8 @@ def sweep(args) -> dict:
 
     from quantserve.client import Client
     from quantserve.client.sweep import MAX_N, SweepSpec, run_sweep
-    from reliability import ServerProcess
+
+    from server.loadgen.drive import ServerProcess
 
     spec = SweepSpec(prompt="The history of the river valley", temperatures=(0.0, 0.7, 1.0),
                      top_ks=(0, 50), top_ps=(0.9, 0.95, 1.0), seeds=4, max_new_tokens=32, concurrency=4)

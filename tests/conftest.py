@@ -23,13 +23,14 @@ if not torch.cuda.is_available():
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 
 
-# The modules whose tests take longest, longest first (seconds of tests on an AVX-512 EPYC, session 27: 202, 107,
-# 100, 92, 72, 44, 39, 36, 31). They run first: pytest-xdist's worksteal gives each worker a contiguous half of the
-# tests and balances by taking from the end of the other's, so what is left to balance at the end should be short
-# tests (a simulation of that session's timings: 504 s of tests per worker against 528 s in file order). A module
-# stays whole and in its own order; the rest keep file order.
-_LONG_MODULES = ("test_lm_eval", "test_json_mode", "test_models", "test_reliability", "test_triton_ops", "test_kernel_choice", "test_triton_compile",
-                 "test_prefix_cache", "test_attention", "test_module_tree", "test_pipeline")
+# The modules whose tests take longest, longest first (on a 2-core AVX-512 EPYC; test_default_model's w8a8-static
+# guard alone is ~340 s on two threads, where it runs with the WikiText-2 data beside the checkout). They run first:
+# pytest-xdist's worksteal gives each worker a contiguous half of the tests and balances by taking from the end of
+# the other's, so what is left to balance at the end should be short tests. A module stays whole and in its own
+# order; the rest keep file order.
+_LONG_MODULES = ("test_default_model", "test_lm_eval", "test_json_mode", "test_models", "test_reliability",
+                 "test_triton_ops", "test_kernel_choice", "test_triton_compile", "test_prefix_cache", "test_attention",
+                 "test_module_tree", "test_pipeline")
 
 
 # Every test is of one tier (pyproject.toml's markers): unit, reference or e2e, marked on its module (pytestmark) or,
@@ -37,16 +38,8 @@ _LONG_MODULES = ("test_lm_eval", "test_json_mode", "test_models", "test_reliabil
 TIERS = ("unit", "reference", "e2e")
 
 
-def _sampling_tier(name: str) -> str:
-    """tests/test_sampling.py's tests, marked here while its module is being split: those held to transformers'
-    warpers or the plain reference are reference, the rest unit."""
-    return "reference" if re.search(r"transformers|reference|_matches_|equal", name) else "unit"
-
-
 def _module_tiers(path: Path) -> set[str]:
-    """The tiers a test module's source marks (test_sampling.py's are given here, see _sampling_tier)."""
-    if path.name == "test_sampling.py":
-        return {"unit", "reference"}
+    """The tiers a test module's source marks."""
     return set(re.findall(r"pytest\.mark\.(unit|reference|e2e)\b", path.read_text()))
 
 
@@ -74,9 +67,6 @@ def pytest_collection_modifyitems(config, items):
     wrong = []
     for item in items:
         tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
-        if not tiers and item.path.name == "test_sampling.py":
-            tiers = [_sampling_tier(item.originalname)]
-            item.add_marker(tiers[0])
         if len(tiers) != 1:
             wrong.append(f"{item.nodeid}: {tiers or 'no tier'}")
     if wrong:

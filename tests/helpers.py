@@ -1,6 +1,6 @@
-"""Helpers several test modules share (the live server and its fixture are tests/live_server.py's; the fuzz drivers
-tests/fuzz.py's, the load and drain drivers tests/load.py's). Each imports what it needs when called, so importing
-this module costs nothing."""
+"""Helpers several test modules share (the live server and its fixture are tests/live_server.py's; the load, fuzz
+and drain drivers server/loadgen's). Each imports what it needs when called, so importing this module costs
+nothing."""
 
 from __future__ import annotations
 
@@ -86,19 +86,3 @@ def word_tokenizer(vocab: int):
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="t2", eos_token="t1", unk_token="t0")
-
-
-def metric_sum(http_base: str, sample: str, **labels: str) -> float:
-    """The sum of the /metrics samples named ``sample`` whose labels include ``labels`` (what an operator
-    sees; 0 before a labelled counter's first increment). An error when the server exports no such metric,
-    so a renamed one cannot pass for an idle server."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(http_base + "/metrics", timeout=10).text
-    families = [f for f in text_string_to_metric_families(text)
-                if sample == f.name or sample.startswith(f.name + "_")]  # counters: NAME_total samples
-    if not families:
-        raise RuntimeError(f"no {sample} in /metrics")
-    return sum(sm.value for f in families for sm in f.samples
-               if sm.name == sample and labels.items() <= sm.labels.items())

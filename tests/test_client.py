@@ -18,10 +18,11 @@ from pathlib import Path
 
 import live_server
 import pytest
-from helpers import metric_sum
 from live_server import self_signed_cert, start
 from quantserve.client import AsyncClient, Client, ClientError, to_dict
 from quantserve.client.cli import main
+
+from server.loadgen.drive import metric_sum
 
 pytestmark = pytest.mark.e2e
 

@@ -439,7 +439,7 @@ def test_overlapped_steps_on_cuda_give_the_serial_tokens():
 
 
 def test_a_cuda_build_records_the_allocators_peak(request, text_file, tmp_path, cache_dir):
-    """`quant build --device cuda`: the manifest has the CUDA allocator's peak beside the RSS peak (#14's record of
+    """`quant build --device cuda`: the manifest has the CUDA allocator's peak beside the RSS peak (the record of
     a GPU build's memory), and GPTQ ran there. The tiny model takes the default model's tokenizer: where that
     package is not installed (a lent GPU's image), the test skips, saying so."""
     import json

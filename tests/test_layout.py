@@ -1,6 +1,6 @@
 """The layout holds: the import graph, built from the source, has no circle; each layer imports only the layers
-below it (docs/design.md, "Module map"); no product file outgrows one concept; bench/ imports the product,
-never tests/, and never edits sys.path."""
+below it (docs/design.md, "Module map"); no product file outgrows one concept; bench/ and tests/ import the
+product and never each other, and bench/ never edits sys.path."""
 
 from __future__ import annotations
 
@@ -153,4 +153,12 @@ def test_bench_imports_the_product_never_tests_and_never_edits_sys_path():
                 bad.append(f"{p.relative_to(ROOT)} imports {base}")
         if "sys.path" in text:
             bad.append(f"{p.relative_to(ROOT)} edits sys.path")
+    assert not bad, "; ".join(bad)
+
+
+def test_tests_never_import_bench():
+    """A test runs bench/'s scripts as a user does (a process of its own), never imports them: what both need is
+    the product's (server/loadgen holds the load and fuzz drivers)."""
+    bad = [f"{p.relative_to(ROOT)} imports {base}" for p in sorted((ROOT / "tests").rglob("*.py"))
+           for base, _ in _imports(ast.parse(p.read_text()), "tests") if base == "bench" or base.startswith("bench.")]
     assert not bad, "; ".join(bad)

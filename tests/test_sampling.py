@@ -145,6 +145,7 @@ INVALID = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}"[:40] for f, v in INVALID])
 def test_invalid_value_names_parameter(field, value):
     with pytest.raises(SamplingParamsError) as err:
@@ -154,6 +155,7 @@ def test_invalid_value_names_parameter(field, value):
     assert isinstance(err.value, ValueError)
 
 
+@pytest.mark.unit
 def test_messages_give_the_allowed_range():
     with pytest.raises(SamplingParamsError, match=r"top_p must be in \[0, 1\], got 1.5"):
         SamplingParams(top_p=1.5)
@@ -168,6 +170,7 @@ def test_messages_give_the_allowed_range():
         SamplingParams(temperature=1e-40)
 
 
+@pytest.mark.unit
 def test_valid_edges_stored_unchanged():
     p = SamplingParams(temperature=0.0, top_p=0.0, top_k=1, seed=2**63 - 1, logprobs=20, trace=50)
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, p.trace) == (0.0, 0.0, 1, 2**63 - 1, 20, 50)
@@ -218,6 +221,7 @@ _FIELDS = {
 }
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.fixed_dictionaries({}, optional=_FIELDS))
 def test_random_values_validate_or_raise_params_error(kwargs):
@@ -238,6 +242,7 @@ def test_random_values_validate_or_raise_params_error(kwargs):
     assert all(t >= 0 and -100 <= b <= 100 for t, b in p.logit_bias) and len(p.logit_bias) <= 300
 
 
+@pytest.mark.unit
 def test_build_checks_and_flags():
     ps = [SamplingParams(temperature=0.0), SamplingParams(top_k=3, logprobs=2), SamplingParams(trace=5)]
     b = SamplingBatch.build(ps, [1, 2, 3], [0, 4, 9], None)
@@ -288,6 +293,7 @@ MIXED = [
 ]
 
 
+@pytest.mark.reference
 def test_matches_transformers_warpers():
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
@@ -313,6 +319,7 @@ def test_matches_transformers_warpers():
         assert torch.equal(ours[b] > 0, hf > 0), f"row {b}: different survivors"
 
 
+@pytest.mark.reference
 def test_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -337,6 +344,7 @@ def test_penalty_matches_transformers():
     assert torch.equal(ours[2], logits[2])  # penalty 1 leaves the row alone
 
 
+@pytest.mark.reference
 def test_fast_path_equals_reference():
     g = torch.Generator().manual_seed(2)
     V = 40
@@ -384,6 +392,7 @@ NEW_CONTROLS = [
 ]
 
 
+@pytest.mark.reference
 def test_min_p_matches_transformers_placed_after_temperature():
     """vLLM's place for min-p (right after temperature), which the design document gives; transformers runs its
     MinPLogitsWarper after top-p instead, which differs only where top-p cuts inside min-p's set."""
@@ -411,6 +420,7 @@ def test_min_p_matches_transformers_placed_after_temperature():
     assert int((ours[2] > 0).sum()) == 1  # min_p = 1: the most probable token alone (no ties here)
 
 
+@pytest.mark.unit
 def test_min_p_runs_before_top_p():
     # probabilities 0.5, 0.3, 0.2; min_p 0.5 drops 0.2 (< 0.25), leaving 0.625, 0.375: top-p 0.6 then keeps one
     # token. Min-p after top-p (transformers' place) would keep two: top-p on 0.5, 0.3, 0.2 keeps 0.5 and 0.3.
@@ -421,6 +431,7 @@ def test_min_p_runs_before_top_p():
     assert int((filtered_probs(logits, _batch([replace(p, min_p=0.0)]))[0] > 0).sum()) == 2
 
 
+@pytest.mark.unit
 def test_the_order_bias_then_repetition_then_presence_frequency():
     # One token, logit 1.0, generated twice: bias +3 -> 4.0; repetition 2 -> 2.0; frequency 0.25 x 2 and
     # presence 0.5 -> 1.0. Any other order gives another number (penalty first: 3.5; presence first: 1.25).
@@ -435,6 +446,7 @@ def test_the_order_bias_then_repetition_then_presence_frequency():
     assert logits[0, 3].item() == 1.0, "the raw logits are not modified in place"
 
 
+@pytest.mark.reference
 def test_presence_frequency_and_bias_are_openais_definitions():
     g = torch.Generator().manual_seed(12)
     V = 30
@@ -471,6 +483,7 @@ def reference_filter_logits(row, p, history, prompt_len):
     return ref_presence_frequency(x, history[prompt_len:], p.presence_penalty, p.frequency_penalty)
 
 
+@pytest.mark.reference
 def test_new_controls_mixed_with_plain_requests_equal_the_reference():
     g = torch.Generator().manual_seed(13)
     V = 40
@@ -500,6 +513,7 @@ def test_new_controls_mixed_with_plain_requests_equal_the_reference():
     assert idle.min_p is None and idle.frequency is None and idle.bias_ids is None and idle.history is None
 
 
+@pytest.mark.unit
 def test_a_banned_token_is_never_drawn_and_a_forced_one_always():
     n, V = 2000, 16
     logits = torch.zeros(n, V)
@@ -512,6 +526,7 @@ def test_a_banned_token_is_never_drawn_and_a_forced_one_always():
     assert bool((toks == 12).all())
 
 
+@pytest.mark.reference
 def test_the_grammar_mask_unpacks_as_the_reference_and_applies_after_the_penalties():
     g = torch.Generator().manual_seed(14)
     V = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
@@ -538,6 +553,7 @@ def test_the_grammar_mask_unpacks_as_the_reference_and_applies_after_the_penalti
     assert int(fast[2].argmax()) == int(logits[2].masked_fill(~got[2], -math.inf).argmax())  # greedy: allowed argmax
 
 
+@pytest.mark.unit
 def test_top_p_keeps_the_crossing_token():
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()  # (1, 3) exact probabilities 0.5, 0.3, 0.2
     for p, kept in [(0.0, 1), (0.4, 1), (0.6, 2), (0.75, 2), (0.85, 3), (0.999, 3), (1.0, 3)]:
@@ -570,6 +586,7 @@ def murmur3_32(data: bytes, seed: int) -> int:
     return h ^ (h >> 16)
 
 
+@pytest.mark.unit
 def test_hash_is_murmur3():
     for data, seed, want in [
         (b"", 0, 0),
@@ -589,6 +606,7 @@ def test_hash_is_murmur3():
             assert int(got[b, v]) == murmur3_32(msg, 0x9E3779B9), (s, t, v)
 
 
+@pytest.mark.unit
 def test_uniforms_in_open_interval_and_uniform():
     seeds = torch.arange(40, dtype=torch.int64)
     u = random_uniform(seeds, torch.arange(40, dtype=torch.int64) * 3, 2500)  # (40, 2500) float64
@@ -638,6 +656,7 @@ CHI_NEW = [  # the controls that change the distribution, each with the others o
 HISTORY = [1, 2, 3, 3, 8]  # the last three generated
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("kw", [dict(temperature=T, top_k=k, top_p=p) for T, k, p in CHI_CONFIGS] + CHI_NEW,
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_chi_square_against_filtered_distribution(small_logits, kw):
@@ -662,6 +681,7 @@ def test_chi_square_against_filtered_distribution(small_logits, kw):
     assert pvalue > 1e-4, (T, k, p, pvalue)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pair", ["adjacent_seeds", "adjacent_steps"])
 def test_neighbouring_streams_are_independent(pair):
     """Joint chi-square over 12 x 12 token pairs from neighbouring counters: a correlated hash shows here."""
@@ -680,6 +700,7 @@ def test_neighbouring_streams_are_independent(pair):
 # --------------------------------------------------------------------------------------- reproducibility
 
 
+@pytest.mark.unit
 def test_same_tokens_alone_or_batched():
     g = torch.Generator().manual_seed(4)
     V, steps = 50, 25
@@ -699,6 +720,7 @@ def test_same_tokens_alone_or_batched():
     assert len({t for t, _ in alone}) > 5  # the draws are actually random
 
 
+@pytest.mark.unit
 def test_seeds_and_steps_change_the_draw():
     V, n = 30, 64
     logits = torch.zeros(n, V)  # (n, V) uniform: every difference comes from the stream
@@ -714,6 +736,7 @@ def test_seeds_and_steps_change_the_draw():
 # ---------------------------------------------------------------------------------------- logprobs, trace
 
 
+@pytest.mark.unit
 def test_logprobs_and_trace_outputs():
     g = torch.Generator().manual_seed(5)
     V = 40
@@ -784,6 +807,7 @@ def test_logprobs_and_trace_outputs():
     assert out.top_logprobs is None and out.trace is None and out.trace_stats is None and out.logprob.shape == (1,)
 
 
+@pytest.mark.reference
 def test_reference_steps():
     row = torch.tensor([2.0, -1.0, 0.5, 3.0, -4.0])
     assert torch.equal(ref_temperature(row, 2.0), row / 2)
@@ -794,6 +818,7 @@ def test_reference_steps():
     assert torch.equal(ref_penalty(row, [0, 1, 1], 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0, -4.0]))
 
 
+@pytest.mark.unit
 def test_the_largest_float32_temperature_samples_uniformly_without_nan():
     p = SamplingParams(temperature=3.4e38, top_p=0.0, trace=3, seed=1, min_tokens=1, max_new_tokens=2)
     logits = torch.randn(1, 50)
@@ -824,6 +849,7 @@ _EXTREME_VALID = {
 }
 
 
+@pytest.mark.unit
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(kw=st.fixed_dictionaries({}, optional=_EXTREME_VALID), scale=st.sampled_from([1.0, 30.0, 1e4]),
        seed=st.integers(0, 2**16))
@@ -847,6 +873,7 @@ def test_every_accepted_value_gives_finite_outputs(kw, scale, seed):
     assert bool(torch.isfinite(out.trace_stats).all()), (kw, out.trace_stats)
 
 
+@pytest.mark.unit
 def test_a_logprob_of_minus_infinity_is_reported_at_the_floor():
     """A token the model gives probability 0 (an EOS held off by min_tokens) has logprob -inf, which neither JSON nor
     a client's float arithmetic takes: it is reported as LOGPROB_FLOOR (-9999.0, vLLM's floor)."""
@@ -857,6 +884,7 @@ def test_a_logprob_of_minus_infinity_is_reported_at_the_floor():
     assert out.top_logprobs[1][0, :2].tolist() == torch.log_softmax(logits[0, :2], -1).tolist()  # the rest as before
 
 
+@pytest.mark.reference
 def test_greedy_fast_path_matches_the_general_path():
     # A greedy batch that asks for no logprobs and no trace takes the argmax of the penalised logits alone;
     # the tokens must be those of the general path (which also computes log-softmaxes and one-hots).

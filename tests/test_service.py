@@ -13,12 +13,12 @@ import httpx
 import live_server
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import metric_sum
 from live_server import start
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
 from server.config import Limits
+from server.loadgen.drive import metric_sum
 
 pytestmark = pytest.mark.e2e
 

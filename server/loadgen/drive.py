@@ -1,8 +1,8 @@
-"""The load and drain drivers tests/test_reliability.py runs against ``quant serve`` in a process of its own (so
-resident memory is the server's alone), with real clients (grpc stubs, httpx): ``load_round`` (concurrent streams,
-every fifth cancelled after its second chunk), ``reference_texts`` (each seed served alone), ``drain_under_load``
-(SIGTERM while clients stream). bench/reliability.py runs the same at the benchmark's scale; tests and bench import
-only the product, never each other."""
+"""Drivers of a live ``quant serve`` on loopback: the server in a process of its own (so resident memory is the
+server's alone), concurrent streaming clients with cancellation (``load_round``), each seed served alone
+(``reference_texts``), SIGTERM while clients stream (``drain_under_load``), and /metrics read as an operator reads it.
+Real clients (grpc stubs, httpx); no torch. bench/reliability.py runs them at a benchmark's scale and
+tests/test_reliability.py at a test's."""
 
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import grpc
 import httpx
-from helpers import metric_sum
 from quantserve.v1 import inference_pb2 as pb
 from quantserve.v1 import inference_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ("The city of", "Once upon a time", "In the beginning", "The river flows", "A quiet morning")
 
 
@@ -35,11 +34,13 @@ PROMPTS = ("The city of", "Once upon a time", "In the beginning", "The river flo
 class ServerProcess:
     """``quant serve`` on free loopback ports in its own process."""
 
-    def __init__(self, artifact: str | None, *args: str, env: dict | None = None, timeout: float = 300):
+    def __init__(self, artifact: str | None, *args: str, env: dict | None = None, timeout: float = 300,
+                 root: Path = ROOT):
+        """``root``: the checkout whose server runs (a bench baseline's worktree, or this one)."""
         cmd = [sys.executable, "-m", "quant.cli", "serve", *([artifact] if artifact else []),
                "--grpc-port", "0", "--http-port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=root,
+                                     env={**os.environ, **(env or {}), "PYTHONPATH": str(root)})
         self.log: deque[str] = deque(maxlen=500)  # the latest stderr lines, for error messages
         self._ready = threading.Event()
         # One thread drains stderr for the server's whole life: a full pipe would block its logging.
@@ -215,6 +216,21 @@ def reference_texts(http_base: str, seeds, max_new_tokens: int, timeout: float =
             r.raise_for_status()
             out[seed] = r.json()["choices"][0]["text"]
     return out
+
+
+def metric_sum(http_base: str, sample: str, **labels: str) -> float:
+    """The sum of the /metrics samples named ``sample`` whose labels include ``labels`` (what an operator
+    sees; 0 before a labelled counter's first increment). An error when the server exports no such metric,
+    so a renamed one cannot pass for an idle server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(http_base + "/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text)
+                if sample == f.name or sample.startswith(f.name + "_")]  # counters: NAME_total samples
+    if not families:
+        raise RuntimeError(f"no {sample} in /metrics")
+    return sum(sm.value for f in families for sm in f.samples
+               if sm.name == sample and labels.items() <= sm.labels.items())
 
 
 def kv_in_use(http_base: str) -> float:
