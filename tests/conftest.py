@@ -23,11 +23,11 @@ if not torch.cuda.is_available():
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 
 
-# The modules whose tests take longest, longest first (on a 2-core AVX-512 EPYC; test_default_model's w8a8-static
-# guard alone is ~340 s on two threads, where it runs with the WikiText-2 data beside the checkout). They run first:
-# pytest-xdist's worksteal gives each worker a contiguous half of the tests and balances by taking from the end of
-# the other's, so what is left to balance at the end should be short tests. A module stays whole and in its own
-# order; the rest keep file order.
+# The modules whose tests take longest, longest first (bench/RESULTS.md#test-suite-wall-time-scriptstestsh: the
+# default model's quality guards, where the WikiText-2 data is beside the checkout, take ~1,200 s of one worker's
+# thread). They run first: pytest-xdist's worksteal gives each worker a contiguous half of the tests and balances by
+# taking from the end of the other's, so what is left to balance at the end should be short tests. A module stays
+# whole and in its own order; the rest keep file order.
 _LONG_MODULES = ("test_default_model", "test_lm_eval", "test_json_mode", "test_models", "test_reliability",
                  "test_triton_ops", "test_kernel_choice", "test_triton_compile", "test_prefix_cache", "test_attention",
                  "test_module_tree", "test_pipeline")
