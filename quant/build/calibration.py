@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from quant.errors import CalibrationError
 from quant.build.progress import track
+from quant.errors import CalibrationError
 
 
 def min_rows(k: int) -> int:

@@ -11,11 +11,11 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from quant.build import schemes
 from quant.build.memory import TrainSetup, training_bytes, weight_bytes
+from quant.errors import ConfigError
 from quant.shape.memory import ATTN_IMPLS, kv_bytes_per_token, parse_bytes, prefill_activation_bytes
 from quant.shape.model import ModelShape, parse_size, shape_for_params
-from quant.build import schemes
-from quant.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

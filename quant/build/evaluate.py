@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from quant.build.calibration import TokenWindows
-from quant.runtime.primitives import compute_dtype
 from quant.build.progress import track
+from quant.runtime.primitives import compute_dtype
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,18 @@ import torch
 from torch import nn
 
 import quant
-from quant.format import artifact, sources as models
 from quant.build import calibration, evaluate, lora, schemes, stream
-from quant.runtime import loader, moe, registry
 from quant.build import memory as build_memory
-from quant.runtime import measure
-from quant.shape import memory as shape_memory
-from quant.shape.model import ModelShape
-
 from quant.build.config import DTYPES, BuildConfig
-from quant.errors import ConfigError, QualityGateError
 from quant.build.progress import track
 from quant.build.sequential import decoder_layers
+from quant.errors import ConfigError, QualityGateError
+from quant.format import artifact
+from quant.format import sources as models
 from quant.format.shards import ShardWriter, header_reserve
+from quant.runtime import loader, measure, moe, registry
+from quant.shape import memory as shape_memory
+from quant.shape.model import ModelShape
 
 
 def default_out(cfg: BuildConfig, source: models.ModelSource) -> Path:

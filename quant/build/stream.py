@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant.runtime import moe
 from quant.errors import ModelSourceError
-from quant.runtime.linear import QuantizedLinear
-from quant.format.sources import ModelSource, first_line, load_model
 from quant.format.shards import INDEX
+from quant.format.sources import ModelSource, first_line, load_model
+from quant.runtime import moe
+from quant.runtime.linear import QuantizedLinear
 
 SINGLE = "model.safetensors"
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
-from quant.format import artifact
 from quant.errors import ConfigError
+from quant.format import artifact
 from quant.runtime.linear import QuantizedLinear
 
 if TYPE_CHECKING:

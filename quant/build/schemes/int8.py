@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from quant.runtime.int8 import Int8WeightLinear
-from quant.runtime.moe import quantizable_linears
 from quant.build.schemes.base import Scheme
+from quant.runtime.int8 import Int8WeightLinear
 from quant.runtime.linear import set_module
+from quant.runtime.moe import quantizable_linears
 
 
 class _Int8Layers:

@@ -25,14 +25,20 @@ from torch import nn
 from quant.build import calibration
 from quant.build import gptq as G
 from quant.build.schemes.base import Scheme
-from quant.build.sequential import _cast_kwargs, block_linears, capture_layer_inputs, decoder_layers, layer_pass, layer_plan
+from quant.build.sequential import (
+    _cast_kwargs,
+    block_linears,
+    capture_layer_inputs,
+    decoder_layers,
+    layer_pass,
+    layer_plan,
+)
 from quant.build.smooth import layer_groups
 from quant.errors import ConfigError
 from quant.runtime.int4 import KERNEL_GROUP_SIZES, GPTQLinear
 from quant.runtime.kernels.int4_layout import PACK
 from quant.runtime.linear import set_module
 from quant.runtime.moe import quantizable_linears
-
 
 GROUP_CHOICES = (128, 64, 32)
 
