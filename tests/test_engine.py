@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 from conftest import wait_until
-from helpers import greedy, hf_logits
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from helpers import greedy, hf_causal_lm, hf_logits
+from transformers import AutoTokenizer
 
 from quant.runtime.measure import MemoryTracker, weight_report
 from quant.shape.memory import engine_prefill_bytes
@@ -39,7 +39,7 @@ def assert_idle(engine: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return hf_causal_lm(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_runner_single_row_decode_paths(hf_model, fused):
 @pytest.mark.reference
 def test_fused_and_reference_ops_agree_in_bf16(tiny_model_dir):
     """The fused glue ops against the eager ones on a whole bf16 forward (prefill, then decode steps)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    model = hf_causal_lm(tiny_model_dir, torch.bfloat16)
     lay = KVLayout.from_config(model.config, torch.bfloat16, block_size=16)
     outs = []
     for fused in (True, False):
@@ -196,7 +196,7 @@ def measured_step_peak(runner, step, pool) -> int:
 @pytest.mark.parametrize("fused_ops", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_estimate_within_15_percent_of_the_runner_peak(tiny_model_dir, fused_ops, dtype):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    model = hf_causal_lm(tiny_model_dir, dtype)
     lay = KVLayout.from_config(model.config, dtype, block_size=16)
     pool = BlockPool(lay, lay.bytes_per_block * 64)
     runner = ModelRunner(model, pool.storage, 16, "sdpa", fused_ops=fused_ops)
@@ -326,7 +326,7 @@ def test_stop_string_cuts_text_before_it(engine):
 def test_eos_ignore_eos_and_min_tokens(tiny_model_dir, tok, hf_model, overlap):
     g = hf_greedy(hf_model, tok, "The old bridge", 12)
     j = next(i for i in range(2, 12) if g[i] not in g[:i])
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = hf_causal_lm(tiny_model_dir)
     model.generation_config.eos_token_id = [g[j]]
     eng = Engine(model, tok, EngineConfig(memory_budget="1MiB", dtype="float32", overlap=overlap)).start()
     try:
@@ -820,7 +820,7 @@ def test_fractional_budget_sizes_the_pool_after_the_runner(tiny_model_dir, tok, 
     from server import accounting
     from server.kv_pool import KVBudgetError
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = hf_causal_lm(tiny_model_dir)
     monkeypatch.setattr(accounting, "free_memory", lambda device: 64 * 2**20)  # what "free" reads, after the runner
     eng = Engine(model, tok, EngineConfig(memory_budget="0.25", dtype="float32"))
     assert eng.pool.capacity_bytes == (16 * 2**20 // eng.layout.bytes_per_block) * eng.layout.bytes_per_block

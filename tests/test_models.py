@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from archs import ARCHITECTURES, WINDOW
-from helpers import greedy_exact, hf_logits
+from helpers import greedy_exact, hf_causal_lm, hf_logits
 from transformers import AutoModelForCausalLM
 
 from server.config import EngineConfig
@@ -37,7 +37,7 @@ def runner_for(model, blocks: int = 64, block_size: int = 16, fused_ops: bool = 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_at_every_position_match_transformers(arch, arch_dirs):
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    model = hf_causal_lm(arch_dirs(arch))
     ids = prompt_ids(100, 0)
     ref = hf_logits(model, ids)  # (100, V)
     runner, pool = runner_for(model)
@@ -52,7 +52,7 @@ def test_logits_at_every_position_match_transformers(arch, arch_dirs):
 @pytest.mark.parametrize("fused_ops", [True, False])
 def test_mixed_steps_with_chunks_across_the_window_and_fragmented_blocks(arch, arch_dirs, fused_ops):
     """Prefill chunks that cross the sliding window's edge, decode rows beside them, non-contiguous blocks."""
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    model = hf_causal_lm(arch_dirs(arch))
     runner, pool = runner_for(model, blocks=72, block_size=4, fused_ops=fused_ops)
     pool.try_reserve("x", 12)
     pool.try_reserve("y", 12)
@@ -86,7 +86,7 @@ def test_the_cuda_path_on_cpu_matches_transformers(arch, arch_dirs):
 
     if available() is not None:
         pytest.skip(available())
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    model = hf_causal_lm(arch_dirs(arch))
     runner, pool = runner_for(model, backend="triton", glue="triton")
     assert runner.ops.kind == "triton" and runner.attention == "triton"
     a = prompt_ids(40, 4)
@@ -112,7 +112,7 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkey
 
     from server.attention.triton_paged import TritonBackend
 
-    model = AutoModelForCausalLM.from_pretrained(arch_dirs(arch), dtype=torch.float32).eval()
+    model = hf_causal_lm(arch_dirs(arch))
     runner, pool = runner_for(model, backend="triton", glue="triton")
     launched: Counter = Counter()
     run = InterpretedFunction.run
@@ -226,7 +226,7 @@ def run_batched(engine: Engine, prompts: list[list[int]], n: int) -> list[list[i
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_48_past_the_window_equals_generate_alone_and_batched(arch, arch_dirs, cache_dir):
     path = arch_dirs(arch)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_causal_lm(path)
     main, others = prompt_ids(20, 4), [prompt_ids(13, 5), prompt_ids(37, 6)]
     want = hf_greedy(model, main, 48)
     assert 20 + 48 > 2 * WINDOW and len(set(want)) >= 4  # past the window, and not one repeated token
@@ -243,7 +243,7 @@ def test_greedy_48_past_the_window_equals_generate_alone_and_batched(arch, arch_
 
 def test_cancellation_mid_window_frees_blocks_and_others_continue(arch_dirs, cache_dir):
     path = arch_dirs("gemma2")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_causal_lm(path)
     engine = Engine.from_path(str(path), EngineConfig(memory_budget="8MiB", dtype="float32",
                                                       max_prefill_tokens=16), cache_dir)
     try:
