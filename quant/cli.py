@@ -115,9 +115,12 @@ def _build_parser() -> argparse.ArgumentParser:
     es.add_argument("--lora-rank", type=int, default=0, help="training: LoRA rank on every block Linear (0: full)")
     es.add_argument("--checkpointing", action="store_true", help="training: activation checkpointing")
     es.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 24GiB")
-    es.add_argument("--requests", default=None, metavar="PxN[xC],...",
+    es.add_argument("--requests", default=None, metavar="PxN[xC[xS]][~E],...",
                     help="capacity plan instead: what an idle `quant serve` of --model would do with these request "
-                         "shapes (prompt x max-new x count, e.g. 512x256x8,2000x100), as its Plan call answers")
+                         "shapes (prompt x max-new x count x samples, ~ the new tokens expected, e.g. "
+                         "512x256x8,200x2048x8~300), as its Plan call answers")
+    es.add_argument("--kv-admission", default=None, choices=("on-demand", "reserve"),
+                    help="with --requests: the server's KV admission (default: quant serve's)")
     for name, what in (("memory-budget", "KV pool"), ("max-batch", "requests running at once"),
                        ("max-queue", "requests waiting"), ("max-prefill-tokens", "prompt tokens per step")):
         es.add_argument(f"--{name}", default=None, type=str if name == "memory-budget" else int,

@@ -4,6 +4,7 @@ The figures come from the pool's layout and the memory model (``quant.shape.memo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -15,27 +16,30 @@ from server.outputs import Accounting, EngineTotals
 from server.runner import SCORE_ROWS
 
 
-def engine_totals(pool, layout, weight_bytes: int, running: int, queued: int) -> EngineTotals:
+def engine_totals(pool, layout, weight_bytes: int, running: int, queued: int, preemptions: int = 0,
+                  recomputed_tokens: int = 0) -> EngineTotals:
     bpb = layout.bytes_per_block
     return EngineTotals(
         weight_bytes=weight_bytes, kv_capacity_bytes=pool.capacity_bytes, kv_used_bytes=pool.used_blocks * bpb,
         kv_block_size=layout.block_size, running=running, queued=queued,
         kv_cached_bytes=pool.cached_blocks * bpb, prefix_cache=pool.prefix_cache, prefix_hit_tokens=pool.hit_tokens,
         prefix_queried_tokens=pool.queried_tokens, prefix_evictions=pool.evictions,
+        preemptions=preemptions, recomputed_tokens=recomputed_tokens,
     )
 
 
 def request_accounting(seq, layout, attention: str, totals: EngineTotals) -> Accounting:
     """A request's (one sample's) memory as its final event reports it."""
     bpt, bpb = layout.bytes_per_token, layout.bytes_per_block
-    reserved_blocks = len(seq.blocks or ())  # None: never admitted; the scheduler keeps it after release
+    reserved_blocks = seq.peak_blocks
     return Accounting(
         prompt_tokens=len(seq.prompt), generated_tokens=len(seq.generated), kv_bytes_per_token=bpt,
         kv_blocks_reserved=reserved_blocks, kv_bytes_reserved=reserved_blocks * bpb,
         kv_bytes_used=seq.kv_tokens * bpt, activation_peak_bytes=seq.activation_peak,
         attention=attention, engine=totals,
         kv_bytes_shared=seq.shared_blocks * bpb, kv_bytes_own=(reserved_blocks - seq.shared_blocks) * bpb,
-        prompt_tokens_cached=seq.cached,
+        prompt_tokens_cached=seq.cached, kv_dtype=str(layout.dtype).removeprefix("torch."),
+        preemptions=seq.preemptions, recomputed_tokens=seq.recomputed_tokens,
     )
 
 
@@ -78,9 +82,16 @@ def fraction_budget(device: torch.device, fraction: float, workspace: int, confi
 
 def engine_state(usable_blocks: int, pool, layout, scheduler, config, queued: int) -> capacity.EngineState:
     """A snapshot of the pool and the queue for a capacity plan (server/capacity.py), taken between steps."""
-    waiting = tuple((pool.group_blocks(len(s.prompt), s.reserve_tokens, len(s.group.members)), len(s.group.members))
-                    if s.group is not None else (layout.blocks_for(s.reserve_tokens), 1) for s in scheduler.waiting)
-    return capacity.EngineState(
+    state = capacity.EngineState(
         usable_blocks, pool.free_blocks, layout.block_size, layout.bytes_per_block, len(scheduler.running),
-        config.max_batch, config.max_prefill_tokens, waiting, queued, config.max_queue,
+        config.max_batch, config.max_prefill_tokens, (), queued, config.max_queue, scheduler.admission,
+        scheduler.watermark_blocks,
     )
+    waiting = []
+    for s in scheduler.waiting:
+        if s.preemptions:  # taken back alone, its prompt and generated tokens recomputed
+            waiting.append((layout.blocks_for(len(s.prompt) + len(s.generated)), 1))
+        else:
+            n = len(scheduler.unit(s))
+            waiting.append((state.admission_blocks(len(s.prompt), s.params.max_new_tokens, n), n))
+    return dataclasses.replace(state, waiting=tuple(waiting))

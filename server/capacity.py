@@ -1,16 +1,22 @@
 """Capacity planning: what the engine would do with requests of given shapes, answered from its own accounting.
 
-For each request shape (prompt tokens, max new tokens, how many, samples per request ``n``):
+For each request shape (prompt tokens, max new tokens, how many, samples per request ``n``, and optionally the
+new tokens a request is expected to produce):
 
-- KV reserved per request: ceil((prompt + max_new) / block_size) blocks x bytes per block, the reservation the
-  scheduler makes at admission and ``Accounting.kv_bytes_reserved`` later reports; a request of ``n`` samples
-  reserves that per sample, its samples sharing the prompt's full blocks before its last token's block, which the
-  pool holds once (server/kv_pool.py's ``group_blocks``, the pool's own arithmetic);
+- KV per request at its worst case: ceil((prompt + max_new) / block_size) blocks x bytes per block per sample,
+  what ``--kv-admission reserve`` takes at admission; a request of ``n`` samples holds its samples' blocks, the
+  prompt's full blocks before its last token's block held once (server/kv_pool.py's ``group_blocks``, the pool's
+  own arithmetic). ``kv_bytes_reserved`` is what a sample that runs to max_new_tokens reports (with on-demand
+  blocks the positions it wrote, prompt + max_new - 1, its last token's K/V never being written);
+- KV at admission: on demand (the default), the prompt's blocks only, with the scheduler's watermark left free
+  while others run; with ``reserve``, the worst case;
 - the prefill activation peak: the largest ``Engine.activation_estimate`` over the request's prefill chunks
   (``max_prefill_tokens`` each) when it prefills alone, what ``Accounting.activation_peak_bytes`` reports
   for it then (a prompt sharing a step's prefill budget with others is cut into smaller chunks);
-- how many such requests the engine could run at once, now and when empty: free KV blocks / blocks per
-  request, capped by the free batch slots (``limited_by`` says which bound). Shapes carry no tokens, so the plan
+- how many such requests the engine could run at once, now and when empty, each reaching max_new_tokens (the
+  guaranteed concurrency): free KV blocks / worst-case blocks per request, capped by the free batch slots
+  (``limited_by`` says which bound); and, for the stated expected output length, how many an idle engine runs at
+  once on demand (the expected concurrency; with ``reserve`` the guaranteed one). Shapes carry no tokens, so the plan
   counts no prefix-cache hit: a request whose prompt begins with blocks the cache holds needs fewer (the plan is
   the bound, exact when nothing it plans is cached);
 - the outcome of each request if the shapes were sent now, in order, each after the engine has taken the
@@ -19,7 +25,8 @@ For each request shape (prompt tokens, max new tokens, how many, samples per req
   1. refused, INVALID_ARGUMENT, when the server's limits or the engine's admission check refuse the shape
      (the same message and parameter as a real request gets), or UNAVAILABLE while the server drains;
   2. refused, RESOURCE_EXHAUSTED, when ``max_queue`` requests are already waiting;
-  3. admitted when nobody waits ahead of it (strict FIFO), a batch slot is free and its blocks are free;
+  3. admitted when nobody waits ahead of it (strict FIFO), a batch slot is free and its blocks at admission are
+     free (on demand: with the watermark left while others run);
   4. queued otherwise: it runs once running requests finish and release their blocks.
 
 Pure: the engine hands in a snapshot of its pool and queue (taken on its own thread, so it is consistent);
@@ -35,6 +42,7 @@ from typing import Callable
 
 from server.kv_pool import group_blocks, shared_blocks
 from server.outputs import RequestError
+from server.scheduler import ON_DEMAND
 
 MAX_SHAPES = 256  # shapes per plan
 MAX_REQUESTS = 65536  # requests per plan, all shapes together (the outcome walk is one step per request)
@@ -48,6 +56,11 @@ class Shape:
     max_new_tokens: int
     count: int = 1
     n: int = 1  # samples per request (they share the prompt's full blocks before its last token's block)
+    expected_new_tokens: int = 0  # new tokens a request is expected to produce (0: max_new_tokens)
+
+    @property
+    def expected(self) -> int:
+        return self.expected_new_tokens or self.max_new_tokens
 
 
 def validate(shapes: list[Shape]) -> list[Shape]:
@@ -61,6 +74,10 @@ def validate(shapes: list[Shape]) -> list[Shape]:
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise RequestError(f"requests[{i}].{name}", f"requests[{i}].{name} must be an integer >= 1, got {v!r}")
+        e = s.expected_new_tokens
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= s.max_new_tokens:
+            raise RequestError(f"requests[{i}].expected_new_tokens", f"requests[{i}].expected_new_tokens must be an "
+                                                                     f"integer in [0, max_new_tokens], got {e!r}")
     total = sum(s.count for s in shapes)
     if total > MAX_REQUESTS:
         raise RequestError("requests", f"at most {MAX_REQUESTS} requests per plan in all, got {total}")
@@ -130,15 +147,34 @@ class EngineState:
     running: int
     max_batch: int
     max_prefill_tokens: int
-    waiting: tuple[tuple[int, int], ...]  # (blocks, samples) each waiting request needs, in queue order
+    waiting: tuple[tuple[int, int], ...]  # (blocks at admission, samples) of each waiting entry, in queue order
     queued: int  # accepted and not yet admitted (>= len(waiting): also those still on their way in)
     max_queue: int
+    admission: str = ON_DEMAND  # --kv-admission
+    watermark_blocks: int = 0  # on demand: blocks an admission leaves free while others run
 
     @classmethod
     def empty(cls, num_blocks: int, block_size: int, bytes_per_block: int, max_batch: int,
-              max_prefill_tokens: int, max_queue: int) -> "EngineState":
+              max_prefill_tokens: int, max_queue: int, admission: str = ON_DEMAND,
+              watermark_blocks: int = 0) -> "EngineState":
         return cls(num_blocks, num_blocks, block_size, bytes_per_block, 0, max_batch, max_prefill_tokens, (), 0,
-                   max_queue)
+                   max_queue, admission, watermark_blocks)
+
+    def headroom(self, running: int) -> int:
+        """Blocks an admission must leave free with ``running`` samples running (the scheduler's rule)."""
+        return self.watermark_blocks if self.admission == ON_DEMAND and running else 0
+
+    def admission_blocks(self, prompt_tokens: int, max_new_tokens: int, n: int) -> int:
+        """Blocks a request of this shape takes when admitted (nothing cached)."""
+        tokens = prompt_tokens if self.admission == ON_DEMAND else prompt_tokens + max_new_tokens
+        return group_blocks(prompt_tokens, tokens, n, self.block_size)
+
+    def written_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
+        """Blocks a sample holds once it produced ``new_tokens`` (>= 1): on demand those of the positions written,
+        the last token's never; with reserve its whole reservation."""
+        if self.admission != ON_DEMAND:
+            return math.ceil((prompt_tokens + new_tokens) / self.block_size)
+        return math.ceil((prompt_tokens + new_tokens - 1) / self.block_size)
 
 
 @dataclass(frozen=True)
@@ -163,6 +199,10 @@ class ShapePlan:
     refused: int
     refusal: Refusal | None = None  # why the refused ones were refused (the first reason met)
     kv_blocks_shared: int = 0  # per request of n > 1: the blocks all its samples hold (counted once in kv_blocks)
+    kv_blocks_admission: int = 0  # per request: the blocks it takes when admitted
+    kv_blocks_expected: int = 0  # per request, at the expected output length (on demand; reserve: kv_blocks)
+    fit_expected: int = 0  # how many an idle engine runs at once when each produces the expected tokens ...
+    fit_expected_limited_by: str = ""  # ... limited by kv_blocks or max_batch
 
 
 @dataclass(frozen=True)
@@ -190,7 +230,8 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     free, running, queued = state.free_blocks, state.running, state.queued
     waiting = list(state.waiting)
     # What the engine's next admission does with the requests already waiting.
-    while waiting and running + waiting[0][1] <= state.max_batch and waiting[0][0] <= free:
+    while waiting and running + waiting[0][1] <= state.max_batch and \
+            waiting[0][0] + state.headroom(running) <= free:
         blocks, samples = waiting.pop(0)
         free -= blocks
         running += samples
@@ -198,8 +239,11 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     ahead = len(waiting)  # still waiting: FIFO keeps every new request behind them
     out, outcomes = [], []
     for s in shapes:
-        per_sample = math.ceil((s.prompt_tokens + s.max_new_tokens) / state.block_size)
+        per_sample = state.written_blocks(s.prompt_tokens, s.max_new_tokens)
         need = group_blocks(s.prompt_tokens, s.prompt_tokens + s.max_new_tokens, s.n, state.block_size)
+        admit = state.admission_blocks(s.prompt_tokens, s.max_new_tokens, s.n)
+        expected = need if state.admission != ON_DEMAND else group_blocks(
+            s.prompt_tokens, s.prompt_tokens + s.expected - 1, s.n, state.block_size)
         refusal = check(s.prompt_tokens, s.max_new_tokens)  # None: the shape itself is servable
         if refusal is None:
             try:
@@ -210,8 +254,9 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
         if servable:
             fit_now = _fit(state.free_blocks, state.max_batch - state.running, need, s.n)
             fit_empty = _fit(state.num_blocks, state.max_batch, need, s.n)
+            fit_expected = _fit(state.num_blocks, state.max_batch, max(expected, 1), s.n)
         else:
-            fit_now = fit_empty = (0, "refused")
+            fit_now = fit_empty = fit_expected = (0, "refused")
         counts = {ADMITTED: 0, QUEUED: 0, REFUSED: 0}
         for _ in range(s.count):
             if not servable:
@@ -220,8 +265,8 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
                 o = REFUSED
                 refusal = Refusal("RESOURCE_EXHAUSTED", f"overloaded: {queued} requests are already waiting "
                                                         f"(--max-queue {state.max_queue})")
-            elif ahead == 0 and running + s.n <= state.max_batch and need <= free:
-                o, free, running = ADMITTED, free - need, running + s.n
+            elif ahead == 0 and running + s.n <= state.max_batch and admit + state.headroom(running) <= free:
+                o, free, running = ADMITTED, free - admit, running + s.n
             else:
                 o, queued, ahead = QUEUED, queued + 1, ahead + 1
             counts[o] += 1
@@ -230,7 +275,7 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
         out.append(ShapePlan(
             s, need, per_sample * state.bytes_per_block, peak, *fit_now, *fit_empty,
             counts[ADMITTED], counts[QUEUED], counts[REFUSED], refusal if counts[REFUSED] else None,
-            shared_blocks(s.prompt_tokens, state.block_size) if s.n > 1 else 0,
+            shared_blocks(s.prompt_tokens, state.block_size) if s.n > 1 else 0, admit, expected, *fit_expected,
         ))
     return PlanResult(tuple(out), state, tuple(outcomes))
 
@@ -243,12 +288,14 @@ def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, atte
     def shape_plan(p: ShapePlan) -> dict:
         d = {
             "shape": {"prompt_tokens": p.shape.prompt_tokens, "max_new_tokens": p.shape.max_new_tokens,
-                      "count": p.shape.count, "n": p.shape.n},
+                      "count": p.shape.count, "n": p.shape.n, "expected_new_tokens": p.shape.expected},
             "kv_blocks": p.kv_blocks, "kv_blocks_shared": p.kv_blocks_shared, "kv_bytes_reserved": p.kv_bytes_reserved,
             "activation_peak_bytes": p.activation_peak_bytes,
             "fit_now": p.fit_now, "fit_now_limited_by": p.fit_now_limited_by,
             "fit_empty": p.fit_empty, "fit_empty_limited_by": p.fit_empty_limited_by,
             "admitted": p.admitted, "queued": p.queued, "refused": p.refused,
+            "kv_blocks_admission": p.kv_blocks_admission, "kv_blocks_expected": p.kv_blocks_expected,
+            "fit_expected": p.fit_expected, "fit_expected_limited_by": p.fit_expected_limited_by,
         }
         if p.refusal is not None:
             d["refusal"] = {"code": p.refusal.code, "message": p.refusal.message, "param": p.refusal.param or ""}
@@ -263,14 +310,14 @@ def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, atte
         },
         "kv_bytes_per_token": kv_bytes_per_token, "kv_capacity_blocks": st.num_blocks,
         "kv_free_blocks": st.free_blocks, "max_batch": st.max_batch, "max_queue": st.max_queue,
-        "max_prefill_tokens": st.max_prefill_tokens, "attention": attention,
+        "max_prefill_tokens": st.max_prefill_tokens, "attention": attention, "kv_admission": st.admission,
     }
 
 
 def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None = None,
             memory_budget: str | None = None, max_batch: int | None = None, max_queue: int | None = None,
             max_prefill_tokens: int | None = None, max_new_tokens_limit: int | None = None,
-            max_prompt_tokens: int | None = None) -> dict:
+            max_prompt_tokens: int | None = None, kv_admission: str | None = None) -> dict:
     """The plan an idle ``quant serve SPEC`` with these settings (None: serve's default) would answer, from the
     model's config alone (no weights are loaded): ``quant estimate --requests``. The activation peak counts no
     dequantization transients (the live plan measures those of a weight-only artifact's layers above their
@@ -287,7 +334,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     from server.runner import glue_ops_choice
 
     given = {"dtype": dtype, "memory_budget": memory_budget, "max_batch": max_batch, "max_queue": max_queue,
-             "max_prefill_tokens": max_prefill_tokens}
+             "max_prefill_tokens": max_prefill_tokens, "kv_admission": kv_admission}
     cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None}).validate()
     limits = Limits(**{k: v for k, v in (("max_new_tokens", max_new_tokens_limit),
                                          ("max_prompt_tokens", max_prompt_tokens)) if v is not None}).validate()
@@ -314,7 +361,8 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
         return engine_prefill_bytes(models_shape, chunk, dtype_bytes(torch_dtype), glue, past=past)
 
     state = EngineState.empty(num_blocks, cfg.block_size, layout.bytes_per_block, cfg.max_batch,
-                              cfg.max_prefill_tokens, cfg.max_queue)
+                              cfg.max_prefill_tokens, cfg.max_queue, cfg.kv_admission,
+                              math.ceil(cfg.kv_watermark * num_blocks))
     out = to_dict(plan(shapes, state, check, estimate), 0, layout.bytes_per_token, attention.choose(device).name)
     del out["engine"]["weight_bytes"]  # the live server's figure; not predicted here (quant estimate gives W)
     quantized = getattr(mcfg, "quantization_config", None) is not None or (Path(source.path) /
@@ -335,10 +383,11 @@ def estimate_command(args, console, cache_dir) -> int:
     from quant.errors import ConfigError
 
     try:
-        shapes = [Shape(s.prompt_tokens, s.max_new_tokens, s.count, s.n)
+        shapes = [Shape(s.prompt_tokens, s.max_new_tokens, s.count, s.n, s.expected_new_tokens)
                   for s in map(parse_shape, args.requests.split(","))]
         result = offline(args.model, cache_dir, shapes, dtype=args.dtype, memory_budget=args.memory_budget,
-                         max_batch=args.max_batch, max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens)
+                         max_batch=args.max_batch, max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
+                         kv_admission=getattr(args, "kv_admission", None))
     except ValueError as e:  # RequestError (a bad shape, named), a bad setting, a bad budget
         raise ConfigError(f"--requests: {e}" if isinstance(e, RequestError) else str(e)) from None
     if args.json:

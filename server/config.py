@@ -10,7 +10,7 @@ import torch
 
 from quant.runtime.kernel_choice import MODES as KERNEL_MODES
 from server.layers.embedding import check_mode as check_embeddings
-from server.settings import setting
+from server.settings import BY_NAME, setting
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class EngineConfig:
     max_batch: int = setting("max_batch")
     max_prefill_tokens: int = setting("max_prefill_tokens")
     prefix_cache: bool = setting("prefix_cache")  # server/kv_pool.py's BlockPool
+    kv_admission: str = setting("kv_admission")  # server/scheduler.py
+    kv_watermark: float = setting("kv_watermark")
     block_size: int = 16  # tokens per KV block
     dtype: str = setting("dtype")
     device: str = setting("device")
@@ -47,6 +49,12 @@ class EngineConfig:
         check_embeddings(self.embeddings, getattr(torch, self.dtype))
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
+        admissions = BY_NAME["kv_admission"].choices
+        if self.kv_admission not in admissions:
+            raise ValueError(f"--kv-admission must be one of {', '.join(admissions)}, got {self.kv_admission!r}")
+        w = self.kv_watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
+            raise ValueError(f"--kv-watermark must be a number in [0, 1), got {w!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import logging
 import queue
 import secrets
@@ -137,7 +138,8 @@ class Engine:
         artifact.own_held_pages(held)
         artifact.release_unheld_pages(held)
         self.attention = self.runner.attention  # the backend's name (server.attention)
-        self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens, config.kv_admission,
+                                   math.ceil(config.kv_watermark * self.usable_blocks))
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.eos_ids = eos_ids(model, tokenizer)
         self.step = Stepper(self.runner, self.pool, config.block_size, self.device, self.eos_ids, self.vocab_size,
@@ -378,7 +380,7 @@ class Engine:
 
     def totals(self) -> EngineTotals:
         return accounting.engine_totals(self.pool, self.layout, self.weight_bytes, len(self.scheduler.running),
-                                        self._queued)
+                                        self._queued, self.scheduler.preemptions, self.scheduler.recomputed_tokens)
 
     def activation_estimate(self, chunk_tokens: int, past: int = 0, scored: int = 0) -> int:
         return accounting.activation_estimate(self.shape, self.dtype, self.runner, chunk_tokens, past, scored)
@@ -497,7 +499,10 @@ class Engine:
                     return
                 for _ in self.scheduler.admit():
                     self._dequeued()
-                plan = self.scheduler.plan()
+                plan = self.scheduler.plan(can_preempt=inflight is None)
+                if plan is None:  # a preemption waits for the step in flight to be read
+                    inflight = self._read(inflight)
+                    continue
                 if inflight is not None and plan.empty:
                     inflight = self._read(inflight)  # then plan again with its samples in
                     continue

@@ -79,6 +79,7 @@ def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:
         kv_bytes_reserved=a.kv_bytes_reserved, kv_bytes_used=a.kv_bytes_used,
         activation_peak_bytes=a.activation_peak_bytes, attention=a.attention, engine=totals_to_proto(e),
         kv_bytes_shared=a.kv_bytes_shared, kv_bytes_own=a.kv_bytes_own, prompt_tokens_cached=a.prompt_tokens_cached,
+        kv_dtype=a.kv_dtype, preemptions=a.preemptions, recomputed_tokens=a.recomputed_tokens,
     )
 
 
@@ -87,7 +88,8 @@ def totals_to_proto(e) -> pb.EngineMemory:
                            kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
                            queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
                            prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
-                           prefix_evictions=e.prefix_evictions)
+                           prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
+                           recomputed_tokens=e.recomputed_tokens)
 
 
 def final_to_proto(ev) -> pb.Final:
@@ -141,7 +143,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Plan(self, request, context):
         shapes = [Shape(r.prompt_tokens, r.max_new_tokens, r.count if r.HasField("count") else 1,
-                        r.n if r.HasField("n") else 1) for r in request.requests]
+                        r.n if r.HasField("n") else 1, r.expected_new_tokens) for r in request.requests]
         return json_format.ParseDict(await self.svc.plan(shapes), pb.PlanResponse())
 
     async def ModelInfo(self, request, context):

@@ -1,16 +1,17 @@
 """The KV cache pool: preallocated from a memory budget, handed out in fixed-size blocks, full blocks of prompt
 shared between requests through a prefix cache.
 
-A request reserves, when admitted, every block it can ever need: (prompt + max_new_tokens) tokens
-rounded up to whole blocks. Reserving the worst case up front is what lets the engine promise it
-never runs out of KV memory because of a request it accepted; the price is that a request stopping
-early held blocks it did not use, which is why they are released the moment it finishes or is
-cancelled, and why its accounting reports both reserved and used bytes.
+A request takes blocks in one of two ways (the scheduler's admission, server/scheduler.py, decides which):
 
-Of those blocks, the ones holding a run of prompt tokens that an earlier request already wrote are not taken
-anew: they are mapped from the prefix cache (:class:`BlockPool`), and the request's prefill starts after them.
-Its accounting then says which of its blocks it shared (with the cache or another live request) and which it
-owned.
+- on demand (the default): its prompt's blocks when admitted, then one more block whenever its next token starts
+  one (:meth:`BlockPool.grow`); when none is left the scheduler preempts a request to free some;
+- reserved: every block it can ever need at once, (prompt + max_new_tokens) tokens rounded up to whole blocks, so
+  it never needs another and is never preempted.
+
+Either way its blocks go back the moment it finishes, is cancelled or is preempted. Of its prompt's blocks, the
+ones holding a run of tokens that an earlier request already wrote are not taken anew: they are mapped from the
+prefix cache (:class:`BlockPool`), and the request's prefill starts after them. Its accounting then says which of
+its blocks it shared (with the cache or another live request) and which it owned.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def group_blocks(prompt_tokens: int, tokens: int, n: int, block_size: int) -> in
 
 
 class BlockPool:
-    """Fixed-size blocks of KV storage: all-or-nothing reservations per request, and a prefix cache of full blocks
-    shared between requests (nano-vllm's block manager is the shape: a hash chain, reference counts, a free list).
+    """Fixed-size blocks of KV storage: all-or-nothing reservations per request that grow a block at a time, and a
+    prefix cache of full blocks shared between requests (nano-vllm's block manager is the shape: a hash chain, reference counts, a free list).
 
     1. A full block of prompt tokens is keyed by a hash chain: its key digests its parent block's key, its token
        ids, and the pool's ``salt`` (what else decides its K/V: the model, the KV dtype, a LoRA identity).
@@ -123,11 +124,13 @@ class BlockPool:
     3. :meth:`try_reserve` with the request's prompt maps the longest cached run of the prompt's full blocks, never
        the block holding its last token (whose logits must be computed: the last partial or full block is always
        the request's own), and takes fresh blocks for the rest, from the free list first, then by evicting cached
-       blocks. All or nothing.
+       blocks. All or nothing, and only when ``headroom`` blocks would still be free after it (the scheduler's
+       watermark: room for the running requests' next blocks).
     4. :meth:`publish` keys a request's full prompt blocks as its prefill writes them, so later requests map them;
        a block whose key another block already holds (two requests prefilling the same prompt at once) stays
        unkeyed, the request's own.
-    5. :meth:`release` drops the request's references: a block reaching zero goes to the cache (keyed) or the
+    5. :meth:`grow` appends fresh blocks to a request's table (its decode reached a new block); all or nothing.
+    6. :meth:`release` drops the request's references: a block reaching zero goes to the cache (keyed) or the
        free list.
 
     With ``prefix_cache=False`` nothing is keyed: every block is taken fresh and freed on release.
@@ -217,8 +220,8 @@ class BlockPool:
             hits.append(b)
         return keys, hits, sum(1 for b in hits if self._refs[b] == 0)
 
-    def _room(self, fresh: int, idle_hits: int) -> bool:
-        return fresh <= len(self._free) + len(self._cached) - idle_hits
+    def _room(self, fresh: int, idle_hits: int, headroom: int = 0) -> bool:
+        return fresh + headroom <= len(self._free) + len(self._cached) - idle_hits
 
     def _reserve(self, request_id: str, mapped: list[int], fresh: int, keys: list[bytes], hits: int) -> list[int]:
         """Record a reservation the caller checked there is room for: ``mapped`` blocks (another holder's or cached:
@@ -238,19 +241,21 @@ class BlockPool:
         return table
 
     def try_reserve(self, request_id: str, tokens: int, prompt: list[int] | None = None,
-                    use_cache: bool = True) -> list[int] | None:
-        """Reserve every block ``tokens`` can need, or nothing (None) if they are not free now. With ``prompt``, its
-        cached full blocks come first in the table, mapped, not taken (:meth:`hit_blocks` says how many), unless
-        ``use_cache`` is False (a request that scores its whole prompt computes every block; it still publishes)."""
+                    use_cache: bool = True, headroom: int = 0, tally: bool = True) -> list[int] | None:
+        """Reserve the blocks of ``tokens`` positions, or nothing (None) if they are not free now with ``headroom``
+        blocks to spare. With ``prompt``, its cached full blocks come first in the table, mapped, not taken
+        (:meth:`hit_blocks` says how many), unless ``use_cache`` is False (a request that scores its whole prompt
+        computes every block; it still publishes). ``tally``: count the prompt in the hit rate's figures (not for a
+        preempted request taken back, whose prompt was counted when it was first admitted)."""
         if request_id in self._owned:
             raise ValueError(f"request {request_id} already holds KV blocks")
         keys, hits, idle_hits = self._lookup(prompt)
         if not use_cache:
             hits, idle_hits = [], 0
         fresh = self.layout.blocks_for(tokens) - len(hits)
-        if not self._room(fresh, idle_hits):
+        if not self._room(fresh, idle_hits, headroom):
             return None
-        if prompt:
+        if prompt and tally:
             self.queried_tokens += len(prompt)
             self.hit_tokens += len(hits) * self.layout.block_size
         return self._reserve(request_id, hits, fresh, keys, len(hits))
@@ -260,7 +265,7 @@ class BlockPool:
         return group_blocks(prompt_tokens, tokens, n, self.layout.block_size)
 
     def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int],
-                          use_cache: bool = True) -> list[list[int]] | None:
+                          use_cache: bool = True, headroom: int = 0) -> list[list[int]] | None:
         """Reserve ``n = len(request_ids)`` samples of one prompt at once, or nothing (None): the first is reserved as
         :meth:`try_reserve` does (its cached prefix mapped); each other maps the first's blocks of the prompt's full
         blocks before its last token's block (:func:`shared_blocks`: the first prefills them, the others wait for
@@ -272,7 +277,7 @@ class BlockPool:
         total = self.layout.blocks_for(tokens)
         k = shared_blocks(len(prompt), self.layout.block_size)
         _, hits, idle_hits = self._lookup(prompt) if use_cache else ([], [], 0)
-        if not self._room((total - len(hits)) + len(others) * (total - k), idle_hits):
+        if not self._room((total - len(hits)) + len(others) * (total - k), idle_hits, headroom):
             return None
         first = self.try_reserve(leader, tokens, prompt, use_cache)
         # (the others' prompt blocks come from the first sample, not the cache: no hit counted)
@@ -309,6 +314,18 @@ class BlockPool:
                 keyed += 1
         self._published[request_id] = max(done, upto)
         return keyed
+
+    def grow(self, request_id: str, tokens: int) -> bool:
+        """Extend the request's table to hold ``tokens`` positions with fresh blocks (free first, then evicted
+        cached ones); False, taking nothing, when not enough are free (step 5)."""
+        table = self._owned[request_id]
+        need = self.layout.blocks_for(tokens) - len(table)
+        if need <= 0:
+            return True
+        if not self._room(need, 0):
+            return False
+        table.extend(self._take(self._fresh(), request_id) for _ in range(need))
+        return True
 
     def hit_blocks(self, request_id: str) -> int:
         """Blocks the request mapped from the cache when it reserved: its first hit_blocks x block_size prompt

@@ -46,8 +46,15 @@ class Metrics:
              "prefix_hit_tokens"),
             ("quantserve_prefix_cache_evictions", "Cached KV blocks evicted for other requests' blocks (a counter).",
              "prefix_evictions"),
+            ("quantserve_preemptions", "Requests' samples preempted for KV blocks, their blocks released and taken "
+             "back later by recomputing (a counter).", "preemptions"),
+            ("quantserve_recomputed_tokens", "Positions whose K/V was computed again after preemptions (a counter).",
+             "recomputed_tokens"),
         ):
             Gauge(name, help, registry=r).set_function(lambda field=field: getattr(totals(), field))
+        Gauge("quantserve_kv_cache", "How the KV cache is held (labels: its dtype, and how requests take blocks); "
+              "the value is 1.", ["dtype", "admission"], registry=r).labels(
+            str(engine.layout.dtype).removeprefix("torch."), engine.config.kv_admission).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -93,6 +93,7 @@ class ShapeBody(BaseModel):
     max_new_tokens: int
     count: int = 1
     n: int = 1  # samples per request
+    expected_new_tokens: int = 0  # new tokens a request is expected to produce (0: max_new_tokens)
 
 
 class PlanBody(BaseModel):
@@ -111,7 +112,8 @@ class PlanBody(BaseModel):
             given = [k for k, v in one.items() if v is not None]
             if given:
                 raise RequestError(given[0], f"give requests or {given[0]}, not both")
-            return [Shape(r.prompt_tokens, r.max_new_tokens, r.count, r.n) for r in self.requests]
+            return [Shape(r.prompt_tokens, r.max_new_tokens, r.count, r.n, r.expected_new_tokens)
+                    for r in self.requests]
         one["concurrency"] = 1 if self.concurrency is None else self.concurrency
         for name, v in one.items():
             if v is None:

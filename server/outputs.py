@@ -46,6 +46,8 @@ class EngineTotals:
     prefix_hit_tokens: int = 0  # prompt tokens mapped from the cache, since the engine started
     prefix_queried_tokens: int = 0  # prompt tokens of every admitted request, since the engine started
     prefix_evictions: int = 0  # cached blocks evicted for another request's fresh blocks
+    preemptions: int = 0  # requests' samples preempted for KV blocks (on-demand admission), since the engine started
+    recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions, since the engine started
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -59,7 +61,7 @@ class Accounting:
     prompt_tokens: int
     generated_tokens: int
     kv_bytes_per_token: int  # 2 * layers * kv_heads * head_dim * bytes(dtype)
-    kv_blocks_reserved: int  # ceil((prompt + max_new_tokens) / block_size)
+    kv_blocks_reserved: int  # the most KV blocks it held at once (--kv-admission reserve: its whole reservation)
     kv_bytes_reserved: int  # kv_blocks_reserved * block_size * kv_bytes_per_token
     kv_bytes_used: int  # (tokens whose K/V was written) * kv_bytes_per_token
     activation_peak_bytes: int  # estimated peak of this request's prefill steps (quant.shape.memory)
@@ -73,6 +75,9 @@ class Accounting:
     # Prompt tokens it did not prefill: mapped from the prefix cache or, for a sample after its request's first,
     # from the first sample's blocks.
     prompt_tokens_cached: int = 0
+    kv_dtype: str = ""  # the dtype its K/V was held in (kv_bytes_per_token's)
+    preemptions: int = 0  # times it was preempted (its blocks released, taken back later by recomputing)
+    recomputed_tokens: int = 0  # positions whose K/V it computed again after those preemptions
 
     def to_dict(self) -> dict:
         return asdict(self)

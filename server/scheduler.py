@@ -1,15 +1,31 @@
-"""Continuous batching: which requests run in the next step, and how much of each.
+"""Continuous batching: which requests run in the next step, and how much of each; admission and preemption.
 
-Requests wait in FIFO order until the KV pool can hold their whole reservation (prompt + max_new_tokens,
-rounded up to blocks) and the batch has a free slot; strict FIFO, so a large request at the head is not
-starved by small ones behind it. Every step:
+Requests wait in FIFO order; strict FIFO, so a large request at the head is not starved by small ones behind it.
+How a request takes KV blocks is the admission (``--kv-admission``):
 
-1. admit from the head of the queue while the head fits (blocks reserved all-or-nothing; the prompt's blocks the
-   prefix cache holds are mapped instead, and its prefill starts after them, unless the request scores its
-   prompt: prompt logprobs need every position computed);
+- ``on-demand`` (the default): admitted when its prompt's blocks (those the prefix cache does not hold) fit with a
+  watermark of blocks left free; it takes one more block whenever its next token starts one. When a block is
+  needed and none is free (cached blocks no request holds are evicted first), the most recently admitted running
+  request is *preempted*: its blocks go back to the pool (its published full blocks stay in the prefix cache), it
+  returns to the head of the queue, and it is taken back by recomputing its prompt and the tokens it produced as
+  one prefill whose last row samples its next token. Its output is what it would have been unpreempted: the
+  random stream is keyed by (seed, token index), penalty counts are rebuilt from the tokens, its grammar and
+  detokenizer state are kept, and nothing already sent is sent again. No new request is admitted while a
+  preempted one waits (it is at the head). An accepted request is never failed for memory: the engine refuses
+  at submission one that could not run alone in the whole pool.
+- ``reserve``: admitted when every block it can ever need (prompt + max_new_tokens) is free, all or nothing; never
+  preempted.
+
+Every step:
+
+1. admit from the head of the queue while the head fits and the batch has a slot (the prompt's blocks the prefix
+   cache holds are mapped instead, and its prefill starts after them, unless the request scores its prompt:
+   prompt logprobs need every position computed);
 2. every running request that has finished its prompt decodes one token (the token sampled for it last may still
    be on the device: with the engine's overlapped steps it is fed from there, ``Sequence.pending``; a request
-   with a response_format waits a step instead, its grammar's mask needing that token on the host);
+   with a response_format waits a step instead, its grammar's mask needing that token on the host); on demand,
+   oldest first, each takes the block its token is written to, preempting as above (only with no step in flight:
+   :meth:`Scheduler.plan` returns None to have the engine read that step first);
 3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
    tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
    the running requests stays bounded by one chunk, not by the longest prompt that arrives.
@@ -20,12 +36,16 @@ returned to the pool at once. The scheduler is used only from the engine thread.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, shared_blocks
 from server.sampling_params import SamplingParams
+
+ON_DEMAND, RESERVE = "on-demand", "reserve"
+ADMISSIONS = (ON_DEMAND, RESERVE)
 
 
 @dataclass(eq=False)
@@ -67,6 +87,12 @@ class Sequence:
     wait_tokens: int = 0  # a sample after the first: prefills once the first has prefilled this many tokens
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as its prefill scores them
     prompt_logprobs_sent: bool = False  # given with its first event
+    admitted: int = -1  # the scheduler's admission count when it was last admitted: the newest is preempted first
+    peak_blocks: int = 0  # the most KV blocks its table held at once
+    recompute: int = 0  # generated tokens its prefill computes again (taken back after a preemption)
+    preemptions: int = 0  # times it was preempted
+    recomputed_tokens: int = 0  # positions whose K/V it computed again after preemptions
+    kv_written: int = 0  # at its last preemption: positions whose K/V it had written
 
     @property
     def request_id(self) -> str:
@@ -74,20 +100,50 @@ class Sequence:
 
     @property
     def waiting_for_leader(self) -> bool:
-        return self.group is not None and self.index > 0 and self.group.leader.prefilled < self.wait_tokens
+        """A sample after its request's first that must not prefill yet: the first has not written the prompt's
+        blocks it maps, or (taken back after a preemption, its first event still to come) has not scored the
+        prompt whose logprobs that event carries."""
+        if self.group is None or self.index == 0:
+            return False
+        if self.group.leader.prefilled < self.wait_tokens:
+            return True
+        return bool(self.preemptions and self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                    and not self.group.prompt_logprobs)
 
     @property
     def reserve_tokens(self) -> int:
+        """Positions it can ever write: what ``--kv-admission reserve`` takes at admission."""
         return len(self.prompt) + self.params.max_new_tokens
 
     @property
+    def fill_len(self) -> int:
+        """Positions its prefill computes: the prompt, then the generated tokens a preemption made it recompute."""
+        return len(self.prompt) + self.recompute
+
+    def fill_tokens(self, start: int, n: int) -> list[int]:
+        """Tokens ``start .. start + n`` of what its prefill computes."""
+        if start + n <= len(self.prompt):
+            return self.prompt[start:start + n]
+        return (self.prompt + self.generated[:self.recompute])[start:start + n]
+
+    @property
     def in_prompt(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < self.fill_len
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill scores the prompt (prompt logprobs): the first sample, on its first pass over the prompt."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and self.recompute == 0
 
     @property
     def kv_tokens(self) -> int:
-        """Positions whose K/V has been written: the prompt so far, then one per fed-back token."""
-        return self.prefilled + max(0, len(self.generated) - 1)
+        """Positions whose K/V has been written: the prefill so far, then one per fed-back token."""
+        return self.prefilled + max(0, len(self.generated) - 1 - self.recompute)
+
+    @property
+    def next_position(self) -> int:
+        """The position its next decode row writes (a token sampled by a launched step counted)."""
+        return len(self.prompt) + len(self.generated) + self.pending - 1
 
 
 @dataclass
@@ -101,12 +157,20 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, pool: BlockPool, max_batch: int, max_prefill_tokens: int, admission: str = ON_DEMAND,
+                 watermark_blocks: int = 0):
+        if admission not in ADMISSIONS:
+            raise ValueError(f"--kv-admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
         self.pool = pool
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
+        self.admission = admission
+        self.watermark_blocks = watermark_blocks  # on demand: blocks left free by an admission while others run
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0  # requests preempted since the engine started (each sample counted)
+        self.recomputed_tokens = 0  # positions computed again after preemptions, since the engine started
+        self._order = itertools.count()
 
     @property
     def has_work(self) -> bool:
@@ -115,70 +179,150 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    @staticmethod
+    def unit(seq: Sequence) -> list[Sequence]:
+        """What a waiting entry admits: a new request's samples together, a preempted sample alone."""
+        return seq.group.members if seq.group is not None and not seq.preemptions else [seq]
+
     def remove(self, request_id: str) -> tuple[list[Sequence], bool] | None:
-        """Take a request (all its samples) out wherever it is, releasing its blocks; (its sequences not done yet,
-        was it waiting?) or None."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                members = seq.group.members if seq.group is not None else [seq]
-                for m in members:
-                    m.done = True
-                return members, True
-        found = [s for s in self.running if s.request_id == request_id]
-        for seq in found:
+        """Take a request (all its samples) out wherever they are, releasing their blocks; (its sequences not done
+        yet, was it a new request still waiting?) or None."""
+        found, new = [], False
+        for seq in [s for s in self.waiting if s.request_id == request_id]:
+            self.waiting.remove(seq)
+            new = new or not seq.preemptions
+            for m in self.unit(seq):
+                m.done = True
+                found.append(m)
+        for seq in [s for s in self.running if s.request_id == request_id]:
             self.finish(seq)
-        return (found, False) if found else None
+            found.append(seq)
+        return (found, new) if found else None
 
     def finish(self, seq: Sequence) -> None:
         seq.done = True
-        self.running.remove(seq)
-        seq.shared_blocks = self.pool.shared_blocks(seq.id)
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:  # a preempted sample (its request failed while it waited)
+            self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        seq.shared_blocks = max(seq.shared_blocks, self.pool.shared_blocks(seq.id))
         self.pool.release(seq.id)
 
+    def _headroom(self) -> int:
+        """Blocks an admission must leave free: the watermark on demand while anything runs (with nothing running
+        a request that fits the pool alone is always admitted)."""
+        return self.watermark_blocks if self.admission == ON_DEMAND and self.running else 0
+
     def admit(self) -> list[Sequence]:
-        """Admit from the head of the queue while it fits; the requests admitted (a request of several samples
-        once, by its first). A request's prompt blocks that the prefix cache holds are mapped, not reserved anew,
-        and its prefill starts after them; a request's samples are admitted together, sharing its prompt's
-        blocks."""
+        """Admit from the head of the queue while it fits; the new requests admitted (a request of several samples
+        once, by its first; a preempted sample taken back is not listed). A request's prompt blocks that the prefix
+        cache holds are mapped, not reserved anew, and its prefill starts after them; a request's samples are
+        admitted together, sharing its prompt's blocks."""
         admitted = []
         bs = self.pool.layout.block_size
         while self.waiting:
             seq = self.waiting[0]
-            members = seq.group.members if seq.group is not None else [seq]
+            if seq.preemptions:
+                if not self._resume(seq):
+                    break
+                self.waiting.popleft()
+                continue
+            members = self.unit(seq)
             if len(self.running) + len(members) > self.max_batch:
                 break
-            use_cache = seq.params.prompt_logprobs is None  # scoring the prompt computes all of it
+            tokens = seq.reserve_tokens if self.admission == RESERVE else len(seq.prompt)
+            use_cache = not seq.scores_prompt  # scoring the prompt computes all of it
             if seq.group is None:
-                tables = [self.pool.try_reserve(seq.id, seq.reserve_tokens, seq.prompt, use_cache)]
+                tables = [self.pool.try_reserve(seq.id, tokens, seq.prompt, use_cache, self._headroom())]
             else:
-                tables = self.pool.try_reserve_group([m.id for m in members], seq.reserve_tokens, seq.prompt,
-                                                     use_cache)
+                tables = self.pool.try_reserve_group([m.id for m in members], tokens, seq.prompt, use_cache,
+                                                     self._headroom())
             if tables is None or tables[0] is None:
                 break  # strict FIFO: wait for blocks rather than let later requests overtake
             self.waiting.popleft()
             shared = shared_blocks(len(seq.prompt), bs) * bs
+            order = next(self._order)
             for m, table in zip(members, tables):
                 m.blocks = table
+                m.peak_blocks = len(table)
+                m.admitted = order
                 m.cached = m.prefilled = self.pool.hit_blocks(m.id) * bs if m is seq else shared
                 m.wait_tokens = 0 if m is seq else shared
                 self.running.append(m)
             admitted.append(seq)
         return admitted
 
-    def plan(self) -> Plan:
+    def _resume(self, seq: Sequence) -> bool:
+        """Take a preempted sample back if its prompt and generated tokens fit: it prefills them again (those the
+        prefix cache holds mapped), its prefill's last row sampling its next token."""
+        if len(self.running) + 1 > self.max_batch:
+            return False
+        tokens = seq.prompt + seq.generated
+        table = self.pool.try_reserve(seq.id, len(tokens), tokens, not seq.scores_prompt, self._headroom(),
+                                      tally=False)
+        if table is None:
+            return False
+        seq.blocks = table
+        seq.peak_blocks = max(seq.peak_blocks, len(table))
+        seq.admitted = next(self._order)
+        seq.recompute = len(seq.generated)
+        seq.prefilled = self.pool.hit_blocks(seq.id) * self.pool.layout.block_size
+        seq.wait_tokens = 0
+        again = max(0, seq.kv_written - seq.prefilled)
+        seq.recomputed_tokens += again
+        self.recomputed_tokens += again
+        self.running.append(seq)
+        return True
+
+    def _preempt(self) -> None:
+        """Preempt the most recently admitted running request (each of its running samples): blocks released,
+        back to the head of the queue, oldest sample first."""
+        newest = max(self.running, key=lambda s: s.admitted)
+        victims = [s for s in self.running if s.request_id == newest.request_id]
+        for s in victims:
+            if s.pending:
+                raise RuntimeError(f"preempting {s.id} with a sample in flight")
+            self.running.remove(s)
+            s.kv_written = s.kv_tokens
+            self._release(s)
+            s.blocks = None
+            s.prefilled = 0
+            s.recompute = 0
+            s.preemptions += 1
+            if not s.generated:  # stopped inside its prompt: a scored prompt is scored again from its start
+                s.prompt_logprobs.clear()
+        for s in reversed(victims):
+            self.waiting.appendleft(s)
+        self.preemptions += len(victims)
+
+    def plan(self, can_preempt: bool = True) -> Plan | None:
+        """The next step's decode rows and prefill chunks. On demand each decode row first takes the block its
+        token is written to, preempting when none is free; None when that needs a preemption and
+        ``can_preempt`` is False (a step is in flight: the engine reads it, then plans again)."""
         # A request whose last token is already sampled (by a launched step not read yet) has nothing to decode.
         # A request with a response_format waits for its last sample to be read: its grammar's mask needs it.
         decode = [s for s in self.running
                   if not s.in_prompt and len(s.generated) + s.pending < s.params.max_new_tokens
                   and not (s.pending and s.params.response_format is not None)]
+        if self.admission == ON_DEMAND:
+            for seq in sorted(decode, key=lambda s: s.admitted):
+                while seq.blocks is not None and not self.pool.grow(seq.id, seq.next_position + 1):
+                    if not can_preempt:
+                        return None
+                    self._preempt()
+                if seq.blocks is not None:
+                    seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
+            decode = [s for s in decode if s.blocks is not None]
         prefill = []
         budget = self.max_prefill_tokens
         for seq in self.running:
             if budget == 0:
                 break
             if seq.in_prompt and not seq.waiting_for_leader:
-                n = min(len(seq.prompt) - seq.prefilled, budget)
+                n = min(seq.fill_len - seq.prefilled, budget)
                 prefill.append((seq, seq.prefilled, n))
                 budget -= n
         return Plan(decode, prefill)

@@ -59,6 +59,16 @@ def seconds(v: str) -> float:
     return x
 
 
+def fraction(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise ValueError(f"a number in [0, 1), got {v!r}") from None
+    if not 0 <= x < 1:
+        raise ValueError(f"a number in [0, 1), got {v!r}")
+    return x
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     def check(v: str) -> str:
         if v not in choices:
@@ -147,6 +157,12 @@ SETTINGS: tuple[Setting, ...] = (
     S("prefix_cache", bool, True, "share the KV blocks of prompt prefixes between requests: a request maps the full "
       "blocks an earlier one wrote and prefills only the rest; unreferenced cached blocks are evicted least recently "
       "used when space is needed", "engine"),
+    S("kv_admission", str, "on-demand", "how a request takes KV blocks: on-demand (its prompt's when admitted, one "
+      "more as its tokens need it; when the pool runs dry the newest request is preempted and later recomputes what "
+      "it had, its output unchanged) or reserve (prompt + max_new_tokens at admission, never preempted)", "engine",
+      choices=("on-demand", "reserve")),
+    S("kv_watermark", float, 0.01, "on-demand admission leaves this fraction of the KV pool's blocks free for the "
+      "running requests' next tokens", "engine", check=fraction),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),
     S("max_prompt_tokens", int, None, "limit on prompt tokens (default: the model's context length)", "limits"),
     S("max_request_bytes", int, 4 * 2**20, "limit on a request's size (one message / body)", "limits"),

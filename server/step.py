@@ -57,12 +57,11 @@ class Stepper:
                            len(seq.prompt) + len(seq.generated) + seq.pending - 1, seq.blocks))
         prefill, sampled, score, scoring, scored_only = [], list(plan.decode), [], [], []
         for seq, start, n in plan.prefill:
-            last = start + n == len(seq.prompt)
+            last = start + n == seq.fill_len
             # prompt logprobs: the rows whose next token is the prompt's (the first sample of a request scores)
-            k = max(0, min(n, len(seq.prompt) - 1 - start)) if seq.params.prompt_logprobs is not None and \
-                seq.index == 0 else 0
+            k = max(0, min(n, len(seq.prompt) - 1 - start)) if seq.scores_prompt else 0
             generates = last and seq.params.max_new_tokens > 0  # max_new_tokens 0: scored, never sampled
-            prefill.append((seq.prompt[start : start + n], start, seq.blocks, generates))
+            prefill.append((seq.fill_tokens(start, n), start, seq.blocks, generates))
             score.append(k)
             if k:
                 scoring.append((seq, start, k))

@@ -643,7 +643,7 @@ def test_bounded_queue_overload_and_no_overflow(tiny_model_dir, cache_dir):
 
 @pytest.mark.e2e
 def test_cancel_while_waiting_for_blocks(tiny_model_dir, cache_dir):
-    eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512))
+    eng = make_engine(tiny_model_dir, cache_dir, memory_budget=str(8 * 16 * 512), kv_admission="reserve")
     try:
         ha, ea = eng.stream([5] * 20, greedy(100, min_tokens=100))
         hb, eb = eng.stream([6] * 20, greedy(80))

@@ -30,7 +30,7 @@ from server.sampling_params import SamplingParams
 
 def _state(**kw) -> capacity.EngineState:
     base = dict(num_blocks=10, free_blocks=10, block_size=16, bytes_per_block=100, running=0, max_batch=3,
-                max_prefill_tokens=64, waiting=(), queued=0, max_queue=2)
+                max_prefill_tokens=64, waiting=(), queued=0, max_queue=2, admission="reserve")
     return capacity.EngineState(**{**base, **kw})
 
 
@@ -55,6 +55,30 @@ def test_fifo_batch_and_queue_limits_in_order():
     # A small request behind a queued one still queues: strict FIFO, nobody overtakes.
     r = capacity.plan([Shape(40, 24, 3), Shape(1, 1)], _state(max_queue=5), _ok, _est)
     assert r.outcomes == ("admitted", "admitted", "queued", "queued")
+
+
+@pytest.mark.unit
+def test_on_demand_admits_by_the_prompt_and_says_guaranteed_and_expected_concurrency():
+    """On demand a request is admitted by its prompt's blocks (the watermark left free while others run); the plan
+    gives the guaranteed concurrency (each to max_new_tokens) and the expected one at the stated length."""
+    st = _state(num_blocks=100, free_blocks=100, max_batch=64, max_queue=64, admission="on-demand",
+                watermark_blocks=2)
+    # 200-token prompt (13 blocks), 2048 new at most (141 blocks: more than the pool), ~300 expected (32 blocks)
+    r = capacity.plan([Shape(200, 1000, 8, expected_new_tokens=300)], st, _ok, _est)
+    (p,) = r.shapes
+    assert (p.kv_blocks, p.kv_blocks_admission, p.kv_blocks_expected) == (75, 13, 32)
+    assert p.kv_bytes_reserved == 75 * 100  # ceil((200 + 1000 - 1) / 16): the last token's K/V is never written
+    assert (p.fit_empty, p.fit_expected, p.fit_expected_limited_by) == (1, 3, "kv_blocks")
+    # 13 blocks each: 7 admitted (the 8th would leave 100 - 91 - 13 < 2 free), then FIFO
+    assert r.outcomes == ("admitted",) * 7 + ("queued",)
+    reserve = capacity.plan([Shape(200, 1000, 8, expected_new_tokens=300)], _state(
+        num_blocks=100, free_blocks=100, max_batch=64, max_queue=64), _ok, _est)
+    assert reserve.outcomes == ("admitted",) + ("queued",) * 7 and reserve.shapes[0].fit_expected == 1
+    # an idle engine admits a request whatever the watermark; a stated length beyond max_new_tokens is refused
+    assert capacity.plan([Shape(1500, 10)], st, _ok, _est).outcomes == ("admitted",)
+    with pytest.raises(RequestError) as e:
+        capacity.plan([Shape(10, 10, expected_new_tokens=11)], st, _ok, _est)
+    assert e.value.param == "requests[0].expected_new_tokens"
 
 
 @pytest.mark.unit
@@ -106,13 +130,16 @@ def test_invalid_plans_name_the_field(shapes, param):
 
 
 @pytest.mark.e2e
-def test_the_plan_is_what_the_engine_then_does(tiny_model_dir, cache_dir):
+@pytest.mark.parametrize("admission", ["on-demand", "reserve"])
+def test_the_plan_is_what_the_engine_then_does(tiny_model_dir, cache_dir, admission):
     """Outcomes and KV for a grid of shapes: planned from a snapshot, then sent one by one with the engine's own
-    admission run after each (the loop's drain + admit, by hand, so nothing races)."""
+    admission run after each (the loop's drain + admit, by hand, so nothing races); each admitted request holds the
+    blocks the plan says it takes at admission."""
     import torch
 
     model, tok, name, scheme = load_for_serving(str(tiny_model_dir), torch.float32, "cpu", cache_dir)
-    cfg = EngineConfig(memory_budget="64KiB", max_batch=3, max_queue=3, dtype="float32", max_prefill_tokens=32)
+    cfg = EngineConfig(memory_budget="64KiB", max_batch=3, max_queue=3, dtype="float32", max_prefill_tokens=32,
+                       kv_admission=admission)
     eng = Engine(model, tok, cfg, name, scheme)  # not started: this test is the loop
     grid = [Shape(20, 10), Shape(100, 60, 2), Shape(600, 10), Shape(5, 5, 3), Shape(30, 500), Shape(1, 1, 2)]
     planned = eng.plan(grid, lambda n, m: capacity.Refusal("INVALID_ARGUMENT", "x") if _refused(eng, n, m) else None
@@ -132,12 +159,13 @@ def test_the_plan_is_what_the_engine_then_does(tiny_model_dir, cache_dir):
             running = {q.id: q for q in eng.scheduler.running}
             got.append("admitted" if h.id in running else "queued")
             if h.id in running:
-                reserved.setdefault(s, len(running[h.id].blocks) * eng.layout.bytes_per_block)
+                reserved.setdefault(s, len(running[h.id].blocks))
     assert tuple(got) == planned.outcomes
     assert set(planned.outcomes) == {"admitted", "queued", "refused"}  # the grid reaches every outcome
+    assert reserved
     for p in planned.shapes:
         if p.shape in reserved:
-            assert reserved[p.shape] == p.kv_bytes_reserved
+            assert reserved[p.shape] == p.kv_blocks_admission
 
 
 def _refused(eng, n, m) -> bool:
@@ -170,13 +198,13 @@ def test_plan_matches_the_accounting_of_real_requests(server, http):
         for shape, p in zip(grid, plan.shapes):
             try:
                 r = c.generate([rng.randrange(3, 1000) for _ in range(shape.prompt_tokens)],
-                               max_new_tokens=shape.max_new_tokens, seed=1)
+                               max_new_tokens=shape.max_new_tokens, min_tokens=shape.max_new_tokens, seed=1)
             except ClientError as e:
                 assert (p.refused, p.refusal.code, p.refusal.message, p.refusal.param) == (1, e.code, e.message,
                                                                                            e.param)
                 continue
             assert (p.admitted, p.refusal) == (1, None)  # an idle server runs each at once
-            assert r.memory.kv_bytes_reserved == p.kv_bytes_reserved
+            assert r.memory.kv_bytes_reserved == p.kv_bytes_reserved  # run to max_new_tokens (min_tokens)
             assert r.memory.activation_peak_bytes == p.activation_peak_bytes  # prefilled alone
     assert sum(p.refused for p in plan.shapes) == 2  # over the server's max_new_tokens; over the context
     assert plan.kv_free_blocks == plan.kv_capacity_blocks and plan.engine.running == 0

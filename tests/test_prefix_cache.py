@@ -107,12 +107,19 @@ def test_in_bf16_the_cache_gives_the_uncached_tokens(tiny_model_dir, cache_dir):
 
 
 @pytest.mark.e2e
-def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(engines):
+def test_requests_sharing_a_prefix_at_once_count_shared_blocks_once(tiny_model_dir, cache_dir):
     """A leader prefills a 40-token prompt; three followers extending it map its two full blocks while it still
-    runs. While all four run, the engine's used KV counts the shared blocks once (5 + 3 x 2 blocks, not 5 + 3 x 4);
-    each response's own + shared = reserved, the leader's shared blocks being the ones the followers mapped; the
-    followers' tokens are the uncached engine's."""
-    on, off = engines
+    runs. While all four run (each holding its whole reservation: --kv-admission reserve), the engine's used KV
+    counts the shared blocks once (5 + 3 x 2 blocks, not 5 + 3 x 4); each response's own + shared = reserved, the
+    leader's shared blocks being the ones the followers mapped."""
+    on = make(tiny_model_dir, cache_dir, kv_admission="reserve")
+    try:
+        _sharing_at_once(on)
+    finally:
+        on.close()
+
+
+def _sharing_at_once(on: Engine) -> None:
     prompt = ids(40, 5)
     bpb = on.layout.bytes_per_block
     leader_first, leader_done = threading.Event(), []
@@ -400,7 +407,7 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
     probe = make(tiny_model_dir, cache_dir)
     bpb = probe.layout.bytes_per_block
     probe.close()
-    eng = make(tiny_model_dir, cache_dir, budget=str(100 * bpb))
+    eng = make(tiny_model_dir, cache_dir, budget=str(100 * bpb), kv_admission="reserve")
     try:
         plan = eng.plan([Shape(200, 40, 5, 4)], lambda n, m: None).result(30)
         s = plan.shapes[0]

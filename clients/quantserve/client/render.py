@@ -76,9 +76,10 @@ def info_table(i: ModelInfo, transport: str) -> Table:
 def plan_table(p: Plan, transport: str) -> Group:
     """One row per shape: KV per request, how many fit now / when idle (and what limits it), the activation
     peak, and the outcomes of sending them now; a refusal's reason on the line below its row; then the pool."""
-    t = Table(title=f"capacity plan ({transport})", title_justify="left")
-    for name in ("prompt", "max new", "count", "n", "KV / request", "fit now", "fit idle", "activation peak",
-                 "admitted", "queued", "refused"):
+    admission = f", KV {p.kv_admission}" if p.kv_admission else ""
+    t = Table(title=f"capacity plan ({transport}{admission})", title_justify="left")
+    for name in ("prompt", "max new", "count", "n", "KV / request", "fit now", "fit idle", "expected",
+                 "activation peak", "admitted", "queued", "refused"):
         t.add_column(name, justify="right")
     notes = []
     e = p.engine
@@ -88,6 +89,7 @@ def plan_table(p: Plan, transport: str) -> Group:
         t.add_row(str(s.shape.prompt_tokens), str(s.shape.max_new_tokens), str(s.shape.count), str(s.shape.n),
                   f"{human_bytes(s.kv_blocks * bpb)} ({s.kv_blocks} blocks{shared})",
                   f"{s.fit_now} ({s.fit_now_limited_by})", f"{s.fit_empty} ({s.fit_empty_limited_by})",
+                  f"{s.fit_expected} at {s.shape.expected_new_tokens or s.shape.max_new_tokens} new",
                   human_bytes(s.activation_peak_bytes), str(s.admitted), str(s.queued), str(s.refused))
         if s.refusal is not None:
             notes.append(Text(f"shape {i + 1} refused: {s.refusal.code}: {s.refusal.message}"))

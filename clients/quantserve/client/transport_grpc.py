@@ -62,7 +62,8 @@ def _engine(e: pb.EngineMemory) -> EngineMemory:
                         kv_used_bytes=e.kv_used_bytes, kv_block_size=e.kv_block_size, running=e.running,
                         queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
                         prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
-                        prefix_evictions=e.prefix_evictions)
+                        prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
+                        recomputed_tokens=e.recomputed_tokens)
 
 
 def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
@@ -71,7 +72,8 @@ def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
                             activation_peak_bytes=m.activation_peak_bytes, attention=m.attention,
                             engine=_engine(m.engine) if m.HasField("engine") else None,
                             kv_bytes_shared=m.kv_bytes_shared, kv_bytes_own=m.kv_bytes_own,
-                            prompt_tokens_cached=m.prompt_tokens_cached)
+                            prompt_tokens_cached=m.prompt_tokens_cached, kv_dtype=m.kv_dtype,
+                            preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens)
 
 
 def _logprobs(lps) -> tuple[TokenLogprob, ...]:
@@ -125,7 +127,8 @@ def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
 
 def plan_to_proto(shapes: tuple[RequestShape, ...]) -> pb.PlanRequest:
     return pb.PlanRequest(requests=[pb.RequestShape(prompt_tokens=s.prompt_tokens, max_new_tokens=s.max_new_tokens,
-                                                    count=s.count, n=s.n) for s in shapes])
+                                                    count=s.count, n=s.n, expected_new_tokens=s.expected_new_tokens)
+                                 for s in shapes])
 
 
 def plan_from_proto(m: pb.PlanResponse) -> Plan:

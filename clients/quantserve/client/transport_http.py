@@ -137,7 +137,7 @@ def _ids(choice: dict) -> tuple[int, ...] | None:
 
 def plan_body(shapes: tuple[RequestShape, ...]) -> dict:
     return {"requests": [{"prompt_tokens": s.prompt_tokens, "max_new_tokens": s.max_new_tokens, "count": s.count,
-                          "n": s.n} for s in shapes]}
+                          "n": s.n, "expected_new_tokens": s.expected_new_tokens} for s in shapes]}
 
 
 def _plan(body: dict) -> Plan:

@@ -157,6 +157,8 @@ class EngineMemory:
     prefix_hit_tokens: int = 0  # prompt tokens mapped from the cache since the server started
     prefix_queried_tokens: int = 0  # prompt tokens of every admitted request since the server started
     prefix_evictions: int = 0  # cached blocks evicted for other requests' blocks
+    preemptions: int = 0  # requests' samples preempted for KV blocks since the server started
+    recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -179,6 +181,9 @@ class MemoryAccounting:
     kv_bytes_shared: int = 0
     kv_bytes_own: int = 0
     prompt_tokens_cached: int = 0
+    kv_dtype: str = ""  # the dtype its K/V was held in
+    preemptions: int = 0  # times it was preempted (its blocks released, taken back later by recomputing)
+    recomputed_tokens: int = 0  # positions whose K/V it computed again after those preemptions
 
 
 @dataclass(frozen=True)
@@ -313,9 +318,10 @@ def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
     if not d:
         return None
     ints = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used",
-            "activation_peak_bytes", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached")
+            "activation_peak_bytes", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "preemptions",
+            "recomputed_tokens")
     return MemoryAccounting(**{k: int(d.get(k, 0)) for k in ints}, attention=str(d.get("attention", "")),
-                            engine=engine_from_dict(d.get("engine")))
+                            engine=engine_from_dict(d.get("engine")), kv_dtype=str(d.get("kv_dtype", "")))
 
 
 @dataclass(frozen=True)
@@ -326,6 +332,7 @@ class RequestShape:
     max_new_tokens: int
     count: int = 1
     n: int = 1  # samples per request (they share the prompt's blocks on the server)
+    expected_new_tokens: int = 0  # new tokens a request is expected to produce (0: max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -352,6 +359,10 @@ class ShapePlan:
     refused: int
     refusal: Refusal | None = None
     kv_blocks_shared: int = 0  # n > 1: the prompt's blocks every sample of a request holds (once in kv_blocks)
+    kv_blocks_admission: int = 0  # per request: the blocks it takes when admitted
+    kv_blocks_expected: int = 0  # per request at the expected output length
+    fit_expected: int = 0  # how many an idle server runs at once at the expected length ...
+    fit_expected_limited_by: str = ""  # ... limited by kv_blocks or max_batch
 
 
 @dataclass(frozen=True)
@@ -367,16 +378,21 @@ class Plan:
     max_queue: int
     max_prefill_tokens: int
     attention: str
+    kv_admission: str = ""  # "on-demand" or "reserve"
 
 
 def parse_shape(text: str) -> RequestShape:
-    """``PROMPTxMAX_NEW[xCOUNT[xN]]`` (``512x256x8``; ``1024x128x4x8``: 4 requests of 8 samples) as a RequestShape;
-    ValueError saying the form otherwise."""
-    parts = text.strip().lower().split("x")
-    if len(parts) not in (2, 3, 4) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT[xN]] in whole numbers, e.g. 512x256x8; "
-                         f"got {text!r}")
-    return RequestShape(*(int(p) for p in parts))
+    """``PROMPTxMAX_NEW[xCOUNT[xN]][~EXPECTED]`` (``512x256x8``; ``1024x128x4x8``: 4 requests of 8 samples;
+    ``200x2048x8~300``: 8 requests expected to stop near 300 new tokens) as a RequestShape; ValueError saying the
+    form otherwise."""
+    body, _, expected = text.strip().lower().partition("~")
+    parts = body.split("x")
+    if len(parts) not in (2, 3, 4) or not all(p.strip().isdigit() for p in parts) or \
+            (expected and not expected.strip().isdigit()):
+        raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT[xN]][~EXPECTED] in whole numbers, e.g. 512x256x8 "
+                         f"or 200x2048x8~300; got {text!r}")
+    shape = RequestShape(*(int(p) for p in parts))
+    return dataclasses.replace(shape, expected_new_tokens=int(expected)) if expected else shape
 
 
 def plan_from_dict(d: Mapping[str, Any]) -> Plan:
@@ -392,10 +408,11 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
         shape = {**ints(p["shape"], RequestShape), "n": int(p["shape"].get("n", 1))}  # absent: an older server
         return ShapePlan(shape=RequestShape(**shape), refusal=refusal,
                          fit_now_limited_by=str(p["fit_now_limited_by"]),
-                         fit_empty_limited_by=str(p["fit_empty_limited_by"]), **ints(p, ShapePlan))
+                         fit_empty_limited_by=str(p["fit_empty_limited_by"]),
+                         fit_expected_limited_by=str(p.get("fit_expected_limited_by", "")), **ints(p, ShapePlan))
 
     return Plan(shapes=tuple(shape_plan(p) for p in d["shapes"]), engine=engine_from_dict(d.get("engine")),
-                attention=str(d.get("attention", "")), **ints(d, Plan))
+                attention=str(d.get("attention", "")), kv_admission=str(d.get("kv_admission", "")), **ints(d, Plan))
 
 
 @dataclass(frozen=True)

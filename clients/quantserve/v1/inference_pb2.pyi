@@ -138,7 +138,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineMemory(_message.Message):
-    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions")
+    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions", "preemptions", "recomputed_tokens")
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class EngineMemory(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     weight_bytes: int
     kv_capacity_bytes: int
     kv_used_bytes: int
@@ -161,10 +163,12 @@ class EngineMemory(_message.Message):
     prefix_hit_tokens: int
     prefix_queried_tokens: int
     prefix_evictions: int
-    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ...) -> None: ...
+    preemptions: int
+    recomputed_tokens: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class MemoryAccounting(_message.Message):
-    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached")
+    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "kv_dtype", "preemptions", "recomputed_tokens")
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +179,9 @@ class MemoryAccounting(_message.Message):
     KV_BYTES_SHARED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_OWN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_per_token: int
     kv_blocks_reserved: int
     kv_bytes_reserved: int
@@ -185,7 +192,10 @@ class MemoryAccounting(_message.Message):
     kv_bytes_shared: int
     kv_bytes_own: int
     prompt_tokens_cached: int
-    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    preemptions: int
+    recomputed_tokens: int
+    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop", "seed", "usage", "memory", "ttft_s", "duration_s")
@@ -316,16 +326,18 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestShape(_message.Message):
-    __slots__ = ("prompt_tokens", "max_new_tokens", "count", "n")
+    __slots__ = ("prompt_tokens", "max_new_tokens", "count", "n", "expected_new_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     max_new_tokens: int
     count: int
     n: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., count: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    expected_new_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., count: _Optional[int] = ..., n: _Optional[int] = ..., expected_new_tokens: _Optional[int] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("requests",)
@@ -344,7 +356,7 @@ class Refusal(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class ShapePlan(_message.Message):
-    __slots__ = ("shape", "kv_blocks", "kv_bytes_reserved", "activation_peak_bytes", "fit_now", "fit_now_limited_by", "fit_empty", "fit_empty_limited_by", "admitted", "queued", "refused", "refusal", "kv_blocks_shared")
+    __slots__ = ("shape", "kv_blocks", "kv_bytes_reserved", "activation_peak_bytes", "fit_now", "fit_now_limited_by", "fit_empty", "fit_empty_limited_by", "admitted", "queued", "refused", "refusal", "kv_blocks_shared", "kv_blocks_admission", "kv_blocks_expected", "fit_expected", "fit_expected_limited_by")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +370,10 @@ class ShapePlan(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    FIT_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    FIT_EXPECTED_LIMITED_BY_FIELD_NUMBER: _ClassVar[int]
     shape: RequestShape
     kv_blocks: int
     kv_bytes_reserved: int
@@ -371,10 +387,14 @@ class ShapePlan(_message.Message):
     refused: int
     refusal: Refusal
     kv_blocks_shared: int
-    def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., kv_blocks_shared: _Optional[int] = ...) -> None: ...
+    kv_blocks_admission: int
+    kv_blocks_expected: int
+    fit_expected: int
+    fit_expected_limited_by: str
+    def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., kv_blocks_shared: _Optional[int] = ..., kv_blocks_admission: _Optional[int] = ..., kv_blocks_expected: _Optional[int] = ..., fit_expected: _Optional[int] = ..., fit_expected_limited_by: _Optional[str] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention")
+    __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention", "kv_admission")
     SHAPES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +404,7 @@ class PlanResponse(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    KV_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     shapes: _containers.RepeatedCompositeFieldContainer[ShapePlan]
     engine: EngineMemory
     kv_bytes_per_token: int
@@ -393,4 +414,5 @@ class PlanResponse(_message.Message):
     max_queue: int
     max_prefill_tokens: int
     attention: str
-    def __init__(self, shapes: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., attention: _Optional[str] = ...) -> None: ...
+    kv_admission: str
+    def __init__(self, shapes: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., attention: _Optional[str] = ..., kv_admission: _Optional[str] = ...) -> None: ...
