@@ -265,6 +265,27 @@ def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
         want.kv_capacity_blocks, want.kv_bytes_per_token, want.max_batch, want.max_prefill_tokens)
 
 
+@pytest.mark.unit
+def test_a_shape_string_may_state_the_expected_new_tokens():
+    from quantserve.client.types import parse_shape
+
+    assert parse_shape("200x2048x8~300") == RequestShape(200, 2048, 8, 1, 300)
+    assert parse_shape("5x6x2x3") == RequestShape(5, 6, 2, 3, 0)
+    for bad in ("5x6~", "5x6~3x", "~3", "5x6~-1"):
+        with pytest.raises(ValueError, match="PROMPTxMAX_NEW"):
+            parse_shape(bad)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("http", [False, True])
+def test_the_expected_concurrency_over_both_transports(server, http):
+    target = server.http.removeprefix("http://") if http else server.grpc_target
+    with Client(target, http=http) as c:
+        (p,) = c.plan([RequestShape(40, 60, 1, 1, 10)]).shapes
+    assert p.shape.expected_new_tokens == 10 and p.kv_blocks_admission == 3  # ceil(40 / 16)
+    assert p.kv_blocks_expected == 4 and p.fit_expected >= p.fit_empty  # ceil(49 / 16); 100 tokens: 7 blocks
+
+
 @pytest.mark.e2e
 def test_quant_estimate_requests_refuses_a_bad_shape_in_one_line():
     r = subprocess.run([sys.executable, "-m", "quant.cli", "estimate", "--requests", "12x0"], capture_output=True,
@@ -286,7 +307,11 @@ def test_the_client_and_cli_refuse_a_plan_without_one_clear_shape(server, capsys
             assert e.value.code == "invalid_argument" and e.value.param == param
     for args, says in ((["plan"], "needs --prompt-tokens"),
                        (["plan", "--shape", "5x5", "--max-new-tokens", "5"], "not both"),
-                       (["plan", "--shape", "5x"], "--shape: a request shape is PROMPTxMAX_NEW[xCOUNT[xN]]")):
+                       (["plan", "--shape", "5x"], "--shape: a request shape is PROMPTxMAX_NEW[xCOUNT[xN]][~EXPECTED]"),
+                       (["plan", "--shape", "5x5~x"], "--shape: a request shape is")):
         assert main([*args, "--target", server.grpc_target]) == 1
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err, err
+    assert main(["plan", "--shape", "5x5~9", "--target", server.grpc_target]) != 0  # the server's refusal
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "requests[0].expected_new_tokens" in err, err

@@ -107,14 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="a system message to start the conversation with")
     c = cmd("info", "what is served: model, scheme, dtype, attention, device, memory, limits", [conn])
     c.add_argument("--json", action="store_true")
-    c = cmd("plan", "capacity preflight: for requests of these shapes, KV reserved per request, how many fit now "
-                    "and when idle, the prefill activation peak, and whether each sent now would be admitted, "
-                    "queued or refused (and why)", [conn])
+    c = cmd("plan", "capacity preflight: for requests of these shapes, KV per request, how many are guaranteed to "
+                    "fit now and when idle, how many run at once at an expected length, the prefill activation "
+                    "peak, and whether each sent now would be admitted, queued or refused (and why)", [conn])
     c.add_argument("--prompt-tokens", type=int, help="one shape: prompt tokens ...")
     c.add_argument("--max-new-tokens", type=int, help="... max new tokens ...")
     c.add_argument("--concurrency", type=int, default=1, help="... and how many such requests (default 1)")
-    c.add_argument("--shape", action="append", metavar="PxN[xC]", help="a shape as prompt x max-new [x count], "
-                   "e.g. 512x256x8; repeat for several, planned in the order given")
+    c.add_argument("--shape", action="append", metavar="PxN[xC[xS]][~E]", help="a shape as prompt x max-new "
+                   "[x count [x samples]] [~ expected new tokens], e.g. 512x256x8 or 200x2048x8~300; repeat for "
+                   "several, planned in the order given")
     c.add_argument("--json", action="store_true")
     c = cmd("tokenize", "the server tokenizer's ids and tokens for TEXT", [conn])
     c.add_argument("text")

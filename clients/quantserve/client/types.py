@@ -385,10 +385,10 @@ def parse_shape(text: str) -> RequestShape:
     """``PROMPTxMAX_NEW[xCOUNT[xN]][~EXPECTED]`` (``512x256x8``; ``1024x128x4x8``: 4 requests of 8 samples;
     ``200x2048x8~300``: 8 requests expected to stop near 300 new tokens) as a RequestShape; ValueError saying the
     form otherwise."""
-    body, _, expected = text.strip().lower().partition("~")
+    body, tilde, expected = text.strip().lower().partition("~")
     parts = body.split("x")
     if len(parts) not in (2, 3, 4) or not all(p.strip().isdigit() for p in parts) or \
-            (expected and not expected.strip().isdigit()):
+            (tilde and not expected.strip().isdigit()):
         raise ValueError(f"a request shape is PROMPTxMAX_NEW[xCOUNT[xN]][~EXPECTED] in whole numbers, e.g. 512x256x8 "
                          f"or 200x2048x8~300; got {text!r}")
     shape = RequestShape(*(int(p) for p in parts))
