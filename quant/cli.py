@@ -88,6 +88,10 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--windows", type=int, default=EvalConfig.windows)
     e.add_argument("--seqlen", type=int, default=EvalConfig.seqlen)
     e.add_argument("--dtype", default=EvalConfig.dtype, help=EVAL_DTYPE_HELP)
+    e.add_argument("--kv-dtype", default=None, metavar="KV",
+                   help="instead: the quality cost of this KV cache format or dtype (int8, fp8, int4, int4-rot, "
+                        "int4-chan, bfloat16, float16) on top of the artifact's weights, against the same weights "
+                        "with a full-precision cache")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-progress", action="store_true")
 
@@ -244,15 +248,25 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
     if data is None:
         raise QuantError("--data is required: this artifact was built without --eval-data")
     windows = calibration.eval_windows(art.tokenizer, data, args.windows, args.seqlen)
-    source = resolve_eval_source(art.manifest, cache_dir)
-    adapter = resolve_eval_adapter(art.manifest)
-    base = reference_model(source, adapter, models.torch_dtype(args.dtype))
-    q = evaluate.compare(base, {"quantized": art.model}, windows, progress=not args.no_progress)["quantized"]
-    result = {**q.to_dict(), "dtype": args.dtype, "data": windows.describe(), "artifact": str(args.artifact)}
+    if args.kv_dtype is not None:  # the same weights, attention reading K and V through the cache format
+        try:
+            view = evaluate.KVCacheView(art.model, args.kv_dtype)
+        except ValueError as e:
+            raise QuantError(f"--kv-dtype: {e}") from None
+        base, candidate, what = art.model, view, f"KV cache {args.kv_dtype} against a {args.dtype} cache"
+    else:
+        source = resolve_eval_source(art.manifest, cache_dir)
+        adapter = resolve_eval_adapter(art.manifest)
+        base = reference_model(source, adapter, models.torch_dtype(args.dtype))
+        candidate, what = art.model, "against the base model"
+    q = evaluate.compare(base, {"quantized": candidate}, windows, progress=not args.no_progress)["quantized"]
+    result = {**q.to_dict(), "dtype": args.dtype, "data": windows.describe(), "artifact": str(args.artifact),
+              "kv_dtype": args.kv_dtype}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        console.print(quality_table(result, f"{args.artifact}: {args.windows} x {args.seqlen} tokens of {data}"))
+        console.print(quality_table(result, f"{args.artifact}: {args.windows} x {args.seqlen} tokens of {data}, "
+                                            f"{what}"))
     return 0
 
 

@@ -41,6 +41,49 @@ class Quality:
         return asdict(self)
 
 
+class KVCacheView:
+    """``model`` with its attention reading K and V back as a KV cache of format or dtype ``kv`` holds them
+    (quant.runtime.kv_quant.round_trip; keys as attention sees them, after the rotary embedding), called as
+    :func:`compare` calls a model: the quality cost of a KV cache choice on top of the weights, against a view of
+    the same weights. Attention itself is transformers' SDPA."""
+
+    def __init__(self, model, kv: str):
+        if getattr(model.config, "attn_logit_softcapping", None):
+            raise ValueError("a KV cache view of a model with attention soft-capping is not supported (SDPA has none)")
+        self.model, self.kv = model, kv
+        self.impl = _register_kv_attention(kv)
+
+    def __call__(self, ids: torch.Tensor, use_cache: bool = False):
+        cfg = self.model.config
+        inner, cfg._attn_implementation = cfg._attn_implementation, self.impl
+        try:
+            return self.model(ids, use_cache=use_cache)
+        finally:
+            cfg._attn_implementation = inner
+
+
+def _register_kv_attention(kv: str) -> str:
+    """Register (once per format) a transformers attention implementation that rounds K and V through the cache
+    format, then attends by SDPA."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from quant.runtime.kv_quant import round_trip
+
+    name = f"quantserve_kv_{kv}"
+    round_trip(kv, torch.zeros(1, 1, 64), key=True)  # an unknown format is refused here, by name
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        def attend(module, query, key, value, attention_mask, **kw):
+            return sdpa_attention_forward(module, query, round_trip(kv, key, True), round_trip(kv, value, False),
+                                          attention_mask, **kw)
+
+        AttentionInterface.register(name, attend)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
 @torch.inference_mode()
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids, use_cache=False).logits[0, :-1]  # (T-1, V)

@@ -1,0 +1,96 @@
+"""KV cache formats (quant/runtime/kv_quant.py): each round trip against its definition, the bytes each costs, and
+the KV cache view quant eval measures them with (quant/build/evaluate.py's KVCacheView)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant.runtime import hadamard
+from quant.runtime.kv_quant import FORMATS, round_trip
+
+
+def _kv(tokens=40, heads=3, dim=64, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, heads, tokens, dim, generator=g)
+    x[..., 5] *= 12  # an outlier channel, as keys have
+    return x
+
+
+@pytest.mark.unit
+def test_int8_is_symmetric_per_token_and_head_within_half_a_step():
+    x = _kv()
+    y = round_trip("int8", x, key=True)
+    step = (x.abs().amax(-1, keepdim=True) / 127).half().float()
+    assert ((y - x).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(y / step, torch.round(y / step))  # every value on its vector's grid
+    assert torch.equal(round_trip("int8", torch.zeros(1, 1, 2, 64), key=False), torch.zeros(1, 1, 2, 64))
+
+
+@pytest.mark.unit
+def test_int4_rotated_keys_are_the_rotated_round_trip_rotated_back():
+    x = _kv()
+    plain = FORMATS["int4"].round_trip(hadamard.rotate(x, 64), key=False)
+    assert torch.allclose(round_trip("int4-rot", x, key=True), hadamard.rotate(plain, 64), atol=1e-5)
+    assert torch.equal(round_trip("int4-rot", x, key=False), round_trip("int4", x, key=False))  # values per token
+    # the rotation spreads the outlier channel: the keys' error is smaller than unrotated
+    err = {f: float((round_trip(f, x, key=True) - x).pow(2).mean()) for f in ("int4", "int4-rot")}
+    assert err["int4-rot"] < err["int4"]
+
+
+@pytest.mark.unit
+def test_int4_channel_keys_scale_each_channel_over_each_block_of_tokens():
+    x = _kv(tokens=37)
+    y = round_trip("int4-chan", x, key=True)
+    for t0 in (0, 16, 32):
+        blk, got = x[..., t0:t0 + 16, :], y[..., t0:t0 + 16, :]
+        lo = blk.amin(-2).half().float()
+        step = ((blk.amax(-2) - lo) / 15).half().float()  # (1, heads, dim)
+        assert ((got - blk).abs() <= step[..., None, :] / 2 + 1e-3 * step[..., None, :] + 1e-5).all()
+        assert torch.allclose((got - lo[..., None, :]) / step[..., None, :],
+                              torch.round((got - lo[..., None, :]) / step[..., None, :]), atol=1e-3)
+
+
+@pytest.mark.unit
+def test_fp8_keeps_e4m3_codes_under_a_per_vector_scale():
+    x = _kv()
+    y = round_trip("fp8", x, key=False)
+    s = (x.abs().amax(-1, keepdim=True) / 448).half().float()
+    assert torch.equal((y / s).to(torch.float8_e4m3fn).float(), (y / s))  # exactly representable
+    assert float(((y - x).abs() / x.abs().amax(-1, keepdim=True)).max()) < 2**-4
+
+
+@pytest.mark.unit
+def test_bytes_per_token_against_bf16():
+    bf16 = 64 * 2
+    assert FORMATS["int8"].bytes_per_vector(64) / bf16 == pytest.approx(66 / 128)  # <= 0.53
+    assert FORMATS["fp8"].bytes_per_vector(64) == 66
+    assert FORMATS["int4"].bytes_per_vector(64) / bf16 == pytest.approx(36 / 128)  # <= 0.3
+
+
+@pytest.mark.unit
+def test_a_float_cache_is_a_rounding_and_an_unknown_format_is_refused_by_name():
+    x = _kv()
+    assert torch.equal(round_trip("bfloat16", x, key=True), x.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="no KV cache format 'int3'"):
+        round_trip("int3", x, key=True)
+
+
+@pytest.mark.reference
+def test_the_kv_view_changes_only_what_attention_reads(tiny_model_dir):
+    """A float32 view equals the model; an int8 view moves the logits a little and leaves the model as it was."""
+    from helpers import hf_causal_lm
+
+    from quant.build.evaluate import KVCacheView
+
+    model = hf_causal_lm(tiny_model_dir)
+    ids = torch.randint(3, 400, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        same = KVCacheView(model, "float32")(ids).logits
+        moved = KVCacheView(model, "int8")(ids).logits
+        again = model(ids).logits
+    assert torch.allclose(same, want, atol=1e-5) and torch.equal(again, want)
+    assert 0 < float((moved - want).abs().max()) < 0.05 * float(want.abs().max())
+    with pytest.raises(ValueError, match="no KV cache format"):
+        KVCacheView(model, "int3")
