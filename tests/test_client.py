@@ -135,7 +135,7 @@ def test_cli_generate_stream_and_json(server, capsys, transport):
         want = c.generate("The river", temperature=0.9, seed=5, max_new_tokens=6, stop=["zzzz"])
     rc, out, err = cli(capsys, server, transport, "generate", *args)
     assert rc == 0 and out == want.text + "\n"
-    assert f"{want.usage.completion_tokens} tokens" in err and "seed 5" in err and "KV reserved" in err
+    assert f"{want.usage.completion_tokens} tokens" in err and "seed 5" in err and "KV peak" in err
     assert "activation peak" in err
     rc, out2, err2 = cli(capsys, server, transport, "stream", *args)
     assert rc == 0 and out2 == out and err2.splitlines()[-1].startswith("[")

@@ -28,13 +28,17 @@ def human_bytes(n: float | None) -> str:
 
 
 def summary(r: Result) -> str:
-    """tokens (prompt) · finish reason · seed · KV reserved / used · activation peak [· ttft, duration]."""
+    """tokens (prompt) · finish reason · seed · KV held at its peak / used (dtype) [· preemptions] · activation peak
+    [· ttft, duration]."""
     reason = r.finish_reason + (f" ({r.stop})" if r.stop else "")
     n = r.usage.completion_tokens
     parts = [f"{n} token{'' if n == 1 else 's'} (prompt {r.usage.prompt_tokens})", f"finish {reason}", f"seed {r.seed}"]
     if r.memory is not None:
         m = r.memory
-        parts.append(f"KV reserved {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}")
+        dtype = f" ({m.kv_dtype})" if m.kv_dtype else ""
+        parts.append(f"KV peak {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}{dtype}")
+        if m.preemptions:
+            parts.append(f"preempted {m.preemptions}x, {m.recomputed_tokens} tokens recomputed")
         if m.kv_bytes_shared:
             parts.append(f"shared {human_bytes(m.kv_bytes_shared)} / own {human_bytes(m.kv_bytes_own)}, "
                          f"{m.prompt_tokens_cached} prompt tokens cached")
@@ -159,7 +163,7 @@ def sweep_table(rows: Sequence[SweepRow], seeds: int, transport: str) -> Table:
     t = Table(title=f"sweep: {len(rows)} cells x {seeds} seeds ({transport}; distinct-n over "
                     f"{'token ids' if transport == 'grpc' else 'token texts'})")
     for name in ("T", "top_k", "top_p", "len", "distinct-1", "distinct-2", "rep. rate", "mean logprob",
-                 "mean entropy", "KV reserved", "KV used", "act. peak"):
+                 "mean entropy", "KV peak", "KV used", "act. peak"):
         t.add_column(name, justify="right")
     for r in rows:
         m = r.metrics
