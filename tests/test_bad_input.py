@@ -577,6 +577,23 @@ def test_eval_without_data(capsys, good_artifact):
     assert "--data" in msg
 
 
+def test_eval_of_a_kv_cache_format_refuses_an_unknown_one_by_name(capsys, good_artifact, text_file):
+    assert run_cli("eval", good_artifact, "--data", text_file, "--windows", "2", "--seqlen", "32", "--kv-dtype",
+                   "int3", "--no-progress") == 1
+    msg = error_line(capsys, "eval")
+    assert "--kv-dtype" in msg and "'int3'" in msg and "int8" in msg
+
+
+def test_eval_of_a_kv_cache_format_reports_its_cost_on_the_same_weights(capsys, good_artifact, text_file):
+    import json
+
+    assert run_cli("eval", good_artifact, "--data", text_file, "--windows", "2", "--seqlen", "32", "--kv-dtype",
+                   "int8", "--json", "--no-progress") == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["kv_dtype"] == "int8" and got["tokens"] == 2 * 31
+    assert 0 < got["mean_kl"] < 0.01 and abs(got["delta_ppl_pct"]) < 2
+
+
 # ------------------------------------------------------------------------------------------------
 # 9. usage errors are argparse's, exit 2
 
