@@ -54,14 +54,14 @@ def main() -> None:
         models["w4a16"] = art.model
     windows = calibration.eval_windows(tok, DATA, args.windows, args.seqlen)
     shape = ModelShape.from_config(float_model.config)
-    bf16_vector = shape.head_dim * 2
+    bf16_token = 2 * shape.head_dim * 2  # K and V
     rows = []
     for name, model in models.items():
         model.eval()
         got = compare(KVCacheView(model, "bfloat16"), {f: KVCacheView(model, f) for f in formats}, windows,
                       progress=False)
         for f, q in got.items():
-            row = {"model": name, "kv": f, "bytes_x": FORMATS[f].bytes_per_vector(shape.head_dim) / bf16_vector,
+            row = {"model": name, "kv": f, "bytes_x": FORMATS[f].bytes_per_token(shape.head_dim) / bf16_token,
                    **q.to_dict()}
             rows.append(row)
             if not args.json:

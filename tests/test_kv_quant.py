@@ -66,6 +66,9 @@ def test_bytes_per_token_against_bf16():
     assert FORMATS["int8"].bytes_per_vector(64) / bf16 == pytest.approx(66 / 128)  # <= 0.53
     assert FORMATS["fp8"].bytes_per_vector(64) == 66
     assert FORMATS["int4"].bytes_per_vector(64) / bf16 == pytest.approx(36 / 128)  # <= 0.3
+    # per-channel keys: a scale and a minimum per channel per 16 tokens, 64 x 2 x 2 / 16 = 16 bytes a token
+    assert FORMATS["int4-chan"].bytes_per_vector(64, key=True) == 32 + 16
+    assert FORMATS["int4-chan"].bytes_per_token(64) / (2 * bf16) == pytest.approx((48 + 36) / 256)  # 0.328
 
 
 @pytest.mark.unit

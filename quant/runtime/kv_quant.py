@@ -35,15 +35,21 @@ class KVFormat:
     fp8: bool = False
     rotate_keys: bool = False
     key_group: int = 0  # > 0: keys scaled per channel over blocks of this many tokens (KIVI)
-    scale_bytes: int = 2  # each scale (and zero point) held as float16
+    scale_bytes: int = 2  # each scale (and minimum) held as float16
 
-    def bytes_per_vector(self, head_dim: int) -> int:
-        """Bytes one token's K (or V) of one KV head costs: its codes and its scale (and zero point). Per-channel key
-        scales are one per channel per group of tokens: the same bytes per token on average, head_dim * params /
-        group."""
+    def bytes_per_vector(self, head_dim: int, key: bool = False) -> int:
+        """Bytes one token's K (``key``) or V of one KV head costs: its codes and its scale (and minimum). Per-channel
+        key scales are a scale and minimum per channel per group of tokens: head_dim * 2 * scale_bytes / key_group
+        a token."""
         codes = math.ceil(head_dim * self.bits / 8)
         params = 2 if self.asymmetric else 1
+        if key and self.key_group:
+            return codes + math.ceil(head_dim * params * self.scale_bytes / self.key_group)
         return codes + params * self.scale_bytes
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        """Bytes one token's K and V of one KV head cost together."""
+        return self.bytes_per_vector(head_dim, key=True) + self.bytes_per_vector(head_dim)
 
     def round_trip(self, x: torch.Tensor, key: bool) -> torch.Tensor:
         """x (..., tokens, head_dim) as attention reads it back once stored: quantized, then dequantized."""
