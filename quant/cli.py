@@ -125,6 +125,8 @@ def _build_parser() -> argparse.ArgumentParser:
                          "512x256x8,200x2048x8~300), as its Plan call answers")
     es.add_argument("--kv-admission", default=None, choices=("on-demand", "reserve"),
                     help="with --requests: the server's KV admission (default: quant serve's)")
+    es.add_argument("--kv-dtype", default=None, choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8"),
+                    help="what the KV cache holds (default: quant serve's, auto: --dtype)")
     for name, what in (("memory-budget", "KV pool"), ("max-batch", "requests running at once"),
                        ("max-queue", "requests waiting"), ("max-prefill-tokens", "prompt tokens per step")):
         es.add_argument(f"--{name}", default=None, type=str if name == "memory-budget" else int,

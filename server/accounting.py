@@ -38,7 +38,7 @@ def request_accounting(seq, layout, attention: str, totals: EngineTotals) -> Acc
         kv_bytes_used=seq.kv_tokens * bpt, activation_peak_bytes=seq.activation_peak,
         attention=attention, engine=totals,
         kv_bytes_shared=seq.shared_blocks * bpb, kv_bytes_own=(reserved_blocks - seq.shared_blocks) * bpb,
-        prompt_tokens_cached=seq.cached, kv_dtype=str(layout.dtype).removeprefix("torch."),
+        prompt_tokens_cached=seq.cached, kv_dtype=layout.kv_dtype,
         preemptions=seq.preemptions, recomputed_tokens=seq.recomputed_tokens,
     )
 

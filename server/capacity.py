@@ -317,7 +317,8 @@ def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, atte
 def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None = None,
             memory_budget: str | None = None, max_batch: int | None = None, max_queue: int | None = None,
             max_prefill_tokens: int | None = None, max_new_tokens_limit: int | None = None,
-            max_prompt_tokens: int | None = None, kv_admission: str | None = None) -> dict:
+            max_prompt_tokens: int | None = None, kv_admission: str | None = None,
+            kv_dtype: str | None = None) -> dict:
     """The plan an idle ``quant serve SPEC`` with these settings (None: serve's default) would answer, from the
     model's config alone (no weights are loaded): ``quant estimate --requests``. The activation peak counts no
     dequantization transients (the live plan measures those of a weight-only artifact's layers above their
@@ -334,7 +335,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     from server.runner import glue_ops_choice
 
     given = {"dtype": dtype, "memory_budget": memory_budget, "max_batch": max_batch, "max_queue": max_queue,
-             "max_prefill_tokens": max_prefill_tokens, "kv_admission": kv_admission}
+             "max_prefill_tokens": max_prefill_tokens, "kv_admission": kv_admission, "kv_dtype": kv_dtype}
     cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None}).validate()
     limits = Limits(**{k: v for k, v in (("max_new_tokens", max_new_tokens_limit),
                                          ("max_prompt_tokens", max_prompt_tokens)) if v is not None}).validate()
@@ -342,7 +343,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     mcfg = AutoConfig.from_pretrained(source.path)
     models_shape = ModelShape.from_config(mcfg)
     torch_dtype = getattr(torch, cfg.dtype)
-    layout = KVLayout.from_config(mcfg, torch_dtype, cfg.block_size)
+    layout = KVLayout.from_config(mcfg, torch_dtype, cfg.block_size, cfg.kv_format)
     num_blocks = resolve_budget(cfg.memory_budget, cfg.device) // layout.bytes_per_block
     context = int(mcfg.max_position_embeddings)
     prompt_limit = min(limits.max_prompt_tokens or context, context)
@@ -387,7 +388,7 @@ def estimate_command(args, console, cache_dir) -> int:
                   for s in map(parse_shape, args.requests.split(","))]
         result = offline(args.model, cache_dir, shapes, dtype=args.dtype, memory_budget=args.memory_budget,
                          max_batch=args.max_batch, max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
-                         kv_admission=getattr(args, "kv_admission", None))
+                         kv_admission=getattr(args, "kv_admission", None), kv_dtype=getattr(args, "kv_dtype", None))
     except ValueError as e:  # RequestError (a bad shape, named), a bad setting, a bad budget
         raise ConfigError(f"--requests: {e}" if isinstance(e, RequestError) else str(e)) from None
     if args.json:

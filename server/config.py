@@ -25,6 +25,7 @@ class EngineConfig:
     prefix_cache: bool = setting("prefix_cache")  # server/kv_pool.py's BlockPool
     kv_admission: str = setting("kv_admission")  # server/scheduler.py
     kv_watermark: float = setting("kv_watermark")
+    kv_dtype: str = setting("kv_dtype")  # server/kv_pool.py's KVLayout
     block_size: int = 16  # tokens per KV block
     dtype: str = setting("dtype")
     device: str = setting("device")
@@ -36,6 +37,11 @@ class EngineConfig:
     # Launch each step before reading the previous one's samples back (decode rows take their tokens on the device),
     # so the host's per-token work overlaps the device's; None: on CUDA, where the device runs asynchronously.
     overlap: bool | None = None
+
+    @property
+    def kv_format(self) -> str | None:
+        """The quantized format the KV pool holds (int8, fp8), or None for the activations' dtype."""
+        return self.kv_dtype if self.kv_dtype in ("int8", "fp8") else None
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
@@ -55,6 +61,15 @@ class EngineConfig:
         w = self.kv_watermark
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
             raise ValueError(f"--kv-watermark must be a number in [0, 1), got {w!r}")
+        kv_dtypes = BY_NAME["kv_dtype"].choices
+        if self.kv_dtype not in kv_dtypes:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(kv_dtypes)}, got {self.kv_dtype!r}")
+        if self.kv_dtype in ("bfloat16", "float16", "float32") and self.kv_dtype != self.dtype:
+            raise ValueError(f"--kv-dtype {self.kv_dtype}: a float KV cache is held in the activations' dtype "
+                             f"(--dtype {self.dtype}); choose auto, int8 or fp8")
+        if self.kv_format and torch.device(self.device).type != "cpu":
+            raise ValueError(f"--kv-dtype {self.kv_dtype}: a quantized KV cache is served on the CPU only for now "
+                             f"(the {torch.device(self.device).type} attention kernels read none yet); choose auto")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self

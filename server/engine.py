@@ -105,7 +105,7 @@ class Engine:
         self.shape = ModelShape.from_config(mcfg)
         self.context_length = int(mcfg.max_position_embeddings)
         self.vocab_size = int(mcfg.vocab_size)
-        self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size)
+        self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size, config.kv_format)
         fraction = budget_fraction(config.memory_budget)
         # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
         # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
@@ -117,10 +117,10 @@ class Engine:
         chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
                           device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
-                                  embeddings=self.embeddings, chooser=chooser)
+                                  embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales)
         if fraction:
             self.pool = self._pool(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
-            self.runner.use_kv_storage(self.pool.storage)
+            self.runner.use_kv_storage(self.pool.storage, self.pool.scales)
         self.cuda_graphs = "off"
         self._held_ids: set[str] = set()  # pool ids the engine holds itself (never a request's)
         if self.device.type == "cuda" and config.cuda_graphs:

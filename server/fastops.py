@@ -22,10 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quant.runtime import kv_quant
 from quant.runtime.kernels.native import Extension
+from quant.shape.kv_formats import FORMATS
 
 _CSRC = Path(__file__).with_name("csrc")
-_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp"], "quantserve_decode_ops")
+_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp"],
+                 "quantserve_decode_ops")
 load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
 unavailable_reason = _EXT.unavailable_reason
 build_directory = _EXT.build_directory
@@ -62,6 +65,16 @@ def ref_store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
     """k, v (T, Hkv, D) into their slots of one layer's cache kv (2, slots, Hkv, D)."""
     kv[0].index_copy_(0, slots, k)
     kv[1].index_copy_(0, slots, v)
+
+
+def ref_store_kv_quant(k: Tensor, v: Tensor, codes: Tensor, scales: Tensor, slots: Tensor) -> None:
+    """k, v (T, Hkv, D) quantized into their slots of one layer's quantized cache: codes (2, slots, Hkv, D) (int8
+    or float8_e4m3fn), scales (2, slots, Hkv) float16 (quant.runtime.kv_quant.quantize)."""
+    fmt = FORMATS["fp8" if codes.dtype == torch.float8_e4m3fn else "int8"]
+    for i, x in enumerate((k, v)):
+        c, s = kv_quant.quantize(fmt, x)
+        codes[i].view(torch.uint8).index_copy_(0, slots, c.view(torch.uint8))  # (no index_copy_ of float8)
+        scales[i].index_copy_(0, slots, s)
 
 
 def ref_silu_mul(gate_up: Tensor) -> Tensor:
@@ -117,6 +130,20 @@ def ref_prefill_attention(q: Tensor, kv: Tensor, block_table: Tensor, start: int
     return torch.einsum("hcl,lhd->chd", p, v).to(q.dtype)
 
 
+def ref_decode_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_table: Tensor, lens: Tensor,
+                               block_size: int, window: int, scale: float, softcap: float) -> Tensor:
+    """:func:`ref_decode_attention` over a quantized cache, its values code * scale in fp32."""
+    return ref_decode_attention(q.float(), kv_quant.dequantize(codes, scales), block_table, lens, block_size, window,
+                                scale, softcap).to(q.dtype)
+
+
+def ref_prefill_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_table: Tensor, start: int,
+                                block_size: int, window: int, scale: float, softcap: float) -> Tensor:
+    """:func:`ref_prefill_attention` over a quantized cache, its values code * scale in fp32."""
+    return ref_prefill_attention(q.float(), kv_quant.dequantize(codes, scales), block_table, start, block_size,
+                                 window, scale, softcap).to(q.dtype)
+
+
 # The activation model's glue kind per Ops kind: the Triton kernels allocate what the fused CPU ones do.
 MEMORY_KIND = {"fused": "fused", "triton": "fused", "eager": "eager"}
 
@@ -142,6 +169,10 @@ class Ops:
         self.memory = MEMORY_KIND[kind]
         self.decode_attention = ref_decode_attention
         self.prefill_attention = ref_prefill_attention
+        # over a quantized cache (int8 / fp8 codes and float16 scales); the Triton backend reads none yet
+        self.store_kv_quant = ref_store_kv_quant
+        self.decode_attention_quant = ref_decode_attention_quant
+        self.prefill_attention_quant = ref_prefill_attention_quant
         if kind == "fused":
             ops = torch.ops.quantserve
             self.rms_norm = ops.rms_norm.default
@@ -152,6 +183,9 @@ class Ops:
             self.gelu_tanh_mul = ops.gelu_tanh_mul.default
             self.decode_attention = ops.decode_attention.default
             self.prefill_attention = ops.prefill_attention.default
+            self.store_kv_quant = ops.store_kv_quant.default
+            self.decode_attention_quant = ops.decode_attention_quant.default
+            self.prefill_attention_quant = ops.prefill_attention_quant.default
         elif kind == "triton":
             from server import glue_triton as g
 

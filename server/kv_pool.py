@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.shape.memory import kv_bytes_per_token
+from quant.runtime.kv_quant import CODE_DTYPES, POOL_FORMATS
+from quant.shape.kv_formats import token_bytes
 from quant.shape.model import ModelShape
 
 
@@ -34,22 +35,40 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class KVLayout:
+    """The pool's shape: K and V of ``layers`` x ``kv_heads`` x ``head_dim`` per token, in blocks of ``block_size``
+    tokens, held in the activations' ``dtype`` or, with ``kv_format`` (one of quant.runtime.kv_quant.POOL_FORMATS),
+    as codes with a float16 scale per token per KV head."""
+
     layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
     block_size: int = 16
+    kv_format: str | None = None
+
+    def __post_init__(self):
+        if self.kv_format is not None and self.kv_format not in POOL_FORMATS:
+            raise ValueError(f"the KV pool holds no format {self.kv_format!r}; it holds {', '.join(POOL_FORMATS)}")
 
     @classmethod
-    def from_config(cls, config, dtype: torch.dtype, block_size: int = 16) -> "KVLayout":
+    def from_config(cls, config, dtype: torch.dtype, block_size: int = 16, kv_format: str | None = None) -> "KVLayout":
         s = ModelShape.from_config(config)
-        return cls(s.layers, s.kv_heads, s.head_dim, dtype, block_size)
+        return cls(s.layers, s.kv_heads, s.head_dim, dtype, block_size, kv_format)
+
+    @property
+    def kv_dtype(self) -> str:
+        """What K and V are held in: the format's name, or the float dtype's ("bfloat16")."""
+        return self.kv_format or str(self.dtype).removeprefix("torch.")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the pool's storage tensor: the codes' for a format, else the activations'."""
+        return CODE_DTYPES[self.kv_format] if self.kv_format else self.dtype
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) * layers * kv_heads * head_dim * bytes(dtype): quant.shape.memory's formula."""
-        shape = ModelShape(self.layers, 1, 1, self.kv_heads, self.kv_heads, self.head_dim, 1)
-        return kv_bytes_per_token(shape, self.dtype)
+        """layers * kv_heads * (K and V of one head in kv_dtype, scales included: quant.shape.kv_formats)."""
+        return self.layers * self.kv_heads * token_bytes(self.kv_dtype, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
@@ -145,12 +164,13 @@ class BlockPool:
                 f"KV budget of {budget_bytes} bytes holds no block of {layout.block_size} tokens "
                 f"({layout.bytes_per_block} bytes)"
             )
-        # (layers, 2, blocks, block_size, kv_heads, head_dim): one contiguous allocation, made once.
-        self.storage = (
-            torch.zeros(layout.layers, 2, self.num_blocks, layout.block_size, layout.kv_heads, layout.head_dim,
-                        dtype=layout.dtype, device=device)
-            if allocate else None
-        )
+        # (layers, 2, blocks, block_size, kv_heads, head_dim): one contiguous allocation, made once; with a KV
+        # format, the codes, and beside them ``scales`` (layers, 2, blocks, block_size, kv_heads) float16.
+        shape = (layout.layers, 2, self.num_blocks, layout.block_size, layout.kv_heads)
+        self.storage = (torch.zeros(*shape, layout.head_dim, dtype=layout.storage_dtype, device=device)
+                        if allocate else None)
+        self.scales = (torch.zeros(*shape, dtype=torch.float16, device=device)
+                       if allocate and layout.kv_format else None)
         self.prefix_cache = prefix_cache
         # What else decides a block's K/V besides its tokens: the pool's layout, and what the engine adds.
         self._root = hashlib.blake2b(f"{layout}|{salt}".encode(), digest_size=16).digest()

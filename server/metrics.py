@@ -54,7 +54,7 @@ class Metrics:
             Gauge(name, help, registry=r).set_function(lambda field=field: getattr(totals(), field))
         Gauge("quantserve_kv_cache", "How the KV cache is held (labels: its dtype, and how requests take blocks); "
               "the value is 1.", ["dtype", "admission"], registry=r).labels(
-            str(engine.layout.dtype).removeprefix("torch."), engine.config.kv_admission).set(1)
+            engine.layout.kv_dtype, engine.config.kv_admission).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

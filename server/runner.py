@@ -92,10 +92,13 @@ class ModelRunner:
     :class:`StepInputs` with K/V in a block pool's storage."""
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
-                 fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None):
-        """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter)."""
+                 fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None,
+                 kv_scales: Tensor | None = None):
+        """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter).
+        kv_scales: the pool's scales when it holds a quantized cache (kv_storage then holds its codes)."""
         dtype = model.get_input_embeddings().weight.dtype
-        self.glue_ops = glue or glue_ops_choice(dtype, kv_storage.dtype, kv_storage.device, fused_ops)
+        cache_dtype = dtype if kv_scales is not None else kv_storage.dtype  # codes are read in the model's dtype
+        self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
         self.ops = fastops.Ops(glue or fastops.kind_of(self.glue_ops))
         self.model = models.build(model, self.ops, embeddings, chooser)
         cls = attention.choose(kv_storage.device) if backend is None else attention.BACKENDS.get(backend)
@@ -106,17 +109,18 @@ class ModelRunner:
         why = cls.unsupported(specs)
         if why is not None:
             raise UnsupportedModelError(why)
-        self.backend = cls(kv_storage, block_size, specs, self.ops)
+        self.backend = cls(kv_storage, block_size, specs, self.ops, kv_scales=kv_scales)
         self.attention = cls.name
         self.block_size = block_size
         self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
 
-    def use_kv_storage(self, kv_storage: Tensor) -> None:
+    def use_kv_storage(self, kv_storage: Tensor, kv_scales: Tensor | None = None) -> None:
         """Attend over another pool's storage (the engine sizes its pool after building the runner); before any
         graph is captured, since graphs hold the storage they were captured with."""
         if self.graphs is not None:
             raise RuntimeError("use_kv_storage after the CUDA graphs were captured")
-        self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops)
+        self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops,
+                                          kv_scales=kv_scales)
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
         """Capture the decode step's CUDA graphs (the engine calls this on CUDA); returns what was done, for the

@@ -27,7 +27,7 @@ def test_every_variable_maps_to_its_flag():
            "QUANTSERVE_GRACE_SECONDS": "25", "QUANTSERVE_TLS_CERT": "/tls/c.pem", "QUANTSERVE_TLS_KEY": "/tls/k.pem",
            "QUANTSERVE_API_KEY_FILE": "/secrets/key", "QUANTSERVE_LOG_LEVEL": "WARNING", "QUANTSERVE_CACHE": "/c",
            "QUANTSERVE_PREFIX_CACHE": "false", "QUANTSERVE_KV_ADMISSION": "reserve", "QUANTSERVE_KV_WATERMARK": "0.05",
-           "PATH": "/usr/bin"}
+           "QUANTSERVE_KV_DTYPE": "int8", "PATH": "/usr/bin"}
     argv = serve_argv(env)
     assert argv[0] == "/artifacts/m"
     switches = {v.flag for v in VARS if v.switch}
@@ -43,7 +43,7 @@ def test_every_variable_maps_to_its_flag():
     parsed = build_parser().parse_args(argv)
     assert (parsed.grpc_port, parsed.max_batch, parsed.grace, parsed.api_key_file) == (-1, 8, 25.0, "/secrets/key")
     assert parsed.prefix_cache is False
-    assert (parsed.kv_admission, parsed.kv_watermark) == ("reserve", 0.05)
+    assert (parsed.kv_admission, parsed.kv_watermark, parsed.kv_dtype) == ("reserve", 0.05, "int8")
 
 
 @pytest.mark.unit

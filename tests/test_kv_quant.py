@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from quant.runtime import hadamard
-from quant.runtime.kv_quant import FORMATS, round_trip
+from quant.runtime.kv_quant import round_trip
+from quant.shape.kv_formats import FORMATS
 
 
 def _kv(tokens=40, heads=3, dim=64, seed=0) -> torch.Tensor:
@@ -30,7 +31,7 @@ def test_int8_is_symmetric_per_token_and_head_within_half_a_step():
 @pytest.mark.unit
 def test_int4_rotated_keys_are_the_rotated_round_trip_rotated_back():
     x = _kv()
-    plain = FORMATS["int4"].round_trip(hadamard.rotate(x, 64), key=False)
+    plain = round_trip("int4", hadamard.rotate(x, 64), key=False)
     assert torch.allclose(round_trip("int4-rot", x, key=True), hadamard.rotate(plain, 64), atol=1e-5)
     assert torch.equal(round_trip("int4-rot", x, key=False), round_trip("int4", x, key=False))  # values per token
     # the rotation spreads the outlier channel: the keys' error is smaller than unrotated

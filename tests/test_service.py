@@ -660,6 +660,9 @@ def test_sigterm_drains_and_exits_zero(tiny_model_dir, tmp_path):
     (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be an integer >= 1"),
     (["--max-queue", "0"], "--max-queue must be an integer >= 1"),
     (["--api-key-file", "no-such-key-file"], "cannot read --api-key-file"),
+    (["--kv-watermark", "1.5"], "--kv-watermark"),
+    (["--kv-dtype", "float16"], "--kv-dtype float16: a float KV cache is held in the activations' dtype"),
+    (["--kv-dtype", "int8", "--device", "cuda"], "--kv-dtype int8: a quantized KV cache is served on the CPU only"),
 ])
 def test_serve_refuses_bad_flags_before_loading_anything(capsys, args, msg):
     from quant.cli import main

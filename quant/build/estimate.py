@@ -87,13 +87,15 @@ def estimate(args, cache_dir: Path) -> dict:
         extra = {"trainable_params": t["trainable_params"]}
     else:
         w = weight_bytes(shape, args.scheme, float_bytes=nbytes, group_size=args.group_size, served=True)
+        kv = nbytes if getattr(args, "kv_dtype", None) in (None, "auto") else args.kv_dtype
         classes = {
             "W": w["total"],
-            "KV": args.batch * args.context * kv_bytes_per_token(shape, nbytes),
+            "KV": args.batch * args.context * kv_bytes_per_token(shape, kv),
             "A": prefill_activation_bytes(shape, args.batch, args.context, args.attn, nbytes),
         }
-        desc = f"{args.scheme}, batch {args.batch} x {args.context} tokens, {args.dtype}, {args.attn}"
-        extra = {"weights_by_class": w, "kv_bytes_per_token": kv_bytes_per_token(shape, nbytes)}
+        desc = (f"{args.scheme}, batch {args.batch} x {args.context} tokens, {args.dtype}"
+                f"{'' if kv == nbytes else f', KV {kv}'}, {args.attn}")
+        extra = {"weights_by_class": w, "kv_bytes_per_token": kv_bytes_per_token(shape, kv)}
     total = sum(classes.values())
     return {
         "mode": "training" if args.train else "inference",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from quant.shape import kv_formats
 from quant.shape.model import ModelShape
 
 ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
@@ -40,8 +41,11 @@ def parse_bytes(text: str) -> int:
 
 
 def kv_bytes_per_token(config_or_shape, dtype) -> int:
-    """2 (K and V) · layers · kv_heads · head_dim · bytes(dtype)."""
+    """2 (K and V) · layers · kv_heads · head_dim · bytes(dtype); ``dtype`` may name a KV cache format too ("int8":
+    layers · kv_heads · its bytes per token of one head, scales included: quant.shape.kv_formats)."""
     s = config_or_shape if isinstance(config_or_shape, ModelShape) else ModelShape.from_config(config_or_shape)
+    if isinstance(dtype, str) and dtype in kv_formats.FORMATS:
+        return s.layers * s.kv_heads * kv_formats.token_bytes(dtype, s.head_dim)
     b = dtype if isinstance(dtype, int) else dtype_bytes(dtype)
     return 2 * s.layers * s.kv_heads * s.head_dim * b
 

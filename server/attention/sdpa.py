@@ -18,6 +18,9 @@ KV layout: (layers, 2, blocks, block_size, kv_heads, head_dim), read as one flat
   distinct window (Gemma alternates two).
 - Soft-capping: SDPA cannot express it, so those layers run the eager masked softmax of
   ``server.attention.reference`` in the same shapes.
+- A quantized cache (``kv_scales``: int8 or fp8 codes with a float16 scale per token per KV head): written through
+  ``store_kv_quant``; the fused kernels dequantize each row as they load it (server/csrc/kv_rows.h), so no
+  full-precision copy of the cache exists; the SDPA path (no C++ compiler) dequantizes the keys it gathers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quant.runtime.kv_quant import dequantize
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.attention.reference import visible
 from server.batch import StepInputs
@@ -83,10 +87,12 @@ class SdpaBackend(AttentionBackend):
     def kv_shape(layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (layers, 2, blocks, block_size, kv_heads, head_dim)
 
-    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops):
+    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops,
+                 kv_scales: Tensor | None = None):
         layers, two, blocks, bs, kvh, d = kv_storage.shape
         assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
+        self.scales = None if kv_scales is None else kv_scales.view(layers, 2, blocks * bs, kvh)  # (L, 2, slots, Hkv)
         self.specs = specs
         self.windows = list(dict.fromkeys(s.window for s in specs))  # distinct, in layer order
         self.ops = ops
@@ -138,36 +144,45 @@ class SdpaBackend(AttentionBackend):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta: SdpaMeta) -> Tensor:
         spec = self.specs[layer]
         kv = self.kv[layer]  # (2, slots, Hkv, D)
-        self.ops.store_kv(k, v, kv, meta.slots)
-        kc, vc = kv[0], kv[1]
+        sc = None if self.scales is None else self.scales[layer]  # (2, slots, Hkv)
+        if sc is None:
+            self.ops.store_kv(k, v, kv, meta.slots)
+        else:
+            self.ops.store_kv_quant(k, v, kv, sc, meta.slots)
+
+        def rows(which: int, idx) -> Tensor:  # K (0) or V (1) of slots idx, in q's dtype
+            return kv[which][idx] if sc is None else dequantize(kv[which][idx], sc[which][idx], q.dtype)
+
         T, H, D = q.shape
         out = q.new_empty(T, H, D)  # (T, H, D)
         bd, w = meta.num_decode, spec.window
         if meta.decode_tables is not None:
             tables, lens = meta.decode_tables
-            out[:bd] = self.ops.decode_attention(q[:bd], kv, tables, lens, self.block_size, w or 0, spec.scale,
-                                                 spec.softcap or 0.0)
+            args = (tables, lens, self.block_size, w or 0, spec.scale, spec.softcap or 0.0)
+            out[:bd] = (self.ops.decode_attention(q[:bd], kv, *args) if sc is None else
+                        self.ops.decode_attention_quant(q[:bd], kv, sc, *args))
         elif meta.decode_range:
             rng = meta.decode_range[w]
             qd = q[:1].reshape(1, spec.kv_heads, spec.group, D)  # (1, Hkv, g, D)
-            kd = kc[rng].transpose(0, 1)[None]  # (1, Hkv, L, D)
-            vd = vc[rng].transpose(0, 1)[None]
+            kd = rows(0, rng).transpose(0, 1)[None]  # (1, Hkv, L, D)
+            vd = rows(1, rng).transpose(0, 1)[None]
             out[:1] = _attend(qd, kd, vd, None, False, spec).reshape(1, H, D)
         elif bd:
             qd = q[:bd].reshape(bd, spec.kv_heads, spec.group, D)  # (Bd, Hkv, g, D)
-            kd = kc[meta.decode_slots].transpose(1, 2)  # (Bd, Hkv, L, D)
-            vd = vc[meta.decode_slots].transpose(1, 2)
+            kd = rows(0, meta.decode_slots).transpose(1, 2)  # (Bd, Hkv, L, D)
+            vd = rows(1, meta.decode_slots).transpose(1, 2)
             out[:bd] = _attend(qd, kd, vd, meta.decode_mask[w], False, spec).reshape(bd, H, D)
         for ch in meta.chunks:
             if ch.table is not None:
-                out[ch.t0 : ch.t0 + ch.length] = self.ops.prefill_attention(
-                    q[ch.t0 : ch.t0 + ch.length], kv, ch.table, ch.start, self.block_size, w or 0, spec.scale,
-                    spec.softcap or 0.0)
+                qc = q[ch.t0 : ch.t0 + ch.length]
+                args = (ch.table, ch.start, self.block_size, w or 0, spec.scale, spec.softcap or 0.0)
+                out[ch.t0 : ch.t0 + ch.length] = (self.ops.prefill_attention(qc, kv, *args) if sc is None else
+                                                  self.ops.prefill_attention_quant(qc, kv, sc, *args))
                 continue
             sl, mask = ch.keys[w]
             qc = q[ch.t0 : ch.t0 + ch.length].transpose(0, 1)[None]  # (1, H, C, D)
-            kk = kc[sl].transpose(0, 1)[None]  # (1, Hkv, past + C, D)
-            vv = vc[sl].transpose(0, 1)[None]
+            kk = rows(0, sl).transpose(0, 1)[None]  # (1, Hkv, past + C, D)
+            vv = rows(1, sl).transpose(0, 1)[None]
             out[ch.t0 : ch.t0 + ch.length] = _attend(qc, kk, vv, mask, mask is None, spec)[0].transpose(0, 1)
         return out
 

@@ -96,9 +96,13 @@ class TritonBackend(AttentionBackend):
                    "power of two >= 16"
         return None
 
-    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops):
+    def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops,
+                 kv_scales: Tensor | None = None):
         layers, two, blocks, bs, kvh, d = kv_storage.shape
         assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
+        if kv_scales is not None:
+            raise UnsupportedModelError(f"the {self.name} backend does not read a quantized KV cache yet; serve with "
+                                        f"--kv-dtype auto on this device")
         why = self.unsupported_block_size(block_size)
         if why:
             raise UnsupportedModelError(why)

@@ -14,6 +14,7 @@
 #endif
 
 #include "elements.h"
+#include "kv_rows.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -32,20 +33,11 @@ namespace {
 
 constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
 
-// Asks for the cache lines of one D-element row.
-template <typename E>
-inline void prefetch_row(const E* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(E)); b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-
 // One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
-// paged cache (k, v: this head's element 0 of slot 0; a slot is `slot_stride` elements further), output o (g, D).
+// paged cache (rows: this head's K and V, read as qs::FloatRows or dequantized as qs::QuantRows), output o (g, D).
 // Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise.
-template <typename T>
-__attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q,
-                                            const typename Raw<T>::type* __restrict k,
-                                            const typename Raw<T>::type* __restrict v, int64_t slot_stride,
+template <typename T, typename Rows>
+__attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q, const Rows& rows,
                                             const int64_t* table, int64_t bs, int64_t lo, int64_t L, int64_t g,
                                             int64_t D, float scale, float cap, typename Raw<T>::type* __restrict o,
                                             std::vector<float>& work) {
@@ -63,16 +55,13 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
   int64_t pblk = blk, poff = off;
   const auto prefetch_next = [&]() {
-    const int64_t slot = (table[pblk] * bs + poff) * slot_stride;
-    prefetch_row(k + slot, D);
-    prefetch_row(v + slot, D);
+    rows.prefetch(table[pblk] * bs + poff, D);
     if (++poff == bs) poff = 0, ++pblk;
   };
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
   for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
     if (j + kAhead < n) prefetch_next();
-    const typename Raw<T>::type* kr = k + (table[blk] * bs + off) * slot_stride;
-    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(kr[d]);
+    rows.load_k(table[blk] * bs + off, row, D);
     for (int64_t i = 0; i < g; ++i) {
       float dot = 0.f;
       _Pragma("omp simd reduction(+ : dot)")
@@ -98,8 +87,7 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   }
   blk = lo / bs, off = lo % bs;
   for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {  // acc (g, D) += p_j * v_j
-    const typename Raw<T>::type* vr = v + (table[blk] * bs + off) * slot_stride;
-    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(vr[d]);
+    rows.load_v(table[blk] * bs + off, row, D);
     for (int64_t i = 0; i < g; ++i) {
       const float p = s[i * n + j];
       for (int64_t d = 0; d < D; ++d) acc[i * D + d] += p * row[d];
@@ -111,32 +99,51 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   }
 }
 
-// q (rows, H, D) with contiguous heads and one layer's cache kv (2, slots, Hkv, D), contiguous, of q's dtype, with
-// H a multiple of Hkv.
-void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const char* q_shape) {
+// q (rows, H, D) with contiguous heads and one layer's cache kv (2, slots, Hkv, D), contiguous, with H a multiple
+// of Hkv: of q's dtype, or (scales given) int8 or float8_e4m3fn codes with scales (2, slots, Hkv) float16.
+void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, const char* q_shape) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be a CPU ",
               q_shape, " tensor with contiguous heads");
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(),
-              "kv must be a contiguous (2, slots, Hkv, D) tensor of q's dtype");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous (2, slots, Hkv, D) tensor");
+  if (scales == nullptr) {
+    TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "kv must be of q's dtype");
+  } else {
+    TORCH_CHECK(kv.scalar_type() == at::kChar || kv.scalar_type() == at::kFloat8_e4m3fn,
+                "quantized kv must hold int8 or float8_e4m3fn codes");
+    TORCH_CHECK(scales->dim() == 3 && scales->is_contiguous() && scales->scalar_type() == at::kHalf &&
+                    scales->size(0) == 2 && scales->size(1) == kv.size(1) && scales->size(2) == kv.size(2),
+                "scales must be a contiguous (2, slots, Hkv) float16 tensor matching kv");
+  }
   TORCH_CHECK(kv.size(3) == q.size(2) && kv.size(2) > 0 && q.size(1) % kv.size(2) == 0,
               "q's heads must be a multiple of kv's, with one head_dim");
 }
 
-}  // namespace
+// Calls f(scalar_t{}, rows) with q's element type and the layer cache's rows (head 0): float, or int8 / fp8 codes
+// with their scales.
+template <typename F>
+void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, F&& f) {
+  const int64_t S = kv.size(1), Hkv = kv.size(2), D = kv.size(3), half = S * Hkv * D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention", [&] {
+    if (scales == nullptr) {
+      const auto* k = raw(kv.data_ptr<scalar_t>());
+      f(scalar_t{}, qs::FloatRows<scalar_t>{k, k + half, Hkv * D});
+      return;
+    }
+    const auto* sc = scales->data_ptr<c10::Half>();
+    if (kv.scalar_type() == at::kChar) {
+      const auto* k = kv.data_ptr<int8_t>();
+      f(scalar_t{}, qs::QuantRows<qs::Int8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv});
+    } else {
+      const auto* k = reinterpret_cast<const uint8_t*>(kv.data_ptr());
+      f(scalar_t{}, qs::QuantRows<qs::Fp8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv});
+    }
+  });
+}
 
-// Attention of decode rows (one query each) over the paged cache, for the sdpa backend's decode rows: one
-// call per layer instead of a gather, a mask and an SDPA call, whose fixed cost (~40 us) was a sixth of a
-// batch-1 step of the default model.
-// q (B, H, D): heads contiguous, rows may be strided (q is a slice of the fused qkv output). kv (2, slots, Hkv,
-// D): one layer's cache, contiguous; position p of request b is in slot block_table[b][p / bs] * bs + p % bs.
-// lens (B,): request b attends to its keys at positions [lo, lens[b]), lo = max(0, lens[b] - window) with a
-// window (window <= 0: none). softcap > 0: scores -> softcap * tanh(scores / softcap). Scores, softmax and the
-// weighted sum run in fp32 and the output is rounded once to q's dtype. The g = H / Hkv query heads of a KV
-// head share each K/V row read (GQA without repeating K/V).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                            const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
-                            double softcap) {
-  check_q_kv(q, kv, "(B, H, D)");
+at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales,
+                       const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size, int64_t window,
+                       double scale, double softcap) {
+  check_q_kv(q, kv, scales, "(B, H, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
                   block_table.scalar_type() == at::kLong,
@@ -156,10 +163,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  dispatch_rows(q, kv, scales, [&](auto tag, const auto& rows) {
+    using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = kv.data_ptr<scalar_t>();
-    const scalar_t* vc = kc + S * Hkv * D;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
     // Work items are (row, KV head); a thread takes at least ~64K multiply-adds, so a short batch-1 step
@@ -170,12 +176,37 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / Hkv, h = item % Hkv, L = lp[b];
         const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        attend_group<scalar_t>(raw(qp + b * qs + h * g * D), raw(kc) + h * D, raw(vc) + h * D, Hkv * D,
-                               tp + b * NB, block_size, lo, L, g, D, sc, cap, raw(op + (b * H + h * g) * D), work);
+        attend_group<scalar_t>(raw(qp + b * qs + h * g * D), rows.at_head(h, D), tp + b * NB, block_size, lo, L,
+                               g, D, sc, cap, raw(op + (b * H + h * g) * D), work);
       }
     });
   });
   return out;
+}
+
+}  // namespace
+
+// Attention of decode rows (one query each) over the paged cache, for the sdpa backend's decode rows: one
+// call per layer instead of a gather, a mask and an SDPA call, whose fixed cost (~40 us) was a sixth of a
+// batch-1 step of the default model.
+// q (B, H, D): heads contiguous, rows may be strided (q is a slice of the fused qkv output). kv (2, slots, Hkv,
+// D): one layer's cache, contiguous; position p of request b is in slot block_table[b][p / bs] * bs + p % bs.
+// lens (B,): request b attends to its keys at positions [lo, lens[b]), lo = max(0, lens[b] - window) with a
+// window (window <= 0: none). softcap > 0: scores -> softcap * tanh(scores / softcap). Scores, softmax and the
+// weighted sum run in fp32 and the output is rounded once to q's dtype. The g = H / Hkv query heads of a KV
+// head share each K/V row read (GQA without repeating K/V).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                            const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
+                            double softcap) {
+  return decode_impl(q, kv, nullptr, block_table, lens, block_size, window, scale, softcap);
+}
+
+// decode_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
+// float16 scale per token per KV head; each row is dequantized as it is loaded (qs::QuantRows).
+at::Tensor decode_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
+                                  const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size,
+                                  int64_t window, double scale, double softcap) {
+  return decode_impl(q, kv, &scales, block_table, lens, block_size, window, scale, softcap);
 }
 
 // ------------------------------------------------------------------------------------------- prefill chunks
@@ -385,8 +416,8 @@ struct Prefill {
   float scale, cap;
 
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
-  // where K (or V) of position pos, KV head h starts in the cache: its slot, then the head
-  int64_t at(int64_t pos, int64_t h) const { return (table[pos / bs] * bs + pos % bs) * Hkv * D + h * D; }
+  // the cache slot of position pos
+  int64_t slot(int64_t pos) const { return table[pos / bs] * bs + pos % bs; }
 };
 
 // Scratch of one thread for up to `rows` rows (a multiple of the vector width), allocated once per call. q, k, v
@@ -414,15 +445,12 @@ struct Stage<T, F32> {
   static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D) {
     for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = Raw<T>::get(src[d]);
   }
-  static void kv_tile(Work& w, const Prefill& a, const R* kc, const R* vc, int64_t h, int64_t k0, int64_t nk) {
-    const int64_t D = a.D, Dp = a.Dp;
+  template <typename Rows>  // one KV head's rows, of the model's dtype or dequantized as they are loaded
+  static void kv_tile(Work& w, const Prefill& a, const Rows& rows, int64_t k0, int64_t nk) {
     for (int64_t j = 0; j < nk; ++j) {
-      const R* kr = kc + a.at(k0 + j, h);
-      const R* vr = vc + a.at(k0 + j, h);
-      float* kf = w.k.data() + j * Dp;
-      float* vf = w.v.data() + j * Dp;
-      for (int64_t d = 0; d < D; ++d) kf[d] = Raw<T>::get(kr[d]);
-      for (int64_t d = 0; d < D; ++d) vf[d] = Raw<T>::get(vr[d]);
+      const int64_t slot = a.slot(k0 + j);
+      rows.load_k(slot, w.k.data() + j * a.Dp, a.D);
+      rows.load_v(slot, w.v.data() + j * a.Dp, a.D);
     }
   }
   static const float* p(Work& w, int64_t, int64_t) { return w.st.data(); }
@@ -439,13 +467,15 @@ struct Stage<c10::BFloat16, Bf16Pairs> {
     auto* q2 = reinterpret_cast<uint32_t*>(qt);
     for (int64_t t = 0; t < D / 2; ++t) q2[t * rp + r] = pair(src[2 * t], src[2 * t + 1]);
   }
-  static void kv_tile(Work& w, const Prefill& a, const R* kc, const R* vc, int64_t h, int64_t k0, int64_t nk) {
+  static void kv_tile(Work& w, const Prefill& a, const qs::FloatRows<c10::BFloat16>& rows, int64_t k0, int64_t nk) {
     const int64_t D = a.D, Dp = a.Dp;
+    const R* kc = rows.k;
+    const R* vc = rows.v;
     auto* k2 = reinterpret_cast<uint32_t*>(w.k.data());
     auto* v2 = reinterpret_cast<uint32_t*>(w.v.data());
     for (int64_t u = 0; u < (nk + 1) / 2; ++u) {  // keys 2u, 2u + 1 (a missing last one: V 0)
       const bool two = 2 * u + 1 < nk;
-      const int64_t at0 = a.at(k0 + 2 * u, h), at1 = two ? a.at(k0 + 2 * u + 1, h) : 0;
+      const int64_t at0 = a.slot(k0 + 2 * u) * rows.stride, at1 = two ? a.slot(k0 + 2 * u + 1) * rows.stride : 0;
       std::memcpy(k2 + 2 * u * (Dp / 2), kc + at0, D * sizeof(R));
       if (two) std::memcpy(k2 + (2 * u + 1) * (Dp / 2), kc + at1, D * sizeof(R));
       uint32_t* row = v2 + u * Dp;
@@ -477,14 +507,14 @@ struct Stage<c10::BFloat16, Bf16Pairs> {
 #endif
 
 // KV head h, query positions [i0, i1) of the chunk: rows r = (i - i0) * g + e for query head h * g + e.
-template <typename T, typename E>
-void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const typename Raw<T>::type* kc,
-                  const typename Raw<T>::type* vc, typename Raw<T>::type* op, int64_t h, int64_t i0, int64_t i1,
-                  Work& w) {
+template <typename T, typename E, typename Rows>
+void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const Rows& cache, typename Raw<T>::type* op,
+                  int64_t h, int64_t i0, int64_t i1, Work& w) {
   using S = Stage<T, E>;
   using EA = typename E::A;
   const int64_t g = a.g, D = a.D, Dp = a.Dp, rows = (i1 - i0) * g, rp = (rows + kW - 1) / kW * kW;
   const int64_t dsum = Dp / S::kPair;  // the scores' sum: over head dims, or pairs of them
+  const Rows head = cache.at_head(h, D);
   float* O = w.o.data();    // (rows, Dp)
   float* ST = w.st.data();  // (kKeys, rp): scores, then numerators
   std::fill(w.qt.begin(), w.qt.begin() + Dp * rp, 0.f);  // padding rows and dims stay 0 (in either form)
@@ -503,7 +533,7 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const typen
   const int64_t kend = a.start + i1;
   for (int64_t k0 = a.first_key(a.start + i0) / kKeys * kKeys; k0 < kend; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, kend - k0);
-    S::kv_tile(w, a, kc, vc, h, k0, nk);
+    S::kv_tile(w, a, head, k0, nk);
     // S^T = K Q^T: (nk, rp)
     matmul<E, kScoreMR, kScoreNV>(reinterpret_cast<const EA*>(w.k.data()), dsum, 1,
                                   reinterpret_cast<const EA*>(w.qt.data()), rp, dsum, ST, rp, nk, rp / kW, false);
@@ -529,17 +559,10 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const typen
   }
 }
 
-}  // namespace
-
-// Attention of one prefill chunk over the request's paged cache (its keys and values for positions
-// [0, start + C) already stored): q (C, H, D), heads contiguous, rows may be strided (a slice of the fused qkv
-// output); kv (2, slots, Hkv, D), one layer's cache, contiguous; block_table (blocks,): position p is in slot
-// block_table[p / bs] * bs + p % bs. Query i (position start + i) attends to the keys at positions
-// [max(0, start + i - window + 1), start + i] (window <= 0: from 0); softcap > 0: scores -> softcap *
-// tanh(scores / softcap). Returns (C, H, D) in q's dtype.
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
-                             int64_t block_size, int64_t window, double scale, double softcap) {
-  check_q_kv(q, kv, "(C, H, D)");
+at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales,
+                        const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window, double scale,
+                        double softcap) {
+  check_q_kv(q, kv, scales, "(C, H, D)");
   const int64_t C = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.scalar_type() == at::kLong,
               "block_table must be a contiguous (blocks,) int64 tensor");
@@ -562,15 +585,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
   }
   std::stable_sort(items.begin(), items.end());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "prefill_attention", [&] {
+  dispatch_rows(q, kv, scales, [&](auto tag, const auto& rows) {
+    using scalar_t = decltype(tag);
+    using Rows = std::decay_t<decltype(rows)>;
     const auto* qp = raw(q.data_ptr<scalar_t>());
-    const auto* kc = raw(kv.data_ptr<scalar_t>());
-    const auto* vc = kc + S * Hkv * D;
     auto* op = raw(out.data_ptr<scalar_t>());
-    auto run = &prefill_item<scalar_t, F32>;
+    auto run = &prefill_item<scalar_t, F32, Rows>;
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (D % 2 == 0) run = &prefill_item<scalar_t, Bf16Pairs>;
+    if constexpr (std::is_same_v<Rows, qs::FloatRows<c10::BFloat16>>) {
+      if (D % 2 == 0) run = &prefill_item<scalar_t, Bf16Pairs, Rows>;
     }
 #endif
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
@@ -578,11 +601,32 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
       for (int64_t t = b; t < e; ++t)
         for (size_t i = t; i < items.size(); i += threads) {
           const auto& [cost, h, i0, i1] = items[i];
-          run(a, qp, kc, vc, op, h, i0, i1, w);
+          run(a, qp, rows, op, h, i0, i1, w);
         }
     });
   });
   return out;
+}
+
+}  // namespace
+
+// Attention of one prefill chunk over the request's paged cache (its keys and values for positions
+// [0, start + C) already stored): q (C, H, D), heads contiguous, rows may be strided (a slice of the fused qkv
+// output); kv (2, slots, Hkv, D), one layer's cache, contiguous; block_table (blocks,): position p is in slot
+// block_table[p / bs] * bs + p % bs. Query i (position start + i) attends to the keys at positions
+// [max(0, start + i - window + 1), start + i] (window <= 0: from 0); softcap > 0: scores -> softcap *
+// tanh(scores / softcap). Returns (C, H, D) in q's dtype.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
+                             int64_t block_size, int64_t window, double scale, double softcap) {
+  return prefill_impl(q, kv, nullptr, block_table, start, block_size, window, scale, softcap);
+}
+
+// prefill_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
+// float16 scale per token per KV head; each key tile is dequantized as it is staged (qs::QuantRows).
+at::Tensor prefill_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
+                                   const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window,
+                                   double scale, double softcap) {
+  return prefill_impl(q, kv, &scales, block_table, start, block_size, window, scale, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
@@ -590,9 +634,15 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
         "float scale, float softcap) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor kv, Tensor block_table, int start, int block_size, int window, "
         "float scale, float softcap) -> Tensor");
+  m.def("decode_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, Tensor lens, int block_size, "
+        "int window, float scale, float softcap) -> Tensor");
+  m.def("prefill_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, int start, int block_size, "
+        "int window, float scale, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("decode_attention_quant", &decode_attention_quant);
+  m.impl("prefill_attention_quant", &prefill_attention_quant);
 }

@@ -94,7 +94,8 @@ class Extension:
         an image built elsewhere) must not hand this CPU instructions it lacks."""
         from torch.utils.cpp_extension import get_default_build_root
 
-        headers = b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h")))
+        dirs = sorted({INCLUDE, *(s.parent for s in self.sources)})  # shared headers, and the sources' own beside them
+        headers = b"".join(h.read_bytes() for d in dirs for h in sorted(d.glob("*.h")))
         flags = " ".join(CFLAGS + isa_cap() + LDFLAGS + (cpu_flags(),))
         digest = hashlib.sha256(b"".join(s.read_bytes() for s in self.sources) + headers + flags.encode())
         digest = digest.hexdigest()

@@ -1,0 +1,70 @@
+"""KV cache formats and what a token costs in each: the pure arithmetic (no torch) that the pool, the capacity plan
+and ``quant estimate`` size the cache with. quant/runtime/kv_quant.py holds each format's round trip.
+
+A format holds a K or V vector (one token, one KV head) as ``bits``-bit codes with a scale (and a minimum when
+asymmetric) of ``scale_bytes`` each, per token and KV head, or for keys per channel over a group of tokens (KIVI):
+
+- ``int8``: symmetric, a scale per token per KV head (llama.cpp's q8_0, TensorRT-LLM's INT8 KV);
+- ``int8-rot``: int8 of keys rotated by a Walsh-Hadamard transform over head_dim (QuaRot), values as int8;
+- ``fp8``: e4m3 codes with a scale per token per KV head (vLLM's and SGLang's FP8 KV keep one per tensor);
+- ``int4``: asymmetric (scale and minimum) per token per KV head; ``int4-rot`` rotates the keys first;
+  ``int4-chan`` scales keys per channel over each block of ``key_group`` tokens (KIVI), values per token.
+
+The float dtypes (``FLOAT_BYTES``) hold K and V as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    bits: int
+    asymmetric: bool = False
+    fp8: bool = False
+    rotate_keys: bool = False
+    key_group: int = 0  # > 0: keys scaled per channel over blocks of this many tokens (KIVI)
+    scale_bytes: int = 2  # each scale (and minimum) held as float16
+
+    def bytes_per_vector(self, head_dim: int, key: bool = False) -> int:
+        """Bytes one token's K (``key``) or V of one KV head costs: its codes and its scale (and minimum). Per-channel
+        key scales are a scale and minimum per channel per group of tokens: head_dim * 2 * scale_bytes / key_group
+        a token."""
+        codes = math.ceil(head_dim * self.bits / 8)
+        params = 2 if self.asymmetric else 1
+        if key and self.key_group:
+            return codes + math.ceil(head_dim * params * self.scale_bytes / self.key_group)
+        return codes + params * self.scale_bytes
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        """Bytes one token's K and V of one KV head cost together."""
+        return self.bytes_per_vector(head_dim, key=True) + self.bytes_per_vector(head_dim)
+
+
+FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+    KVFormat("int8", 8),
+    KVFormat("int8-rot", 8, rotate_keys=True),
+    KVFormat("fp8", 8, fp8=True),
+    KVFormat("int4", 4, asymmetric=True),
+    KVFormat("int4-rot", 4, asymmetric=True, rotate_keys=True),
+    KVFormat("int4-chan", 4, asymmetric=True, key_group=16),
+)}
+
+
+def names() -> list[str]:
+    return [*FLOAT_BYTES, *FORMATS]
+
+
+def token_bytes(kv_dtype: str, head_dim: int) -> int:
+    """Bytes one token's K and V of one KV head cost in ``kv_dtype`` (a float dtype's name or a format's)."""
+    if kv_dtype in FLOAT_BYTES:
+        return 2 * head_dim * FLOAT_BYTES[kv_dtype]
+    fmt = FORMATS.get(kv_dtype)
+    if fmt is None:
+        raise ValueError(f"no KV cache format {kv_dtype!r}; there are {', '.join(names())}")
+    return fmt.bytes_per_token(head_dim)
