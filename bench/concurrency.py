@@ -1,7 +1,7 @@
 """Memory for concurrency on the default model on this CPU: chat requests under one KV budget, by admission.
 
     python bench/concurrency.py [--requests 8,32] [--budget 64MiB] [--max-tokens 2048] [--dtype bfloat16]
-                                [--artifact DIR] [--json]
+                                [--kv-dtypes auto,int8] [--artifact DIR] [--json]
 
 The workload a new user tries: N chat requests sent at once, each asking for an essay on its own topic with
 max_tokens 2048, greedy, to one engine with a --memory-budget of 64MiB. As chat clients do, each stops long before
@@ -9,10 +9,13 @@ its max_tokens: the client cancels it once it has --tokens 256 (the default mode
 and where a stop string or EOS ended them the bf16 outputs, and so the work, would differ between admissions: a
 batch of N rows rounds differently from one row). A cancelled request's blocks return at the next step. Each N runs with --kv-admission reserve
 (every request holds prompt + max_tokens from its admission: what the engine did before blocks were taken on
-demand) and with on-demand (blocks as tokens are written, preemption when the pool runs dry), in the same run.
+demand) and with on-demand (blocks as tokens are written, preemption when the pool runs dry), in the same run;
+on-demand runs once more for each further --kv-dtypes entry (int8: half the bytes a token, so twice the tokens
+in the same budget).
 Reported per cell: requests running at once (the mean over the run, polled every 5 ms while any request is
 unfinished, and the most), tokens generated, wall time, tokens/s, preemptions and recomputed tokens, and whether
-every output equals the reserve run's token for token (in float32; in bf16 batching alone moves greedy outputs).
+every output equals the reserve run's token for token (in float32; in bf16 batching alone moves greedy outputs;
+a quantized cache's outputs are its own, so they are not compared).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import queue
 import threading
 import time
 
-from common import cpu_name
+from common import cpu_name, greedy
 
 TOPICS = ["the history of the printing press", "how bridges carry their load", "why the sky is blue",
           "the life cycle of stars", "the invention of the telephone", "how vaccines train the immune system",
@@ -95,6 +98,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=256, help="new tokens a client takes before it cancels")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-dtypes", default="auto,int8", help="KV cache dtypes: the first serves both admissions, "
+                    "each further one on-demand")
     ap.add_argument("--artifact", default=None, help="artifact or model dir (default: the embedded model)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -106,23 +111,27 @@ def main() -> None:
     rows = []
     engines = {}
     try:
-        for admission in ("reserve", "on-demand"):
-            engines[admission] = Engine.from_path(args.artifact, EngineConfig(
-                memory_budget=args.budget, dtype=args.dtype, kv_admission=admission), default_cache_dir())
+        first, *more = args.kv_dtypes.split(",")
+        for admission, kv in [("reserve", first), ("on-demand", first)] + [("on-demand", k) for k in more]:
+            engines[admission, kv] = Engine.from_path(args.artifact, EngineConfig(
+                memory_budget=args.budget, dtype=args.dtype, kv_admission=admission, kv_dtype=kv), default_cache_dir())
+        base_engine = engines["reserve", first]
         for n in (int(x) for x in args.requests.split(",")):
-            prompts = [engines["reserve"].chat_prompt(m) for m in chats(n)]
+            prompts = [base_engine.chat_prompt(m) for m in chats(n)]
             cells = {}
-            for admission, eng in engines.items():
-                eng.complete(prompts[0], _warm())  # kernels, plans, allocator
-                cells[admission] = run_cell(eng, prompts, args.max_tokens, args.tokens)
-            base = cells["reserve"]
-            for admission, c in cells.items():
-                row = {"requests": n, "admission": admission, **{k: v for k, v in c.items() if k != "outputs"},
-                       "same_outputs": c["outputs"] == base["outputs"],
+            for key, eng in engines.items():
+                eng.complete(prompts[0], greedy(4))  # kernels, plans, allocator
+                cells[key] = run_cell(eng, prompts, args.max_tokens, args.tokens)
+            base = cells["reserve", first]
+            for (admission, kv), c in cells.items():
+                row = {"requests": n, "admission": admission, "kv_dtype": engines[admission, kv].layout.kv_dtype,
+                       "kv_capacity_tokens": engines[admission, kv].pool.capacity_tokens,
+                       **{k: v for k, v in c.items() if k != "outputs"},
+                       "same_outputs": c["outputs"] == base["outputs"] if kv == first else None,
                        "running_x": c["running_mean"] / base["running_mean"], "tok_s_x": c["tok_s"] / base["tok_s"]}
                 rows.append(row)
                 if not args.json:
-                    print(f"{n:3d} requests, {admission:9s}: running {row['running_mean']:5.2f} mean / "
+                    print(f"{n:3d} requests, {admission:9s} {row['kv_dtype']:8s}: running {row['running_mean']:5.2f} mean / "
                           f"{row['running_max']:2d} max ({row['running_x']:.2f}x), {row['tokens']} tokens in "
                           f"{row['wall_s']:.1f} s = {row['tok_s']:.1f} tok/s ({row['tok_s_x']:.2f}x), "
                           f"{row['preemptions']} preemptions, {row['recomputed_tokens']} recomputed, "
@@ -130,7 +139,7 @@ def main() -> None:
     finally:
         for eng in engines.values():
             eng.close()
-    kv = engines["reserve"].info
+    kv = base_engine.info
     report = {"cpu": cpu_name(), "dtype": args.dtype, "budget": args.budget, "max_tokens": args.max_tokens,
               "tokens": args.tokens,
               "kv_capacity_bytes": kv.kv_capacity_bytes, "kv_bytes_per_token": kv.kv_bytes_per_token, "rows": rows}
@@ -138,13 +147,7 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     else:
         print(f"CPU: {report['cpu']}; KV pool {kv.kv_capacity_bytes / 2**20:.1f} MiB, "
-              f"{kv.kv_bytes_per_token} bytes / token ({args.dtype})")
-
-
-def _warm():
-    from server.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_new_tokens=4)
+              f"{kv.kv_bytes_per_token} bytes / token ({args.dtype}); other KV dtypes: their rows' capacity")
 
 
 if __name__ == "__main__":

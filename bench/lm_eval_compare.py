@@ -14,6 +14,11 @@ per-article loglikelihoods give against `quant eval`'s on the same text and wind
 
 Without --artifact the w4a16 artifact is built as the README builds it (GPTQ on WikiText-2 valid).
 Prints a markdown table for bench/RESULTS.md.
+
+    python bench/lm_eval_compare.py --kv-dtypes auto,int8 [--serve-dtype bfloat16] [--docs 8] [--models float]
+
+instead scores the served model once per KV cache dtype (`quant serve --kv-dtype`, activations in --serve-dtype)
+and prints each one's metrics against the first's.
 """
 
 from __future__ import annotations
@@ -59,10 +64,11 @@ def read_run(out: Path) -> tuple[dict, list[float]]:
     return json.loads(results.read_text())["results"], [float(r["filtered_resps"][0]) for r in rows]
 
 
-def served(path: str, out: Path, docs: int, window: int, tokenizer: str) -> tuple[dict, list[float]]:
+def served(path: str, out: Path, docs: int, window: int, tokenizer: str, dtype: str = "float32",
+           kv_dtype: str = "auto") -> tuple[dict, list[float]]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", path, "--http-port", str(port), "--grpc-port", "-1",
-                             "--memory-budget", "512MiB", "--dtype", "float32"], cwd=ROOT, env=ENV)
+                             "--memory-budget", "512MiB", "--dtype", dtype, "--kv-dtype", kv_dtype], cwd=ROOT, env=ENV)
     try:
         import httpx
 
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "lm_eval"))
     ap.add_argument("--models", default="float,w4a16", help="which of float, w4a16 to compare")
+    ap.add_argument("--kv-dtypes", default=None, help="instead: the served model by KV cache dtype, e.g. auto,int8")
+    ap.add_argument("--serve-dtype", default="bfloat16", help="with --kv-dtypes: quant serve's --dtype")
     a = ap.parse_args(argv)
     from quant.format import sources as models
     from quant.format.sources import default_cache_dir
@@ -165,6 +173,8 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "quant.cli", "build", "--scheme", "w4a16", "--calib",
                             str(ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"), "--out", artifact,
                             "--force"], check=True, cwd=ROOT, env=ENV)
+    if a.kv_dtypes:
+        return by_kv_dtype(a, model_dir, artifact, out)
     rows = []
     for name, path, art in (("float", model_dir, None), ("w4a16", artifact, artifact)):
         if name not in a.models.split(","):
@@ -191,6 +201,35 @@ def main(argv=None) -> int:
         print(f"| {name} | token perplexity (lm-eval) vs quant eval ({q_tokens} tokens) | {s_tok:.4f} | {q_ppl:.4f} "
               f"(quant eval) | {s_tok / q_ppl:.5f} | |")
         print(f"| {name} | token perplexity, transformers under lm-eval | {h_tok:.4f} | | {s_tok / h_tok:.5f} | |")
+    return 0
+
+
+METRICS = (("qs_wikitext", "word_perplexity,none"), ("qs_wikitext", "byte_perplexity,none"), ("qs_choice", "acc,none"),
+           ("qs_choice", "acc_norm,none"))
+
+
+def by_kv_dtype(a, model_dir: str, artifact: str, out: Path) -> int:
+    """The served model scored once per KV cache dtype, each against the first."""
+    kvs = a.kv_dtypes.split(",")
+    print(f"lm-evaluation-harness {__import__('lm_eval').__version__}, {a.docs or 62} WikiText-2 test articles in "
+          f"windows of {a.window} tokens and 24 facts by multiple choice, {cpu_name()}; quant serve --dtype "
+          f"{a.serve_dtype} --kv-dtype each, scored by local-completions.\n")
+    print(f"| model | metric | {' | '.join(kvs)} | {' | '.join(f'{k} / {kvs[0]}' for k in kvs[1:])} | wall s |")
+    print(f"|---|---|{'---|' * (2 * len(kvs) - 1)}---|")
+    for name, path in (("float", model_dir), ("w4a16", artifact)):
+        if name not in a.models.split(","):
+            continue
+        res, wall = {}, {}
+        for kv in kvs:
+            t0 = time.perf_counter()
+            res[kv], _ = served(path, out / f"{name}-served-{a.serve_dtype}-kv-{kv}", a.docs, a.window, model_dir,
+                                a.serve_dtype, kv)
+            wall[kv] = time.perf_counter() - t0
+        for task, metric in METRICS:
+            v = [res[kv][task][metric] for kv in kvs]
+            print(f"| {name} | {metric.split(',')[0]} | {' | '.join(f'{x:.4f}' for x in v)} | "
+                  f"{' | '.join(f'{x / v[0]:.5f}' for x in v[1:])} | {' / '.join(f'{wall[k]:.0f}' for k in kvs)} |",
+                  flush=True)
     return 0
 
 

@@ -280,7 +280,7 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     return PlanResult(tuple(out), state, tuple(outcomes))
 
 
-def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, attention: str) -> dict:
+def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, attention: str, kv_dtype: str) -> dict:
     """The plan as the wire gives it: the fields and names of quantserve.v1.PlanResponse (the HTTP body as is;
     the gRPC message parsed from it, so the two cannot drift apart)."""
     st = result.state
@@ -311,6 +311,7 @@ def to_dict(result: PlanResult, weight_bytes: int, kv_bytes_per_token: int, atte
         "kv_bytes_per_token": kv_bytes_per_token, "kv_capacity_blocks": st.num_blocks,
         "kv_free_blocks": st.free_blocks, "max_batch": st.max_batch, "max_queue": st.max_queue,
         "max_prefill_tokens": st.max_prefill_tokens, "attention": attention, "kv_admission": st.admission,
+        "kv_dtype": kv_dtype,
     }
 
 
@@ -364,7 +365,8 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     state = EngineState.empty(num_blocks, cfg.block_size, layout.bytes_per_block, cfg.max_batch,
                               cfg.max_prefill_tokens, cfg.max_queue, cfg.kv_admission,
                               math.ceil(cfg.kv_watermark * num_blocks))
-    out = to_dict(plan(shapes, state, check, estimate), 0, layout.bytes_per_token, attention.choose(device).name)
+    out = to_dict(plan(shapes, state, check, estimate), 0, layout.bytes_per_token, attention.choose(device).name,
+                  layout.kv_dtype)
     del out["engine"]["weight_bytes"]  # the live server's figure; not predicted here (quant estimate gives W)
     quantized = getattr(mcfg, "quantization_config", None) is not None or (Path(source.path) /
                                                                            "quant_manifest.json").is_file()

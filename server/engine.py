@@ -117,7 +117,8 @@ class Engine:
         chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
                           device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
-                                  embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales)
+                                  embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
+                                  key_block=self.layout.key_block)
         if fraction:
             self.pool = self._pool(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
             self.runner.use_kv_storage(self.pool.storage, self.pool.scales)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from quant.runtime.kv_quant import CODE_DTYPES, POOL_FORMATS
-from quant.shape.kv_formats import token_bytes
+from quant.shape.kv_formats import FORMATS, token_bytes
 from quant.shape.model import ModelShape
 
 
@@ -59,6 +59,11 @@ class KVLayout:
     def kv_dtype(self) -> str:
         """What K and V are held in: the format's name, or the float dtype's ("bfloat16")."""
         return self.kv_format or str(self.dtype).removeprefix("torch.")
+
+    @property
+    def key_block(self) -> int:
+        """The block of the keys' Walsh-Hadamard rotation in a format that rotates them (int8), else 0."""
+        return FORMATS[self.kv_format].key_block(self.head_dim) if self.kv_format else 0
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -143,7 +143,7 @@ class Service:
         except asyncio.TimeoutError:
             raise EngineClosedError("the engine did not answer the plan (it is shutting down)") from None
         i = self.engine.info
-        return capacity.to_dict(result, i.weight_bytes, i.kv_bytes_per_token, i.attention)
+        return capacity.to_dict(result, i.weight_bytes, i.kv_bytes_per_token, i.attention, self.engine.layout.kv_dtype)
 
     # ------------------------------------------------------------------------------------ requests
 

@@ -21,11 +21,26 @@ def _kv(tokens=40, heads=3, dim=64, seed=0) -> torch.Tensor:
 @pytest.mark.unit
 def test_int8_is_symmetric_per_token_and_head_within_half_a_step():
     x = _kv()
-    y = round_trip("int8", x, key=True)
+    y = round_trip("int8-plain", x, key=True)
     step = (x.abs().amax(-1, keepdim=True) / 127).half().float()
     assert ((y - x).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(y / step, torch.round(y / step))  # every value on its vector's grid
     assert torch.equal(round_trip("int8", torch.zeros(1, 1, 2, 64), key=False), torch.zeros(1, 1, 2, 64))
+    assert torch.equal(round_trip("int8", x, key=False), round_trip("int8-plain", x, key=False))  # values unrotated
+
+
+@pytest.mark.unit
+def test_int8_rotates_keys_so_an_outlier_channel_costs_the_others_less():
+    """int8's keys are quantized rotated (H x on its grid, read back as H Q(H x)): with an outlier channel, the other
+    channels' error falls below the unrotated format's."""
+    x = _kv()
+    rot = round_trip("int8", x, key=True)
+    step = (hadamard.rotate(x, 64).abs().amax(-1, keepdim=True) / 127).half().float()
+    back = hadamard.rotate(rot, 64)  # the stored rotated key
+    assert torch.allclose(back / step, torch.round(back / step), atol=1e-3)
+    others = [c for c in range(64) if c != 5]
+    err = {f: float((round_trip(f, x, key=True) - x)[..., others].pow(2).mean()) for f in ("int8", "int8-plain")}
+    assert err["int8"] < 0.5 * err["int8-plain"], err
 
 
 @pytest.mark.unit

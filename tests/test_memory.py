@@ -134,6 +134,12 @@ def test_estimate_cli(tiny_model_dir, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["classes"]["KV"] == 2 * 128 * r["kv_bytes_per_token"]
     assert r["gpus"] == 1
+    # an int8 KV cache: per head and token, 2 x (head_dim codes + a float16 scale) instead of 2 x head_dim x 2 bytes
+    assert run_cli("estimate", "--model", tiny_model_dir, "--scheme", "w4a16", "--group-size", "64",
+                   "--batch", "2", "--context", "128", "--kv-dtype", "int8", "--json") == 0
+    q = json.loads(capsys.readouterr().out)
+    assert q["kv_bytes_per_token"] * 2 * 16 == r["kv_bytes_per_token"] * (16 + 2)  # tiny model: head_dim 16, bf16
+    assert q["classes"]["KV"] == 2 * 128 * q["kv_bytes_per_token"] and "KV int8" in q["setup"]
     assert run_cli("estimate", "--params", "70B", "--scheme", "float", "--gpu-memory", "80GiB", "--json") == 0
     r = json.loads(capsys.readouterr().out)
     assert r["gpus"] == -(-r["total"] // (80 * 2**30)) and r["gpus"] >= 2

@@ -237,19 +237,20 @@ def test_invalid_plan_inputs_are_400_and_invalid_argument_naming_the_field(serve
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
-    """The default model: `quant estimate --requests` (config only) and an idle server's Plan, same settings."""
+    """The default model: `quant estimate --requests` (config only) and an idle server's Plan, same settings, with an
+    int8 KV cache (its bytes per token, scales included, in both)."""
     from quant.format import sources as models
 
     default_model_dir = models.resolve(None, cache_dir).path
     shapes = "300x100x4,1000x200x40,9000x10"
     flags = ["--memory-budget", "48MiB", "--max-batch", "8", "--max-queue", "16", "--max-prefill-tokens", "256"]
     r = subprocess.run([sys.executable, "-m", "quant.cli", "estimate", "--model", str(default_model_dir),
-                        "--requests", shapes, "--dtype", "float32", "--json", *flags],
+                        "--requests", shapes, "--dtype", "float32", "--kv-dtype", "int8", "--json", *flags],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     offline = json.loads(r.stdout)
     s = start(default_model_dir, cache_dir, memory_budget="48MiB", max_batch=8, max_queue=16, dtype="float32",
-              max_prefill_tokens=256)
+              max_prefill_tokens=256, kv_dtype="int8")
     try:
         with Client(s.grpc_target) as c:
             live = c.plan([tuple(int(x) for x in t.split("x")) for t in shapes.split(",")])
@@ -263,6 +264,7 @@ def test_quant_estimate_requests_answers_what_the_live_server_plans(cache_dir):
         "admitted", "queued", "refused"}
     assert (live.kv_capacity_blocks, live.kv_bytes_per_token, live.max_batch, live.max_prefill_tokens) == (
         want.kv_capacity_blocks, want.kv_bytes_per_token, want.max_batch, want.max_prefill_tokens)
+    assert live.kv_dtype == want.kv_dtype == "int8" and live.kv_bytes_per_token == 30 * 3 * 2 * (64 + 2)
 
 
 @pytest.mark.unit

@@ -48,6 +48,8 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   float* __restrict row = acc + g * D;  // (D,)
   float* __restrict s = row + D;  // (g, n) scores, then softmax numerators
   for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
+  if (rows.key_block > 0)  // keys are stored rotated: rotate q to match
+    for (int64_t i = 0; i < g; ++i) qs::hadamard_blocks(qf + i * D, D, rows.key_block);
   // Positions are walked block by block (an integer division per key cost more than its dot products).
   int64_t blk = lo / bs, off = lo % bs;
   // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
@@ -101,7 +103,8 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
 
 // q (rows, H, D) with contiguous heads and one layer's cache kv (2, slots, Hkv, D), contiguous, with H a multiple
 // of Hkv: of q's dtype, or (scales given) int8 or float8_e4m3fn codes with scales (2, slots, Hkv) float16.
-void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, const char* q_shape) {
+void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
+                const char* q_shape) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be a CPU ",
               q_shape, " tensor with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous (2, slots, Hkv, D) tensor");
@@ -113,6 +116,8 @@ void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* sca
     TORCH_CHECK(scales->dim() == 3 && scales->is_contiguous() && scales->scalar_type() == at::kHalf &&
                     scales->size(0) == 2 && scales->size(1) == kv.size(1) && scales->size(2) == kv.size(2),
                 "scales must be a contiguous (2, slots, Hkv) float16 tensor matching kv");
+    TORCH_CHECK(key_block == 0 || (key_block >= 2 && (key_block & (key_block - 1)) == 0 && kv.size(3) % key_block == 0),
+                "key_block must be 0 or a power of two >= 2 dividing head_dim, got ", key_block);
   }
   TORCH_CHECK(kv.size(3) == q.size(2) && kv.size(2) > 0 && q.size(1) % kv.size(2) == 0,
               "q's heads must be a multiple of kv's, with one head_dim");
@@ -121,7 +126,7 @@ void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* sca
 // Calls f(scalar_t{}, rows) with q's element type and the layer cache's rows (head 0): float, or int8 / fp8 codes
 // with their scales.
 template <typename F>
-void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, F&& f) {
+void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block, F&& f) {
   const int64_t S = kv.size(1), Hkv = kv.size(2), D = kv.size(3), half = S * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention", [&] {
     if (scales == nullptr) {
@@ -132,18 +137,18 @@ void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* 
     const auto* sc = scales->data_ptr<c10::Half>();
     if (kv.scalar_type() == at::kChar) {
       const auto* k = kv.data_ptr<int8_t>();
-      f(scalar_t{}, qs::QuantRows<qs::Int8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv});
+      f(scalar_t{}, qs::QuantRows<qs::Int8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block});
     } else {
       const auto* k = reinterpret_cast<const uint8_t*>(kv.data_ptr());
-      f(scalar_t{}, qs::QuantRows<qs::Fp8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv});
+      f(scalar_t{}, qs::QuantRows<qs::Fp8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block});
     }
   });
 }
 
-at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales,
+at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
                        const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size, int64_t window,
                        double scale, double softcap) {
-  check_q_kv(q, kv, scales, "(B, H, D)");
+  check_q_kv(q, kv, scales, key_block, "(B, H, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
                   block_table.scalar_type() == at::kLong,
@@ -163,7 +168,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
-  dispatch_rows(q, kv, scales, [&](auto tag, const auto& rows) {
+  dispatch_rows(q, kv, scales, key_block, [&](auto tag, const auto& rows) {
     using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -198,15 +203,16 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                             const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
                             double softcap) {
-  return decode_impl(q, kv, nullptr, block_table, lens, block_size, window, scale, softcap);
+  return decode_impl(q, kv, nullptr, 0, block_table, lens, block_size, window, scale, softcap);
 }
 
 // decode_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
-// float16 scale per token per KV head; each row is dequantized as it is loaded (qs::QuantRows).
+// float16 scale per token per KV head; each row is dequantized as it is loaded (qs::QuantRows). key_block > 0: the
+// keys were stored rotated in blocks of that many channels (store_kv_quant), and each query is rotated to match.
 at::Tensor decode_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
                                   const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size,
-                                  int64_t window, double scale, double softcap) {
-  return decode_impl(q, kv, &scales, block_table, lens, block_size, window, scale, softcap);
+                                  int64_t window, double scale, double softcap, int64_t key_block) {
+  return decode_impl(q, kv, &scales, key_block, block_table, lens, block_size, window, scale, softcap);
 }
 
 // ------------------------------------------------------------------------------------------- prefill chunks
@@ -424,11 +430,11 @@ struct Prefill {
 // hold the products' operands: fp32, or bf16 pairs (bits) for Bf16Pairs, whose P^T pairs are in p. The padding
 // head dims [D, Dp) of k's and v's rows are never written, so they stay the zeros they start as.
 struct Work {
-  std::vector<float> qt, k, v, st, p, o, m, l, alpha;
+  std::vector<float> qt, k, v, st, p, o, m, l, alpha, qrow;
   std::vector<int32_t> pos, lo;
   Work(int64_t Dp, int64_t rows)
       : qt(Dp * rows), k(kKeys * Dp), v(kKeys * Dp), st(kKeys * rows), p(kKeys / 2 * rows), o(rows * Dp), m(rows),
-        l(rows), alpha(rows), pos(rows), lo(rows) {}
+        l(rows), alpha(rows), qrow(Dp), pos(rows), lo(rows) {}
 };
 
 // How a work item's operands are staged for E. F32: Q^T (Dp, rp), K (nk, Dp) and V (nk, Dp) in fp32, the
@@ -442,8 +448,11 @@ template <typename T>
 struct Stage<T, F32> {
   using R = typename Raw<T>::type;
   static constexpr int64_t kPair = 1;
-  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = Raw<T>::get(src[d]);
+  // query row r (D,) into Q^T, rotated in fp32 first when the keys were stored rotated (key_block > 0)
+  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D, int64_t key_block, float* row) {
+    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(src[d]);
+    if (key_block > 0) qs::hadamard_blocks(row, D, key_block);
+    for (int64_t d = 0; d < D; ++d) qt[d * rp + r] = row[d];
   }
   template <typename Rows>  // one KV head's rows, of the model's dtype or dequantized as they are loaded
   static void kv_tile(Work& w, const Prefill& a, const Rows& rows, int64_t k0, int64_t nk) {
@@ -463,7 +472,7 @@ template <>
 struct Stage<c10::BFloat16, Bf16Pairs> {
   using R = uint16_t;
   static constexpr int64_t kPair = 2;
-  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D) {
+  static void q_elem(float* qt, int64_t rp, int64_t r, const R* src, int64_t D, int64_t, float*) {
     auto* q2 = reinterpret_cast<uint32_t*>(qt);
     for (int64_t t = 0; t < D / 2; ++t) q2[t * rp + r] = pair(src[2 * t], src[2 * t + 1]);
   }
@@ -522,7 +531,9 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const Rows&
     const int64_t pos = a.start + i0 + r / g;
     w.pos[r] = r < rows ? static_cast<int32_t>(pos) : -1;  // a padding row sees nothing
     w.lo[r] = r < rows ? static_cast<int32_t>(a.first_key(pos)) : 0;
-    if (r < rows) S::q_elem(w.qt.data(), rp, r, qp + (i0 + r / g) * a.qstride + (h * g + r % g) * D, D);
+    if (r < rows)
+      S::q_elem(w.qt.data(), rp, r, qp + (i0 + r / g) * a.qstride + (h * g + r % g) * D, D, head.key_block,
+                w.qrow.data());
   }
   std::fill(O, O + rows * Dp, 0.f);
   std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
@@ -559,10 +570,10 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const Rows&
   }
 }
 
-at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales,
+at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
                         const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window, double scale,
                         double softcap) {
-  check_q_kv(q, kv, scales, "(C, H, D)");
+  check_q_kv(q, kv, scales, key_block, "(C, H, D)");
   const int64_t C = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.scalar_type() == at::kLong,
               "block_table must be a contiguous (blocks,) int64 tensor");
@@ -585,7 +596,7 @@ at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   }
   std::stable_sort(items.begin(), items.end());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  dispatch_rows(q, kv, scales, [&](auto tag, const auto& rows) {
+  dispatch_rows(q, kv, scales, key_block, [&](auto tag, const auto& rows) {
     using scalar_t = decltype(tag);
     using Rows = std::decay_t<decltype(rows)>;
     const auto* qp = raw(q.data_ptr<scalar_t>());
@@ -618,15 +629,16 @@ at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
 // tanh(scores / softcap). Returns (C, H, D) in q's dtype.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
                              int64_t block_size, int64_t window, double scale, double softcap) {
-  return prefill_impl(q, kv, nullptr, block_table, start, block_size, window, scale, softcap);
+  return prefill_impl(q, kv, nullptr, 0, block_table, start, block_size, window, scale, softcap);
 }
 
 // prefill_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
-// float16 scale per token per KV head; each key tile is dequantized as it is staged (qs::QuantRows).
+// float16 scale per token per KV head; each key tile is dequantized as it is staged (qs::QuantRows). key_block as
+// for decode_attention_quant.
 at::Tensor prefill_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
                                    const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window,
-                                   double scale, double softcap) {
-  return prefill_impl(q, kv, &scales, block_table, start, block_size, window, scale, softcap);
+                                   double scale, double softcap, int64_t key_block) {
+  return prefill_impl(q, kv, &scales, key_block, block_table, start, block_size, window, scale, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
@@ -635,9 +647,9 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
   m.def("prefill_attention(Tensor q, Tensor kv, Tensor block_table, int start, int block_size, int window, "
         "float scale, float softcap) -> Tensor");
   m.def("decode_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, Tensor lens, int block_size, "
-        "int window, float scale, float softcap) -> Tensor");
+        "int window, float scale, float softcap, int key_block) -> Tensor");
   m.def("prefill_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, int start, int block_size, "
-        "int window, float scale, float softcap) -> Tensor");
+        "int window, float scale, float softcap, int key_block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {

@@ -4,7 +4,10 @@
 // the kernel's fp32 registers and stack row: no full-precision copy of the cache is ever made.
 //
 // A row's value is code * scale in fp32, exactly quant/runtime/kv_quant.py's round trip (a code of at most 8
-// significant bits times a float16 scale is exact in fp32).
+// significant bits times a float16 scale is exact in fp32). With a key rotation block b > 0 (the int8 format), keys
+// are stored rotated, H k with H the normalized block Walsh-Hadamard transform over head_dim (QuaRot: it spreads a
+// key's outlier channels before one scale covers them), and the kernels rotate each query the same way: H is
+// orthonormal, so (H q) . (H k) = q . k; values are stored as they are.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +15,7 @@
 #include <c10/util/Half.h>
 
 #include "elements.h"
+#include "hadamard.h"
 
 #include <algorithm>
 #include <array>
@@ -32,6 +36,7 @@ template <typename T>
 struct FloatRows {
   using R = typename Raw<T>::type;
   static constexpr bool kQuantized = false;
+  static constexpr int64_t key_block = 0;
   const R* k;
   const R* v;
   int64_t stride;
@@ -83,8 +88,11 @@ struct QuantRows {
   const c10::Half* ks;
   const c10::Half* vs;
   int64_t stride, sstride;
+  int64_t key_block;  // > 0: keys stored rotated in blocks of this many channels; the kernels rotate q to match
 
-  QuantRows at_head(int64_t h, int64_t D) const { return {k + h * D, v + h * D, ks + h, vs + h, stride, sstride}; }
+  QuantRows at_head(int64_t h, int64_t D) const {
+    return {k + h * D, v + h * D, ks + h, vs + h, stride, sstride, key_block};
+  }
   void load_k(int64_t slot, float* __restrict dst, int64_t D) const {
     load(k + slot * stride, static_cast<float>(ks[slot * sstride]), dst, D);
   }
@@ -112,15 +120,18 @@ inline c10::Half row_scale(float amax) {
   return c10::Half(std::max(amax / Code::kMax, 6.103515625e-05f));
 }
 
-// One row x (D,) of dtype T quantized into codes and its scale.
+// One row x (D,) of dtype T quantized into codes and its scale, rotated first in fp32 when rotate > 0 (a key of the
+// int8 format). work: D floats.
 template <typename T, typename Code>
 inline void quantize_row(const typename Raw<T>::type* __restrict x, typename Code::C* __restrict codes,
-                         c10::Half* scale, int64_t D) {
+                         c10::Half* scale, int64_t D, int64_t rotate, float* __restrict work) {
+  for (int64_t d = 0; d < D; ++d) work[d] = Raw<T>::get(x[d]);
+  if (rotate > 0) hadamard_blocks(work, D, rotate);
   float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(Raw<T>::get(x[d])));
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(work[d]));
   const c10::Half s = row_scale<Code>(amax);
   const float sf = static_cast<float>(s);
-  for (int64_t d = 0; d < D; ++d) codes[d] = Code::encode(Raw<T>::get(x[d]) / sf);
+  for (int64_t d = 0; d < D; ++d) codes[d] = Code::encode(work[d] / sf);
   *scale = s;
 }
 

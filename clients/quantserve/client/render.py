@@ -80,7 +80,7 @@ def info_table(i: ModelInfo, transport: str) -> Table:
 def plan_table(p: Plan, transport: str) -> Group:
     """One row per shape: KV per request, how many fit now / when idle (and what limits it), the activation
     peak, and the outcomes of sending them now; a refusal's reason on the line below its row; then the pool."""
-    admission = f", KV {p.kv_admission}" if p.kv_admission else ""
+    admission = ", KV " + " ".join(x for x in (p.kv_dtype, p.kv_admission) if x) if p.kv_admission else ""
     t = Table(title=f"capacity plan ({transport}{admission})", title_justify="left")
     for name in ("prompt", "max new", "count", "n", "KV / request", "fit now", "fit idle", "expected",
                  "activation peak", "admitted", "queued", "refused"):

@@ -379,6 +379,7 @@ class Plan:
     max_prefill_tokens: int
     attention: str
     kv_admission: str = ""  # "on-demand" or "reserve"
+    kv_dtype: str = ""  # what the KV cache holds: "bfloat16", "int8", ...
 
 
 def parse_shape(text: str) -> RequestShape:
@@ -412,7 +413,8 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
                          fit_expected_limited_by=str(p.get("fit_expected_limited_by", "")), **ints(p, ShapePlan))
 
     return Plan(shapes=tuple(shape_plan(p) for p in d["shapes"]), engine=engine_from_dict(d.get("engine")),
-                attention=str(d.get("attention", "")), kv_admission=str(d.get("kv_admission", "")), **ints(d, Plan))
+                attention=str(d.get("attention", "")), kv_admission=str(d.get("kv_admission", "")),
+                kv_dtype=str(d.get("kv_dtype", "")), **ints(d, Plan))
 
 
 @dataclass(frozen=True)

@@ -394,7 +394,7 @@ class ShapePlan(_message.Message):
     def __init__(self, shape: _Optional[_Union[RequestShape, _Mapping]] = ..., kv_blocks: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., fit_now: _Optional[int] = ..., fit_now_limited_by: _Optional[str] = ..., fit_empty: _Optional[int] = ..., fit_empty_limited_by: _Optional[str] = ..., admitted: _Optional[int] = ..., queued: _Optional[int] = ..., refused: _Optional[int] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., kv_blocks_shared: _Optional[int] = ..., kv_blocks_admission: _Optional[int] = ..., kv_blocks_expected: _Optional[int] = ..., fit_expected: _Optional[int] = ..., fit_expected_limited_by: _Optional[str] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention", "kv_admission")
+    __slots__ = ("shapes", "engine", "kv_bytes_per_token", "kv_capacity_blocks", "kv_free_blocks", "max_batch", "max_queue", "max_prefill_tokens", "attention", "kv_admission", "kv_dtype")
     SHAPES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,7 @@ class PlanResponse(_message.Message):
     MAX_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     KV_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     shapes: _containers.RepeatedCompositeFieldContainer[ShapePlan]
     engine: EngineMemory
     kv_bytes_per_token: int
@@ -415,4 +416,5 @@ class PlanResponse(_message.Message):
     max_prefill_tokens: int
     attention: str
     kv_admission: str
-    def __init__(self, shapes: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., attention: _Optional[str] = ..., kv_admission: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, shapes: _Optional[_Iterable[_Union[ShapePlan, _Mapping]]] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_prefill_tokens: _Optional[int] = ..., attention: _Optional[str] = ..., kv_admission: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "elements.h"
+#include "hadamard.h"
 #include "int4_vec.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -78,27 +79,6 @@ void row_f32(const typename qs::Raw<T>::type* __restrict x, const float* __restr
 
 // Whether `block` can rotate k channels: a power of two >= 2 dividing k (quant.runtime.hadamard.is_block).
 bool is_block(int64_t k, int64_t block) { return block >= 2 && (block & (block - 1)) == 0 && k % block == 0; }
-
-// x (k,) times the block-diagonal normalized Hadamard transform, blocks of `block` (a power of two) in place: the
-// butterfly, log2(block) passes of sums and differences (the pass with stride 1 first), then the 1 / sqrt(block)
-// scale rounded to T. Each value is the same chain of exactly rounded sums wherever it is computed, so this op, the
-// rows pass and quant.runtime.hadamard's PyTorch butterfly agree bit for bit.
-template <typename T>
-void hadamard_blocks(T* __restrict x, int64_t k, int64_t block) {
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(block)));
-  for (int64_t b = 0; b < k; b += block) {
-    T* v = x + b;
-    for (int64_t h = 1; h < block; h *= 2)
-      for (int64_t i = 0; i < block; i += 2 * h)
-#pragma omp simd
-        for (int64_t j = i; j < i + h; ++j) {
-          const T a = v[j], c = v[j + h];
-          v[j] = a + c;
-          v[j + h] = a - c;
-        }
-    for (int64_t j = 0; j < block; ++j) v[j] *= scale;
-  }
-}
 
 // Four weight rows against one x row at once: four independent sums and x read once per four rows. x comes widened
 // to int16, and each weight row is widened in registers, so that a 16-bit multiply-add with 32-bit sums does the
@@ -260,7 +240,7 @@ at::Tensor w8a8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     const auto* xp = qs::raw(x.data_ptr<scalar_t>());
     for (int64_t r = 0; r < m; ++r) {  // quant.runtime.primitives.quantize_act_dynamic / _static, in the same fp32 steps
       row_f32<scalar_t>(xp + r * k, sm, xf.data(), k);
-      if (rotate) hadamard_blocks(xf.data(), k, rotate);
+      if (rotate) qs::hadamard_blocks(xf.data(), k, rotate);
       float s;
       if (dynamic) {
         float amax = 0.f;
@@ -631,7 +611,7 @@ at::Tensor& hadamard_(at::Tensor& x, int64_t block) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hadamard_", [&] {
     scalar_t* o = x.data_ptr<scalar_t>();
     at::parallel_for(0, m, grain_rows(k * 8), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) hadamard_blocks(o + r * k, k, block);
+      for (int64_t r = b; r < e; ++r) qs::hadamard_blocks(o + r * k, k, block);
     });
   });
   return x;
