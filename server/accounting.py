@@ -4,7 +4,6 @@ The figures come from the pool's layout and the memory model (``quant.shape.memo
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -14,6 +13,7 @@ from server import capacity
 from server.kv_pool import KVBudgetError, free_memory
 from server.outputs import Accounting, EngineTotals
 from server.runner import SCORE_ROWS
+from server.scheduler import admission_blocks
 
 
 def engine_totals(pool, layout, weight_bytes: int, running: int, queued: int, preemptions: int = 0,
@@ -82,16 +82,16 @@ def fraction_budget(device: torch.device, fraction: float, workspace: int, confi
 
 def engine_state(usable_blocks: int, pool, layout, scheduler, config, queued: int) -> capacity.EngineState:
     """A snapshot of the pool and the queue for a capacity plan (server/capacity.py), taken between steps."""
-    state = capacity.EngineState(
-        usable_blocks, pool.free_blocks, layout.block_size, layout.bytes_per_block, len(scheduler.running),
-        config.max_batch, config.max_prefill_tokens, (), queued, config.max_queue, scheduler.admission,
-        scheduler.watermark_blocks,
-    )
     waiting = []
     for s in scheduler.waiting:
         if s.preemptions:  # taken back alone, its prompt and generated tokens recomputed
             waiting.append((layout.blocks_for(len(s.prompt) + len(s.generated)), 1))
         else:
             n = len(scheduler.unit(s))
-            waiting.append((state.admission_blocks(len(s.prompt), s.params.max_new_tokens, n), n))
-    return dataclasses.replace(state, waiting=tuple(waiting))
+            waiting.append((admission_blocks(scheduler.admission, len(s.prompt), s.params.max_new_tokens, n,
+                                             layout.block_size), n))
+    return capacity.EngineState(
+        usable_blocks, pool.free_blocks, layout.block_size, layout.bytes_per_block, len(scheduler.running),
+        config.max_batch, config.max_prefill_tokens, tuple(waiting), queued, config.max_queue, scheduler.admission,
+        scheduler.watermark_blocks,
+    )

@@ -42,7 +42,7 @@ from typing import Callable
 
 from server.kv_pool import group_blocks, shared_blocks
 from server.outputs import RequestError
-from server.scheduler import ON_DEMAND
+from server.scheduler import ON_DEMAND, admission_blocks, admission_headroom
 
 MAX_SHAPES = 256  # shapes per plan
 MAX_REQUESTS = 65536  # requests per plan, all shapes together (the outcome walk is one step per request)
@@ -162,12 +162,11 @@ class EngineState:
 
     def headroom(self, running: int) -> int:
         """Blocks an admission must leave free with ``running`` samples running (the scheduler's rule)."""
-        return self.watermark_blocks if self.admission == ON_DEMAND and running else 0
+        return admission_headroom(self.admission, self.watermark_blocks, running)
 
     def admission_blocks(self, prompt_tokens: int, max_new_tokens: int, n: int) -> int:
         """Blocks a request of this shape takes when admitted (nothing cached)."""
-        tokens = prompt_tokens if self.admission == ON_DEMAND else prompt_tokens + max_new_tokens
-        return group_blocks(prompt_tokens, tokens, n, self.block_size)
+        return admission_blocks(self.admission, prompt_tokens, max_new_tokens, n, self.block_size)
 
     def written_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
         """Blocks a sample holds once it produced ``new_tokens`` (>= 1): on demand those of the positions written,

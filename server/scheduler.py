@@ -41,10 +41,26 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.kv_pool import BlockPool, shared_blocks
+from server.kv_pool import BlockPool, group_blocks, shared_blocks
 from server.sampling_params import SamplingParams
 
 ON_DEMAND, RESERVE = "on-demand", "reserve"
+
+
+def admission_tokens(admission: str, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Positions a request's blocks cover when it is admitted: its prompt on demand, its worst case reserved."""
+    return prompt_tokens if admission == ON_DEMAND else prompt_tokens + max_new_tokens
+
+
+def admission_blocks(admission: str, prompt_tokens: int, max_new_tokens: int, n: int, block_size: int) -> int:
+    """Blocks a request of ``n`` samples takes when admitted with nothing cached (BlockPool.try_reserve_group)."""
+    return group_blocks(prompt_tokens, admission_tokens(admission, prompt_tokens, max_new_tokens), n, block_size)
+
+
+def admission_headroom(admission: str, watermark_blocks: int, running: int) -> int:
+    """Blocks an admission must leave free: the watermark on demand while anything runs (with nothing running a
+    request that fits the pool alone is always admitted). The capacity plan admits by this rule too."""
+    return watermark_blocks if admission == ON_DEMAND and running else 0
 ADMISSIONS = (ON_DEMAND, RESERVE)
 
 
@@ -212,9 +228,7 @@ class Scheduler:
         self.pool.release(seq.id)
 
     def _headroom(self) -> int:
-        """Blocks an admission must leave free: the watermark on demand while anything runs (with nothing running
-        a request that fits the pool alone is always admitted)."""
-        return self.watermark_blocks if self.admission == ON_DEMAND and self.running else 0
+        return admission_headroom(self.admission, self.watermark_blocks, len(self.running))
 
     def admit(self) -> list[Sequence]:
         """Admit from the head of the queue while it fits; the new requests admitted (a request of several samples
@@ -233,7 +247,7 @@ class Scheduler:
             members = self.unit(seq)
             if len(self.running) + len(members) > self.max_batch:
                 break
-            tokens = seq.reserve_tokens if self.admission == RESERVE else len(seq.prompt)
+            tokens = admission_tokens(self.admission, len(seq.prompt), seq.params.max_new_tokens)
             use_cache = not seq.scores_prompt  # scoring the prompt computes all of it
             if seq.group is None:
                 tables = [self.pool.try_reserve(seq.id, tokens, seq.prompt, use_cache, self._headroom())]
