@@ -46,7 +46,7 @@ def round_trip_format(fmt: KVFormat, x: torch.Tensor, key: bool) -> torch.Tensor
     """x (..., tokens, head_dim) as attention reads it back once stored in ``fmt``: quantized, then dequantized."""
     if key and fmt.key_group:
         return _channel_groups(x, fmt.bits, fmt.key_group)
-    block = fmt.key_block(x.shape[-1]) if key else 0
+    block = fmt.key_block(x.shape[-1]) if key else fmt.value_block(x.shape[-1])
     if block:  # H is symmetric and orthonormal: H Q(H x) is the stored key seen unrotated
         return hadamard.rotate(_per_vector(fmt, hadamard.rotate(x, block)), block)
     return _per_vector(fmt, x)

@@ -29,6 +29,7 @@ class KVFormat:
     asymmetric: bool = False
     fp8: bool = False
     rotate_keys: bool = False
+    rotate_values: bool = False  # values rotated too (attention's output rotated back)
     key_group: int = 0  # > 0: keys scaled per channel over blocks of this many tokens (KIVI)
     scale_bytes: int = 2  # each scale (and minimum) held as float16
 
@@ -49,13 +50,22 @@ class KVFormat:
     def key_block(self, head_dim: int) -> int:
         """The block of the keys' Walsh-Hadamard rotation (the largest power of two dividing head_dim), or 0 where
         the format does not rotate keys or head_dim is odd."""
+        return self._block(head_dim) if self.rotate_keys else 0
+
+    def value_block(self, head_dim: int) -> int:
+        """The block of the values' rotation, or 0."""
+        return self._block(head_dim) if self.rotate_values else 0
+
+    @staticmethod
+    def _block(head_dim: int) -> int:
         block = head_dim & -head_dim
-        return block if self.rotate_keys and block >= 2 else 0
+        return block if block >= 2 else 0
 
 
 FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", 8, rotate_keys=True),
     KVFormat("int8-plain", 8),
+    KVFormat("int8-rotkv", 8, rotate_keys=True, rotate_values=True),
     KVFormat("fp8", 8, fp8=True),
     KVFormat("int4", 4, asymmetric=True),
     KVFormat("int4-rot", 4, asymmetric=True, rotate_keys=True),
