@@ -113,3 +113,12 @@ def test_the_kv_view_changes_only_what_attention_reads(tiny_model_dir):
     assert 0 < float((moved - want).abs().max()) < 0.05 * float(want.abs().max())
     with pytest.raises(ValueError, match="no KV cache format"):
         KVCacheView(model, "int3")
+
+
+@pytest.mark.unit
+def test_int8_rotkv_rotates_values_as_well_as_keys():
+    x = _kv()
+    plain = round_trip("int8-plain", hadamard.rotate(x, 64), key=False)
+    assert torch.allclose(round_trip("int8-rotkv", x, key=False), hadamard.rotate(plain, 64), atol=1e-6)
+    assert torch.equal(round_trip("int8-rotkv", x, key=True), round_trip("int8", x, key=True))
+    assert not torch.equal(round_trip("int8", x, key=False), round_trip("int8-rotkv", x, key=False))
