@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(models.resolve(None, default_cache_dir()).path)
     artifact = a.artifact
-    if artifact is None:
+    if artifact is None and "w4a16" in a.models.split(","):
         artifact = str(out / "w4a16")
         if not (Path(artifact) / "quant_manifest.json").is_file():
             subprocess.run([sys.executable, "-m", "quant.cli", "build", "--scheme", "w4a16", "--calib",
