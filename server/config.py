@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from quant.runtime.kernel_choice import MODES as KERNEL_MODES
+from quant.runtime.kv_quant import POOL_FORMATS
+from quant.shape.kv_formats import FLOAT_BYTES
 from server.layers.embedding import check_mode as check_embeddings
 from server.settings import BY_NAME, setting
 
@@ -41,7 +43,7 @@ class EngineConfig:
     @property
     def kv_format(self) -> str | None:
         """The quantized format the KV pool holds (int8, fp8), or None for the activations' dtype."""
-        return self.kv_dtype if self.kv_dtype in ("int8", "fp8") else None
+        return self.kv_dtype if self.kv_dtype in POOL_FORMATS else None
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
@@ -64,7 +66,7 @@ class EngineConfig:
         kv_dtypes = BY_NAME["kv_dtype"].choices
         if self.kv_dtype not in kv_dtypes:
             raise ValueError(f"--kv-dtype must be one of {', '.join(kv_dtypes)}, got {self.kv_dtype!r}")
-        if self.kv_dtype in ("bfloat16", "float16", "float32") and self.kv_dtype != self.dtype:
+        if self.kv_dtype in FLOAT_BYTES and self.kv_dtype != self.dtype:
             raise ValueError(f"--kv-dtype {self.kv_dtype}: a float KV cache is held in the activations' dtype "
                              f"(--dtype {self.dtype}); choose auto, int8 or fp8")
         if self.kv_format and torch.device(self.device).type != "cpu":
