@@ -118,7 +118,7 @@ class Engine:
                           device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
-                                  key_block=self.layout.key_block)
+                                  kv_rotation=self.layout.rotation)
         if fraction:
             self.pool = self._pool(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
             self.runner.use_kv_storage(self.pool.storage, self.pool.scales)

@@ -67,12 +67,13 @@ def ref_store_kv(k: Tensor, v: Tensor, kv: Tensor, slots: Tensor) -> None:
     kv[1].index_copy_(0, slots, v)
 
 
-def ref_store_kv_quant(k: Tensor, v: Tensor, codes: Tensor, scales: Tensor, slots: Tensor, key_block: int) -> None:
+def ref_store_kv_quant(k: Tensor, v: Tensor, codes: Tensor, scales: Tensor, slots: Tensor, key_block: int,
+                       value_block: int) -> None:
     """k, v (T, Hkv, D) quantized into their slots of one layer's quantized cache: codes (2, slots, Hkv, D) (int8
-    or float8_e4m3fn), scales (2, slots, Hkv) float16 (quant.runtime.kv_quant.quantize); key_block > 0: the keys
-    rotated first (kv_quant.rotate_keys)."""
+    or float8_e4m3fn), scales (2, slots, Hkv) float16 (quant.runtime.kv_quant.quantize); key_block (value_block)
+    > 0: the keys (values) rotated first (kv_quant.rotate)."""
     fmt = FORMATS["fp8" if codes.dtype == torch.float8_e4m3fn else "int8-plain"]
-    for i, x in enumerate((kv_quant.rotate_keys(k, key_block), v)):
+    for i, x in enumerate((kv_quant.rotate(k, key_block), kv_quant.rotate(v, value_block))):
         c, s = kv_quant.quantize(fmt, x)
         codes[i].view(torch.uint8).index_copy_(0, slots, c.view(torch.uint8))  # (no index_copy_ of float8)
         scales[i].index_copy_(0, slots, s)
@@ -132,18 +133,23 @@ def ref_prefill_attention(q: Tensor, kv: Tensor, block_table: Tensor, start: int
 
 
 def ref_decode_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_table: Tensor, lens: Tensor,
-                               block_size: int, window: int, scale: float, softcap: float, key_block: int) -> Tensor:
+                               block_size: int, window: int, scale: float, softcap: float, key_block: int,
+                               value_block: int) -> Tensor:
     """:func:`ref_decode_attention` over a quantized cache, its values code * scale in fp32; with key_block > 0 the
-    keys are stored rotated and q is rotated to match."""
-    return ref_decode_attention(kv_quant.rotate_keys(q.float(), key_block), kv_quant.dequantize(codes, scales),
-                                block_table, lens, block_size, window, scale, softcap).to(q.dtype)
+    keys are stored rotated and q is rotated to match, with value_block > 0 the values are and the fp32 output is
+    rotated back."""
+    out = ref_decode_attention(kv_quant.rotate(q.float(), key_block), kv_quant.dequantize(codes, scales),
+                               block_table, lens, block_size, window, scale, softcap)
+    return kv_quant.rotate(out, value_block).to(q.dtype)
 
 
 def ref_prefill_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_table: Tensor, start: int,
-                                block_size: int, window: int, scale: float, softcap: float, key_block: int) -> Tensor:
+                                block_size: int, window: int, scale: float, softcap: float, key_block: int,
+                                value_block: int) -> Tensor:
     """:func:`ref_prefill_attention` over a quantized cache, as :func:`ref_decode_attention_quant`."""
-    return ref_prefill_attention(kv_quant.rotate_keys(q.float(), key_block), kv_quant.dequantize(codes, scales),
-                                 block_table, start, block_size, window, scale, softcap).to(q.dtype)
+    out = ref_prefill_attention(kv_quant.rotate(q.float(), key_block), kv_quant.dequantize(codes, scales),
+                                block_table, start, block_size, window, scale, softcap)
+    return kv_quant.rotate(out, value_block).to(q.dtype)
 
 
 # The activation model's glue kind per Ops kind: the Triton kernels allocate what the fused CPU ones do.

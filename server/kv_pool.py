@@ -61,9 +61,13 @@ class KVLayout:
         return self.kv_format or str(self.dtype).removeprefix("torch.")
 
     @property
-    def key_block(self) -> int:
-        """The block of the keys' Walsh-Hadamard rotation in a format that rotates them (int8), else 0."""
-        return FORMATS[self.kv_format].key_block(self.head_dim) if self.kv_format else 0
+    def rotation(self) -> tuple[int, int]:
+        """The blocks of the keys' and the values' Walsh-Hadamard rotation in a format that rotates them (int8), each
+        0 where none."""
+        if not self.kv_format:
+            return 0, 0
+        fmt = FORMATS[self.kv_format]
+        return fmt.key_block(self.head_dim), fmt.value_block(self.head_dim)
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -93,10 +93,10 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
                  fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None,
-                 kv_scales: Tensor | None = None, key_block: int = 0):
+                 kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0)):
         """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter).
-        kv_scales: the pool's scales when it holds a quantized cache (kv_storage then holds its codes); key_block: its
-        keys' rotation block (server.kv_pool.KVLayout.key_block)."""
+        kv_scales: the pool's scales when it holds a quantized cache (kv_storage then holds its codes); kv_rotation:
+        its keys' and values' rotation blocks (server.kv_pool.KVLayout.rotation)."""
         dtype = model.get_input_embeddings().weight.dtype
         cache_dtype = dtype if kv_scales is not None else kv_storage.dtype  # codes are read in the model's dtype
         self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
@@ -110,8 +110,8 @@ class ModelRunner:
         why = cls.unsupported(specs)
         if why is not None:
             raise UnsupportedModelError(why)
-        self.backend = cls(kv_storage, block_size, specs, self.ops, kv_scales=kv_scales, key_block=key_block)
-        self.key_block = key_block
+        self.backend = cls(kv_storage, block_size, specs, self.ops, kv_scales=kv_scales, kv_rotation=kv_rotation)
+        self.kv_rotation = kv_rotation
         self.attention = cls.name
         self.block_size = block_size
         self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
@@ -122,7 +122,7 @@ class ModelRunner:
         if self.graphs is not None:
             raise RuntimeError("use_kv_storage after the CUDA graphs were captured")
         self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops,
-                                          kv_scales=kv_scales, key_block=self.key_block)
+                                          kv_scales=kv_scales, kv_rotation=self.kv_rotation)
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
         """Capture the decode step's CUDA graphs (the engine calls this on CUDA); returns what was done, for the

@@ -45,14 +45,15 @@ def _bits(codes: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- ops and references
 
 
-# (format, the keys' rotation block): int8 as served (keys rotated over head_dim 64), int8 unrotated, fp8
-STORED = [("int8", 64), ("int8", 0), ("fp8", 0)]
+# (format, the keys' rotation block, the values'): int8 as served (both rotated over head_dim 64), keys only, values
+# only in blocks of 32, unrotated; fp8
+STORED = [("int8", 64, 64), ("int8", 64, 0), ("int8", 0, 32), ("int8", 0, 0), ("fp8", 0, 0)]
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("fmt,key_block", STORED)
+@pytest.mark.parametrize("fmt,key_block,value_block", STORED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_quant_writes_the_references_codes_and_scales(fmt, key_block, dtype):
+def test_store_kv_quant_writes_the_references_codes_and_scales(fmt, key_block, value_block, dtype):
     fused = _fused()
     torch.manual_seed(0)
     T, Hkv, D, nslots = 37, 3, 64, 96
@@ -62,48 +63,52 @@ def test_store_kv_quant_writes_the_references_codes_and_scales(fmt, key_block, d
     v = qkv[:, Hkv * D: 2 * Hkv * D].view(T, Hkv, D)
     slots = torch.randperm(nslots)[:T]
     got, want = _cache(fmt, nslots, Hkv, D), _cache(fmt, nslots, Hkv, D)
-    fused.store_kv_quant(k, v, *got, slots, key_block)
-    REF.store_kv_quant(k, v, *want, slots, key_block)
+    fused.store_kv_quant(k, v, *got, slots, key_block, value_block)
+    REF.store_kv_quant(k, v, *want, slots, key_block, value_block)
     assert torch.equal(_bits(got[0]), _bits(want[0])) and torch.equal(got[1], want[1])
-    # what the reference stores is kv_quant's round trip of the same vectors, exactly (rotated keys rotated back)
-    name = fmt if fmt == "fp8" or key_block else "int8-plain"
-    for i, x in enumerate((k, v)):
+    # what the reference stores is kv_quant's round trip of the same vectors, exactly (rotated ones rotated back)
+    plain = "fp8" if fmt == "fp8" else "int8-plain"
+    for i, (x, block) in enumerate(((k, key_block), (v, value_block))):
         back = kv_quant.dequantize(want[0][i, slots], want[1][i, slots])
-        if i == 0 and key_block:
-            back = hadamard.rotate(back, key_block)
-        assert torch.equal(back, kv_quant.round_trip(name, x.float(), key=i == 0))
+        x = x.float()
+        if block:
+            back, x = hadamard.rotate(back, block), hadamard.rotate(x, block)
+        assert torch.equal(back, hadamard.rotate(kv_quant.round_trip(plain, x, key=i == 0), block) if block else
+                           kv_quant.round_trip(plain, x, key=i == 0))
+        if (key_block, value_block) == (64, 64):  # int8 as served: kv_quant's round trip of the format itself
+            assert torch.equal(back, kv_quant.round_trip(fmt, k.float() if i == 0 else v.float(), key=i == 0))
     assert float(want[1][0, slots[3]].max()) == pytest.approx(2.0 ** -14, rel=1e-3)
     assert int(_bits(want[0][0, slots[3]]).max()) == 0
 
 
-def _paged(fmt, fused, key_block=0, nblocks=12, bs=16, Hkv=2, D=64, dtype=torch.float32):
+def _paged(fmt, fused, rotation=(0, 0), nblocks=12, bs=16, Hkv=2, D=64, dtype=torch.float32):
     codes, scales = _cache(fmt, nblocks * bs, Hkv, D)
     x = torch.randn(nblocks * bs, Hkv, D).to(dtype)
-    fused.store_kv_quant(x * 2, torch.randn_like(x), codes, scales, torch.arange(nblocks * bs), key_block)
+    fused.store_kv_quant(x * 2, torch.randn_like(x), codes, scales, torch.arange(nblocks * bs), *rotation)
     return codes, scales
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("fmt,key_block", STORED)
+@pytest.mark.parametrize("fmt,key_block,value_block", STORED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (0, 30.0)])
-def test_quantized_attention_kernels_match_their_references(fmt, key_block, dtype, window, softcap):
+def test_quantized_attention_kernels_match_their_references(fmt, key_block, value_block, dtype, window, softcap):
     """Decode rows and a prefill chunk over a fragmented block table, GQA (8 query heads on 2 KV heads): the C++
     kernels, dequantizing as they load, against the references, which dequantize the whole cache first."""
     fused = _fused()
     torch.manual_seed(1)
     bs, D = 16, 64
-    codes, scales = _paged(fmt, fused, key_block, dtype=dtype)
+    codes, scales = _paged(fmt, fused, (key_block, value_block), dtype=dtype)
     tables = torch.tensor([[3, 7, 1, 0, 5, 9], [11, 2, 4, 6, 8, 10]])
     lens = torch.tensor([50, 96])
     q = torch.randn(2, 8, D).to(dtype)
-    args = (tables, lens, bs, window, 0.125, softcap, key_block)
+    args = (tables, lens, bs, window, 0.125, softcap, key_block, value_block)
     got = fused.decode_attention_quant(q, codes, scales, *args)
     want = REF.decode_attention_quant(q, codes, scales, *args)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
     qc = torch.randn(30, 8, D).to(dtype)
-    args = (tables[1], 40, bs, window, D ** -0.5, softcap, key_block)
+    args = (tables[1], 40, bs, window, D ** -0.5, softcap, key_block, value_block)
     got = fused.prefill_attention_quant(qc, codes, scales, *args)
     want = REF.prefill_attention_quant(qc, codes, scales, *args)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
@@ -112,19 +117,22 @@ def test_quantized_attention_kernels_match_their_references(fmt, key_block, dtyp
 @pytest.mark.reference
 def test_quantized_attention_equals_float_attention_over_the_dequantized_cache():
     """The quantized kernels read code * scale: the float kernels over a float32 cache holding exactly those values
-    (rotated keys rotated back) give the same output, so the quantized path is the float path plus the format's
-    rounding, nothing else; and the rotation leaves q.k as it was."""
+    (rotated keys and values rotated back) give the same output, so the quantized path is the float path plus the
+    format's rounding, nothing else: rotating q leaves q.k as it was, rotating the output back undoes the values'."""
     fused = _fused()
     torch.manual_seed(2)
     bs = 16
-    codes, scales = _paged("int8", fused, key_block=64)
-    values = kv_quant.dequantize(codes, scales)  # (2, slots, Hkv, D) fp32
-    values[0] = hadamard.rotate(values[0], 64)
+    codes, scales = _paged("int8", fused, (64, 64))
+    values = hadamard.rotate(kv_quant.dequantize(codes, scales), 64)  # (2, slots, Hkv, D) fp32, both rotated back
     tables, lens = torch.tensor([[4, 2, 9, 1]]), torch.tensor([61])
     q = torch.randn(1, 8, 64)
-    got = fused.decode_attention_quant(q, codes, scales, tables, lens, bs, 0, 0.125, 0.0, 64)
+    got = fused.decode_attention_quant(q, codes, scales, tables, lens, bs, 0, 0.125, 0.0, 64, 64)
     want = fused.decode_attention(q, values, tables, lens, bs, 0, 0.125, 0.0)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    qc = torch.randn(20, 8, 64)
+    got = fused.prefill_attention_quant(qc, codes, scales, tables[0], 41, bs, 0, 0.125, 0.0, 64, 64)
+    want = fused.prefill_attention(qc, values, tables[0], 41, bs, 0, 0.125, 0.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # fp32 rounding: the rotation's sums come after O's
 
 
 @pytest.mark.unit
@@ -133,23 +141,27 @@ def test_quantized_ops_refuse_mismatched_scales_and_out_of_range_slots():
     codes, scales = _cache("int8", 32, 2, 16)
     k = torch.randn(2, 2, 16)
     with pytest.raises(RuntimeError, match="scales must be a contiguous"):
-        fused.store_kv_quant(k, k, codes, scales[:, :16], torch.tensor([0, 1]), 0)
+        fused.store_kv_quant(k, k, codes, scales[:, :16], torch.tensor([0, 1]), 0, 0)
     with pytest.raises(RuntimeError, match="scales must be a contiguous"):
-        fused.store_kv_quant(k, k, codes, scales.float(), torch.tensor([0, 1]), 0)
+        fused.store_kv_quant(k, k, codes, scales.float(), torch.tensor([0, 1]), 0, 0)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        fused.store_kv_quant(k, k, codes, scales, torch.tensor([0, 32]), 0)
+        fused.store_kv_quant(k, k, codes, scales, torch.tensor([0, 32]), 0, 0)
     with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn"):
-        fused.store_kv_quant(k, k, codes.float(), scales, torch.tensor([0, 1]), 0)
+        fused.store_kv_quant(k, k, codes.float(), scales, torch.tensor([0, 1]), 0, 0)
     with pytest.raises(RuntimeError, match="key_block must be 0 or a power of two"):
-        fused.store_kv_quant(k, k, codes, scales, torch.tensor([0, 1]), 12)
+        fused.store_kv_quant(k, k, codes, scales, torch.tensor([0, 1]), 12, 0)
+    with pytest.raises(RuntimeError, match="value_block must be 0 or a power of two"):
+        fused.store_kv_quant(k, k, codes, scales, torch.tensor([0, 1]), 0, 32)
     q, table = torch.randn(1, 4, 16), torch.tensor([[0, 1]])
     with pytest.raises(RuntimeError, match="scales must be a contiguous"):
         fused.decode_attention_quant(q, codes, scales[:, :, :1].contiguous(), table, torch.tensor([5]), 16, 0, 1.0, 0.0,
-                                     0)
+                                     0, 0)
     with pytest.raises(RuntimeError, match="outside"):
-        fused.decode_attention_quant(q, codes, scales, table + 5, torch.tensor([5]), 16, 0, 1.0, 0.0, 0)
+        fused.decode_attention_quant(q, codes, scales, table + 5, torch.tensor([5]), 16, 0, 1.0, 0.0, 0, 0)
     with pytest.raises(RuntimeError, match="key_block must be 0 or a power of two"):
-        fused.prefill_attention_quant(q, codes, scales, table[0], 0, 16, 0, 1.0, 0.0, 32)
+        fused.prefill_attention_quant(q, codes, scales, table[0], 0, 16, 0, 1.0, 0.0, 32, 0)
+    with pytest.raises(RuntimeError, match="value_block must be 0 or a power of two"):
+        fused.decode_attention_quant(q, codes, scales, table, torch.tensor([5]), 16, 0, 1.0, 0.0, 0, 3)
     assert int(_bits(codes).abs().sum()) == 0 and float(scales.abs().sum()) == 0  # nothing was written
 
 
@@ -164,7 +176,7 @@ def test_a_quantized_pool_counts_its_codes_and_scales_exactly(fmt):
     bf16 = KVLayout(30, 3, 64, torch.bfloat16, 16)
     lay = KVLayout(30, 3, 64, torch.bfloat16, 16, fmt)
     assert lay.kv_dtype == fmt and lay.storage_dtype == CODES[fmt]
-    assert lay.key_block == (64 if fmt == "int8" else 0)
+    assert lay.rotation == ((64, 64) if fmt == "int8" else (0, 0))
     assert lay.bytes_per_token == 30 * 3 * FORMATS[fmt].bytes_per_token(64) == 30 * 3 * 2 * 66
     assert lay.bytes_per_token / bf16.bytes_per_token == pytest.approx(0.516, abs=1e-3)
     pool = BlockPool(lay, 8 * 2**20)

@@ -26,7 +26,7 @@ def test_int8_is_symmetric_per_token_and_head_within_half_a_step():
     assert ((y - x).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(y / step, torch.round(y / step))  # every value on its vector's grid
     assert torch.equal(round_trip("int8", torch.zeros(1, 1, 2, 64), key=False), torch.zeros(1, 1, 2, 64))
-    assert torch.equal(round_trip("int8", x, key=False), round_trip("int8-plain", x, key=False))  # values unrotated
+    assert torch.equal(round_trip("int8-rotk", x, key=False), round_trip("int8-plain", x, key=False))  # values unrotated
 
 
 @pytest.mark.unit
@@ -116,9 +116,11 @@ def test_the_kv_view_changes_only_what_attention_reads(tiny_model_dir):
 
 
 @pytest.mark.unit
-def test_int8_rotkv_rotates_values_as_well_as_keys():
+def test_int8_rotates_values_as_well_as_keys():
+    """int8 (served) rotates keys and values; int8-rotk the keys only; int8-plain neither."""
     x = _kv()
     plain = round_trip("int8-plain", hadamard.rotate(x, 64), key=False)
-    assert torch.allclose(round_trip("int8-rotkv", x, key=False), hadamard.rotate(plain, 64), atol=1e-6)
-    assert torch.equal(round_trip("int8-rotkv", x, key=True), round_trip("int8", x, key=True))
-    assert not torch.equal(round_trip("int8", x, key=False), round_trip("int8-rotkv", x, key=False))
+    assert torch.allclose(round_trip("int8", x, key=False), hadamard.rotate(plain, 64), atol=1e-6)
+    assert torch.equal(round_trip("int8-rotk", x, key=True), round_trip("int8", x, key=True))
+    assert torch.equal(round_trip("int8-rotk", x, key=False), round_trip("int8-plain", x, key=False))
+    assert not torch.equal(round_trip("int8", x, key=False), round_trip("int8-rotk", x, key=False))

@@ -1,6 +1,6 @@
 """Each KV cache format's plain reference (quant/shape/kv_formats.py defines the formats and their bytes): the round
 trip of a stored vector, and for the formats the served pool holds (int8, fp8: codes with a float16 scale per
-token per KV head; int8's keys rotated first, ``rotate_keys``) the codes and scales themselves.
+token per KV head; int8's keys and values rotated first, ``rotate``) the codes and scales themselves.
 
 ``round_trip`` is what attention sees of a stored vector: quantized then dequantized, in the input's dtype. The
 served pool's kernels (server/csrc/kv_rows.h) read back exactly this (their tests hold them to it); ``quant eval
@@ -31,9 +31,10 @@ def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return codes, s[..., 0].half()
 
 
-def rotate_keys(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Keys (..., head_dim) as a format with key rotation stores them: H x in fp32 (quant.runtime.hadamard's butterfly,
-    bit for bit the sums the C++ store makes); the queries that read them are rotated the same way. block 0: x."""
+def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Keys or values (..., head_dim) as a format that rotates them stores them: H x in fp32 (quant.runtime.hadamard's
+    butterfly, bit for bit the sums the C++ store makes). The queries that read rotated keys are rotated the same
+    way; an output over rotated values is rotated back by the same H (its own inverse). block 0: x."""
     return hadamard.rotate(x.float(), block) if block else x
 
 
@@ -47,7 +48,7 @@ def round_trip_format(fmt: KVFormat, x: torch.Tensor, key: bool) -> torch.Tensor
     if key and fmt.key_group:
         return _channel_groups(x, fmt.bits, fmt.key_group)
     block = fmt.key_block(x.shape[-1]) if key else fmt.value_block(x.shape[-1])
-    if block:  # H is symmetric and orthonormal: H Q(H x) is the stored key seen unrotated
+    if block:  # H is symmetric and orthonormal: H Q(H x) is the stored vector seen unrotated
         return hadamard.rotate(_per_vector(fmt, hadamard.rotate(x, block)), block)
     return _per_vector(fmt, x)
 

@@ -4,9 +4,10 @@ and ``quant estimate`` size the cache with. quant/runtime/kv_quant.py holds each
 A format holds a K or V vector (one token, one KV head) as ``bits``-bit codes with a scale (and a minimum when
 asymmetric) of ``scale_bytes`` each, per token and KV head, or for keys per channel over a group of tokens (KIVI):
 
-- ``int8``: symmetric, a scale per token per KV head (llama.cpp's q8_0, TensorRT-LLM's INT8 KV), keys rotated first by
-  a Walsh-Hadamard transform over head_dim (QuaRot: it spreads a key's outlier channels before one scale covers
-  them; attention rotates each query the same way, so q.k is unchanged); ``int8-plain`` without the rotation;
+- ``int8``: symmetric, a scale per token per KV head (llama.cpp's q8_0, TensorRT-LLM's INT8 KV), keys and values
+  rotated first by a Walsh-Hadamard transform over head_dim (QuaRot: it spreads a vector's outlier channels before
+  one scale covers them; attention rotates each query the same way, so q.k is unchanged, and its output back);
+  ``int8-rotk`` rotates the keys only, ``int8-plain`` neither;
 - ``fp8``: e4m3 codes with a scale per token per KV head (vLLM's and SGLang's FP8 KV keep one per tensor);
 - ``int4``: asymmetric (scale and minimum) per token per KV head; ``int4-rot`` rotates the keys first;
   ``int4-chan`` scales keys per channel over each block of ``key_group`` tokens (KIVI), values per token.
@@ -63,9 +64,9 @@ class KVFormat:
 
 
 FORMATS: dict[str, KVFormat] = {f.name: f for f in (
-    KVFormat("int8", 8, rotate_keys=True),
+    KVFormat("int8", 8, rotate_keys=True, rotate_values=True),
+    KVFormat("int8-rotk", 8, rotate_keys=True),
     KVFormat("int8-plain", 8),
-    KVFormat("int8-rotkv", 8, rotate_keys=True, rotate_values=True),
     KVFormat("fp8", 8, fp8=True),
     KVFormat("int4", 4, asymmetric=True),
     KVFormat("int4-rot", 4, asymmetric=True, rotate_keys=True),

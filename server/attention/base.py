@@ -6,10 +6,10 @@ whatever it reads), then each layer calls ``forward(q, k, v, layer, meta)`` with
 ``forward_rotary``, which rotates them first, or fuses that with the cache write): the backend writes k and v into
 its cache at the step's slots and returns the attention output. The cache is the KV
 pool's storage; the backend states the layout it reads (``kv_shape``), so the models never see it. A backend is
-built as ``cls(kv_storage, block_size, specs, ops, kv_scales=None, key_block=0)``: with ``kv_scales`` (the pool's
-float16 scale per token per KV head) the storage holds int8 or fp8 codes, which the backend quantizes as it writes
-and dequantizes as it reads (keys rotated in blocks of ``key_block`` channels when > 0), or it refuses them when it
-is built.
+built as ``cls(kv_storage, block_size, specs, ops, kv_scales=None, kv_rotation=(0, 0))``: with ``kv_scales`` (the
+pool's float16 scale per token per KV head) the storage holds int8 or fp8 codes, which the backend quantizes as it
+writes and dequantizes as it reads (keys and values rotated in blocks of ``kv_rotation``'s channels where > 0), or
+it refuses them when it is built.
 """
 
 from __future__ import annotations

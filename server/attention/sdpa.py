@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quant.runtime.kv_quant import dequantize, rotate_keys
+from quant.runtime.kv_quant import dequantize, rotate
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.attention.reference import visible
 from server.batch import StepInputs
@@ -88,12 +88,12 @@ class SdpaBackend(AttentionBackend):
         return (layers, 2, blocks, block_size, kv_heads, head_dim)
 
     def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops,
-                 kv_scales: Tensor | None = None, key_block: int = 0):
+                 kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0)):
         layers, two, blocks, bs, kvh, d = kv_storage.shape
         assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
         self.scales = None if kv_scales is None else kv_scales.view(layers, 2, blocks * bs, kvh)  # (L, 2, slots, Hkv)
-        self.key_block = key_block  # keys stored rotated in blocks of this many channels (int8), else 0
+        self.rotation = kv_rotation  # keys' and values' rotation blocks (int8), 0 where not rotated
         self.specs = specs
         self.windows = list(dict.fromkeys(s.window for s in specs))  # distinct, in layer order
         self.ops = ops
@@ -149,13 +149,12 @@ class SdpaBackend(AttentionBackend):
         if sc is None:
             self.ops.store_kv(k, v, kv, meta.slots)
         else:
-            self.ops.store_kv_quant(k, v, kv, sc, meta.slots, self.key_block)
+            self.ops.store_kv_quant(k, v, kv, sc, meta.slots, *self.rotation)
 
-        def rows(which: int, idx) -> Tensor:  # K (0) or V (1) of slots idx, in q's dtype (keys rotated back)
+        def rows(which: int, idx) -> Tensor:  # K (0) or V (1) of slots idx, in q's dtype (rotated back)
             if sc is None:
                 return kv[which][idx]
-            x = dequantize(kv[which][idx], sc[which][idx])
-            return (rotate_keys(x, self.key_block) if which == 0 else x).to(q.dtype)
+            return rotate(dequantize(kv[which][idx], sc[which][idx]), self.rotation[which]).to(q.dtype)
 
         T, H, D = q.shape
         out = q.new_empty(T, H, D)  # (T, H, D)
@@ -164,7 +163,7 @@ class SdpaBackend(AttentionBackend):
             tables, lens = meta.decode_tables
             args = (tables, lens, self.block_size, w or 0, spec.scale, spec.softcap or 0.0)
             out[:bd] = (self.ops.decode_attention(q[:bd], kv, *args) if sc is None else
-                        self.ops.decode_attention_quant(q[:bd], kv, sc, *args, self.key_block))
+                        self.ops.decode_attention_quant(q[:bd], kv, sc, *args, *self.rotation))
         elif meta.decode_range:
             rng = meta.decode_range[w]
             qd = q[:1].reshape(1, spec.kv_heads, spec.group, D)  # (1, Hkv, g, D)
@@ -181,7 +180,7 @@ class SdpaBackend(AttentionBackend):
                 qc = q[ch.t0 : ch.t0 + ch.length]
                 args = (ch.table, ch.start, self.block_size, w or 0, spec.scale, spec.softcap or 0.0)
                 out[ch.t0 : ch.t0 + ch.length] = (self.ops.prefill_attention(qc, kv, *args) if sc is None else
-                                                  self.ops.prefill_attention_quant(qc, kv, sc, *args, self.key_block))
+                                                  self.ops.prefill_attention_quant(qc, kv, sc, *args, *self.rotation))
                 continue
             sl, mask = ch.keys[w]
             qc = q[ch.t0 : ch.t0 + ch.length].transpose(0, 1)[None]  # (1, H, C, D)

@@ -97,7 +97,7 @@ class TritonBackend(AttentionBackend):
         return None
 
     def __init__(self, kv_storage: Tensor, block_size: int, specs: list[AttentionSpec], ops,
-                 kv_scales: Tensor | None = None, key_block: int = 0):
+                 kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0)):
         layers, two, blocks, bs, kvh, d = kv_storage.shape
         assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
         if kv_scales is not None:

@@ -97,14 +97,17 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   }
   for (int64_t i = 0; i < g; ++i) {
     const float r = qf[i * D];
-    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(acc[i * D + d] * r);
+    float* ai = acc + i * D;
+    for (int64_t d = 0; d < D; ++d) ai[d] *= r;
+    if (rows.value_block > 0) qs::hadamard_blocks(ai, D, rows.value_block);  // values stored rotated: rotate back
+    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(ai[d]);
   }
 }
 
 // q (rows, H, D) with contiguous heads and one layer's cache kv (2, slots, Hkv, D), contiguous, with H a multiple
 // of Hkv: of q's dtype, or (scales given) int8 or float8_e4m3fn codes with scales (2, slots, Hkv) float16.
 void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
-                const char* q_shape) {
+                int64_t value_block, const char* q_shape) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be a CPU ",
               q_shape, " tensor with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous (2, slots, Hkv, D) tensor");
@@ -116,8 +119,10 @@ void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* sca
     TORCH_CHECK(scales->dim() == 3 && scales->is_contiguous() && scales->scalar_type() == at::kHalf &&
                     scales->size(0) == 2 && scales->size(1) == kv.size(1) && scales->size(2) == kv.size(2),
                 "scales must be a contiguous (2, slots, Hkv) float16 tensor matching kv");
-    TORCH_CHECK(key_block == 0 || (key_block >= 2 && (key_block & (key_block - 1)) == 0 && kv.size(3) % key_block == 0),
+    TORCH_CHECK(qs::valid_rotation(key_block, kv.size(3)),
                 "key_block must be 0 or a power of two >= 2 dividing head_dim, got ", key_block);
+    TORCH_CHECK(qs::valid_rotation(value_block, kv.size(3)),
+                "value_block must be 0 or a power of two >= 2 dividing head_dim, got ", value_block);
   }
   TORCH_CHECK(kv.size(3) == q.size(2) && kv.size(2) > 0 && q.size(1) % kv.size(2) == 0,
               "q's heads must be a multiple of kv's, with one head_dim");
@@ -126,7 +131,8 @@ void check_q_kv(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* sca
 // Calls f(scalar_t{}, rows) with q's element type and the layer cache's rows (head 0): float, or int8 / fp8 codes
 // with their scales.
 template <typename F>
-void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block, F&& f) {
+void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
+                   int64_t value_block, F&& f) {
   const int64_t S = kv.size(1), Hkv = kv.size(2), D = kv.size(3), half = S * Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention", [&] {
     if (scales == nullptr) {
@@ -137,18 +143,20 @@ void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* 
     const auto* sc = scales->data_ptr<c10::Half>();
     if (kv.scalar_type() == at::kChar) {
       const auto* k = kv.data_ptr<int8_t>();
-      f(scalar_t{}, qs::QuantRows<qs::Int8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block});
+      f(scalar_t{},
+        qs::QuantRows<qs::Int8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block, value_block});
     } else {
       const auto* k = reinterpret_cast<const uint8_t*>(kv.data_ptr());
-      f(scalar_t{}, qs::QuantRows<qs::Fp8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block});
+      f(scalar_t{},
+        qs::QuantRows<qs::Fp8Code>{k, k + half, sc, sc + S * Hkv, Hkv * D, Hkv, key_block, value_block});
     }
   });
 }
 
 at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
-                       const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size, int64_t window,
-                       double scale, double softcap) {
-  check_q_kv(q, kv, scales, key_block, "(B, H, D)");
+                       int64_t value_block, const at::Tensor& block_table, const at::Tensor& lens,
+                       int64_t block_size, int64_t window, double scale, double softcap) {
+  check_q_kv(q, kv, scales, key_block, value_block, "(B, H, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B && block_table.is_contiguous() &&
                   block_table.scalar_type() == at::kLong,
@@ -168,7 +176,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
-  dispatch_rows(q, kv, scales, key_block, [&](auto tag, const auto& rows) {
+  dispatch_rows(q, kv, scales, key_block, value_block, [&](auto tag, const auto& rows) {
     using scalar_t = decltype(tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -203,16 +211,18 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                             const at::Tensor& lens, int64_t block_size, int64_t window, double scale,
                             double softcap) {
-  return decode_impl(q, kv, nullptr, 0, block_table, lens, block_size, window, scale, softcap);
+  return decode_impl(q, kv, nullptr, 0, 0, block_table, lens, block_size, window, scale, softcap);
 }
 
 // decode_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
 // float16 scale per token per KV head; each row is dequantized as it is loaded (qs::QuantRows). key_block > 0: the
-// keys were stored rotated in blocks of that many channels (store_kv_quant), and each query is rotated to match.
+// keys were stored rotated in blocks of that many channels (store_kv_quant), and each query is rotated to match;
+// value_block > 0: the values were, and each output row is rotated back.
 at::Tensor decode_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
                                   const at::Tensor& block_table, const at::Tensor& lens, int64_t block_size,
-                                  int64_t window, double scale, double softcap, int64_t key_block) {
-  return decode_impl(q, kv, &scales, key_block, block_table, lens, block_size, window, scale, softcap);
+                                  int64_t window, double scale, double softcap, int64_t key_block,
+                                  int64_t value_block) {
+  return decode_impl(q, kv, &scales, key_block, value_block, block_table, lens, block_size, window, scale, softcap);
 }
 
 // ------------------------------------------------------------------------------------------- prefill chunks
@@ -566,14 +576,17 @@ void prefill_item(const Prefill& a, const typename Raw<T>::type* qp, const Rows&
   for (int64_t r = 0; r < rows; ++r) {
     typename Raw<T>::type* dst = op + (i0 + r / g) * a.H * D + (h * g + r % g) * D;
     const float inv = w.l[r] > 0.f ? 1.0f / w.l[r] : 0.f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = Raw<T>::put(O[r * Dp + d] * inv);
+    float* o = O + r * Dp;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    if (head.value_block > 0) qs::hadamard_blocks(o, D, head.value_block);  // values stored rotated: rotate back
+    for (int64_t d = 0; d < D; ++d) dst[d] = Raw<T>::put(o[d]);
   }
 }
 
 at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
-                        const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window, double scale,
-                        double softcap) {
-  check_q_kv(q, kv, scales, key_block, "(C, H, D)");
+                        int64_t value_block, const at::Tensor& block_table, int64_t start, int64_t block_size,
+                        int64_t window, double scale, double softcap) {
+  check_q_kv(q, kv, scales, key_block, value_block, "(C, H, D)");
   const int64_t C = q.size(0), H = q.size(1), D = q.size(2), S = kv.size(1), Hkv = kv.size(2);
   TORCH_CHECK(block_table.dim() == 1 && block_table.is_contiguous() && block_table.scalar_type() == at::kLong,
               "block_table must be a contiguous (blocks,) int64 tensor");
@@ -596,7 +609,7 @@ at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   }
   std::stable_sort(items.begin(), items.end());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  dispatch_rows(q, kv, scales, key_block, [&](auto tag, const auto& rows) {
+  dispatch_rows(q, kv, scales, key_block, value_block, [&](auto tag, const auto& rows) {
     using scalar_t = decltype(tag);
     using Rows = std::decay_t<decltype(rows)>;
     const auto* qp = raw(q.data_ptr<scalar_t>());
@@ -629,16 +642,16 @@ at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& kv, const at::Ten
 // tanh(scores / softcap). Returns (C, H, D) in q's dtype.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, int64_t start,
                              int64_t block_size, int64_t window, double scale, double softcap) {
-  return prefill_impl(q, kv, nullptr, 0, block_table, start, block_size, window, scale, softcap);
+  return prefill_impl(q, kv, nullptr, 0, 0, block_table, start, block_size, window, scale, softcap);
 }
 
 // prefill_attention over a quantized cache: kv holds int8 or float8_e4m3fn codes, scales (2, slots, Hkv) their
-// float16 scale per token per KV head; each key tile is dequantized as it is staged (qs::QuantRows). key_block as
-// for decode_attention_quant.
+// float16 scale per token per KV head; each key tile is dequantized as it is staged (qs::QuantRows). key_block and
+// value_block as for decode_attention_quant.
 at::Tensor prefill_attention_quant(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
                                    const at::Tensor& block_table, int64_t start, int64_t block_size, int64_t window,
-                                   double scale, double softcap, int64_t key_block) {
-  return prefill_impl(q, kv, &scales, key_block, block_table, start, block_size, window, scale, softcap);
+                                   double scale, double softcap, int64_t key_block, int64_t value_block) {
+  return prefill_impl(q, kv, &scales, key_block, value_block, block_table, start, block_size, window, scale, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
@@ -647,9 +660,9 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
   m.def("prefill_attention(Tensor q, Tensor kv, Tensor block_table, int start, int block_size, int window, "
         "float scale, float softcap) -> Tensor");
   m.def("decode_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, Tensor lens, int block_size, "
-        "int window, float scale, float softcap, int key_block) -> Tensor");
+        "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
   m.def("prefill_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, int start, int block_size, "
-        "int window, float scale, float softcap, int key_block) -> Tensor");
+        "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {

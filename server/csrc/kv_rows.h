@@ -7,7 +7,8 @@
 // significant bits times a float16 scale is exact in fp32). With a key rotation block b > 0 (the int8 format), keys
 // are stored rotated, H k with H the normalized block Walsh-Hadamard transform over head_dim (QuaRot: it spreads a
 // key's outlier channels before one scale covers them), and the kernels rotate each query the same way: H is
-// orthonormal, so (H q) . (H k) = q . k; values are stored as they are.
+// orthonormal, so (H q) . (H k) = q . k. With a value rotation block, values are stored as H v and the kernels
+// rotate each output row back: H is its own inverse and sum_j p_j H v_j = H sum_j p_j v_j.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +38,7 @@ struct FloatRows {
   using R = typename Raw<T>::type;
   static constexpr bool kQuantized = false;
   static constexpr int64_t key_block = 0;
+  static constexpr int64_t value_block = 0;
   const R* k;
   const R* v;
   int64_t stride;
@@ -88,10 +90,11 @@ struct QuantRows {
   const c10::Half* ks;
   const c10::Half* vs;
   int64_t stride, sstride;
-  int64_t key_block;  // > 0: keys stored rotated in blocks of this many channels; the kernels rotate q to match
+  int64_t key_block;    // > 0: keys stored rotated in blocks of this many channels; the kernels rotate q to match
+  int64_t value_block;  // > 0: values stored rotated; the kernels rotate each output row back
 
   QuantRows at_head(int64_t h, int64_t D) const {
-    return {k + h * D, v + h * D, ks + h, vs + h, stride, sstride, key_block};
+    return {k + h * D, v + h * D, ks + h, vs + h, stride, sstride, key_block, value_block};
   }
   void load_k(int64_t slot, float* __restrict dst, int64_t D) const {
     load(k + slot * stride, static_cast<float>(ks[slot * sstride]), dst, D);
@@ -120,8 +123,8 @@ inline c10::Half row_scale(float amax) {
   return c10::Half(std::max(amax / Code::kMax, 6.103515625e-05f));
 }
 
-// One row x (D,) of dtype T quantized into codes and its scale, rotated first in fp32 when rotate > 0 (a key of the
-// int8 format). work: D floats.
+// One row x (D,) of dtype T quantized into codes and its scale, rotated first in fp32 when rotate > 0 (the int8
+// format's keys and values). work: D floats.
 template <typename T, typename Code>
 inline void quantize_row(const typename Raw<T>::type* __restrict x, typename Code::C* __restrict codes,
                          c10::Half* scale, int64_t D, int64_t rotate, float* __restrict work) {
@@ -133,6 +136,11 @@ inline void quantize_row(const typename Raw<T>::type* __restrict x, typename Cod
   const float sf = static_cast<float>(s);
   for (int64_t d = 0; d < D; ++d) codes[d] = Code::encode(work[d] / sf);
   *scale = s;
+}
+
+// A rotation block is 0 (none) or a power of two >= 2 dividing head_dim D.
+inline bool valid_rotation(int64_t block, int64_t D) {
+  return block == 0 || (block >= 2 && (block & (block - 1)) == 0 && D % block == 0);
 }
 
 }  // namespace qs
