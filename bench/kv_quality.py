@@ -1,13 +1,14 @@
 """What a quantized KV cache costs in quality on the default model: every cache format against a bf16 cache.
 
-    python bench/kv_quality.py [--windows 40] [--seqlen 512] [--formats int8,int8-rotk,int8-plain,fp8,int4,int4-rot,int4-chan]
+    python bench/kv_quality.py [--windows 40] [--seqlen 512] [--formats int8,fp8,int4-kivi,...] [--models float,w4a16]
                                [--artifacts DIR] [--json]
 
 For the float default model and its w4a16 artifact (built under --artifacts where absent), each evaluated in
 float32 on WikiText-2 test windows: the same weights with attention reading K and V back through each cache
 format (quant.runtime.kv_quant.round_trip, quant.build.evaluate.KVCacheView) against the same weights with K and V
 rounded to bfloat16 (the served default). Reported per format: its bytes per token against bf16's (scales
-included), Δppl % with its standard error over the windows, mean KL and top-1 agreement.
+included; a format with a residual also holds one group per sequence in its residual format, given as the bf16
+tokens it would hold), Δppl % with its standard error over the windows, mean KL and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--formats", default="int8,int8-rotk,int8-plain,fp8,int4,int4-rot,int4-chan")
+    ap.add_argument("--formats", default="int8,int8-rotk,int8-plain,fp8,int4,int4-rot,int4-chan,int4-kivi,int4-kivi-v")
     ap.add_argument("--models", default="float,w4a16", help="the float default model and/or its w4a16 artifact")
     ap.add_argument("--artifacts", default=str(ROOT / "bench" / "out" / "quality"))
     ap.add_argument("--json", action="store_true")
@@ -61,11 +62,13 @@ def main() -> None:
         got = compare(KVCacheView(model, "bfloat16"), {f: KVCacheView(model, f) for f in formats}, windows,
                       progress=False)
         for f, q in got.items():
-            row = {"model": name, "kv": f, "bytes_x": FORMATS[f].bytes_per_token(shape.head_dim) / bf16_token,
-                   **q.to_dict()}
+            fmt = FORMATS[f]
+            row = {"model": name, "kv": f, "bytes_x": fmt.bytes_per_token(shape.head_dim) / bf16_token,
+                   "residual_tokens_bf16": fmt.residual_bytes(shape.head_dim) / bf16_token, **q.to_dict()}
             rows.append(row)
             if not args.json:
-                print(f"{name:6s} {f:10s} {row['bytes_x']:.3f}x bf16's bytes  Δppl {q.delta_ppl_pct:+.3f}% "
+                extra = f" + {row['residual_tokens_bf16']:.1f} bf16 tokens a sequence" if fmt.residual else ""
+                print(f"{name:6s} {f:10s} {row['bytes_x']:.3f}x bf16's bytes{extra}  Δppl {q.delta_ppl_pct:+.3f}% "
                       f"± {q.delta_ppl_se_pct:.3f}  KL {q.mean_kl:.5f}  top-1 {q.top1_agreement:.4f}", flush=True)
     report = {"cpu": cpu_name(), "windows": args.windows, "seqlen": args.seqlen, "rows": rows}
     if args.json:

@@ -3,11 +3,13 @@ the KV cache view quant eval measures them with (quant/build/evaluate.py's KVCac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from quant.runtime import hadamard
-from quant.runtime.kv_quant import round_trip
+from quant.runtime.kv_quant import attend_held, held, round_trip, round_trip_format
 from quant.shape.kv_formats import FORMATS
 
 
@@ -26,7 +28,8 @@ def test_int8_is_symmetric_per_token_and_head_within_half_a_step():
     assert ((y - x).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(y / step, torch.round(y / step))  # every value on its vector's grid
     assert torch.equal(round_trip("int8", torch.zeros(1, 1, 2, 64), key=False), torch.zeros(1, 1, 2, 64))
-    assert torch.equal(round_trip("int8-rotk", x, key=False), round_trip("int8-plain", x, key=False))  # values unrotated
+    # int8-rotk leaves values unrotated
+    assert torch.equal(round_trip("int8-rotk", x, key=False), round_trip("int8-plain", x, key=False))
 
 
 @pytest.mark.unit
@@ -85,6 +88,12 @@ def test_bytes_per_token_against_bf16():
     # per-channel keys: a scale and a minimum per channel per 16 tokens, 64 x 2 x 2 / 16 = 16 bytes a token
     assert FORMATS["int4-chan"].bytes_per_vector(64, key=True) == 32 + 16
     assert FORMATS["int4-chan"].bytes_per_token(64) / (2 * bf16) == pytest.approx((48 + 36) / 256)  # 0.328
+    # KIVI over 32 tokens: 64 x 2 x 2 / 32 = 8 bytes of key scales a token: 0.297x; its residual holds 32 tokens'
+    # K and V in int8 (66 bytes each) per sequence per KV head, or the keys only
+    assert FORMATS["int4-kivi"].bytes_per_token(64) / (2 * bf16) == pytest.approx((40 + 36) / 256)
+    assert FORMATS["int4-kivi"].residual_bytes(64) == 32 * 2 * 66
+    assert FORMATS["int4-kivi-v"].residual_bytes(64) == 32 * 66
+    assert FORMATS["int8"].residual_bytes(64) == 0
 
 
 @pytest.mark.unit
@@ -108,8 +117,14 @@ def test_the_kv_view_changes_only_what_attention_reads(tiny_model_dir):
         want = model(ids).logits
         same = KVCacheView(model, "float32")(ids).logits
         moved = KVCacheView(model, "int8")(ids).logits
+        kivi = KVCacheView(model, "int4-kivi")(torch.cat([ids, ids[:, :20]], 1)).logits
         again = model(ids).logits
     assert torch.allclose(same, want, atol=1e-5) and torch.equal(again, want)
+    # int4-kivi's first 32 positions read their own group, all from its int8 residual: the int8 view's logits; later
+    # positions read the first group's int4 codes
+    assert torch.allclose(kivi[:, :24], moved, atol=1e-4)
+    assert not torch.allclose(kivi[:, 32:], KVCacheView(model, "int8")(torch.cat([ids, ids[:, :20]], 1)).logits[:, 32:],
+                              atol=1e-3)
     assert 0 < float((moved - want).abs().max()) < 0.05 * float(want.abs().max())
     with pytest.raises(ValueError, match="no KV cache format"):
         KVCacheView(model, "int3")
@@ -124,3 +139,41 @@ def test_int8_rotates_values_as_well_as_keys():
     assert torch.equal(round_trip("int8-rotk", x, key=True), round_trip("int8", x, key=True))
     assert torch.equal(round_trip("int8-rotk", x, key=False), round_trip("int8-plain", x, key=False))
     assert not torch.equal(round_trip("int8", x, key=False), round_trip("int8-rotk", x, key=False))
+
+
+@pytest.mark.unit
+def test_a_residual_format_holds_an_incomplete_group_in_its_residual():
+    """int4-kivi: what later groups' queries read is int4-chan over 32 tokens of the int8 residual's values (values
+    rotated); a position's own group reads the residual itself. int4-kivi-v keeps no values in its residual."""
+    x = _kv(tokens=70)
+    done, own = held("int4-kivi", x, key=True)
+    assert torch.equal(own, round_trip("int8", x, key=True))
+    assert torch.equal(done, round_trip_format(replace(FORMATS["int4-chan"], key_group=32), own, key=True))
+    vdone, vown = held("int4-kivi", x, key=False)
+    assert torch.equal(vown, round_trip("int8", x, key=False))
+    assert held("int4-kivi-v", x, key=False)[1] is None and held("int4-kivi-v", x, key=True)[1] is not None
+    assert held("int8", x, key=True)[1] is None
+
+
+@pytest.mark.reference
+def test_attention_over_held_positions_reads_each_query_s_own_group_from_the_residual():
+    """attend_held against a per-query loop that builds each query's keys and values by hand."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 40, 64, generator=g)
+    k, v = _kv(tokens=40, seed=1), _kv(tokens=40, seed=2)
+    kh, vh = held("int4-kivi", k, True), held("int4-kivi", v, False)
+    qpos = torch.arange(40)
+    visible = qpos[None, :] <= qpos[:, None]
+    got = attend_held(q, kh, vh, 32, qpos, visible, 0.125)
+    for i in (0, 17, 31, 32, 39):
+        own = (qpos // 32) == i // 32
+        kk = torch.where(own[:, None], kh[1][0], kh[0][0])[:, : i + 1].repeat_interleave(2, 0)  # (H, i + 1, D)
+        vv = torch.where(own[:, None], vh[1][0], vh[0][0])[:, : i + 1].repeat_interleave(2, 0)
+        want = torch.softmax(q[0, :, i : i + 1] @ kk.transpose(-1, -2) * 0.125, -1) @ vv
+        torch.testing.assert_close(got[0, :, i], want[:, 0], atol=1e-5, rtol=1e-5)
+    # no residual (int8): plain attention over the round trip
+    plain = attend_held(q, held("int8", k, True), held("int8", v, False), 32, qpos, visible, 0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q, round_trip("int8", k, True).repeat_interleave(2, 1),
+                                                            round_trip("int8", v, False).repeat_interleave(2, 1),
+                                                            is_causal=True, scale=0.125)
+    torch.testing.assert_close(plain, want, atol=1e-5, rtol=0)

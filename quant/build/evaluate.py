@@ -43,9 +43,10 @@ class Quality:
 
 class KVCacheView:
     """``model`` with its attention reading K and V back as a KV cache of format or dtype ``kv`` holds them
-    (quant.runtime.kv_quant.round_trip; keys as attention sees them, after the rotary embedding), called as
+    (quant.runtime.kv_quant.held; keys as attention sees them, after the rotary embedding), called as
     :func:`compare` calls a model: the quality cost of a KV cache choice on top of the weights, against a view of
-    the same weights. Attention itself is transformers' SDPA."""
+    the same weights. Attention itself is transformers' SDPA, or for a format with a residual (each query reads
+    its own group's positions from the residual) kv_quant.attend_held."""
 
     def __init__(self, model, kv: str):
         if getattr(model.config, "attn_logit_softcapping", None):
@@ -64,23 +65,36 @@ class KVCacheView:
 
 def _register_kv_attention(kv: str) -> str:
     """Register (once per format) a transformers attention implementation that rounds K and V through the cache
-    format, then attends by SDPA."""
+    format, then attends by SDPA (or, for a format with a residual, by kv_quant.attend_held)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from quant.runtime.kv_quant import round_trip
+    from quant.runtime.kv_quant import attend_held, held, round_trip
+    from quant.shape.kv_formats import FORMATS
 
     name = f"quantserve_kv_{kv}"
     round_trip(kv, torch.zeros(1, 1, 64), key=True)  # an unknown format is refused here, by name
-    if name not in ALL_ATTENTION_FUNCTIONS:
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    fmt = FORMATS.get(kv)
+    if fmt is not None and fmt.residual:
+        def attend(module, query, key, value, attention_mask, scaling=None, **kw):
+            T, L = query.shape[-2], key.shape[-2]
+            qpos = torch.arange(L - T, L)
+            visible = (torch.arange(L)[None, :] <= qpos[:, None] if attention_mask is None else
+                       attention_mask.bool() if attention_mask.dtype == torch.bool else attention_mask == 0)
+            out = attend_held(query, held(kv, key, True), held(kv, value, False), fmt.key_group, qpos, visible,
+                              query.shape[-1] ** -0.5 if scaling is None else scaling)
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    else:
         def attend(module, query, key, value, attention_mask, **kw):
             return sdpa_attention_forward(module, query, round_trip(kv, key, True), round_trip(kv, value, False),
                                           attention_mask, **kw)
 
-        AttentionInterface.register(name, attend)
-        AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, sdpa_mask)
     return name
 
 

@@ -9,6 +9,8 @@ served pool's kernels (server/csrc/kv_rows.h) read back exactly this (their test
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from quant.runtime import hadamard
@@ -44,7 +46,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
 
 
 def round_trip_format(fmt: KVFormat, x: torch.Tensor, key: bool) -> torch.Tensor:
-    """x (..., tokens, head_dim) as attention reads it back once stored in ``fmt``: quantized, then dequantized."""
+    """x (..., tokens, head_dim) as attention reads it back once stored in ``fmt``: quantized, then dequantized
+    (with a residual: as the queries of later groups read it, made from the residual's values; :func:`held`)."""
+    if fmt.residual:
+        x = round_trip(fmt.residual, x, key) if key or fmt.residual_values else x
+        fmt = replace(fmt, residual="")
     if key and fmt.key_group:
         return _channel_groups(x, fmt.bits, fmt.key_group)
     block = fmt.key_block(x.shape[-1]) if key else fmt.value_block(x.shape[-1])
@@ -83,6 +89,40 @@ def _channel_groups(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
         xf = torch.cat([xf, xf[..., -1:, :].expand(*xf.shape[:-2], pad, xf.shape[-1])], -2)
     g = xf.reshape(*xf.shape[:-2], -1, group, xf.shape[-1])  # (..., groups, group, head_dim)
     return _min_scale(g, bits, -2).reshape(xf.shape)[..., :t, :].to(x.dtype)
+
+
+def held(name: str, x: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x (..., tokens, head_dim) as attention reads position j back: (as the queries of later groups read it, as
+    the queries of j's own group of ``key_group`` tokens read it), the second None where every query reads the
+    first (a format without a residual, or a residual without the values)."""
+    done = round_trip(name, x, key)
+    fmt = FORMATS.get(name)
+    if fmt is None or not fmt.residual or not (key or fmt.residual_values):
+        return done, None
+    return done, round_trip(fmt.residual, x, key)
+
+
+def attend_held(q: torch.Tensor, k: tuple, v: tuple, group: int, qpos: torch.Tensor, visible: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Attention over a cache read as :func:`held` gives it, in fp32: q (..., H, C, D) at positions ``qpos`` (C,),
+    k and v each a pair (done, own) of (..., Hkv, L, D) (own None: done for every query) at positions 0..L-1,
+    H a multiple of Hkv; ``visible`` bool, broadcastable to (..., H, C, L). Query i reads key j from ``own`` where
+    j // group == qpos[i] // group, else from ``done``. Returns (..., H, C, D) fp32."""
+    rep = q.shape[-3] // k[0].shape[-3]
+
+    def heads(x):
+        return None if x is None else x.float().repeat_interleave(rep, -3)
+
+    (kd, ko), (vd, vo) = map(heads, k), map(heads, v)
+    qf = q.float()
+    s = qf @ kd.transpose(-1, -2) * scale  # (..., H, C, L)
+    own = (torch.arange(kd.shape[-2]) // group)[None, :] == (qpos // group)[:, None]  # (C, L)
+    if ko is not None:
+        s = torch.where(own, qf @ ko.transpose(-1, -2) * scale, s)
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    if vo is None:
+        return p @ vd
+    return (p * ~own) @ vd + (p * own) @ vo
 
 
 def round_trip(name: str, x: torch.Tensor, key: bool) -> torch.Tensor:

@@ -10,7 +10,11 @@ asymmetric) of ``scale_bytes`` each, per token and KV head, or for keys per chan
   ``int8-rotk`` rotates the keys only, ``int8-plain`` neither;
 - ``fp8``: e4m3 codes with a scale per token per KV head (vLLM's and SGLang's FP8 KV keep one per tensor);
 - ``int4``: asymmetric (scale and minimum) per token per KV head; ``int4-rot`` rotates the keys first;
-  ``int4-chan`` scales keys per channel over each block of ``key_group`` tokens (KIVI), values per token.
+  ``int4-chan`` scales keys per channel over each block of ``key_group`` tokens (KIVI), values per token;
+  ``int4-kivi`` as int4-chan over 32-token groups, values rotated, and KIVI's residual: a position whose group
+  is not complete yet is held in ``residual`` (int8), so the queries of its own group read it so, and only the
+  later groups' queries read the int4 codes, which are made from the residual's values once the group completes
+  (with ``residual_values`` the values likewise; without, the values are quantized as they are written).
 
 The float dtypes (``FLOAT_BYTES``) hold K and V as they are.
 """
@@ -32,6 +36,8 @@ class KVFormat:
     rotate_keys: bool = False
     rotate_values: bool = False  # values rotated too (attention's output rotated back)
     key_group: int = 0  # > 0: keys scaled per channel over blocks of this many tokens (KIVI)
+    residual: str = ""  # a format: the incomplete group is held in it until the group completes (KIVI's residual)
+    residual_values: bool = True  # with a residual: the values held in it too (else quantized as written)
     scale_bytes: int = 2  # each scale (and minimum) held as float16
 
     def bytes_per_vector(self, head_dim: int, key: bool = False) -> int:
@@ -47,6 +53,16 @@ class KVFormat:
     def bytes_per_token(self, head_dim: int) -> int:
         """Bytes one token's K and V of one KV head cost together."""
         return self.bytes_per_vector(head_dim, key=True) + self.bytes_per_vector(head_dim)
+
+    def residual_bytes(self, head_dim: int) -> int:
+        """Bytes a sequence's residual costs per KV head: its ``key_group`` tokens' K (and V) in the residual's
+        format; 0 without one."""
+        if not self.residual:
+            return 0
+        held = FORMATS[self.residual]
+        per_token = held.bytes_per_vector(head_dim, key=True) + (held.bytes_per_vector(head_dim)
+                                                                 if self.residual_values else 0)
+        return self.key_group * per_token
 
     def key_block(self, head_dim: int) -> int:
         """The block of the keys' Walsh-Hadamard rotation (the largest power of two dividing head_dim), or 0 where
@@ -71,6 +87,9 @@ FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int4", 4, asymmetric=True),
     KVFormat("int4-rot", 4, asymmetric=True, rotate_keys=True),
     KVFormat("int4-chan", 4, asymmetric=True, key_group=16),
+    KVFormat("int4-kivi", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8"),
+    KVFormat("int4-kivi-v", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8",
+             residual_values=False),
 )}
 
 
