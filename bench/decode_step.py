@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    import server.engine as se
+    import server.step as st
     from quant.format.sources import default_cache_dir
     from server.config import EngineConfig
     from server.engine import Engine
@@ -55,10 +55,10 @@ def main() -> None:
     eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB"),
                            default_cache_dir())
     try:
-        wrap(eng, "_launch", "step: launch (forward, sampling)")
+        wrap(eng.step, "launch", "step: launch (forward, sampling)")
         wrap(eng, "_read", "step: samples read, requests advanced")
         wrap(eng.runner, "forward", "model forward")
-        wrap(se, "sample", "sampling")
+        wrap(st, "sample", "sampling")
         wrap(eng.runner.backend.ops, "decode_attention", "decode attention (one layer)")
         ids = eng.tokenize(PROMPT)
         eng.complete(ids, SamplingParams(temperature=0.0, max_new_tokens=8))

@@ -1,6 +1,6 @@
 """What a quantized KV cache costs in quality on the default model: every cache format against a bf16 cache.
 
-    python bench/kv_quality.py [--windows 40] [--seqlen 512] [--formats int8,fp8,int4-kivi,...] [--models float,w4a16]
+    python bench/kv_quality.py [--windows 40] [--seqlen 512] [--formats int8,fp8,int4,...] [--models float,w4a16]
                                [--artifacts DIR] [--json]
 
 For the float default model and its w4a16 artifact (built under --artifacts where absent), each evaluated in
@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--formats", default="int8,int8-rotk,int8-plain,fp8,int4,int4-rot,int4-chan,int4-kivi,int4-kivi-v")
+    ap.add_argument("--formats", default="int8,int8-rotk,int8-plain,fp8,int4-token,int4-token-rot,int4-chan,int4,int4-kres")
     ap.add_argument("--models", default="float,w4a16", help="the float default model and/or its w4a16 artifact")
     ap.add_argument("--artifacts", default=str(ROOT / "bench" / "out" / "quality"))
     ap.add_argument("--json", action="store_true")

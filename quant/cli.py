@@ -89,9 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seqlen", type=int, default=EvalConfig.seqlen)
     e.add_argument("--dtype", default=EvalConfig.dtype, help=EVAL_DTYPE_HELP)
     e.add_argument("--kv-dtype", default=None, metavar="KV",
-                   help="instead: the quality cost of this KV cache format or dtype (int8, int8-plain, fp8, int4, "
-                        "int4-rot, int4-chan, bfloat16, float16) on top of the artifact's weights, against the same "
-                        "weights with a full-precision cache")
+                   help="instead: the quality cost of this KV cache format or dtype (int8, int8-rotk, int8-plain, fp8, "
+                        "int4, int4-kres, int4-chan, int4-token, bfloat16, float16) on top of the artifact's weights, "
+                        "against the same weights with a full-precision cache")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-progress", action="store_true")
 

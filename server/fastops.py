@@ -25,9 +25,11 @@ from torch import Tensor
 from quant.runtime import kv_quant
 from quant.runtime.kernels.native import Extension
 from quant.shape.kv_formats import FORMATS
+from server import kv_int4
 
 _CSRC = Path(__file__).with_name("csrc")
-_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp"],
+_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp",
+                  _CSRC / "kv_int4_ops.cpp"],
                  "quantserve_decode_ops")
 load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
 unavailable_reason = _EXT.unavailable_reason
@@ -181,6 +183,8 @@ class Ops:
         self.store_kv_quant = ref_store_kv_quant
         self.decode_attention_quant = ref_decode_attention_quant
         self.prefill_attention_quant = ref_prefill_attention_quant
+        self.store_blocks_int4 = kv_int4.ref_store_blocks_int4  # the int4 pool (server/kv_int4.py)
+        self.attention_int4 = kv_int4.ref_attention_int4
         if kind == "fused":
             ops = torch.ops.quantserve
             self.rms_norm = ops.rms_norm.default
@@ -194,6 +198,8 @@ class Ops:
             self.store_kv_quant = ops.store_kv_quant.default
             self.decode_attention_quant = ops.decode_attention_quant.default
             self.prefill_attention_quant = ops.prefill_attention_quant.default
+            self.store_blocks_int4 = ops.store_blocks_int4.default
+            self.attention_int4 = ops.attention_int4.default
         elif kind == "triton":
             from server import glue_triton as g
 

@@ -103,11 +103,12 @@ def held(name: str, x: torch.Tensor, key: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 def attend_held(q: torch.Tensor, k: tuple, v: tuple, group: int, qpos: torch.Tensor, visible: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Attention over a cache read as :func:`held` gives it, in fp32: q (..., H, C, D) at positions ``qpos`` (C,),
     k and v each a pair (done, own) of (..., Hkv, L, D) (own None: done for every query) at positions 0..L-1,
     H a multiple of Hkv; ``visible`` bool, broadcastable to (..., H, C, L). Query i reads key j from ``own`` where
-    j // group == qpos[i] // group, else from ``done``. Returns (..., H, C, D) fp32."""
+    j // group == qpos[i] // group, else from ``done``; softcap > 0: scores -> softcap * tanh(scores / softcap).
+    Returns (..., H, C, D) fp32."""
     rep = q.shape[-3] // k[0].shape[-3]
 
     def heads(x):
@@ -119,6 +120,8 @@ def attend_held(q: torch.Tensor, k: tuple, v: tuple, group: int, qpos: torch.Ten
     own = (torch.arange(kd.shape[-2]) // group)[None, :] == (qpos // group)[:, None]  # (C, L)
     if ko is not None:
         s = torch.where(own, qf @ ko.transpose(-1, -2) * scale, s)
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     if vo is None:
         return p @ vd

@@ -7,12 +7,13 @@ asymmetric) of ``scale_bytes`` each, per token and KV head, or for keys per chan
 - ``int8``: symmetric, a scale per token per KV head (llama.cpp's q8_0, TensorRT-LLM's INT8 KV), keys and values
   rotated first by a Walsh-Hadamard transform over head_dim (QuaRot: it spreads a vector's outlier channels before
   one scale covers them; attention rotates each query the same way, so q.k is unchanged, and its output back);
-  ``int8-rotk`` rotates the keys only, ``int8-plain`` neither;
+  ``int8-rotk`` rotates the keys only, ``int8-rotv`` the values only, ``int8-plain`` neither;
 - ``fp8``: e4m3 codes with a scale per token per KV head (vLLM's and SGLang's FP8 KV keep one per tensor);
-- ``int4``: asymmetric (scale and minimum) per token per KV head; ``int4-rot`` rotates the keys first;
+- ``int4-token``: asymmetric (scale and minimum) per token per KV head; ``int4-token-rot`` rotates the keys first;
   ``int4-chan`` scales keys per channel over each block of ``key_group`` tokens (KIVI), values per token;
-  ``int4-kivi`` as int4-chan over 32-token groups, values rotated, and KIVI's residual: a position whose group
-  is not complete yet is held in ``residual`` (int8), so the queries of its own group read it so, and only the
+  ``int4`` as int4-chan over 32-token groups, values rotated, and KIVI's residual: a position whose group
+  is not complete yet is held in ``residual`` (int8-rotv: the keys unrotated, as the per-channel codes are made
+  from them; the values rotated, as their codes are), so the queries of its own group read it so, and only the
   later groups' queries read the int4 codes, which are made from the residual's values once the group completes
   (with ``residual_values`` the values likewise; without, the values are quantized as they are written).
 
@@ -82,13 +83,14 @@ class KVFormat:
 FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     KVFormat("int8", 8, rotate_keys=True, rotate_values=True),
     KVFormat("int8-rotk", 8, rotate_keys=True),
+    KVFormat("int8-rotv", 8, rotate_values=True),
     KVFormat("int8-plain", 8),
     KVFormat("fp8", 8, fp8=True),
-    KVFormat("int4", 4, asymmetric=True),
-    KVFormat("int4-rot", 4, asymmetric=True, rotate_keys=True),
+    KVFormat("int4-token", 4, asymmetric=True),
+    KVFormat("int4-token-rot", 4, asymmetric=True, rotate_keys=True),
     KVFormat("int4-chan", 4, asymmetric=True, key_group=16),
-    KVFormat("int4-kivi", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8"),
-    KVFormat("int4-kivi-v", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8",
+    KVFormat("int4", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8-rotv"),
+    KVFormat("int4-kres", 4, asymmetric=True, key_group=32, rotate_values=True, residual="int8-rotv",
              residual_values=False),
 )}
 
