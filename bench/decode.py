@@ -17,6 +17,8 @@ Tables (all rows of a table in this one run, same prompt, same machine):
 4. (``--only http``) the same batch-1 request through ``quant serve`` over HTTP (/v1/completions), alternated
    process by process with llama.cpp for ``--rounds`` rounds, medians compared; and 16 concurrent requests
    through ``quant serve`` (with ``--baseline``: alternated with that commit's server).
+5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
+   ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared.
 
 Every case runs in a fresh subprocess (``--case``), peers included.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -273,10 +276,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="batch1,concurrent,rss",
                     help="comma-separated tables: batch1, concurrent, rss, http (batch-1 through quant serve vs "
-                         "llama.cpp, alternated --rounds times, and 16 streams through quant serve)")
+                         "llama.cpp, alternated --rounds times, and 16 streams through quant serve), versus (batch-1 "
+                         "engine w4a16 against llama.cpp, and against each --baseline commit's engine, alternated "
+                         "--rounds times)")
     ap.add_argument("--baseline", default=None, metavar="GIT_REF",
                     help="also run our engine's cases with the engine of this commit (a git worktree under "
-                         "bench/out/), alternating with ours, and report ours / baseline")
+                         "bench/out/), alternating with ours, and report ours / baseline; for versus, several "
+                         "commits, comma-separated")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --baseline: processes per engine and case, alternating; the median is kept (one "
                          "process's speed varies by ~10%% on a 2-core machine)")
@@ -291,13 +297,15 @@ def main(argv=None) -> int:
                                   Path(args.server_root))))
         return 0
     base = resolve(None, cache).path
-    arts = {s: str(ensure_artifact(Path(args.artifacts), s, cache)) for s in ("int8-sym", "w4a16")}
-    specs = {"bf16 base": base, "int8-sym": arts["int8-sym"], "w4a16": arts["w4a16"]}
     only = set(args.only.split(","))
+    schemes = ("int8-sym", "w4a16") if only & {"batch1", "rss"} else ("w4a16",)
+    arts = {s: str(ensure_artifact(Path(args.artifacts), s, cache)) for s in schemes}
+    specs = {"bf16 base": base, **arts}
     res: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "torch": torch.__version__,
                  "prompt": PROMPT, "new_tokens": NEW}
 
-    wt = baseline_worktree(args.baseline) if args.baseline else None
+    refs = args.baseline.split(",") if args.baseline else []
+    wt = baseline_worktree(refs[0]) if refs else None
 
     def speed_key(r: dict) -> str:
         return "tok_s" if "tok_s" in r else next(k for k in r if k.endswith("tok_s"))
@@ -348,6 +356,22 @@ def main(argv=None) -> int:
         l = [x["tok_s"] for x in pairs["llama.cpp Q4_1"]]
         res["http_batch1"]["ours / llama.cpp (medians)"] = round(sorted(r)[len(r) // 2] / sorted(l)[len(l) // 2], 3)
         record("http_concurrent16", "ours w4a16 via quant serve (HTTP)", "serve-16", specs["w4a16"])
+    if "versus" in only:
+        # Batch-1 engine decode of the w4a16 artifact against llama.cpp and the --baseline commits' engines,
+        # process by process in turn each round: where the step's time went between commits, on this CPU.
+        ensure_llama_cpp()
+        runs = {"llama.cpp Q4_1": [], "ours w4a16": [], **{f"ours w4a16 at {r}": [] for r in refs}}
+        trees = {r: baseline_worktree(r) for r in refs}
+        for _ in range(args.rounds):
+            runs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats)["tok_s"])
+            runs["ours w4a16"].append(child("ours-b1", specs["w4a16"], cache, args.threads, args.repeats)["tok_s"])
+            for r, tree in trees.items():
+                runs[f"ours w4a16 at {r}"].append(
+                    child("ours-b1", specs["w4a16"], cache, args.threads, args.repeats, tree)["tok_s"])
+            print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
+        llama = statistics.median(runs["llama.cpp Q4_1"])
+        res["versus"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
+                             "vs_llama_cpp": round(statistics.median(v) / llama, 3)} for k, v in runs.items()}
     if "concurrent" in only:
         for name in ("bf16 base", "w4a16"):
             record("concurrent16", f"ours {name}", "ours-16", specs[name])
