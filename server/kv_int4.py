@@ -22,8 +22,6 @@ quant/runtime/kv_quant.py's ``held`` / ``attend_held`` are the same reads over a
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -115,7 +113,6 @@ def ref_attention_int4(q: Tensor, k: Tensor, v: Tensor, tail: Tensor, tail_scale
     earlier blocks from int4; it attends to positions [max(0, p - window + 1), p] (window <= 0: from 0), scores
     soft-capped when softcap > 0. Returns (T, H, D) in q's dtype."""
     out = torch.empty_like(q)
-    D = q.shape[-1]
     for i, (row, n, start, t) in enumerate(chunks.tolist()):
         rows = slice(row, row + n)
         out[rows] = _chunk_attention(q[rows], k[rows], v[rows], tail, tail_scales, codes, kparams, vparams,
