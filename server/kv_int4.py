@@ -49,14 +49,6 @@ def residual_values(x: Tensor, key: bool) -> Tensor:
     return kv_quant.dequantize(*residual(x, key))
 
 
-def _asym(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """4-bit asymmetric codes of x over ``dim`` (kv_quant._min_scale's rounding): codes, scale, minimum (float16)."""
-    lo = x.amin(dim, keepdim=True).half()
-    s = ((x.amax(dim, keepdim=True) - lo.float()) / 15).clamp(min=2.0**-14).half()
-    q = torch.round((x - lo.float()) / s.float()).clamp(0, 15).to(torch.uint8)
-    return q, s, lo
-
-
 def pack(q: Tensor) -> Tensor:
     """4-bit codes (..., D) -> (..., D / 2) bytes, channel 2i low."""
     return q[..., 0::2] | (q[..., 1::2] << 4)
@@ -70,8 +62,8 @@ def unpack(b: Tensor) -> Tensor:
 def int4_block(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One block's residual values k, v (bs, Hkv, D) fp32 (v rotated) -> (K codes (bs, Hkv, D / 2), K params
     (Hkv, 2, D), V codes, V params (bs, Hkv, 2))."""
-    kq, ks, kmin = _asym(k, 0)  # per channel over the block's tokens
-    vq, vs, vmin = _asym(v, -1)  # per token per KV head
+    kq, ks, kmin = kv_quant.asym_codes(k, 4, 0)  # per channel over the block's tokens
+    vq, vs, vmin = kv_quant.asym_codes(v, 4, -1)  # per token per KV head
     return pack(kq), torch.cat([ks, kmin], 0).transpose(0, 1), pack(vq), torch.cat([vs, vmin], -1)
 
 

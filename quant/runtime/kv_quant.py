@@ -70,13 +70,20 @@ def _half(s: torch.Tensor) -> torch.Tensor:
     return s.clamp(min=2.0**-14).half().float()
 
 
+def asym_codes(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric ``bits``-bit codes of x over ``dim``: (codes uint8, scale, minimum as float16), s = (max - min) /
+    (2^bits - 1) at least 2^-14, codes round((x - min) / s) within [0, 2^bits - 1] (KIVI's form: no integer zero
+    point, so a range that does not straddle zero loses nothing to clamping)."""
+    lo = x.amin(dim, keepdim=True).half()
+    s = _half((x.amax(dim, keepdim=True) - lo.float()) / (2**bits - 1)).half()
+    q = torch.round((x - lo.float()) / s.float()).clamp(0, 2**bits - 1).to(torch.uint8)
+    return q, s, lo
+
+
 def _min_scale(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Asymmetric ``bits``-bit round trip over ``dim``: codes q = round((x - min) / s), s = (max - min) / (2^bits - 1),
-    back as q s + min, the minimum and the scale held as float16 (KIVI's form: no integer zero point, so a range
-    that does not straddle zero loses nothing to clamping)."""
-    lo = x.amin(dim, keepdim=True).half().float()
-    s = _half((x.amax(dim, keepdim=True) - lo) / (2**bits - 1))
-    return torch.round((x - lo) / s).clamp(0, 2**bits - 1) * s + lo
+    """Asymmetric ``bits``-bit round trip over ``dim`` (:func:`asym_codes`), back as q s + min in fp32."""
+    q, s, lo = asym_codes(x, bits, dim)
+    return q.float() * s.float() + lo.float()
 
 
 def _channel_groups(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ inline void tail_row(const int8_t* codes, c10::Half s, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(codes[d]) * sf;
 }
 
-// The float16 minimum and scale of a 4-bit asymmetric range [lo, hi] (kv_int4._asym).
+// The float16 minimum and scale of a 4-bit asymmetric range [lo, hi] (kv_quant.asym_codes).
 inline void asym_params(float lo, float hi, c10::Half& s, c10::Half& m) {
   m = c10::Half(lo);
   s = c10::Half(std::max((hi - static_cast<float>(m)) / 15.f, kMinScale));
