@@ -184,6 +184,7 @@ class Ops:
         self.decode_attention_quant = ref_decode_attention_quant
         self.prefill_attention_quant = ref_prefill_attention_quant
         self.store_blocks_int4 = kv_int4.ref_store_blocks_int4  # the int4 pool (server/kv_int4.py)
+        self.store_tail_int4 = kv_int4.ref_store_tail_int4
         self.attention_int4 = kv_int4.ref_attention_int4
         if kind == "fused":
             ops = torch.ops.quantserve
@@ -199,6 +200,7 @@ class Ops:
             self.decode_attention_quant = ops.decode_attention_quant.default
             self.prefill_attention_quant = ops.prefill_attention_quant.default
             self.store_blocks_int4 = ops.store_blocks_int4.default
+            self.store_tail_int4 = ops.store_tail_int4.default
             self.attention_int4 = ops.attention_int4.default
         elif kind == "triton":
             from server import glue_triton as g

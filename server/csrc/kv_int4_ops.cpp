@@ -4,6 +4,8 @@
 // - store_blocks_int4: the int4 codes of the blocks a step completes, from their residual values (the tail's int8
 //   rows for the positions written before the step, the step's own rows rounded to int8 for the rest): keys
 //   asymmetric per channel over the block (KIVI), values asymmetric per token in the rotated space;
+// - store_tail_int4: the rows of each sequence's incomplete block into its tail, in the residual format (int8 with a
+//   float16 scale per token per KV head, values rotated);
 // - attention_int4: a step's rows (decode rows and prefill chunks alike) against their sequences' caches, each
 //   query reading its own block from the residual and earlier blocks from int4, dequantized as each row is
 //   loaded; values are held rotated, so each output row is rotated back once.
@@ -75,80 +77,77 @@ inline void int4_row(const uint8_t* c, float s, float m, float* dst, int64_t D) 
   }
 }
 
-// The pool's tensors of one layer, checked against each other (server/kv_int4.py's layout).
+// One layer's units (server/kv_int4.py's layout): each an int4 block or a tail half, at fixed offsets in the unit.
 struct Pool {
-  int64_t Hkv, D, bs, slots, blocks, tails;
-  const int8_t* tail;
-  const c10::Half* tail_scales;
-  uint8_t* codes;
-  c10::Half* kparams;
-  c10::Half* vparams;
+  int64_t Hkv, D, bs, units, ub;
+  uint8_t* base;
 
-  Pool(const at::Tensor& tail_, const at::Tensor& tail_scales_, const at::Tensor& codes_, const at::Tensor& kparams_,
-       const at::Tensor& vparams_, int64_t block_size) {
-    TORCH_CHECK(codes_.dim() == 4 && codes_.size(0) == 2 && codes_.is_contiguous() &&
-                    codes_.scalar_type() == at::kByte,
-                "codes must be a contiguous (2, slots, Hkv, D / 2) uint8 tensor");
-    Hkv = codes_.size(2), D = 2 * codes_.size(3), bs = block_size, slots = codes_.size(1);
-    TORCH_CHECK(bs > 0 && slots % bs == 0 && D > 0, "the codes' slots must be whole blocks");
-    blocks = slots / bs;
-    TORCH_CHECK(kparams_.dim() == 4 && kparams_.is_contiguous() && kparams_.scalar_type() == at::kHalf &&
-                    kparams_.size(0) == blocks && kparams_.size(1) == Hkv && kparams_.size(2) == 2 &&
-                    kparams_.size(3) == D,
-                "kparams must be a contiguous (blocks, Hkv, 2, D) float16 tensor matching codes");
-    TORCH_CHECK(vparams_.dim() == 3 && vparams_.is_contiguous() && vparams_.scalar_type() == at::kHalf &&
-                    vparams_.size(0) == slots && vparams_.size(1) == Hkv && vparams_.size(2) == 2,
-                "vparams must be a contiguous (slots, Hkv, 2) float16 tensor matching codes");
-    TORCH_CHECK(tail_.dim() == 4 && tail_.size(0) == 2 && tail_.is_contiguous() && tail_.scalar_type() == at::kChar &&
-                    tail_.size(1) % bs == 0 && tail_.size(2) == Hkv && tail_.size(3) == D,
-                "tail must be a contiguous (2, tails * block_size, Hkv, D) int8 tensor matching codes");
-    TORCH_CHECK(tail_scales_.dim() == 3 && tail_scales_.is_contiguous() && tail_scales_.scalar_type() == at::kHalf &&
-                    tail_scales_.size(0) == 2 && tail_scales_.size(1) == tail_.size(1) && tail_scales_.size(2) == Hkv,
-                "tail_scales must be a contiguous (2, tails * block_size, Hkv) float16 tensor matching tail");
-    tails = tail_.size(1) / bs;
-    tail = tail_.data_ptr<int8_t>();
-    tail_scales = tail_scales_.data_ptr<c10::Half>();
-    codes = codes_.data_ptr<uint8_t>();
-    kparams = kparams_.data_ptr<c10::Half>();
-    vparams = vparams_.data_ptr<c10::Half>();
+  Pool(const at::Tensor& units_, int64_t kv_heads, int64_t head_dim, int64_t block_size)
+      : Hkv(kv_heads), D(head_dim), bs(block_size) {
+    TORCH_CHECK(bs > 0 && Hkv > 0 && D > 0 && D % 2 == 0, "the int4 pool needs a positive block size and an even "
+                "head_dim");
+    TORCH_CHECK(units_.dim() == 2 && units_.is_contiguous() && units_.scalar_type() == at::kByte &&
+                    units_.size(1) == bs * Hkv * (D + 4) + 4 * Hkv * D,
+                "units must be a contiguous (units, ", bs * Hkv * (D + 4) + 4 * Hkv * D,
+                ") uint8 tensor: the int4 pool of this block size, KV heads and head_dim");
+    units = units_.size(0), ub = units_.size(1);
+    base = units_.data_ptr<uint8_t>();
   }
   int64_t vblock() const { return D & -D; }  // the values' rotation block: the largest power of two dividing D
-  const int8_t* tail_codes(int64_t which, int64_t slot, int64_t h) const {
-    return tail + ((which * tails * bs + slot) * Hkv + h) * D;
+  uint8_t* unit(int64_t u) const { return base + u * ub; }
+  // an int4 block's parts
+  uint8_t* code_row(int64_t which, int64_t block, int64_t i, int64_t h) const {
+    return unit(block) + which * bs * Hkv * (D / 2) + (i * Hkv + h) * (D / 2);
   }
-  c10::Half tail_scale(int64_t which, int64_t slot, int64_t h) const {
-    return tail_scales[(which * tails * bs + slot) * Hkv + h];
+  c10::Half* kparam(int64_t block, int64_t h) const {  // (2, D): scales, then minimums
+    return reinterpret_cast<c10::Half*>(unit(block) + bs * Hkv * D) + h * 2 * D;
   }
-  uint8_t* code_row(int64_t which, int64_t slot, int64_t h) const {
-    return codes + ((which * slots + slot) * Hkv + h) * (D / 2);
+  c10::Half* vparam(int64_t block, int64_t i, int64_t h) const {  // (2,): scale, minimum
+    return reinterpret_cast<c10::Half*>(unit(block) + bs * Hkv * D + 4 * Hkv * D) + (i * Hkv + h) * 2;
   }
-  c10::Half* kparam(int64_t block, int64_t h) const { return kparams + (block * Hkv + h) * 2 * D; }  // (2, D)
-  c10::Half* vparam(int64_t slot, int64_t h) const { return vparams + (slot * Hkv + h) * 2; }
+  // a tail half's parts
+  int8_t* tail_codes(int64_t u, int64_t i, int64_t h) const {
+    return reinterpret_cast<int8_t*>(unit(u)) + (i * Hkv + h) * D;
+  }
+  c10::Half* tail_scale(int64_t u, int64_t i, int64_t h) const {
+    return reinterpret_cast<c10::Half*>(unit(u) + bs * Hkv * D) + i * Hkv + h;
+  }
 };
 
-void check_rows(const at::Tensor& k, const at::Tensor& v, const Pool& p) {
+void check_rows(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3, "k must be (T, Hkv, D)");
   for (const at::Tensor* t : {&k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->size(0) == k.size(0) && t->size(1) == p.Hkv && t->size(2) == p.D &&
-                    t->stride(2) == 1 && t->stride(1) == p.D && t->scalar_type() == k.scalar_type(),
-                "k and v must be (T, Hkv, D) with contiguous heads, of one dtype, matching the pool");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(0) == k.size(0) && t->size(1) == k.size(1) &&
+                    t->size(2) == k.size(2) && t->stride(2) == 1 && t->stride(1) == k.size(2) &&
+                    t->scalar_type() == k.scalar_type(),
+                "k and v must be CPU (T, Hkv, D) tensors with contiguous heads, of one shape and dtype");
 }
 
-// The int4 codes of the blocks a step completes; completed (N, 4) int64: (block, tail, from_tail, row).
-void store_blocks_int4(const at::Tensor& k, const at::Tensor& v, const at::Tensor& tail, const at::Tensor& tail_scales,
-                       at::Tensor codes, at::Tensor kparams, at::Tensor vparams, const at::Tensor& completed,
+// A contiguous (N, cols) int64 table of a step's entries.
+const int64_t* entries(const at::Tensor& t, int64_t cols, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.is_contiguous() && t.scalar_type() == at::kLong, name,
+              " must be a contiguous (N, ", cols, ") int64 tensor");
+  return t.data_ptr<int64_t>();
+}
+
+void check_unit(const Pool& p, int64_t u, const char* what) {
+  TORCH_CHECK(u >= 0 && u < p.units, what, " ", u, " is outside the pool");
+}
+
+// The int4 codes of the blocks a step completes; completed (N, 5) int64: (block, K tail unit, V tail unit,
+// from_tail, row).
+void store_blocks_int4(const at::Tensor& k, const at::Tensor& v, at::Tensor units, const at::Tensor& completed,
                        int64_t block_size) {
-  const Pool p(tail, tail_scales, codes, kparams, vparams, block_size);
-  check_rows(k, v, p);
-  TORCH_CHECK(completed.dim() == 2 && completed.size(1) == 4 && completed.is_contiguous() &&
-                  completed.scalar_type() == at::kLong,
-              "completed must be a contiguous (N, 4) int64 tensor");
+  check_rows(k, v);
+  const Pool p(units, k.size(1), k.size(2), block_size);
+  const int64_t* cp = entries(completed, 5, "completed");
   const int64_t N = completed.size(0), T = k.size(0), bs = p.bs, D = p.D, Hkv = p.Hkv;
-  const int64_t* cp = completed.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; ++i) {  // every entry checked before anything is written
-    const int64_t block = cp[4 * i], t = cp[4 * i + 1], from = cp[4 * i + 2], row = cp[4 * i + 3];
-    TORCH_CHECK(block >= 0 && block < p.blocks, "block ", block, " is outside the pool");
-    TORCH_CHECK(t >= 0 && t < p.tails, "tail ", t, " is outside the pool");
-    TORCH_CHECK(from >= 0 && from < bs && row >= 0 && row + bs - from <= T, "completed entry ", i,
+    const int64_t* e = cp + 5 * i;
+    check_unit(p, e[0], "block");
+    check_unit(p, e[1], "tail unit");
+    check_unit(p, e[2], "tail unit");
+    TORCH_CHECK(e[3] >= 0 && e[3] < bs && e[4] >= 0 && e[4] + bs - e[3] <= T, "completed entry ", i,
                 " reads rows outside the step");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_blocks_int4", [&] {
@@ -159,11 +158,11 @@ void store_blocks_int4(const at::Tensor& k, const at::Tensor& v, const at::Tenso
       std::vector<int8_t> c8(D);
       for (int64_t item = b0; item < b1; ++item) {
         const int64_t i = item / Hkv, h = item % Hkv;
-        const int64_t block = cp[4 * i], t = cp[4 * i + 1], from = cp[4 * i + 2], row = cp[4 * i + 3];
+        const int64_t *e = cp + 5 * i, block = e[0], tk = e[1], tv = e[2], from = e[3], row = e[4];
         for (int64_t j = 0; j < bs; ++j) {
           if (j < from) {
-            tail_row(p.tail_codes(0, t * bs + j, h), p.tail_scale(0, t * bs + j, h), kb.data() + j * D, D);
-            tail_row(p.tail_codes(1, t * bs + j, h), p.tail_scale(1, t * bs + j, h), vb.data() + j * D, D);
+            tail_row(p.tail_codes(tk, j, h), *p.tail_scale(tk, j, h), kb.data() + j * D, D);
+            tail_row(p.tail_codes(tv, j, h), *p.tail_scale(tv, j, h), vb.data() + j * D, D);
           } else {
             const int64_t r = row + j - from;
             residual_row<scalar_t>(kp + r * k.stride(0) + h * D, kb.data() + j * D, D, 0, work.data(), c8.data());
@@ -178,18 +177,49 @@ void store_blocks_int4(const at::Tensor& k, const at::Tensor& v, const at::Tenso
           asym_params(lo, hi, kpar[d], kpar[D + d]);
         }
         for (int64_t j = 0; j < bs; ++j) {
-          uint8_t* kc = p.code_row(0, block * bs + j, h);
+          uint8_t* kc = p.code_row(0, block, j, h);
           for (int64_t d = 0; d < D; d += 2)
             kc[d / 2] = asym_code(kb[j * D + d], kpar[D + d], kpar[d]) |
                         (asym_code(kb[j * D + d + 1], kpar[D + d + 1], kpar[d + 1]) << 4);
           const float* x = vb.data() + j * D;  // values: per token
           float lo = x[0], hi = x[0];
           for (int64_t d = 1; d < D; ++d) lo = std::min(lo, x[d]), hi = std::max(hi, x[d]);
-          c10::Half* vpar = p.vparam(block * bs + j, h);
+          c10::Half* vpar = p.vparam(block, j, h);
           asym_params(lo, hi, vpar[0], vpar[1]);
           const float s = vpar[0], m = vpar[1];
-          uint8_t* vc = p.code_row(1, block * bs + j, h);
+          uint8_t* vc = p.code_row(1, block, j, h);
           for (int64_t d = 0; d < D; d += 2) vc[d / 2] = asym_code(x[d], m, s) | (asym_code(x[d + 1], m, s) << 4);
+        }
+      }
+    });
+  });
+}
+
+// Rows k, v (T, Hkv, D) into their tails in the residual format; slots (T, 2) int64: the row's place in its K and
+// its V tail half (unit * block_size + offset), -1 where it is not written.
+void store_tail_int4(const at::Tensor& k, const at::Tensor& v, at::Tensor units, const at::Tensor& slots,
+                     int64_t block_size) {
+  check_rows(k, v);
+  const Pool p(units, k.size(1), k.size(2), block_size);
+  const int64_t* sp = entries(slots, 2, "slots");
+  const int64_t T = k.size(0), D = p.D, Hkv = p.Hkv, bs = p.bs;
+  TORCH_CHECK(slots.size(0) == T, "slots must give each of the step's ", T, " rows its tail slots");
+  for (int64_t i = 0; i < 2 * T; ++i)
+    TORCH_CHECK(sp[i] >= -1 && sp[i] < p.units * bs, "tail slot ", sp[i], " is outside the pool");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_tail_int4", [&] {
+    const scalar_t* src[2] = {k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};
+    const int64_t st[2] = {k.stride(0), v.stride(0)};
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> work(D);
+      for (int64_t item = b0; item < b1; ++item) {
+        const int64_t t = item / Hkv, h = item % Hkv;
+        for (int64_t which = 0; which < 2; ++which) {
+          const int64_t slot = sp[2 * t + which];
+          if (slot < 0) continue;
+          qs::quantize_row<scalar_t, qs::Int8Code>(raw(src[which]) + t * st[which] + h * D,
+                                                   p.tail_codes(slot / bs, slot % bs, h),
+                                                   p.tail_scale(slot / bs, slot % bs, h), D,
+                                                   which ? p.vblock() : 0, work.data());
         }
       }
     });
@@ -200,7 +230,7 @@ void store_blocks_int4(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 template <typename T>
 void attend_chunk(const Pool& p, const typename Raw<T>::type* q, int64_t qstride, const typename Raw<T>::type* k,
                   const typename Raw<T>::type* v, int64_t kstride, int64_t vstride, const int64_t* table, int64_t start,
-                  int64_t tail, int64_t i0, int64_t i1, int64_t h, int64_t g, int64_t window, float scale, float cap,
+                  const int64_t* tail, int64_t i0, int64_t i1, int64_t h, int64_t g, int64_t window, float scale, float cap,
                   typename Raw<T>::type* o, int64_t ostride) {
   const int64_t D = p.D, bs = p.bs, first = start / bs * bs;
   std::vector<float> own_k((i1) * D), own_v((i1) * D), work(D), qf(g * D), acc(g * D), row(D);
@@ -212,17 +242,16 @@ void attend_chunk(const Pool& p, const typename Raw<T>::type* q, int64_t qstride
   // position j's key (0) or value (1) row into dst, as a query of own block `ob` reads it
   const auto load = [&](int64_t which, int64_t j, int64_t ob, float* dst) {
     if (j < ob) {
-      const int64_t blk = table[j / bs], slot = blk * bs + j % bs;
+      const int64_t blk = table[j / bs], i = j % bs;
       if (which == 0) {
         const c10::Half* par = p.kparam(blk, h);
-        int4_row(p.code_row(0, slot, h), par, par + D, dst, D);
+        int4_row(p.code_row(0, blk, i, h), par, par + D, dst, D);
       } else {
-        const c10::Half* par = p.vparam(slot, h);
-        int4_row(p.code_row(1, slot, h), static_cast<float>(par[0]), static_cast<float>(par[1]), dst, D);
+        const c10::Half* par = p.vparam(blk, i, h);
+        int4_row(p.code_row(1, blk, i, h), static_cast<float>(par[0]), static_cast<float>(par[1]), dst, D);
       }
     } else if (j < start) {
-      const int64_t slot = tail * bs + j - first;
-      tail_row(p.tail_codes(which, slot, h), p.tail_scale(which, slot, h), dst, D);
+      tail_row(p.tail_codes(tail[which], j - first, h), *p.tail_scale(tail[which], j - first, h), dst, D);
     } else {
       const float* src = (which == 0 ? own_k.data() : own_v.data()) + (j - start) * D;
       std::copy(src, src + D, dst);
@@ -267,39 +296,37 @@ void attend_chunk(const Pool& p, const typename Raw<T>::type* q, int64_t qstride
   }
 }
 
-// A step's rows q (T, H, D) against the int4 pool; chunks (N, 4) int64 (row, n, start, tail); tables (N, blocks).
-at::Tensor attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tail,
-                          const at::Tensor& tail_scales, const at::Tensor& codes, const at::Tensor& kparams,
-                          const at::Tensor& vparams, const at::Tensor& chunks, const at::Tensor& tables,
-                          int64_t block_size, int64_t window, double scale, double softcap) {
-  const Pool p(tail, tail_scales, codes, kparams, vparams, block_size);
-  check_rows(k, v, p);
+// A step's rows q (T, H, D) against the int4 pool; chunks (N, 5) int64 (row, n, start, K tail unit, V tail unit);
+// tables (N, blocks).
+at::Tensor attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& units,
+                          const at::Tensor& chunks, const at::Tensor& tables, int64_t block_size, int64_t window,
+                          double scale, double softcap) {
+  check_rows(k, v);
+  const Pool p(units, k.size(1), k.size(2), block_size);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.size(0) == k.size(0) && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2) && q.size(2) == p.D && q.size(1) % p.Hkv == 0 &&
                   q.scalar_type() == k.scalar_type(),
               "q must be a CPU (T, H, D) tensor with contiguous heads, H a multiple of the pool's KV heads");
-  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() && chunks.scalar_type() == at::kLong,
-              "chunks must be a contiguous (N, 4) int64 tensor");
+  const int64_t* cp = entries(chunks, 5, "chunks");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == chunks.size(0) && tables.is_contiguous() &&
                   tables.scalar_type() == at::kLong,
               "tables must be a contiguous (N, blocks) int64 tensor");
   const int64_t N = chunks.size(0), NB = tables.size(1), T = q.size(0), H = q.size(1), bs = p.bs;
-  const int64_t* cp = chunks.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   for (int64_t c = 0; c < N; ++c) {  // every block and row a chunk reads is checked before anything is read
-    const int64_t row = cp[4 * c], n = cp[4 * c + 1], start = cp[4 * c + 2], t = cp[4 * c + 3];
+    const int64_t *e = cp + 5 * c, row = e[0], n = e[1], start = e[2];
     TORCH_CHECK(row >= 0 && n > 0 && row + n <= T, "chunk ", c, "'s rows are outside the step");
     TORCH_CHECK(start >= 0 && start + n <= NB * bs, "chunk ", c, "'s positions are outside its block table");
-    TORCH_CHECK(t >= 0 && t < p.tails, "tail ", t, " is outside the pool");
-    for (int64_t b = 0; b < (start + n) / bs; ++b)
-      TORCH_CHECK(tp[c * NB + b] >= 0 && tp[c * NB + b] < p.blocks, "block ", tp[c * NB + b], " is outside the pool");
+    check_unit(p, e[3], "tail unit");
+    check_unit(p, e[4], "tail unit");
+    for (int64_t b = 0; b < (start + n) / bs; ++b) check_unit(p, tp[c * NB + b], "block");
   }
   at::Tensor out = at::empty({T, H, p.D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
   constexpr int64_t kSpan = 16;  // queries per work item
   std::vector<std::array<int64_t, 3>> items;  // (chunk, head, first query)
   for (int64_t c = 0; c < N; ++c)
-    for (int64_t i0 = 0; i0 < cp[4 * c + 1]; i0 += kSpan)
+    for (int64_t i0 = 0; i0 < cp[5 * c + 1]; i0 += kSpan)
       for (int64_t h = 0; h < p.Hkv; ++h) items.push_back({c, h, i0});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_int4", [&] {
     const auto* qp = raw(q.data_ptr<scalar_t>());
@@ -309,9 +336,9 @@ at::Tensor attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Te
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t it = b0; it < b1; ++it) {
         const auto [c, h, i0] = items[it];
-        const int64_t row = cp[4 * c], n = cp[4 * c + 1];
+        const int64_t row = cp[5 * c], n = cp[5 * c + 1];
         attend_chunk<scalar_t>(p, qp + row * q.stride(0), q.stride(0), kp + row * k.stride(0), vp + row * v.stride(0),
-                               k.stride(0), v.stride(0), tp + c * NB, cp[4 * c + 2], cp[4 * c + 3], i0,
+                               k.stride(0), v.stride(0), tp + c * NB, cp[5 * c + 2], cp + 5 * c + 3, i0,
                                std::min(n, i0 + kSpan), h, H / p.Hkv, window, sc, cap, op + row * H * p.D, H * p.D);
       }
     });
@@ -322,14 +349,14 @@ at::Tensor attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
-  m.def("store_blocks_int4(Tensor k, Tensor v, Tensor tail, Tensor tail_scales, Tensor(a!) codes, Tensor(b!) kparams, "
-        "Tensor(c!) vparams, Tensor completed, int block_size) -> ()");
-  m.def("attention_int4(Tensor q, Tensor k, Tensor v, Tensor tail, Tensor tail_scales, Tensor codes, Tensor kparams, "
-        "Tensor vparams, Tensor chunks, Tensor tables, int block_size, int window, float scale, float softcap) "
-        "-> Tensor");
+  m.def("store_blocks_int4(Tensor k, Tensor v, Tensor(a!) units, Tensor completed, int block_size) -> ()");
+  m.def("store_tail_int4(Tensor k, Tensor v, Tensor(a!) units, Tensor slots, int block_size) -> ()");
+  m.def("attention_int4(Tensor q, Tensor k, Tensor v, Tensor units, Tensor chunks, Tensor tables, int block_size, "
+        "int window, float scale, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("store_blocks_int4", &store_blocks_int4);
+  m.impl("store_tail_int4", &store_tail_int4);
   m.impl("attention_int4", &attention_int4);
 }
