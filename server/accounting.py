@@ -85,13 +85,13 @@ def engine_state(usable_blocks: int, pool, layout, scheduler, config, queued: in
     waiting = []
     for s in scheduler.waiting:
         if s.preemptions:  # taken back alone, its prompt and generated tokens recomputed
-            waiting.append((layout.blocks_for(len(s.prompt) + len(s.generated)), 1))
+            waiting.append((layout.blocks_for(len(s.prompt) + len(s.generated)) + layout.tail_blocks, 1))
         else:
             n = len(scheduler.unit(s))
             waiting.append((admission_blocks(scheduler.admission, len(s.prompt), s.params.max_new_tokens, n,
-                                             layout.block_size), n))
+                                             layout.block_size, layout.tail_blocks), n))
     return capacity.EngineState(
         usable_blocks, pool.free_blocks, layout.block_size, layout.bytes_per_block, len(scheduler.running),
         config.max_batch, config.max_prefill_tokens, tuple(waiting), queued, config.max_queue, scheduler.admission,
-        scheduler.watermark_blocks,
+        scheduler.watermark_blocks, layout.tail_blocks,
     )

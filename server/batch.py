@@ -33,6 +33,8 @@ class StepInputs:
     decode: list[tuple[int, list[int]]]  # per decode row (token row i): (its position, its block table)
     chunks: list[tuple[int, int, int, list[int]]]  # per prefill chunk: (first row in T, length C, first position, table)
     block_size: int
+    # per decode row, then per prefill chunk: its sequence's tail blocks (int4's residual: K, V); None for other pools
+    tails: list[list[int]] | None = None
     # (P,) int64: prompt rows whose next token is scored (prompt logprobs); the model leaves their final-normed
     # hidden states (P, hidden) in ``scored`` for the runner's head, which runs over them in slices
     score_index: Tensor | None = None

@@ -116,7 +116,7 @@ def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, nu
             f"prompt ({n} tokens) + max_new_tokens ({m}) = {n + m} exceeds the model's context "
             f"of {context_length} tokens",
         )
-    need = layout.blocks_for(n + m)
+    need = layout.blocks_for(n + m) + layout.tail_blocks
     if need > num_blocks:
         raise RequestError(
             "max_new_tokens",
@@ -126,11 +126,11 @@ def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, nu
 
 
 def check_n(n: int, prompt_tokens: int, max_new_tokens: int, max_batch: int, num_blocks: int,
-            block_size: int) -> None:
+            block_size: int, tail_blocks: int) -> None:
     """The engine's admission check of a request's ``n`` (after :func:`check_shape`): RequestError naming it."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_batch:
         raise RequestError("n", f"n must be an integer in [1, {max_batch}] (--max-batch), got {n!r}")
-    need = group_blocks(prompt_tokens, prompt_tokens + max_new_tokens, n, block_size)
+    need = group_blocks(prompt_tokens, prompt_tokens + max_new_tokens, n, block_size, tail_blocks)
     if n > 1 and need > num_blocks:
         raise RequestError("n", f"{n} samples of {prompt_tokens} prompt + {max_new_tokens} new tokens need {need} KV "
                                 f"blocks with the prompt's shared; the pool has {num_blocks}")
@@ -152,13 +152,14 @@ class EngineState:
     max_queue: int
     admission: str = ON_DEMAND  # --kv-admission
     watermark_blocks: int = 0  # on demand: blocks an admission leaves free while others run
+    tail_blocks: int = 0  # blocks each running sample holds besides its table (KVLayout.tail_blocks: int4's tail)
 
     @classmethod
     def empty(cls, num_blocks: int, block_size: int, bytes_per_block: int, max_batch: int,
               max_prefill_tokens: int, max_queue: int, admission: str = ON_DEMAND,
-              watermark_blocks: int = 0) -> "EngineState":
+              watermark_blocks: int = 0, tail_blocks: int = 0) -> "EngineState":
         return cls(num_blocks, num_blocks, block_size, bytes_per_block, 0, max_batch, max_prefill_tokens, (), 0,
-                   max_queue, admission, watermark_blocks)
+                   max_queue, admission, watermark_blocks, tail_blocks)
 
     def headroom(self, running: int) -> int:
         """Blocks an admission must leave free with ``running`` samples running (the scheduler's rule)."""
@@ -166,14 +167,14 @@ class EngineState:
 
     def admission_blocks(self, prompt_tokens: int, max_new_tokens: int, n: int) -> int:
         """Blocks a request of this shape takes when admitted (nothing cached)."""
-        return admission_blocks(self.admission, prompt_tokens, max_new_tokens, n, self.block_size)
+        return admission_blocks(self.admission, prompt_tokens, max_new_tokens, n, self.block_size, self.tail_blocks)
 
     def written_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
         """Blocks a sample holds once it produced ``new_tokens`` (>= 1): on demand those of the positions written,
-        the last token's never; with reserve its whole reservation."""
+        the last token's never; with reserve its whole reservation. Its tail's blocks included."""
         if self.admission != ON_DEMAND:
-            return math.ceil((prompt_tokens + new_tokens) / self.block_size)
-        return math.ceil((prompt_tokens + new_tokens - 1) / self.block_size)
+            return math.ceil((prompt_tokens + new_tokens) / self.block_size) + self.tail_blocks
+        return math.ceil((prompt_tokens + new_tokens - 1) / self.block_size) + self.tail_blocks
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,16 @@ def plan(shapes: list[Shape], state: EngineState, check: Callable[[int, int], Re
     out, outcomes = [], []
     for s in shapes:
         per_sample = state.written_blocks(s.prompt_tokens, s.max_new_tokens)
-        need = group_blocks(s.prompt_tokens, s.prompt_tokens + s.max_new_tokens, s.n, state.block_size)
+        need = group_blocks(s.prompt_tokens, s.prompt_tokens + s.max_new_tokens, s.n, state.block_size,
+                            state.tail_blocks)
         admit = state.admission_blocks(s.prompt_tokens, s.max_new_tokens, s.n)
         expected = need if state.admission != ON_DEMAND else group_blocks(
-            s.prompt_tokens, s.prompt_tokens + s.expected - 1, s.n, state.block_size)
+            s.prompt_tokens, s.prompt_tokens + s.expected - 1, s.n, state.block_size, state.tail_blocks)
         refusal = check(s.prompt_tokens, s.max_new_tokens)  # None: the shape itself is servable
         if refusal is None:
             try:
-                check_n(s.n, s.prompt_tokens, s.max_new_tokens, state.max_batch, state.num_blocks, state.block_size)
+                check_n(s.n, s.prompt_tokens, s.max_new_tokens, state.max_batch, state.num_blocks, state.block_size,
+                        state.tail_blocks)
             except RequestError as e:
                 refusal = Refusal("INVALID_ARGUMENT", str(e), e.param)
         servable = refusal is None
@@ -343,7 +346,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     mcfg = AutoConfig.from_pretrained(source.path)
     models_shape = ModelShape.from_config(mcfg)
     torch_dtype = getattr(torch, cfg.dtype)
-    layout = KVLayout.from_config(mcfg, torch_dtype, cfg.block_size, cfg.kv_format)
+    layout = KVLayout.from_config(mcfg, torch_dtype, cfg.kv_block_size, cfg.kv_format)
     num_blocks = resolve_budget(cfg.memory_budget, cfg.device) // layout.bytes_per_block
     context = int(mcfg.max_position_embeddings)
     prompt_limit = min(limits.max_prompt_tokens or context, context)
@@ -361,9 +364,9 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     def estimate(chunk: int, past: int) -> int:
         return engine_prefill_bytes(models_shape, chunk, dtype_bytes(torch_dtype), glue, past=past)
 
-    state = EngineState.empty(num_blocks, cfg.block_size, layout.bytes_per_block, cfg.max_batch,
+    state = EngineState.empty(num_blocks, layout.block_size, layout.bytes_per_block, cfg.max_batch,
                               cfg.max_prefill_tokens, cfg.max_queue, cfg.kv_admission,
-                              math.ceil(cfg.kv_watermark * num_blocks))
+                              math.ceil(cfg.kv_watermark * num_blocks), layout.tail_blocks)
     out = to_dict(plan(shapes, state, check, estimate), 0, layout.bytes_per_token, attention.choose(device).name,
                   layout.kv_dtype)
     del out["engine"]["weight_bytes"]  # the live server's figure; not predicted here (quant estimate gives W)

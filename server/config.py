@@ -11,6 +11,7 @@ import torch
 from quant.runtime.kernel_choice import MODES as KERNEL_MODES
 from quant.runtime.kv_quant import POOL_FORMATS
 from quant.shape.kv_formats import FLOAT_BYTES
+from server import kv_int4
 from server.layers.embedding import check_mode as check_embeddings
 from server.settings import BY_NAME, setting
 
@@ -28,7 +29,7 @@ class EngineConfig:
     kv_admission: str = setting("kv_admission")  # server/scheduler.py
     kv_watermark: float = setting("kv_watermark")
     kv_dtype: str = setting("kv_dtype")  # server/kv_pool.py's KVLayout
-    block_size: int = 16  # tokens per KV block
+    block_size: int | None = None  # tokens per KV block; None: the KV dtype's (kv_block_size)
     dtype: str = setting("dtype")
     device: str = setting("device")
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
@@ -42,12 +43,19 @@ class EngineConfig:
 
     @property
     def kv_format(self) -> str | None:
-        """The quantized format the KV pool holds (int8, fp8), or None for the activations' dtype."""
-        return self.kv_dtype if self.kv_dtype in POOL_FORMATS else None
+        """The quantized format the KV pool holds (int8, fp8, int4), or None for the activations' dtype."""
+        return self.kv_dtype if self.kv_dtype in (*POOL_FORMATS, "int4") else None
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block: ``block_size`` when given, else 16, or int4's key group (server/kv_int4.py)."""
+        if self.block_size is not None:
+            return self.block_size
+        return kv_int4.BLOCK_SIZE if self.kv_dtype == "int4" else 16
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
-            v = getattr(self, name)
+            v = self.kv_block_size if name == "block_size" else getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -72,6 +80,9 @@ class EngineConfig:
         if self.kv_format and torch.device(self.device).type != "cpu":
             raise ValueError(f"--kv-dtype {self.kv_dtype}: a quantized KV cache is served on the CPU only for now "
                              f"(the {torch.device(self.device).type} attention kernels read none yet); choose auto")
+        if self.kv_dtype == "int4" and self.kv_block_size != kv_int4.BLOCK_SIZE:
+            raise ValueError(f"--kv-dtype int4 is held in blocks of its key group, {kv_int4.BLOCK_SIZE} tokens; "
+                             f"block size {self.kv_block_size} was asked for")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self

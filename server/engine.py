@@ -105,7 +105,7 @@ class Engine:
         self.shape = ModelShape.from_config(mcfg)
         self.context_length = int(mcfg.max_position_embeddings)
         self.vocab_size = int(mcfg.vocab_size)
-        self.layout = KVLayout.from_config(mcfg, self.dtype, config.block_size, config.kv_format)
+        self.layout = KVLayout.from_config(mcfg, self.dtype, config.kv_block_size, config.kv_format)
         fraction = budget_fraction(config.memory_budget)
         # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
         # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
@@ -116,9 +116,9 @@ class Engine:
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
         chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
                           device=self.device)  # plans per device
-        self.runner = ModelRunner(model, self.pool.storage, config.block_size, fused_ops=config.fused_ops,
+        self.runner = ModelRunner(model, self.pool.storage, self.layout.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
-                                  kv_rotation=self.layout.rotation)
+                                  kv_rotation=self.layout.rotation, kv_format=self.layout.kv_format)
         if fraction:
             self.pool = self._pool(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
             self.runner.use_kv_storage(self.pool.storage, self.pool.scales)
@@ -143,7 +143,7 @@ class Engine:
                                    math.ceil(config.kv_watermark * self.usable_blocks))
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.eos_ids = eos_ids(model, tokenizer)
-        self.step = Stepper(self.runner, self.pool, config.block_size, self.device, self.eos_ids, self.vocab_size,
+        self.step = Stepper(self.runner, self.pool, self.layout.block_size, self.device, self.eos_ids, self.vocab_size,
                             self.activation_estimate)
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
@@ -151,7 +151,7 @@ class Engine:
             model=model_name, scheme=scheme, dtype=config.dtype, device=str(self.device), attention=self.attention,
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
-            kv_block_size=config.block_size, glue_ops=self.runner.glue_ops,
+            kv_block_size=self.layout.block_size, glue_ops=self.runner.glue_ops,
             embeddings=describe_embeddings(self.embeddings), kernels=(*chooser.table(), *self.runner.kernel_notes()),
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -177,7 +177,7 @@ class Engine:
     @property
     def usable_blocks(self) -> int:
         """KV blocks requests can reserve: the pool's, less those the engine holds itself (CUDA graphs' padding)."""
-        return self.pool.num_blocks - sum(len(self.pool.blocks_of(i)) for i in self._held_ids)
+        return self.pool.num_blocks - sum(self.pool.held_blocks(i) for i in self._held_ids)
 
     def _pool(self, budget_bytes: int) -> BlockPool:
         return BlockPool(self.layout, budget_bytes, self.device, prefix_cache=self.config.prefix_cache,
@@ -291,7 +291,7 @@ class Engine:
                                                     f"got {past[0]}")
         grammar = self.grammars.compile(params.response_format) if params.response_format is not None else None
         capacity.check_n(n, len(ids), params.max_new_tokens, self.config.max_batch, self.usable_blocks,
-                         self.layout.block_size)
+                         self.layout.block_size, self.layout.tail_blocks)
         seed = params.seed if params.seed is not None else secrets.randbelow(SEED_LIMIT)
         rid = request_id or f"req-{next(self._ids)}"
         sample_ids = [rid] + [f"{rid}/{i}" for i in range(1, n)]  # the pool's and scheduler's keys of its samples

@@ -27,6 +27,7 @@ import torch
 from quant.runtime.kv_quant import CODE_DTYPES, POOL_FORMATS
 from quant.shape.kv_formats import FORMATS, token_bytes
 from quant.shape.model import ModelShape
+from server import kv_int4
 
 
 class KVBudgetError(ValueError):
@@ -37,7 +38,8 @@ class KVBudgetError(ValueError):
 class KVLayout:
     """The pool's shape: K and V of ``layers`` x ``kv_heads`` x ``head_dim`` per token, in blocks of ``block_size``
     tokens, held in the activations' ``dtype`` or, with ``kv_format`` (one of quant.runtime.kv_quant.POOL_FORMATS),
-    as codes with a float16 scale per token per KV head."""
+    as codes with a float16 scale per token per KV head; or ``int4`` (server/kv_int4.py): blocks of its key group
+    and a residual tail per sequence, two block-sized units."""
 
     layers: int
     kv_heads: int
@@ -47,13 +49,30 @@ class KVLayout:
     kv_format: str | None = None
 
     def __post_init__(self):
-        if self.kv_format is not None and self.kv_format not in POOL_FORMATS:
-            raise ValueError(f"the KV pool holds no format {self.kv_format!r}; it holds {', '.join(POOL_FORMATS)}")
+        if self.kv_format is not None and self.kv_format not in (*POOL_FORMATS, "int4"):
+            raise ValueError(f"the KV pool holds no format {self.kv_format!r}; it holds "
+                             f"{', '.join((*POOL_FORMATS, 'int4'))}")
+        if self.int4 and self.block_size != kv_int4.BLOCK_SIZE:
+            raise ValueError(f"an int4 KV cache is held in blocks of its key group, {kv_int4.BLOCK_SIZE} tokens, "
+                             f"not {self.block_size}")
+        if self.int4 and self.head_dim % 2:
+            raise ValueError(f"an int4 KV cache packs channel pairs: head_dim {self.head_dim} is odd")
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, block_size: int = 16, kv_format: str | None = None) -> "KVLayout":
         s = ModelShape.from_config(config)
         return cls(s.layers, s.kv_heads, s.head_dim, dtype, block_size, kv_format)
+
+    @property
+    def int4(self) -> bool:
+        """The pool holds int4 blocks and residual tails (server/kv_int4.py)."""
+        return self.kv_format == "int4"
+
+    @property
+    def tail_blocks(self) -> int:
+        """Blocks a running sequence holds besides its table: int4's residual tail (its K half and its V half, a
+        block-sized unit each); 0 for every other dtype."""
+        return kv_int4.TAIL_UNITS if self.int4 else 0
 
     @property
     def kv_dtype(self) -> str:
@@ -63,15 +82,18 @@ class KVLayout:
     @property
     def rotation(self) -> tuple[int, int]:
         """The blocks of the keys' and the values' Walsh-Hadamard rotation in a format that rotates them (int8), each
-        0 where none."""
-        if not self.kv_format:
+        0 where none (int4's kernels rotate its values themselves)."""
+        if not self.kv_format or self.int4:
             return 0, 0
         fmt = FORMATS[self.kv_format]
         return fmt.key_block(self.head_dim), fmt.value_block(self.head_dim)
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """The dtype of the pool's storage tensor: the codes' for a format, else the activations'."""
+        """The dtype of the pool's storage tensor: int4's bytes, the codes' for another format, else the
+        activations'."""
+        if self.int4:
+            return torch.uint8
         return CODE_DTYPES[self.kv_format] if self.kv_format else self.dtype
 
     @property
@@ -131,12 +153,12 @@ def shared_blocks(prompt_tokens: int, block_size: int) -> int:
     return (prompt_tokens - 1) // block_size if prompt_tokens else 0
 
 
-def group_blocks(prompt_tokens: int, tokens: int, n: int, block_size: int) -> int:
+def group_blocks(prompt_tokens: int, tokens: int, n: int, block_size: int, tail_blocks: int) -> int:
     """Blocks a request of ``n`` samples of ``tokens`` each (prompt included) reserves with nothing cached: each
-    sample's ceil(tokens / block_size), the :func:`shared_blocks` held once (BlockPool.try_reserve_group; the
-    capacity plan counts with this too)."""
+    sample's ceil(tokens / block_size) and its ``tail_blocks`` (KVLayout.tail_blocks), the :func:`shared_blocks`
+    held once (BlockPool.try_reserve_group; the capacity plan counts with this too)."""
     total = math.ceil(tokens / block_size)
-    return total + (n - 1) * (total - shared_blocks(prompt_tokens, block_size))
+    return total + (n - 1) * (total - shared_blocks(prompt_tokens, block_size)) + n * tail_blocks
 
 
 class BlockPool:
@@ -158,6 +180,8 @@ class BlockPool:
        a block whose key another block already holds (two requests prefilling the same prompt at once) stays
        unkeyed, the request's own.
     5. :meth:`grow` appends fresh blocks to a request's table (its decode reached a new block); all or nothing.
+       A request also holds its layout's ``tail_blocks`` (int4's residual tail), taken fresh with its table and
+       never keyed: :meth:`tail_of`.
     6. :meth:`release` drops the request's references: a block reaching zero goes to the cache (keyed) or the
        free list.
 
@@ -175,11 +199,17 @@ class BlockPool:
             )
         # (layers, 2, blocks, block_size, kv_heads, head_dim): one contiguous allocation, made once; with a KV
         # format, the codes, and beside them ``scales`` (layers, 2, blocks, block_size, kv_heads) float16.
+        # int4: (layers, blocks, unit bytes) uint8, each block an int4 block or a tail half (server/kv_int4.py).
         shape = (layout.layers, 2, self.num_blocks, layout.block_size, layout.kv_heads)
-        self.storage = (torch.zeros(*shape, layout.head_dim, dtype=layout.storage_dtype, device=device)
-                        if allocate else None)
+        if not allocate:
+            self.storage = None
+        elif layout.int4:
+            self.storage = kv_int4.allocate(layout.layers, self.num_blocks, layout.block_size, layout.kv_heads,
+                                            layout.head_dim, device)
+        else:
+            self.storage = torch.zeros(*shape, layout.head_dim, dtype=layout.storage_dtype, device=device)
         self.scales = (torch.zeros(*shape, dtype=torch.float16, device=device)
-                       if allocate and layout.kv_format else None)
+                       if allocate and layout.kv_format and not layout.int4 else None)
         self.prefix_cache = prefix_cache
         # What else decides a block's K/V besides its tokens: the pool's layout, and what the engine adds.
         self._root = hashlib.blake2b(f"{layout}|{salt}".encode(), digest_size=16).digest()
@@ -190,6 +220,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}  # key -> block
         self._cached: OrderedDict[int, None] = OrderedDict()  # keyed blocks no request holds, oldest first
         self._owned: dict[str, list[int]] = {}  # request -> its block table
+        self._tails: dict[str, list[int]] = {}  # request -> its tail's blocks (layout.tail_blocks of them)
         self._keys: dict[str, list[bytes]] = {}  # request -> the keys of its prompt's full blocks
         self._published: dict[str, int] = {}  # request -> blocks of its table keyed so far (hits included)
         self._hits: dict[str, int] = {}  # request -> blocks mapped from the cache at reservation
@@ -222,7 +253,7 @@ class BlockPool:
         return len(self._cached)
 
     def can_ever_fit(self, tokens: int) -> bool:
-        return self.layout.blocks_for(tokens) <= self.num_blocks
+        return self.layout.blocks_for(tokens) + self.layout.tail_blocks <= self.num_blocks
 
     def _chain(self, prompt: list[int]) -> list[bytes]:
         """The keys of the prompt's full blocks (step 1)."""
@@ -264,6 +295,7 @@ class BlockPool:
             self._take(b, request_id)
         table = mapped + [self._take(self._fresh(), request_id) for _ in range(fresh)]
         self._owned[request_id] = table
+        self._tails[request_id] = [self._take(self._fresh(), request_id) for _ in range(self.layout.tail_blocks)]
         self._keys[request_id] = keys
         self._published[request_id] = len(mapped)  # mapped blocks are keyed already, or the first sample keys them
         self._hits[request_id] = hits
@@ -282,7 +314,7 @@ class BlockPool:
         if not use_cache:
             hits, idle_hits = [], 0
         fresh = self.layout.blocks_for(tokens) - len(hits)
-        if not self._room(fresh, idle_hits, headroom):
+        if not self._room(fresh + self.layout.tail_blocks, idle_hits, headroom):
             return None
         if prompt and tally:
             self.queried_tokens += len(prompt)
@@ -291,7 +323,7 @@ class BlockPool:
 
     def group_blocks(self, prompt_tokens: int, tokens: int, n: int) -> int:
         """Blocks a group of ``n`` samples of one prompt reserves with nothing cached (:meth:`try_reserve_group`)."""
-        return group_blocks(prompt_tokens, tokens, n, self.layout.block_size)
+        return group_blocks(prompt_tokens, tokens, n, self.layout.block_size, self.layout.tail_blocks)
 
     def try_reserve_group(self, request_ids: list[str], tokens: int, prompt: list[int],
                           use_cache: bool = True, headroom: int = 0) -> list[list[int]] | None:
@@ -306,7 +338,8 @@ class BlockPool:
         total = self.layout.blocks_for(tokens)
         k = shared_blocks(len(prompt), self.layout.block_size)
         _, hits, idle_hits = self._lookup(prompt) if use_cache else ([], [], 0)
-        if not self._room((total - len(hits)) + len(others) * (total - k), idle_hits, headroom):
+        tails = (1 + len(others)) * self.layout.tail_blocks
+        if not self._room((total - len(hits)) + len(others) * (total - k) + tails, idle_hits, headroom):
             return None
         first = self.try_reserve(leader, tokens, prompt, use_cache)
         # (the others' prompt blocks come from the first sample, not the cache: no hit counted)
@@ -367,10 +400,10 @@ class BlockPool:
 
     def release(self, request_id: str) -> int:
         """Drop a request's references at once; returns how many blocks it held. Releasing twice is harmless."""
-        blocks = self._owned.pop(request_id, [])
+        blocks = self._owned.pop(request_id, []) + self._tails.pop(request_id, [])
         for d in (self._keys, self._published, self._hits, self._shared):
             d.pop(request_id, None)
-        for b in reversed(blocks):  # the deepest block first: cached, it is evicted before its parents
+        for b in reversed(blocks):  # (tail blocks are never keyed: they go to the free list)  # the deepest block first: cached, it is evicted before its parents
             self._refs[b] -= 1
             self._holders[b].discard(request_id)
             if self._refs[b] == 0:
@@ -383,12 +416,24 @@ class BlockPool:
     def blocks_of(self, request_id: str) -> list[int]:
         return self._owned[request_id]
 
+    def tail_of(self, request_id: str) -> list[int]:
+        """The request's tail blocks (int4: its K half, its V half); empty for other dtypes."""
+        return self._tails[request_id]
+
+    def held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds: its table and its tail."""
+        return len(self._owned[request_id]) + len(self._tails[request_id])
+
     def audit(self) -> None:
         """The pool's own bookkeeping against a recount of its blocks: ValueError naming the first difference (a
         leaked reference, a freed block still mapped, a held block in the cache)."""
         refs = [0] * self.num_blocks
+        if self._tails.keys() != self._owned.keys():
+            raise ValueError("a request holds a table without a tail, or a tail without a table")
         for rid, table in self._owned.items():
-            for b in table:
+            if len(self._tails[rid]) != self.layout.tail_blocks:
+                raise ValueError(f"{rid} holds {len(self._tails[rid])} tail blocks, not {self.layout.tail_blocks}")
+            for b in table + self._tails[rid]:
                 refs[b] += 1
                 if rid not in self._holders[b]:
                     raise ValueError(f"block {b} is in {rid}'s table but not held by it")
@@ -411,6 +456,8 @@ class BlockPool:
                 raise ValueError(f"cached block {b} has no key")
         if any(self._block_of.get(k) != b for b, k in self._key_of.items()) or len(self._block_of) != len(self._key_of):
             raise ValueError("the key -> block and block -> key maps disagree")
+        if any(b in self._key_of for tail in self._tails.values() for b in tail):
+            raise ValueError("a tail block is keyed")
 
     def stats(self) -> dict:
         return {

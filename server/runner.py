@@ -25,12 +25,14 @@ SCORE_ROWS = 32  # prompt rows whose logits are formed at once when scoring a pr
 
 def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[list[int], int, list[int], bool]],
                block_size: int, device: torch.device,
-               feed: tuple[Tensor, list[int], list[int]] | None = None, score: list[int] | None = None) -> StepInputs:
+               feed: tuple[Tensor, list[int], list[int]] | None = None, score: list[int] | None = None,
+               tails: list[list[int]] | None = None) -> StepInputs:
     """decode: (token, position, block table) per decoding request (it attends to positions 0..position).
     prefill: (chunk tokens, first position, block table, sample last?) per prefilling request.
     feed: (tokens, rows, index): decode rows ``rows`` take their token from the device tensor ``tokens`` (the
     previous step's samples, not read back yet) at ``index``, in place of the token given for them.
     score: per prefill chunk, how many of its first rows have their next prompt token scored (prompt logprobs).
+    tails: per decode row, then per prefill chunk, its sequence's tail blocks (an int4 pool's; StepInputs.tails).
     Sampled rows are returned in this order: every decode row, then each prefill chunk with sample=True; scored
     rows in chunk order."""
     ids: list[int] = []
@@ -63,7 +65,7 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         flat[:t].index_copy_(0, flat[f: f + len(rows)], feed[0].index_select(0, flat[f + len(rows):]))
     return StepInputs(
         input_ids=flat[:t], positions=flat[t: 2 * t], slots=flat[2 * t: 3 * t], sample_index=flat[3 * t: 3 * t + s],
-        decode=[(p, table) for _, p, table in decode], chunks=chunks, block_size=block_size,
+        decode=[(p, table) for _, p, table in decode], chunks=chunks, block_size=block_size, tails=tails,
         score_index=flat[3 * t + s: 3 * t + s + r] if r else None,
     )
 
@@ -93,15 +95,21 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
                  fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None,
-                 kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0)):
+                 kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0),
+                 kv_format: str | None = None):
         """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter).
-        kv_scales: the pool's scales when it holds a quantized cache (kv_storage then holds its codes); kv_rotation:
-        its keys' and values' rotation blocks (server.kv_pool.KVLayout.rotation)."""
+        kv_format: the quantized format the pool holds (server.kv_pool.KVLayout.kv_format), or None; kv_scales: the
+        pool's scales for int8 and fp8 (kv_storage then holds their codes); kv_rotation: their keys' and values'
+        rotation blocks (KVLayout.rotation). int4 (kv_storage: the pool's units) has its own backend."""
         dtype = model.get_input_embeddings().weight.dtype
-        cache_dtype = dtype if kv_scales is not None else kv_storage.dtype  # codes are read in the model's dtype
+        cache_dtype = dtype if kv_format else kv_storage.dtype  # codes are read in the model's dtype
         self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
         self.ops = fastops.Ops(glue or fastops.kind_of(self.glue_ops))
         self.model = models.build(model, self.ops, embeddings, chooser)
+        if kv_format == "int4":
+            if backend not in (None, attention.Int4Backend.name):
+                raise UnsupportedModelError(f"an int4 KV cache is read by the int4 attention backend, not {backend!r}")
+            backend = attention.Int4Backend.name
         cls = attention.choose(kv_storage.device) if backend is None else attention.BACKENDS.get(backend)
         if cls is None:
             raise UnsupportedModelError(

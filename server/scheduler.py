@@ -52,9 +52,11 @@ def admission_tokens(admission: str, prompt_tokens: int, max_new_tokens: int) ->
     return prompt_tokens if admission == ON_DEMAND else prompt_tokens + max_new_tokens
 
 
-def admission_blocks(admission: str, prompt_tokens: int, max_new_tokens: int, n: int, block_size: int) -> int:
+def admission_blocks(admission: str, prompt_tokens: int, max_new_tokens: int, n: int, block_size: int,
+                     tail_blocks: int) -> int:
     """Blocks a request of ``n`` samples takes when admitted with nothing cached (BlockPool.try_reserve_group)."""
-    return group_blocks(prompt_tokens, admission_tokens(admission, prompt_tokens, max_new_tokens), n, block_size)
+    return group_blocks(prompt_tokens, admission_tokens(admission, prompt_tokens, max_new_tokens), n, block_size,
+                        tail_blocks)
 
 
 def admission_headroom(admission: str, watermark_blocks: int, running: int) -> int:
@@ -104,7 +106,7 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as its prefill scores them
     prompt_logprobs_sent: bool = False  # given with its first event
     admitted: int = -1  # the scheduler's admission count when it was last admitted: the newest is preempted first
-    peak_blocks: int = 0  # the most KV blocks its table held at once
+    peak_blocks: int = 0  # the most KV blocks it held at once (its table and its tail)
     recompute: int = 0  # generated tokens its prefill computes again (taken back after a preemption)
     preemptions: int = 0  # times it was preempted
     recomputed_tokens: int = 0  # positions whose K/V it computed again after preemptions
@@ -261,7 +263,7 @@ class Scheduler:
             order = next(self._order)
             for m, table in zip(members, tables):
                 m.blocks = table
-                m.peak_blocks = len(table)
+                m.peak_blocks = self.pool.held_blocks(m.id)
                 m.admitted = order
                 m.cached = m.prefilled = self.pool.hit_blocks(m.id) * bs if m is seq else shared
                 m.wait_tokens = 0 if m is seq else shared
@@ -280,7 +282,7 @@ class Scheduler:
         if table is None:
             return False
         seq.blocks = table
-        seq.peak_blocks = max(seq.peak_blocks, len(table))
+        seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
         seq.admitted = next(self._order)
         seq.recompute = len(seq.generated)
         seq.prefilled = self.pool.hit_blocks(seq.id) * self.pool.layout.block_size
@@ -328,7 +330,7 @@ class Scheduler:
                         return None
                     self._preempt()
                 if seq.blocks is not None:
-                    seq.peak_blocks = max(seq.peak_blocks, len(seq.blocks))
+                    seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
             decode = [s for s in decode if s.blocks is not None]
         prefill = []
         budget = self.max_prefill_tokens

@@ -164,9 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
     S("kv_watermark", float, 0.01, "on-demand admission leaves this fraction of the KV pool's blocks free for the "
       "running requests' next tokens", "engine", check=fraction),
     S("kv_dtype", str, "auto", "what the KV cache holds: auto (the activations' dtype, --dtype), int8 or fp8 (e4m3) "
-      "codes with a float16 scale per token per KV head (0.52x bf16's bytes; attention dequantizes as it reads; CPU "
-      "only for now), or the activations' dtype by name", "engine",
-      choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8")),
+      "codes with a float16 scale per token per KV head (0.52x bf16's bytes), int4 (keys per channel over 32-token "
+      "blocks, values per token; each sequence's last incomplete block held in int8: 0.30x bf16's bytes plus 32 "
+      "int8 tokens per running sequence), or the activations' dtype by name; attention dequantizes as it reads; "
+      "quantized caches on the CPU only for now", "engine",
+      choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8", "int4")),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),
     S("max_prompt_tokens", int, None, "limit on prompt tokens (default: the model's context length)", "limits"),
     S("max_request_bytes", int, 4 * 2**20, "limit on a request's size (one message / body)", "limits"),

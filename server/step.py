@@ -68,8 +68,11 @@ class Stepper:
             seq.activation_peak = max(seq.activation_peak, self.estimate(n, start, k))
             if last:
                 (sampled if generates else scored_only).append(seq)
+        tails = None
+        if self.pool.layout.tail_blocks:  # int4: each row's sequence's residual tail
+            tails = [self.pool.tail_of(s.id) for s in plan.decode] + [self.pool.tail_of(s.id) for s, _, _ in plan.prefill]
         step = build_step(decode, prefill, bs, self.device, (prev.tokens, rows, index) if rows else None,
-                          score if scoring else None)
+                          score if scoring else None, tails)
         logits = self.runner.forward(step)  # (S, V) fp32
         for seq, start, n in plan.prefill:
             seq.prefilled = start + n

@@ -197,8 +197,12 @@ def test_the_prefix_cache_keys_blocks_on_the_kv_dtype():
 
 @pytest.mark.unit
 def test_the_pool_holds_no_format_it_cannot_serve():
-    with pytest.raises(ValueError, match="holds no format 'int4'"):
+    with pytest.raises(ValueError, match="holds no format 'int4-chan'"):
+        KVLayout(2, 2, 16, torch.float32, 16, "int4-chan")
+    with pytest.raises(ValueError, match="blocks of its key group, 32 tokens, not 16"):
         KVLayout(2, 2, 16, torch.float32, 16, "int4")
+    with pytest.raises(ValueError, match="head_dim 15 is odd"):
+        KVLayout(2, 2, 15, torch.float32, 32, "int4")
 
 
 # ------------------------------------------------------------------------------------------- the engine
@@ -214,20 +218,22 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 def test_the_engine_over_a_quantized_cache_is_transformers_reading_kv_through_the_format(
         tiny_model_dir, cache_dir, fmt, fused):
     """Greedy tokens and their logprobs, prefilled in chunks of 24 and decoded, equal transformers' float32 forward
     whose attention reads K and V through the format's round trip (the KV cache view quant eval --kv-dtype measures
-    with): the served pool adds the format's rounding and nothing else."""
+    with; int4: each query's own block from the residual, earlier ones from int4): the served pool adds the
+    format's rounding and nothing else."""
     if fused:
         _fused()
     hf = hf_causal_lm(tiny_model_dir)
     view = KVCacheView(hf, fmt)
     eng = _engine(tiny_model_dir, cache_dir, fmt, fused)
     try:
-        assert eng.layout.kv_dtype == fmt and eng.pool.scales is not None
+        assert eng.layout.kv_dtype == fmt and (eng.pool.scales is not None) == (fmt != "int4")
+        assert eng.attention == ("int4" if fmt == "int4" else "sdpa")
         for seed in (1, 2):
             prompt = _prompt(57, seed)
             got = eng.complete(prompt, greedy_exact(12, logprobs=1))
@@ -241,6 +247,7 @@ def test_the_engine_over_a_quantized_cache_is_transformers_reading_kv_through_th
             a = got.accounting
             assert a.kv_dtype == fmt and a.kv_bytes_per_token == eng.layout.bytes_per_token
             assert a.kv_bytes_reserved == a.kv_blocks_reserved * eng.layout.bytes_per_block
+            assert a.kv_blocks_reserved == -(-(57 + 11) // eng.layout.block_size) + eng.layout.tail_blocks
         eng.pool.audit()
     finally:
         eng.close()
@@ -266,12 +273,14 @@ def test_a_quantized_cache_changes_what_the_float_cache_gives_by_its_rounding_on
 
 
 @pytest.mark.reference
-def test_preemption_and_prefix_hits_over_a_quantized_cache_change_nothing(tiny_model_dir, cache_dir):
-    """A pool of 10 int8 blocks running five requests at once (preemptions, recomputation, prompt blocks mapped
-    from the prefix cache) gives each request what a roomy int8 engine gives it alone: the same tokens, logprobs
-    within 1e-5. Recomputed K/V quantizes to the same codes."""
-    roomy = _engine(tiny_model_dir, cache_dir, "int8")
-    tight = _engine(tiny_model_dir, cache_dir, "int8", memory_budget=str(10 * roomy.layout.bytes_per_block))
+@pytest.mark.parametrize("fmt,blocks", [("int8", 10), ("int4", 7)])
+def test_preemption_and_prefix_hits_over_a_quantized_cache_change_nothing(tiny_model_dir, cache_dir, fmt, blocks):
+    """A pool of 10 blocks (int4: 7 of 32 tokens) running five requests at once (preemptions, recomputation, prompt blocks mapped from the
+    prefix cache; int4: each request's tail taken and given back with its blocks) gives each request what a roomy
+    engine of the same KV dtype gives it alone: the same tokens, logprobs within 1e-5. Recomputed K/V quantizes to
+    the same codes."""
+    roomy = _engine(tiny_model_dir, cache_dir, fmt)
+    tight = _engine(tiny_model_dir, cache_dir, fmt, memory_budget=str(blocks * roomy.layout.bytes_per_block))
     try:
         shared = _prompt(32, 9)
         prompts = [shared + _prompt(6, s) for s in range(3)] + [_prompt(20, 7), _prompt(26, 8)]
@@ -312,7 +321,9 @@ def _together(engine: Engine, prompts, params):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("kw,match", [
-    (dict(kv_dtype="int3"), "--kv-dtype must be one of auto, bfloat16, float16, float32, int8, fp8, got 'int3'"),
+    (dict(kv_dtype="int3"), "--kv-dtype must be one of auto, bfloat16, float16, float32, int8, fp8, int4, got 'int3'"),
+    (dict(kv_dtype="int4", device="cuda"), "served on the CPU only for now"),
+    (dict(kv_dtype="int4", block_size=16), "int4 is held in blocks of its key group, 32 tokens; block size 16"),
     (dict(kv_dtype="float16", dtype="bfloat16"), "a float KV cache is held in the activations' dtype"),
     (dict(kv_dtype="int8", device="cuda"), "served on the CPU only for now"),
 ])

@@ -209,3 +209,33 @@ def test_random_traffic_keeps_the_books_and_maps_only_what_was_written():
                     assert written[table[i]] == tuple(prompt[i * 4:(i + 1) * 4])
         pool.audit()
     assert pool.hit_tokens > 0 and pool.evictions > 0
+
+
+INT4 = KVLayout(layers=30, kv_heads=3, head_dim=64, dtype=torch.bfloat16, block_size=32, kv_format="int4")
+
+
+def test_an_int4_pool_is_its_units_and_counts_a_tail_as_two_blocks():
+    assert INT4.tail_blocks == 2 and SMOL.tail_blocks == 0
+    assert INT4.bytes_per_token == 30 * 3 * (64 + 4 + 8)  # codes, each value's scale and minimum, the keys' per block
+    pool = BlockPool(INT4, 10 * INT4.bytes_per_block + 5)
+    assert pool.storage.dtype == torch.uint8 and pool.scales is None
+    assert pool.storage.numel() == pool.capacity_bytes == 10 * INT4.bytes_per_block  # the budget, nothing beside it
+
+
+def test_an_int4_request_takes_its_tail_with_its_blocks_and_gives_both_back():
+    pool = BlockPool(INT4, 10 * INT4.bytes_per_block, allocate=False)
+    a = pool.try_reserve("a", 40)  # 2 blocks and a tail of 2
+    assert len(a) == 2 and len(pool.tail_of("a")) == 2 and pool.held_blocks("a") == 4 and pool.free_blocks == 6
+    assert set(a).isdisjoint(pool.tail_of("a"))
+    assert pool.try_reserve("b", 140) is None  # 5 blocks + 2: nothing is taken
+    assert pool.free_blocks == 6
+    assert pool.try_reserve_group(["c", "c/1"], 40, list(range(40))) is None  # 2 + 1 (one shared) + 2 tails = 7
+    assert pool.try_reserve_group(["c", "c/1"], 20, list(range(20))) is not None  # 1 + 1 + 2 tails = 6
+    assert not pool.can_ever_fit(9 * 32) and pool.can_ever_fit(8 * 32)
+    pool.audit()
+    assert pool.free_blocks == 0
+    assert not pool.grow("a", 65)  # a third block: none free
+    assert pool.release("a") == 4 and pool.free_blocks == 4
+    pool.release("c"), pool.release("c/1")
+    pool.audit()
+    assert pool.used_blocks == 0 and pool.free_blocks == 10

@@ -403,7 +403,7 @@ def test_the_plan_counts_a_requests_shared_blocks_once_and_predicts_what_is_admi
                                      (15 + 3 * 3, 3 + 2 * 2, 3 + 1, 1 + 6 * 1, 72 + 7 * 9)):
         pool = BlockPool(layout, 200 * layout.bytes_per_block, allocate=False)
         assert pool.try_reserve_group([f"r/{i}" for i in range(n)], p_len + new, ids(p_len, 1)) is not None
-        assert group_blocks(p_len, p_len + new, n, BS) == pool.used_blocks == want
+        assert group_blocks(p_len, p_len + new, n, BS, 0) == pool.used_blocks == want
     probe = make(tiny_model_dir, cache_dir)
     bpb = probe.layout.bytes_per_block
     probe.close()
