@@ -7,7 +7,8 @@ For each context length, one engine per KV dtype holds the same WikiText-2 promp
 once; later requests map it from the prefix cache and prefill only its last block) and decodes --new greedy tokens
 from it, the engines taking turns for --rounds rounds. A decode step's time is the time between streamed tokens
 (the first token, which carries the prefill, excluded); reported per cell: the median over rounds of the mean step
-time, tokens/s, and each dtype's ratio to the first one's. At a 4k context a step of the default model reads
+time, tokens/s, and each dtype's ratio to the first one's; and the time of each engine's first request, the whole
+prompt prefilled with nothing cached (one run). At a 4k context a step of the default model reads
 ~94 MB of bf16 K/V (23,040 bytes a token) beside ~270 MB of weights; int8 reads 0.516x of that K/V.
 """
 
@@ -66,8 +67,11 @@ def main() -> None:
         for ctx in contexts:
             prompt = ids[:ctx]
             assert len(prompt) == ctx, (len(prompt), ctx)
-            for eng in engines.values():
-                eng.complete(prompt, greedy(2))  # the prompt's blocks into the prefix cache; kernels warmed
+            prefill = {}
+            for kv, eng in engines.items():  # the prompt's blocks into the prefix cache; kernels warmed
+                t0 = time.perf_counter()
+                eng.complete(prompt, greedy(1))
+                prefill[kv] = time.perf_counter() - t0
             steps: dict[str, list[float]] = {kv: [] for kv in kvs}
             for _ in range(args.rounds):
                 for kv, eng in engines.items():
@@ -77,11 +81,13 @@ def main() -> None:
                 s = statistics.median(steps[kv])
                 row = {"context": ctx, "kv_dtype": engines[kv].layout.kv_dtype, "step_ms": 1000 * s,
                        "tok_s": 1 / s, "speed_x": base / s, "kv_bytes_per_token": engines[kv].layout.bytes_per_token,
+                       "prefill_s": prefill[kv],
                        "rounds_ms": [round(1000 * x, 3) for x in steps[kv]]}
                 rows.append(row)
                 if not args.json:
                     print(f"context {ctx:5d}, KV {row['kv_dtype']:8s} ({row['kv_bytes_per_token']:5d} B/token): "
-                          f"{row['step_ms']:6.2f} ms/step = {row['tok_s']:6.1f} tok/s ({row['speed_x']:.3f}x)",
+                          f"{row['step_ms']:6.2f} ms/step = {row['tok_s']:6.1f} tok/s ({row['speed_x']:.3f}x); "
+                          f"prefill {row['prefill_s']:.2f} s",
                           flush=True)
     finally:
         for eng in engines.values():

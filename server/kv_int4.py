@@ -202,6 +202,7 @@ def chunk_writes(start: int, n: int, row: int, table: list[int], tail: tuple[int
 def allocate(layers: int, units: int, block_size: int, kv_heads: int, head_dim: int,
              device: torch.device | str = "cpu") -> Tensor:
     """The pool's storage (layers, units, unit bytes) uint8, zeroed."""
-    if head_dim % 2:
-        raise ValueError(f"the int4 KV cache packs channel pairs: head_dim {head_dim} is odd")
+    if head_dim % 8:
+        raise ValueError(f"the int4 KV cache's kernels read head_dim in runs of 8 channels: {head_dim} is not a "
+                         f"multiple of 8")
     return torch.zeros(layers, units, unit_bytes(block_size, kv_heads, head_dim), dtype=torch.uint8, device=device)

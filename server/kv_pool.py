@@ -55,8 +55,9 @@ class KVLayout:
         if self.int4 and self.block_size != kv_int4.BLOCK_SIZE:
             raise ValueError(f"an int4 KV cache is held in blocks of its key group, {kv_int4.BLOCK_SIZE} tokens, "
                              f"not {self.block_size}")
-        if self.int4 and self.head_dim % 2:
-            raise ValueError(f"an int4 KV cache packs channel pairs: head_dim {self.head_dim} is odd")
+        if self.int4 and self.head_dim % 8:
+            raise ValueError(f"an int4 KV cache's kernels read head_dim in runs of 8 channels: {self.head_dim} is "
+                             f"not a multiple of 8")
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, block_size: int = 16, kv_format: str | None = None) -> "KVLayout":

@@ -201,8 +201,8 @@ def test_the_pool_holds_no_format_it_cannot_serve():
         KVLayout(2, 2, 16, torch.float32, 16, "int4-chan")
     with pytest.raises(ValueError, match="blocks of its key group, 32 tokens, not 16"):
         KVLayout(2, 2, 16, torch.float32, 16, "int4")
-    with pytest.raises(ValueError, match="head_dim 15 is odd"):
-        KVLayout(2, 2, 15, torch.float32, 32, "int4")
+    with pytest.raises(ValueError, match="runs of 8 channels: 36 is not a multiple of 8"):
+        KVLayout(2, 2, 36, torch.float32, 32, "int4")
 
 
 # ------------------------------------------------------------------------------------------- the engine
@@ -300,6 +300,31 @@ def test_preemption_and_prefix_hits_over_a_quantized_cache_change_nothing(tiny_m
         assert tight.pool.used_blocks == 0
     finally:
         roomy.close(), tight.close()
+
+
+@pytest.mark.reference
+def test_n_samples_over_an_int4_cache_are_each_its_seed_alone(tiny_model_dir, cache_dir):
+    """n = 3 samples of a 70-token prompt over int4: the first prefills the two shared blocks, each other its own
+    last block into a tail of its own; sample i equals a request of seed s + i alone, and the three held the
+    shared blocks once and a tail each."""
+    eng = _engine(tiny_model_dir, cache_dir, "int4")
+    try:
+        prompt = _prompt(70, 5)
+        params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_new_tokens=20, min_tokens=20, logprobs=1)
+        got = eng.samples(prompt, params, 3)
+        for i, c in enumerate(got):
+            alone = eng.complete(prompt, params.with_seed(11 + i))
+            assert c.token_ids == alone.token_ids
+            for a, b in zip(c.logprobs, alone.logprobs, strict=True):
+                assert abs(a.logprob - b.logprob) <= 1e-5
+            a = c.accounting
+            assert a.kv_blocks_reserved == -(-(70 + 19) // 32) + 2  # its blocks and its tail
+            assert a.kv_bytes_shared == 2 * eng.layout.bytes_per_block
+        assert len({c.token_ids for c in got}) > 1
+        eng.pool.audit()
+        assert eng.pool.used_blocks == 0
+    finally:
+        eng.close()
 
 
 def _together(engine: Engine, prompts, params):

@@ -121,8 +121,8 @@ def test_a_unit_holds_an_int4_block_or_a_tail_half_in_the_formats_bytes():
         assert tail_end <= ub  # a tail half fits in a unit
         block_end = u["vparams"][0, -1, -1, -1:].data_ptr() + 2 - u["kcodes"].data_ptr()
         assert block_end == ub  # and a block fills it
-    with pytest.raises(ValueError, match="odd"):
-        kv_int4.allocate(1, 2, BS, 1, 63)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        kv_int4.allocate(1, 2, BS, 1, 60)
 
 
 @pytest.mark.reference

@@ -12,6 +12,7 @@ import sys
 import grpc
 import httpx
 import pytest
+import torch
 from live_server import start
 from quantserve.client import Client, ClientError, RequestShape
 from quantserve.v1 import inference_pb2 as pb
@@ -21,6 +22,7 @@ from server import capacity
 from server.capacity import Refusal, Shape
 from server.config import EngineConfig, Limits
 from server.engine import Engine
+from server.kv_pool import KVLayout
 from server.loading import load_for_serving
 from server.outputs import OverloadedError, RequestError
 from server.sampling_params import SamplingParams
@@ -55,6 +57,22 @@ def test_fifo_batch_and_queue_limits_in_order():
     # A small request behind a queued one still queues: strict FIFO, nobody overtakes.
     r = capacity.plan([Shape(40, 24, 3), Shape(1, 1)], _state(max_queue=5), _ok, _est)
     assert r.outcomes == ("admitted", "admitted", "queued", "queued")
+
+
+@pytest.mark.unit
+def test_an_int4_cache_s_tail_is_counted_in_every_sample_s_blocks():
+    """int4 holds a sequence's incomplete block in a two-block tail: admission, the per-request and per-sample
+    figures and the fits count it for each sample (server/kv_pool.py's group_blocks)."""
+    st = _state(num_blocks=40, free_blocks=40, block_size=32, max_batch=64, max_queue=64, admission="on-demand",
+                tail_blocks=2)
+    # 100-token prompt: 4 blocks at admission + 2; to 100 + 60 - 1 written tokens, 5 + 2 a sample; n = 2 shares 3
+    r = capacity.plan([Shape(100, 60, 1, n=2, expected_new_tokens=20)], st, _ok, _est)
+    (p,) = r.shapes
+    assert (p.kv_blocks_admission, p.kv_blocks, p.kv_blocks_expected) == (4 + 1 + 4, 5 + 2 + 4, 4 + 1 + 4)
+    assert p.kv_bytes_reserved == (5 + 2) * 100
+    assert (p.fit_empty, p.fit_expected) == (40 // 11, 40 // 9)
+    with pytest.raises(RequestError, match="needs 7 KV blocks"):
+        capacity.check_shape(100, 60, 2048, 4, KVLayout(2, 1, 64, torch.float32, 32, "int4"))
 
 
 @pytest.mark.unit

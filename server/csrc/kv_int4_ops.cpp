@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 using qs::Raw;
@@ -60,23 +61,6 @@ inline uint8_t asym_code(float x, float m, float s) {
   return static_cast<uint8_t>(std::clamp(std::nearbyint((x - m) / s), 0.f, 15.f));
 }
 
-// An int4 row: 4-bit codes (D / 2 bytes, channel 2i low) times per-channel scales plus minimums (keys), or times
-// one scale plus one minimum (values).
-inline void int4_row(const uint8_t* c, const c10::Half* s, const c10::Half* m, float* dst, int64_t D) {
-  for (int64_t i = 0; i < D / 2; ++i) {
-    dst[2 * i] = static_cast<float>(c[i] & 15) * static_cast<float>(s[2 * i]) + static_cast<float>(m[2 * i]);
-    dst[2 * i + 1] =
-        static_cast<float>(c[i] >> 4) * static_cast<float>(s[2 * i + 1]) + static_cast<float>(m[2 * i + 1]);
-  }
-}
-
-inline void int4_row(const uint8_t* c, float s, float m, float* dst, int64_t D) {
-  for (int64_t i = 0; i < D / 2; ++i) {
-    dst[2 * i] = static_cast<float>(c[i] & 15) * s + m;
-    dst[2 * i + 1] = static_cast<float>(c[i] >> 4) * s + m;
-  }
-}
-
 // One layer's units (server/kv_int4.py's layout): each an int4 block or a tail half, at fixed offsets in the unit.
 struct Pool {
   int64_t Hkv, D, bs, units, ub;
@@ -84,8 +68,8 @@ struct Pool {
 
   Pool(const at::Tensor& units_, int64_t kv_heads, int64_t head_dim, int64_t block_size)
       : Hkv(kv_heads), D(head_dim), bs(block_size) {
-    TORCH_CHECK(bs > 0 && Hkv > 0 && D > 0 && D % 2 == 0, "the int4 pool needs a positive block size and an even "
-                "head_dim");
+    TORCH_CHECK(bs > 0 && bs % 32 == 0 && Hkv > 0 && D > 0 && D % 8 == 0,
+                "the int4 pool needs a block size that is a multiple of 32 and a head_dim that is a multiple of 8");
     TORCH_CHECK(units_.dim() == 2 && units_.is_contiguous() && units_.scalar_type() == at::kByte &&
                     units_.size(1) == bs * Hkv * (D + 4) + 4 * Hkv * D,
                 "units must be a contiguous (units, ", bs * Hkv * (D + 4) + 4 * Hkv * D,
@@ -226,73 +210,191 @@ void store_tail_int4(const at::Tensor& k, const at::Tensor& v, at::Tensor units,
   });
 }
 
-// One work item of attention_int4: KV head h of one chunk, its queries [i0, i1).
-template <typename T>
-void attend_chunk(const Pool& p, const typename Raw<T>::type* q, int64_t qstride, const typename Raw<T>::type* k,
-                  const typename Raw<T>::type* v, int64_t kstride, int64_t vstride, const int64_t* table, int64_t start,
-                  const int64_t* tail, int64_t i0, int64_t i1, int64_t h, int64_t g, int64_t window, float scale, float cap,
-                  typename Raw<T>::type* o, int64_t ostride) {
-  const int64_t D = p.D, bs = p.bs, first = start / bs * bs;
-  std::vector<float> own_k((i1) * D), own_v((i1) * D), work(D), qf(g * D), acc(g * D), row(D);
-  std::vector<int8_t> c8(D);
-  for (int64_t i = 0; i < i1; ++i) {  // the chunk's rows up to the item's last query, as the residual holds them
-    residual_row<T>(k + i * kstride + h * D, own_k.data() + i * D, D, 0, work.data(), c8.data());
-    residual_row<T>(v + i * vstride + h * D, own_v.data() + i * D, D, p.vblock(), work.data(), c8.data());
+// Channel order of the attention kernel's fp32 rows: the even channels, then the odd ones (how the 4-bit codes
+// unpack with contiguous loads and stores). A dot product does not depend on the order, so queries, keys and values
+// are held this way and only the output is put back.
+inline void deinterleave(const float* __restrict src, float* __restrict dst, int64_t D) {
+  for (int64_t i = 0; i < D / 2; ++i) dst[i] = src[2 * i], dst[D / 2 + i] = src[2 * i + 1];
+}
+
+inline void reinterleave(const float* __restrict src, float* __restrict dst, int64_t D) {
+  for (int64_t i = 0; i < D / 2; ++i) dst[2 * i] = src[i], dst[2 * i + 1] = src[D / 2 + i];
+}
+
+// An int4 row (D / 2 bytes) dequantized in deinterleaved order: code * scale + minimum, per channel (s, m: (D,) in
+// the same order) or one for the row.
+inline void int4_row_split(const uint8_t* __restrict c, const float* __restrict s, const float* __restrict m,
+                           float* __restrict dst, int64_t D) {
+  const int64_t half = D / 2;
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < half; ++i) {
+    dst[i] = static_cast<float>(c[i] & 15) * s[i] + m[i];
+    dst[half + i] = static_cast<float>(c[i] >> 4) * s[half + i] + m[half + i];
   }
-  // position j's key (0) or value (1) row into dst, as a query of own block `ob` reads it
-  const auto load = [&](int64_t which, int64_t j, int64_t ob, float* dst) {
-    if (j < ob) {
-      const int64_t blk = table[j / bs], i = j % bs;
-      if (which == 0) {
-        const c10::Half* par = p.kparam(blk, h);
-        int4_row(p.code_row(0, blk, i, h), par, par + D, dst, D);
-      } else {
-        const c10::Half* par = p.vparam(blk, i, h);
-        int4_row(p.code_row(1, blk, i, h), static_cast<float>(par[0]), static_cast<float>(par[1]), dst, D);
+}
+
+inline void int4_row_split(const uint8_t* __restrict c, float s, float m, float* __restrict dst, int64_t D) {
+  const int64_t half = D / 2;
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < half; ++i) {
+    dst[i] = static_cast<float>(c[i] & 15) * s + m;
+    dst[half + i] = static_cast<float>(c[i] >> 4) * s + m;
+  }
+}
+
+// Register-blocked pieces of attend_item (GCC vector extensions: 8 floats a vector on AVX2 and AVX-512 alike).
+typedef float V8 __attribute__((vector_size(32)));
+
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// S (R, bs) = Q (R rows of D, stride D) times KT (D, bs): R rows' scores against a block of keys, kept in registers.
+template <int R>
+inline void scores(const float* __restrict qr, const float* __restrict KT, float* __restrict S, int64_t D,
+                   int64_t bs) {
+  for (int64_t c = 0; c < bs; c += 32) {
+    V8 acc[R][4] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kt = KT + d * bs + c;
+      const V8 k0 = load8(kt), k1 = load8(kt + 8), k2 = load8(kt + 16), k3 = load8(kt + 24);
+      for (int r = 0; r < R; ++r) {
+        const V8 x = V8{} + qr[r * D + d];
+        acc[r][0] += x * k0, acc[r][1] += x * k1, acc[r][2] += x * k2, acc[r][3] += x * k3;
       }
-    } else if (j < start) {
-      tail_row(p.tail_codes(tail[which], j - first, h), *p.tail_scale(tail[which], j - first, h), dst, D);
-    } else {
-      const float* src = (which == 0 ? own_k.data() : own_v.data()) + (j - start) * D;
-      std::copy(src, src + D, dst);
     }
-  };
-  std::vector<float> s;
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t pos = start + i, ob = pos / bs * bs, lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    const int64_t n = pos + 1 - lo;
-    s.resize(g * n);
-    for (int64_t e = 0; e < g * D; ++e) qf[e] = Raw<T>::get(q[i * qstride + h * g * D + e]);
-    for (int64_t j = 0; j < n; ++j) {
-      load(0, lo + j, ob, row.data());
-      for (int64_t e = 0; e < g; ++e) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qf[e * D + d] * row[d];
-        float x = dot * scale;
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) store8(S + r * bs + c + 8 * u, acc[r][u]);
+  }
+}
+
+// acc (D,) = acc * alpha + sum_j w[j] V[j] over keys [a, z), D a multiple of 8, 64 channels held in registers at once.
+inline void weighted_sum(float* __restrict acc, float alpha, const float* __restrict w, const float* __restrict V,
+                         int64_t a, int64_t z, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64) {
+    const int64_t nv = std::min<int64_t>(8, (D - c) / 8);
+    V8 r[8];
+    for (int64_t u = 0; u < nv; ++u) r[u] = load8(acc + c + 8 * u) * alpha;
+    for (int64_t j = a; j < z; ++j) {
+      const V8 x = V8{} + w[j];
+      const float* vr = V + j * D + c;
+      for (int64_t u = 0; u < nv; ++u) r[u] += x * load8(vr + 8 * u);
+    }
+    for (int64_t u = 0; u < nv; ++u) store8(acc + c + 8 * u, r[u]);
+  }
+}
+
+// One work item of attention_int4: KV head h of one chunk, its queries [i0, i1), all of one block (so all read the
+// same positions from the residual). Keys are walked a block at a time: each block's keys (transposed, so a row's
+// scores vectorise over the keys) and values dequantized once into fp32 tiles in L1, every query row's scores
+// against them, and an online softmax carrying each row's running maximum, sum and weighted values across blocks.
+// Out of the dispatch lambda with raw pointers so that its loops vectorise.
+template <typename T>
+__attribute__((noinline)) void attend_item(const Pool& p, const typename Raw<T>::type* q, int64_t qstride,
+                                           const typename Raw<T>::type* k, const typename Raw<T>::type* v,
+                                           int64_t kstride, int64_t vstride, const int64_t* table, int64_t start,
+                                           const int64_t* tail, int64_t i0, int64_t i1, int64_t h, int64_t g,
+                                           int64_t window, float scale, float cap, typename Raw<T>::type* o,
+                                           int64_t ostride, std::vector<float>& work) {
+  const int64_t D = p.D, bs = p.bs, first = start / bs * bs, nq = (i1 - i0) * g;
+  const int64_t ob = (start + i0) / bs * bs;  // the queries' own block starts here
+  const auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+  work.resize(3 * bs * D + 2 * nq * D + 2 * nq + 3 * bs + 4 * D);
+  float* __restrict K = work.data();   // (bs, D): one block's keys
+  float* __restrict KT = K + bs * D;   // (D, bs): transposed
+  float* __restrict V = KT + bs * D;   // (bs, D): its values (rotated)
+  float* __restrict qf = V + bs * D;   // (nq, D): row r = (i - i0) * g + e
+  float* __restrict acc = qf + nq * D;  // (nq, D)
+  float* __restrict mx = acc + nq * D;  // (nq,) running maxima
+  float* __restrict l = mx + nq;  // (nq,) running sums
+  float* __restrict s = l + nq;   // (bs,) one row's scores in the block
+  float* __restrict tmp = s + bs;  // (D,)
+  float* __restrict kpar = tmp + D;  // (2, D): a block's key scales and minimums, deinterleaved
+  float* __restrict row = kpar + 2 * D;  // (D,)
+  float* __restrict S = row + D;  // (2, bs): two rows' scores
+  std::vector<int8_t> c8(D);
+  for (int64_t r = 0; r < nq; ++r) {
+    const auto* src = q + (i0 + r / g) * qstride + (h * g + r % g) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = Raw<T>::get(src[d]);
+    deinterleave(row, qf + r * D, D);
+  }
+  std::fill(acc, acc + nq * D, 0.f);
+  std::fill(mx, mx + nq, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nq, 0.f);
+  const int64_t kend = start + i1;
+  for (int64_t b0 = first_key(start + i0) / bs * bs; b0 < kend; b0 += bs) {
+    const int64_t j0 = std::max(b0, first_key(start + i0)), j1 = std::min(b0 + bs, kend);  // keys [j0, j1)
+    const int64_t blk = table[b0 / bs];
+    if (b0 < ob) {  // an earlier block: int4
+      const c10::Half* kp = p.kparam(blk, h);
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kp[d]);
+      deinterleave(row, kpar, D);
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kp[D + d]);
+      deinterleave(row, kpar + D, D);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      float* kd = K + (j - b0) * D;
+      float* vd = V + (j - b0) * D;
+      if (j < ob) {
+        const int64_t i = j % bs;
+        int4_row_split(p.code_row(0, blk, i, h), kpar, kpar + D, kd, D);
+        const c10::Half* vp = p.vparam(blk, i, h);
+        int4_row_split(p.code_row(1, blk, i, h), static_cast<float>(vp[0]), static_cast<float>(vp[1]), vd, D);
+        continue;
+      }
+      if (j < start) {  // the own block's positions written before the step: the tail
+        tail_row(p.tail_codes(tail[0], j - first, h), *p.tail_scale(tail[0], j - first, h), row, D);
+        deinterleave(row, kd, D);
+        tail_row(p.tail_codes(tail[1], j - first, h), *p.tail_scale(tail[1], j - first, h), row, D);
+        deinterleave(row, vd, D);
+      } else {  // the step's own rows, as the residual holds them
+        residual_row<T>(k + (j - start) * kstride + h * D, row, D, 0, tmp, c8.data());
+        deinterleave(row, kd, D);
+        residual_row<T>(v + (j - start) * vstride + h * D, row, D, p.vblock(), tmp, c8.data());
+        deinterleave(row, vd, D);
+      }
+    }
+    const int64_t nk = j1 - j0;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t d = 0; d < D; ++d) KT[d * bs + j] = K[(j0 - b0 + j) * D + d];
+    for (int64_t r = 0; r < nq; ++r) {
+      const int64_t pos = start + i0 + r / g;
+      const int64_t a = std::max(j0, first_key(pos)) - j0, z = std::min(j1, pos + 1) - j0;  // its keys [a, z)
+      if (r % 2 == 0) {  // two rows at once where the next row is in the item (its scores in S's next row)
+        if (r + 1 < nq) scores<2>(qf + r * D, KT, S, D, bs);
+        else scores<1>(qf + r * D, KT, S, D, bs);
+      }
+      if (a >= z) continue;
+      const float* s_r = S + (r % 2) * bs;
+      std::copy(s_r, s_r + nk, s);
+      float m = mx[r];
+      for (int64_t j = a; j < z; ++j) {
+        float x = s[j] * scale;
         if (cap > 0.f) x = qs::softcap(x, cap);
-        s[e * n + j] = x;
+        s[j] = x;
+        m = x > m ? x : m;
       }
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t e = 0; e < g; ++e) {
-      float* se = s.data() + e * n;
-      const float m = *std::max_element(se, se + n);
+      const float alpha = qs::exp_approx(mx[r] - m);  // ~0 at the first block a row meets (its maximum was -inf)
       float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += (se[j] = qs::exp_approx(se[j] - m));
-      for (int64_t j = 0; j < n; ++j) se[j] /= sum;
+      for (int64_t j = a; j < z; ++j) sum += (s[j] = qs::exp_approx(s[j] - m));
+      l[r] = l[r] * alpha + sum;
+      mx[r] = m;
+      float* ar = acc + r * D;
+      weighted_sum(ar, alpha, s, V + (j0 - b0) * D, a, z, D);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      load(1, lo + j, ob, row.data());
-      for (int64_t e = 0; e < g; ++e) {
-        const float w = s[e * n + j];
-        for (int64_t d = 0; d < D; ++d) acc[e * D + d] += w * row[d];
-      }
-    }
-    for (int64_t e = 0; e < g; ++e) {
-      float* a = acc.data() + e * D;
-      qs::hadamard_blocks(a, D, p.vblock());  // the values were held rotated
-      for (int64_t d = 0; d < D; ++d) o[i * ostride + (h * g + e) * D + d] = Raw<T>::put(a[d]);
-    }
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    float* ar = acc + r * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) ar[d] *= inv;
+    reinterleave(ar, row, D);
+    qs::hadamard_blocks(row, D, p.vblock());  // the values were held rotated
+    const int64_t i = i0 + r / g, e = r % g;
+    for (int64_t d = 0; d < D; ++d) o[i * ostride + (h * g + e) * D + d] = Raw<T>::put(row[d]);
   }
 }
 
@@ -323,23 +425,30 @@ at::Tensor attention_int4(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   at::Tensor out = at::empty({T, H, p.D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
-  constexpr int64_t kSpan = 16;  // queries per work item
-  std::vector<std::array<int64_t, 3>> items;  // (chunk, head, first query)
-  for (int64_t c = 0; c < N; ++c)
-    for (int64_t i0 = 0; i0 < cp[5 * c + 1]; i0 += kSpan)
-      for (int64_t h = 0; h < p.Hkv; ++h) items.push_back({c, h, i0});
+  constexpr int64_t kSpan = 16;  // queries per work item, at most
+  std::vector<std::array<int64_t, 4>> items;  // (chunk, head, first query, end query): queries of one block
+  for (int64_t c = 0; c < N; ++c) {
+    const int64_t n = cp[5 * c + 1], start = cp[5 * c + 2];
+    for (int64_t i0 = 0; i0 < n;) {
+      const int64_t block_end = ((start + i0) / bs + 1) * bs - start;
+      const int64_t i1 = std::min({n, i0 + kSpan, block_end});
+      for (int64_t h = 0; h < p.Hkv; ++h) items.push_back({c, h, i0, i1});
+      i0 = i1;
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attention_int4", [&] {
     const auto* qp = raw(q.data_ptr<scalar_t>());
     const auto* kp = raw(k.data_ptr<scalar_t>());
     const auto* vp = raw(v.data_ptr<scalar_t>());
     auto* op = raw(out.data_ptr<scalar_t>());
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> work;
       for (int64_t it = b0; it < b1; ++it) {
-        const auto [c, h, i0] = items[it];
-        const int64_t row = cp[5 * c], n = cp[5 * c + 1];
-        attend_chunk<scalar_t>(p, qp + row * q.stride(0), q.stride(0), kp + row * k.stride(0), vp + row * v.stride(0),
-                               k.stride(0), v.stride(0), tp + c * NB, cp[5 * c + 2], cp + 5 * c + 3, i0,
-                               std::min(n, i0 + kSpan), h, H / p.Hkv, window, sc, cap, op + row * H * p.D, H * p.D);
+        const auto [c, h, i0, i1] = items[it];
+        const int64_t row = cp[5 * c];
+        attend_item<scalar_t>(p, qp + row * q.stride(0), q.stride(0), kp + row * k.stride(0), vp + row * v.stride(0),
+                              k.stride(0), v.stride(0), tp + c * NB, cp[5 * c + 2], cp + 5 * c + 3, i0, i1, h,
+                              H / p.Hkv, window, sc, cap, op + row * H * p.D, H * p.D, work);
       }
     });
   });
