@@ -180,3 +180,30 @@ def test_the_int4_ops_refuse_what_is_outside_the_pool_or_the_step():
     with pytest.raises(RuntimeError, match="outside its block table"):
         fused.attention_int4(q, k, v, units, chunks, table[:, :3].contiguous(), BS, 0, 0.125, 0.0)
     assert torch.equal(units, before)  # nothing was written
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (200, 0.0), (0, 30.0)])
+def test_a_long_decode_row_matches_its_reference_on_any_thread_count(window, softcap):
+    """A decode row over 300 positions (ten blocks, the online softmax carried across them) beside a short one,
+    against the reference, on 1, 2 and 4 threads."""
+    fused = _fused()
+    g = torch.Generator().manual_seed(7)
+    units = kv_int4.allocate(1, 16, BS, HKV, D)[0]
+    tables = {"A": list(range(10)), "B": [12, 13]}
+    tails = {"A": (10, 11), "B": (14, 15)}
+    for name, length in (("A", 300), ("B", 40)):
+        k = torch.randn(length, HKV, D, generator=g) * (1 + 9 * (torch.arange(D) == 5))
+        _write(REF, units, k, torch.randn(length, HKV, D, generator=g), 0, 0, tables[name], tails[name])
+    q, k, v = (torch.randn(2, n, D, generator=g) for n in (H, HKV, HKV))
+    chunks = torch.tensor([[0, 1, 300, *tails["A"]], [1, 1, 40, *tails["B"]]])
+    table = torch.tensor([tables["A"], tables["B"] + [0] * 8])
+    args = (units, chunks, table, BS, window, D ** -0.5, softcap)
+    want = REF.attention_int4(q, k, v, *args)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(fused.attention_int4(q, k, v, *args), want, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
