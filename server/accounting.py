@@ -85,7 +85,7 @@ def engine_state(usable_blocks: int, pool, layout, scheduler, config, queued: in
     waiting = []
     for s in scheduler.waiting:
         if s.preemptions:  # taken back alone, its prompt and generated tokens recomputed
-            waiting.append((layout.blocks_for(len(s.prompt) + len(s.generated)) + layout.tail_blocks, 1))
+            waiting.append((layout.sample_blocks(len(s.prompt) + len(s.generated)), 1))
         else:
             n = len(scheduler.unit(s))
             waiting.append((admission_blocks(scheduler.admission, len(s.prompt), s.params.max_new_tokens, n,

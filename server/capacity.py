@@ -116,7 +116,7 @@ def check_shape(prompt_tokens: int, max_new_tokens: int, context_length: int, nu
             f"prompt ({n} tokens) + max_new_tokens ({m}) = {n + m} exceeds the model's context "
             f"of {context_length} tokens",
         )
-    need = layout.blocks_for(n + m) + layout.tail_blocks
+    need = layout.sample_blocks(n + m)
     if need > num_blocks:
         raise RequestError(
             "max_new_tokens",

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from quant.runtime.kernel_choice import MODES as KERNEL_MODES
-from quant.runtime.kv_quant import POOL_FORMATS
 from quant.shape.kv_formats import FLOAT_BYTES
 from server import kv_int4
+from server.kv_pool import SERVED_FORMATS, default_block_size
 from server.layers.embedding import check_mode as check_embeddings
 from server.settings import BY_NAME, setting
 
@@ -44,14 +44,12 @@ class EngineConfig:
     @property
     def kv_format(self) -> str | None:
         """The quantized format the KV pool holds (int8, fp8, int4), or None for the activations' dtype."""
-        return self.kv_dtype if self.kv_dtype in (*POOL_FORMATS, "int4") else None
+        return self.kv_dtype if self.kv_dtype in SERVED_FORMATS else None
 
     @property
     def kv_block_size(self) -> int:
-        """Tokens per KV block: ``block_size`` when given, else 16, or int4's key group (server/kv_int4.py)."""
-        if self.block_size is not None:
-            return self.block_size
-        return kv_int4.BLOCK_SIZE if self.kv_dtype == "int4" else 16
+        """Tokens per KV block: ``block_size`` when given, else the KV format's default (server/kv_pool.py)."""
+        return self.block_size if self.block_size is not None else default_block_size(self.kv_format)
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):

@@ -29,6 +29,13 @@ from quant.shape.kv_formats import FORMATS, token_bytes
 from quant.shape.model import ModelShape
 from server import kv_int4
 
+SERVED_FORMATS = (*POOL_FORMATS, "int4")  # the quantized formats a pool holds (int4: server/kv_int4.py)
+
+
+def default_block_size(kv_format: str | None) -> int:
+    """Tokens per block when none is asked for: 16, or int4's key group."""
+    return kv_int4.BLOCK_SIZE if kv_format == "int4" else 16
+
 
 class KVBudgetError(ValueError):
     """The budget cannot hold even one block, or is not a valid size."""
@@ -49,9 +56,8 @@ class KVLayout:
     kv_format: str | None = None
 
     def __post_init__(self):
-        if self.kv_format is not None and self.kv_format not in (*POOL_FORMATS, "int4"):
-            raise ValueError(f"the KV pool holds no format {self.kv_format!r}; it holds "
-                             f"{', '.join((*POOL_FORMATS, 'int4'))}")
+        if self.kv_format is not None and self.kv_format not in SERVED_FORMATS:
+            raise ValueError(f"the KV pool holds no format {self.kv_format!r}; it holds {', '.join(SERVED_FORMATS)}")
         if self.int4 and self.block_size != kv_int4.BLOCK_SIZE:
             raise ValueError(f"an int4 KV cache is held in blocks of its key group, {kv_int4.BLOCK_SIZE} tokens, "
                              f"not {self.block_size}")
@@ -108,6 +114,10 @@ class KVLayout:
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
+
+    def sample_blocks(self, tokens: int) -> int:
+        """Blocks one sequence of ``tokens`` positions holds: its table's and its tail's."""
+        return self.blocks_for(tokens) + self.tail_blocks
 
 
 def budget_fraction(spec: str | int | float) -> float | None:
@@ -254,7 +264,7 @@ class BlockPool:
         return len(self._cached)
 
     def can_ever_fit(self, tokens: int) -> bool:
-        return self.layout.blocks_for(tokens) + self.layout.tail_blocks <= self.num_blocks
+        return self.layout.sample_blocks(tokens) <= self.num_blocks
 
     def _chain(self, prompt: list[int]) -> list[bytes]:
         """The keys of the prompt's full blocks (step 1)."""
