@@ -207,3 +207,30 @@ def test_a_long_decode_row_matches_its_reference_on_any_thread_count(window, sof
             torch.testing.assert_close(fused.attention_int4(q, k, v, *args), want, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.unit
+def test_the_int4_backend_refuses_storage_it_cannot_read():
+    from server.attention import Int4Backend
+    from server.attention.base import AttentionSpec
+
+    spec = AttentionSpec(H, HKV, D, D ** -0.5)
+    units = kv_int4.allocate(2, 4, BS, HKV, D)
+    Int4Backend(units, BS, [spec, spec], REF)  # what it reads
+    with pytest.raises(ValueError, match="takes no scales or rotation"):
+        Int4Backend(units, BS, [spec, spec], REF, kv_rotation=(64, 64))
+    with pytest.raises(ValueError, match="one KV head count and head_dim"):
+        Int4Backend(units, BS, [spec, AttentionSpec(H, H, D, D ** -0.5)], REF)
+    with pytest.raises(ValueError, match="int4 KV storage must be"):
+        Int4Backend(units[:1], BS, [spec, spec], REF)
+    with pytest.raises(ValueError, match="int4 KV storage must be"):
+        Int4Backend(units.view(torch.int8), BS, [spec, spec], REF)
+    from server.batch import StepInputs
+
+    backend = Int4Backend(units, BS, [spec, spec], REF)
+    i64 = torch.zeros(1, dtype=torch.int64)
+    step = StepInputs(i64, i64, i64, i64, decode=[(5, [0])], chunks=[], block_size=BS)
+    with pytest.raises(ValueError, match="needs each row's sequence's tail"):
+        backend.prepare(step)
+    step.tails = [[1, 2]]
+    assert backend.prepare(step).chunks.tolist() == [[0, 1, 5, 1, 2]]
