@@ -16,15 +16,15 @@ from server.runner import SCORE_ROWS
 from server.scheduler import admission_blocks
 
 
-def engine_totals(pool, layout, weight_bytes: int, running: int, queued: int, preemptions: int = 0,
-                  recomputed_tokens: int = 0) -> EngineTotals:
+def engine_totals(pool, layout, weight_bytes: int, scheduler, queued: int) -> EngineTotals:
     bpb = layout.bytes_per_block
     return EngineTotals(
         weight_bytes=weight_bytes, kv_capacity_bytes=pool.capacity_bytes, kv_used_bytes=pool.used_blocks * bpb,
-        kv_block_size=layout.block_size, running=running, queued=queued,
+        kv_block_size=layout.block_size, running=len(scheduler.running), queued=queued,
         kv_cached_bytes=pool.cached_blocks * bpb, prefix_cache=pool.prefix_cache, prefix_hit_tokens=pool.hit_tokens,
         prefix_queried_tokens=pool.queried_tokens, prefix_evictions=pool.evictions,
-        preemptions=preemptions, recomputed_tokens=recomputed_tokens,
+        preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed_tokens,
+        speculated_tokens=scheduler.speculated_tokens, accepted_tokens=scheduler.accepted_tokens,
     )
 
 
@@ -40,6 +40,8 @@ def request_accounting(seq, layout, attention: str, totals: EngineTotals) -> Acc
         kv_bytes_shared=seq.shared_blocks * bpb, kv_bytes_own=(reserved_blocks - seq.shared_blocks) * bpb,
         prompt_tokens_cached=seq.cached, kv_dtype=layout.kv_dtype,
         preemptions=seq.preemptions, recomputed_tokens=seq.recomputed_tokens,
+        speculated_tokens=seq.spec.proposed if seq.spec else 0, accepted_tokens=seq.spec.accepted if seq.spec else 0,
+        kv_bytes_speculative=seq.spec_peak_blocks * bpb,
     )
 
 

@@ -30,6 +30,8 @@ class EngineConfig:
     kv_watermark: float = setting("kv_watermark")
     kv_dtype: str = setting("kv_dtype")  # server/kv_pool.py's KVLayout
     block_size: int | None = None  # tokens per KV block; None: the KV dtype's (kv_block_size)
+    speculate: str = setting("speculate")  # server/speculate.py
+    speculate_tokens: int = setting("speculate_tokens")
     dtype: str = setting("dtype")
     device: str = setting("device")
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
@@ -52,7 +54,7 @@ class EngineConfig:
         return self.block_size if self.block_size is not None else default_block_size(self.kv_format)
 
     def validate(self) -> "EngineConfig":
-        for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size"):
+        for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size", "speculate_tokens"):
             v = self.kv_block_size if name == "block_size" else getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
@@ -81,6 +83,9 @@ class EngineConfig:
         if self.kv_dtype == "int4" and self.kv_block_size != kv_int4.BLOCK_SIZE:
             raise ValueError(f"--kv-dtype int4 is held in blocks of its key group, {kv_int4.BLOCK_SIZE} tokens; "
                              f"block size {self.kv_block_size} was asked for")
+        modes = BY_NAME["speculate"].choices
+        if self.speculate not in modes:
+            raise ValueError(f"--speculate must be one of {', '.join(modes)}, got {self.speculate!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self

@@ -34,7 +34,7 @@ import torch
 from quant.format import artifact
 from quant.runtime.kernel_choice import Chooser
 from quant.shape.model import ModelShape
-from server import accounting, capacity, models
+from server import accounting, capacity, models, speculate
 from server import outputs as out
 from server.config import EngineConfig, ModelInfo
 from server.detokenize import IncrementalDetokenizer, StopMatcher
@@ -142,6 +142,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens, config.kv_admission,
                                    math.ceil(config.kv_watermark * self.usable_blocks))
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self.speculate = config.speculate
+        if self.speculate != "off" and self.layout.tail_blocks:  # int4: blocks quantized as tokens complete them
+            log.info("speculation off: an int4 KV cache quantizes each block as its tokens complete it, which a "
+                     "rejected draft cannot take back")
+            self.speculate = "off"
         self.eos_ids = eos_ids(model, tokenizer)
         self.step = Stepper(self.runner, self.pool, self.layout.block_size, self.device, self.eos_ids, self.vocab_size,
                             self.activation_estimate)
@@ -315,9 +320,11 @@ class Engine:
                                               arrival=seq.arrival, index=i) for i in range(1, n)]
             for m in group.members:
                 m.group = group
-        if grammar is not None:
-            for m in seq.group.members if seq.group is not None else [seq]:
+        for m in seq.group.members if seq.group is not None else [seq]:
+            if grammar is not None:
                 m.state["grammar"] = Matcher(self.grammars, grammar)  # each sample its own state
+            if self.speculate == "ngram":
+                m.spec = speculate.Speculation(self.config.speculate_tokens, speculate.DRAFT_COST)
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))
 
@@ -380,8 +387,7 @@ class Engine:
     # ------------------------------------------------------------------------------------ accounting
 
     def totals(self) -> EngineTotals:
-        return accounting.engine_totals(self.pool, self.layout, self.weight_bytes, len(self.scheduler.running),
-                                        self._queued, self.scheduler.preemptions, self.scheduler.recomputed_tokens)
+        return accounting.engine_totals(self.pool, self.layout, self.weight_bytes, self.scheduler, self._queued)
 
     def activation_estimate(self, chunk_tokens: int, past: int = 0, scored: int = 0) -> int:
         return accounting.activation_estimate(self.shape, self.dtype, self.runner, chunk_tokens, past, scored)
@@ -515,7 +521,7 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     inflight = self._read(inflight)
-                    self._fail(plan.decode + [s for s, _, _ in plan.prefill], e)
+                    self._fail(plan.sequences, e)
                     continue
                 inflight = self._read(inflight)
                 if launched is not None and not self.overlap:
@@ -535,6 +541,17 @@ class Engine:
         self._drain_inbox(block=False)  # commands that arrived meanwhile: adds must still get their final event
         for rid in dict.fromkeys(s.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
             self._cancel(rid, error=why)
+
+    def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> bool:
+        """Row ``i``'s token onto its request: its event, or its final one; whether the request goes on."""
+        o = next_token(seq, tok, i, lp, top, trace, now, self.eos_ids)
+        if o.reason is None:
+            self._emit(seq, Event(seq.request_id, seq.params.seed, o.text, (tok,), o.logprobs, o.trace,
+                                  index=seq.index, prompt_logprobs=o.prompt_logprobs))
+            return True
+        self.scheduler.finish(seq)
+        self._final(seq, o.reason, o.text, (tok,), o.logprobs, o.trace, o.stop, prompt_logprobs=o.prompt_logprobs)
+        return False
 
     def _read(self, launched: Launched | None) -> None:
         """Wait for a launched step's samples and advance its requests (those finished or cancelled meanwhile
@@ -560,19 +577,19 @@ class Engine:
                     if not seq.done:
                         self.scheduler.finish(seq)
                         self._final(seq, out.LENGTH, prompt_logprobs=first_prompt_logprobs(seq))
-                for i, (seq, tok) in enumerate(zip(launched.sampled, tokens)):
+                for seq, first, drafts in launched.units:
                     seq.pending -= 1
+                    seq.drafts = []
                     if seq.done:
                         continue
                     try:
-                        o = next_token(seq, tok, i, lp, top, trace, now, self.eos_ids)
-                        if o.reason is None:
-                            self._emit(seq, Event(seq.request_id, seq.params.seed, o.text, (tok,), o.logprobs, o.trace,
-                                                  index=seq.index, prompt_logprobs=o.prompt_logprobs))
+                        rows = self.scheduler.verified(seq, drafts, tokens[first:]) if drafts else 1
+                        for i in range(first, first + rows):
+                            if not self._advance(seq, tokens[i], i, lp, top, trace, now):
+                                break
                         else:
-                            self.scheduler.finish(seq)
-                            self._final(seq, o.reason, o.text, (tok,), o.logprobs, o.trace, o.stop,
-                                        prompt_logprobs=o.prompt_logprobs)
+                            if drafts:
+                                self.scheduler.rollback(seq)
                     except Exception as e:  # noqa: BLE001 - fail this request, advance the others
                         log.error("request %s: advancing it failed:\n%s", seq.id, traceback.format_exc())
                         self._fail([seq], e)

@@ -76,15 +76,28 @@ class Grammars:
         return self._xgr().GrammarMatcher(compiled)
 
 
-def fill_bitmask(matchers: list, vocab: int, device) -> Tensor:
+def fill_bitmask(matchers: list, vocab: int, device, ahead: list | None = None) -> Tensor:
     """(B, ceil(V / 32)) int32 bitmask, one row per sampled row: the matcher's allowed tokens, or every token for a
-    row without one (None). Filled on the host (xgrammar's CPU matcher), copied once."""
+    row without one (None). ``ahead[i]``: drafted tokens row i's position follows (server/speculate.py): its
+    matcher accepts them, fills the row and rolls back; a draft the grammar refuses leaves the row all ones (a
+    row at or before it rejects that draft, so nothing drawn there is kept). Filled on the host (xgrammar's CPU
+    matcher), copied once."""
     import xgrammar as xgr
 
     mask = xgr.allocate_token_bitmask(len(matchers), vocab)  # (B, W) int32, all ones
     for i, m in enumerate(matchers):
-        if m is not None:
+        if m is None:
+            continue
+        drafts = ahead[i] if ahead is not None else ()
+        taken = 0
+        for t in drafts:
+            if m.matcher.is_terminated() or not m.matcher.accept_token(t):
+                break
+            taken += 1
+        if taken == len(drafts):
             m.matcher.fill_next_token_bitmask(mask, i)
+        if taken:
+            m.matcher.rollback(taken)
     return mask.to(device, non_blocking=True)
 
 

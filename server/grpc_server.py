@@ -80,6 +80,8 @@ def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:
         activation_peak_bytes=a.activation_peak_bytes, attention=a.attention, engine=totals_to_proto(e),
         kv_bytes_shared=a.kv_bytes_shared, kv_bytes_own=a.kv_bytes_own, prompt_tokens_cached=a.prompt_tokens_cached,
         kv_dtype=a.kv_dtype, preemptions=a.preemptions, recomputed_tokens=a.recomputed_tokens,
+        speculated_tokens=a.speculated_tokens, accepted_tokens=a.accepted_tokens,
+        kv_bytes_speculative=a.kv_bytes_speculative,
     )
 
 
@@ -89,7 +91,8 @@ def totals_to_proto(e) -> pb.EngineMemory:
                            queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
                            prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
                            prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
-                           recomputed_tokens=e.recomputed_tokens)
+                           recomputed_tokens=e.recomputed_tokens, speculated_tokens=e.speculated_tokens,
+                           accepted_tokens=e.accepted_tokens)
 
 
 def final_to_proto(ev) -> pb.Final:

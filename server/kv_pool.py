@@ -400,6 +400,23 @@ class BlockPool:
         table.extend(self._take(self._fresh(), request_id) for _ in range(need))
         return True
 
+    def shrink(self, request_id: str, tokens: int) -> int:
+        """Give back the blocks of the request's table past those holding ``tokens`` positions (a speculative
+        step's rejected drafts); returns how many. Only blocks no one else maps and the cache does not key may go:
+        anything else is a caller's bug, refused (ValueError) with nothing changed."""
+        table = self._owned[request_id]
+        keep = self.layout.blocks_for(tokens)
+        extra = table[keep:]
+        for b in extra:
+            if self._refs[b] != 1 or b in self._key_of:
+                raise ValueError(f"request {request_id}: block {b} past its {tokens} positions is shared or cached")
+        del table[keep:]
+        for b in reversed(extra):
+            self._refs[b] -= 1
+            self._holders[b].discard(request_id)
+            self._free.append(b)
+        return len(extra)
+
     def hit_blocks(self, request_id: str) -> int:
         """Blocks the request mapped from the cache when it reserved: its first hit_blocks x block_size prompt
         tokens need no prefill."""
@@ -414,7 +431,8 @@ class BlockPool:
         blocks = self._owned.pop(request_id, []) + self._tails.pop(request_id, [])
         for d in (self._keys, self._published, self._hits, self._shared):
             d.pop(request_id, None)
-        for b in reversed(blocks):  # (tail blocks are never keyed: they go to the free list)  # the deepest block first: cached, it is evicted before its parents
+        # the deepest block first: cached, it is evicted before its parents (tail blocks are never keyed: freed)
+        for b in reversed(blocks):
             self._refs[b] -= 1
             self._holders[b].discard(request_id)
             if self._refs[b] == 0:

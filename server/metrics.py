@@ -50,6 +50,11 @@ class Metrics:
              "back later by recomputing (a counter).", "preemptions"),
             ("quantserve_recomputed_tokens", "Positions whose K/V was computed again after preemptions (a counter).",
              "recomputed_tokens"),
+            ("quantserve_speculated_tokens", "Tokens drafted and verified by speculative decoding (a counter).",
+             "speculated_tokens"),
+            ("quantserve_accepted_tokens", "Drafted tokens the verification kept (a counter).", "accepted_tokens"),
+            ("quantserve_speculation_acceptance_rate", "Accepted tokens / drafted tokens since the engine started.",
+             "acceptance_rate"),
         ):
             Gauge(name, help, registry=r).set_function(lambda field=field: getattr(totals(), field))
         Gauge("quantserve_kv_cache", "How the KV cache is held (labels: its dtype, and how requests take blocks); "

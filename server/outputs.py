@@ -48,10 +48,16 @@ class EngineTotals:
     prefix_evictions: int = 0  # cached blocks evicted for another request's fresh blocks
     preemptions: int = 0  # requests' samples preempted for KV blocks (on-demand admission), since the engine started
     recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions, since the engine started
+    speculated_tokens: int = 0  # tokens drafted and verified (server/speculate.py), since the engine started
+    accepted_tokens: int = 0  # of those, the tokens kept
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.speculated_tokens if self.speculated_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class Accounting:
     kv_dtype: str = ""  # the dtype its K/V was held in (kv_bytes_per_token's)
     preemptions: int = 0  # times it was preempted (its blocks released, taken back later by recomputing)
     recomputed_tokens: int = 0  # positions whose K/V it computed again after those preemptions
+    speculated_tokens: int = 0  # tokens it drafted (server/speculate.py): each verified in a step with its others
+    accepted_tokens: int = 0  # of those, the tokens its draws accepted
+    kv_bytes_speculative: int = 0  # the most KV its drafts held at once beyond its tokens' (returned once verified)
 
     def to_dict(self) -> dict:
         return asdict(self)

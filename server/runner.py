@@ -28,12 +28,14 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
                feed: tuple[Tensor, list[int], list[int]] | None = None, score: list[int] | None = None,
                tails: list[list[int]] | None = None) -> StepInputs:
     """decode: (token, position, block table) per decoding request (it attends to positions 0..position).
-    prefill: (chunk tokens, first position, block table, sample last?) per prefilling request.
+    prefill: (chunk tokens, first position, block table, rows sampled) per prefilling request: its last rows
+    sampled, 0 or 1 for a prompt's chunk (a bool will do), every row for a verification of drafts
+    (server/speculate.py).
     feed: (tokens, rows, index): decode rows ``rows`` take their token from the device tensor ``tokens`` (the
     previous step's samples, not read back yet) at ``index``, in place of the token given for them.
     score: per prefill chunk, how many of its first rows have their next prompt token scored (prompt logprobs).
     tails: per decode row, then per prefill chunk, its sequence's tail blocks (an int4 pool's; StepInputs.tails).
-    Sampled rows are returned in this order: every decode row, then each prefill chunk with sample=True; scored
+    Sampled rows are returned in this order: every decode row, then each prefill chunk's sampled rows; scored
     rows in chunk order."""
     ids: list[int] = []
     pos: list[int] = []
@@ -54,8 +56,7 @@ def build_step(decode: list[tuple[int, int, list[int]]], prefill: list[tuple[lis
         pos.extend(range(start, start + len(tokens)))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + len(tokens)))
         chunks.append((t0, len(tokens), start, table))
-        if want:
-            sample.append(len(ids) - 1)
+        sample.extend(range(len(ids) - int(want), len(ids)))
     t, s, r = len(ids), len(sample), len(scored)
     rows, index = ([], []) if feed is None else feed[1:]
     # one copy for all index vectors

@@ -28,7 +28,11 @@ Every step:
    :meth:`Scheduler.plan` returns None to have the engine read that step first);
 3. requests still in their prompt get prefill chunks, oldest first, until ``max_prefill_tokens`` prompt
    tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
-   the running requests stays bounded by one chunk, not by the longest prompt that arrives.
+   the running requests stays bounded by one chunk, not by the longest prompt that arrives;
+4. a decoding request that speculates (server/speculate.py) and has no sample in flight may turn its row into a
+   verification of drafted tokens, with what the prefill budget leaves (at most MAX_DRAFT_ROWS drafts a step) and
+   only blocks that are free: drafts never preempt. Its rejected drafts' blocks return once it is read
+   (:meth:`Scheduler.rollback`).
 
 Requests join at any step boundary and leave the moment they finish or are cancelled, with their blocks
 returned to the pool at once. The scheduler is used only from the engine thread.
@@ -43,8 +47,10 @@ from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, group_blocks, shared_blocks
 from server.sampling_params import SamplingParams
+from server.speculate import Speculation, accepted
 
 ON_DEMAND, RESERVE = "on-demand", "reserve"
+MAX_DRAFT_ROWS = 64  # drafted tokens verified in one step, all requests together (each is a row of logits)
 
 
 def admission_tokens(admission: str, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -111,6 +117,9 @@ class Sequence:
     preemptions: int = 0  # times it was preempted
     recomputed_tokens: int = 0  # positions whose K/V it computed again after preemptions
     kv_written: int = 0  # at its last preemption: positions whose K/V it had written
+    spec: Speculation | None = None  # its n-gram speculation (server/speculate.py); None: it does not speculate
+    drafts: list[int] = field(default_factory=list)  # the drafts of its verification in flight
+    spec_peak_blocks: int = 0  # the most blocks its drafts held beyond its tokens' (taken for one step each)
 
     @property
     def request_id(self) -> str:
@@ -168,10 +177,15 @@ class Sequence:
 class Plan:
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]  # (sequence, first prompt index, chunk length)
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, its drafts)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decode + [s for s, _, _ in self.prefill] + [s for s, _ in self.verify]
 
 
 class Scheduler:
@@ -188,6 +202,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0  # requests preempted since the engine started (each sample counted)
         self.recomputed_tokens = 0  # positions computed again after preemptions, since the engine started
+        self.speculated_tokens = 0  # drafts verified, since the engine started
+        self.accepted_tokens = 0  # of those, the drafts kept
         self._order = itertools.count()
 
     @property
@@ -320,9 +336,10 @@ class Scheduler:
         ``can_preempt`` is False (a step is in flight: the engine reads it, then plans again)."""
         # A request whose last token is already sampled (by a launched step not read yet) has nothing to decode.
         # A request with a response_format waits for its last sample to be read: its grammar's mask needs it.
+        # A request whose verification is in flight waits for it: how many of its drafts it keeps is read back.
         decode = [s for s in self.running
                   if not s.in_prompt and len(s.generated) + s.pending < s.params.max_new_tokens
-                  and not (s.pending and s.params.response_format is not None)]
+                  and not (s.pending and (s.params.response_format is not None or s.drafts))]
         if self.admission == ON_DEMAND:
             for seq in sorted(decode, key=lambda s: s.admitted):
                 while seq.blocks is not None and not self.pool.grow(seq.id, seq.next_position + 1):
@@ -341,4 +358,47 @@ class Scheduler:
                 n = min(seq.fill_len - seq.prefilled, budget)
                 prefill.append((seq, seq.prefilled, n))
                 budget -= n
-        return Plan(decode, prefill)
+        verify = self._drafts(decode, min(budget, MAX_DRAFT_ROWS))
+        if verify:
+            drafting = {id(s) for s, _ in verify}
+            decode = [s for s in decode if id(s) not in drafting]
+        return Plan(decode, prefill, verify)
+
+    def _drafts(self, decode: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
+        """The decode rows that verify drafts this step, with their drafts: after every row has its own block and
+        the prefill its chunks, drafts take what the prefill budget leaves and only free (or evictable cached)
+        blocks, never preempting; a request's drafts stop short of its max_new_tokens."""
+        verify = []
+        for seq in decode:
+            if budget <= 0:
+                break
+            if seq.spec is None or seq.pending or seq.blocks is None:
+                continue
+            limit = min(budget, seq.params.max_new_tokens - len(seq.generated) - 1)
+            drafts = seq.spec.propose(seq.prompt, seq.generated, limit) if limit > 0 else []
+            held = self.pool.held_blocks(seq.id)
+            while drafts and not self.pool.grow(seq.id, seq.next_position + 1 + len(drafts)):
+                drafts = drafts[:-1]
+            if not drafts:
+                continue
+            seq.spec_peak_blocks = max(seq.spec_peak_blocks, self.pool.held_blocks(seq.id) - held)
+            seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
+            budget -= len(drafts)
+            verify.append((seq, drafts))
+        return verify
+
+    def verified(self, seq: Sequence, drafts: list[int], draws: list[int]) -> int:
+        """A verification read back (``draws``: the step's tokens from its first row on): its drafts are kept up
+        to the first its draws reject (server/speculate.py), counted; returns how many of its rows' tokens it
+        emits: the kept drafts and the draw after them."""
+        keep = accepted(drafts, draws)
+        seq.spec.record(len(drafts), keep)
+        self.speculated_tokens += len(drafts)
+        self.accepted_tokens += keep
+        return keep + 1
+
+    def rollback(self, seq: Sequence) -> None:
+        """After its verification is read: on demand, the blocks its rejected drafts took go back to the pool (it
+        keeps those of the positions written, its next token's is taken when planned)."""
+        if self.admission == ON_DEMAND and seq.blocks is not None:
+            self.pool.shrink(seq.id, len(seq.prompt) + len(seq.generated) - 1)

@@ -169,6 +169,12 @@ SETTINGS: tuple[Setting, ...] = (
       "int8 tokens per running sequence), or the activations' dtype by name; attention dequantizes as it reads; "
       "quantized caches on the CPU only for now", "engine",
       choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8", "int4")),
+    S("speculate", str, "off", "speculative decoding: ngram (each request drafts the tokens that followed the last "
+      "earlier occurrence of its final tokens in its prompt or output, verified in one forward pass with every "
+      "sampling control applied at each position: the same distribution, and for a seed the same tokens, as "
+      "without) or off; not with --kv-dtype int4", "engine", choices=("off", "ngram")),
+    S("speculate_tokens", int, 8, "most tokens a request drafts in one step (fewer as its acceptance rate asks)",
+      "engine", check=at_least(1)),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),
     S("max_prompt_tokens", int, None, "limit on prompt tokens (default: the model's context length)", "limits"),
     S("max_request_bytes", int, 4 * 2**20, "limit on a request's size (one message / body)", "limits"),

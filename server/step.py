@@ -68,6 +68,15 @@ class Stepper:
             seq.activation_peak = max(seq.activation_peak, self.estimate(n, start, k))
             if last:
                 (sampled if generates else scored_only).append(seq)
+        ahead = [()] * len(sampled)  # per sampled row: the drafts between its request's tokens and its position
+        for seq, drafts in plan.verify:  # [last token, drafts] written and every position sampled
+            start = seq.next_position
+            prefill.append(([seq.generated[-1], *drafts], start, seq.blocks, len(drafts) + 1))
+            score.append(0)
+            seq.activation_peak = max(seq.activation_peak, self.estimate(len(drafts) + 1, start, 0))
+            seq.drafts = list(drafts)
+            sampled += [seq] * (len(drafts) + 1)
+            ahead += [tuple(drafts[:j]) for j in range(len(drafts) + 1)]
         tails = None
         if self.pool.layout.tail_blocks:  # int4: each row's sequence's residual tail
             tails = [self.pool.tail_of(s.id) for s in plan.decode] + [self.pool.tail_of(s.id) for s, _, _ in plan.prefill]
@@ -87,14 +96,14 @@ class Stepper:
         if not sampled:
             return Launched([], None, False, scoring, scores, scored_only) if scoring or scored_only else None
         params = [s.params for s in sampled]
-        counts = [len(s.generated) + s.pending for s in sampled]  # this draw's index in each request
+        counts = [len(s.generated) + s.pending + len(a) for s, a in zip(sampled, ahead)]  # each draw's index
         suppress = [i for i, s in enumerate(sampled) if counts[i] < s.params.min_tokens]
         if suppress and self.eos_ids:
             rows_t = stage(suppress, torch.int64, self.device)
             logits[rows_t[:, None], self.eos_tensor[None, :]] = -float("inf")
         histories = None
         if any(p.uses_history for p in params):  # a pending token's place is filled on the device
-            histories = [s.prompt + s.generated + [-1] * s.pending for s in sampled]
+            histories = [s.prompt + s.generated + [-1] * s.pending + list(a) for s, a in zip(sampled, ahead)]
         batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device,
                                     prompt_lens=[len(s.prompt) for s in sampled])
         if histories is not None and rows:  # the fed decode rows are the same rows of ``sampled``
@@ -102,11 +111,17 @@ class Stepper:
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
         grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
         if any(g is not None for g in grammars):
-            batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device)
+            batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device, ahead)
         res = sample(logits, batch)
-        for s in sampled:
+        units, i = [], 0  # (request, its first row, its drafts): a verification's rows are one unit
+        while i < len(sampled):
+            s = sampled[i]  # a row whose next row has drafts ahead of it starts a verification
+            drafts = s.drafts if i + 1 < len(sampled) and ahead[i + 1] else []
+            units.append((s, i, drafts))
+            i += len(drafts) + 1
+        for s, _, _ in units:
             s.pending += 1
-        return Launched(sampled, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
+        return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:
@@ -180,16 +195,19 @@ def next_token(seq: Sequence, tok: int, i: int, lp, top, trace, now: float, eos_
 
 
 class Launched:
-    """A step whose forward and sampling are queued on the device: its sampled requests in row order, the
-    samples, its scored prompt rows (prompt logprobs), and their copies to the host queued behind them (pinned
-    buffers and an event on CUDA), so reading them waits for this step only, never for a step launched after it.
+    """A step whose forward and sampling are queued on the device: its sampled requests in row order (a
+    verification's rows as one unit), the samples, its scored prompt rows (prompt logprobs), and their copies to the
+    host queued behind them (pinned buffers and an event on CUDA), so reading them waits for this step only, never
+    for a step launched after it.
     ``scored_only``: requests of max_new_tokens 0 whose prefill ended in this step (nothing sampled for them)."""
 
-    def __init__(self, sampled: list[Sequence], res, want_logprob: bool, scoring=(), scores=None, scored_only=()):
-        self.sampled = sampled
+    def __init__(self, units: list[tuple[Sequence, int, list[int]]], res, want_logprob: bool, scoring=(),
+                 scores=None, scored_only=()):
+        self.units = units  # (request, its first sampled row, the drafts its rows verify: [] for one row)
+        self.sampled = [s for s, _, _ in units]
         self.scoring = list(scoring)  # (request, first position, rows) per scored chunk, in row order
         self.scored_only = list(scored_only)
-        self.row = {s: i for i, s in enumerate(sampled)}
+        self.row = {s: i for s, i, _ in units}
         self.tokens = res.tokens if res is not None else None  # (S,) int64 on the device: the next step's decode
         parts = {}                                               # rows read theirs from here
         if res is not None:

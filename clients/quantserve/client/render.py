@@ -39,6 +39,9 @@ def summary(r: Result) -> str:
         parts.append(f"KV peak {human_bytes(m.kv_bytes_reserved)} / used {human_bytes(m.kv_bytes_used)}{dtype}")
         if m.preemptions:
             parts.append(f"preempted {m.preemptions}x, {m.recomputed_tokens} tokens recomputed")
+        if m.speculated_tokens:
+            parts.append(f"drafted {m.speculated_tokens}, accepted {m.accepted_tokens}, drafts' KV peak "
+                         f"{human_bytes(m.kv_bytes_speculative)}")
         if m.kv_bytes_shared:
             parts.append(f"shared {human_bytes(m.kv_bytes_shared)} / own {human_bytes(m.kv_bytes_own)}, "
                          f"{m.prompt_tokens_cached} prompt tokens cached")

@@ -63,7 +63,8 @@ def _engine(e: pb.EngineMemory) -> EngineMemory:
                         queued=e.queued, kv_cached_bytes=e.kv_cached_bytes, prefix_cache=e.prefix_cache,
                         prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
                         prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
-                        recomputed_tokens=e.recomputed_tokens)
+                        recomputed_tokens=e.recomputed_tokens, speculated_tokens=e.speculated_tokens,
+                        accepted_tokens=e.accepted_tokens)
 
 
 def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
@@ -73,7 +74,9 @@ def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
                             engine=_engine(m.engine) if m.HasField("engine") else None,
                             kv_bytes_shared=m.kv_bytes_shared, kv_bytes_own=m.kv_bytes_own,
                             prompt_tokens_cached=m.prompt_tokens_cached, kv_dtype=m.kv_dtype,
-                            preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens)
+                            preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens,
+                            speculated_tokens=m.speculated_tokens, accepted_tokens=m.accepted_tokens,
+                            kv_bytes_speculative=m.kv_bytes_speculative)
 
 
 def _logprobs(lps) -> tuple[TokenLogprob, ...]:

@@ -159,10 +159,16 @@ class EngineMemory:
     prefix_evictions: int = 0  # cached blocks evicted for other requests' blocks
     preemptions: int = 0  # requests' samples preempted for KV blocks since the server started
     recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions
+    speculated_tokens: int = 0  # tokens drafted and verified (speculative decoding) since the server started
+    accepted_tokens: int = 0  # of those, the tokens kept
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.speculated_tokens if self.speculated_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,9 @@ class MemoryAccounting:
     kv_dtype: str = ""  # the dtype its K/V was held in
     preemptions: int = 0  # times it was preempted (its blocks released, taken back later by recomputing)
     recomputed_tokens: int = 0  # positions whose K/V it computed again after those preemptions
+    speculated_tokens: int = 0  # tokens it drafted (speculative decoding), each verified with the others of a step
+    accepted_tokens: int = 0  # of those, the tokens its draws accepted
+    kv_bytes_speculative: int = 0  # the most KV its drafts held at once beyond its tokens'
 
 
 @dataclass(frozen=True)
@@ -319,7 +328,7 @@ def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
         return None
     ints = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used",
             "activation_peak_bytes", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "preemptions",
-            "recomputed_tokens")
+            "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative")
     return MemoryAccounting(**{k: int(d.get(k, 0)) for k in ints}, attention=str(d.get("attention", "")),
                             engine=engine_from_dict(d.get("engine")), kv_dtype=str(d.get("kv_dtype", "")))
 

@@ -138,7 +138,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineMemory(_message.Message):
-    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions", "preemptions", "recomputed_tokens")
+    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens")
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class EngineMemory(_message.Message):
     PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     weight_bytes: int
     kv_capacity_bytes: int
     kv_used_bytes: int
@@ -165,10 +167,12 @@ class EngineMemory(_message.Message):
     prefix_evictions: int
     preemptions: int
     recomputed_tokens: int
-    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    speculated_tokens: int
+    accepted_tokens: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class MemoryAccounting(_message.Message):
-    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "kv_dtype", "preemptions", "recomputed_tokens")
+    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "kv_dtype", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative")
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +186,9 @@ class MemoryAccounting(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_per_token: int
     kv_blocks_reserved: int
     kv_bytes_reserved: int
@@ -195,7 +202,10 @@ class MemoryAccounting(_message.Message):
     kv_dtype: str
     preemptions: int
     recomputed_tokens: int
-    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    speculated_tokens: int
+    accepted_tokens: int
+    kv_bytes_speculative: int
+    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_bytes_speculative: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop", "seed", "usage", "memory", "ttft_s", "duration_s")

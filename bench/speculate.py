@@ -1,0 +1,184 @@
+"""Speculative decoding with n-gram drafts on the default model on this CPU: tokens/s with speculation on against
+off, in the same run.
+
+    python bench/speculate.py [--dtypes bfloat16,float32] [--tokens 128] [--concurrent 16] [--json]
+
+Workloads, each run with ``--speculate off`` and ``ngram`` on two engines loaded side by side (runs alternate, so
+a drift of the machine falls on both):
+
+- **grounded**: input-grounded requests (rewrite a WikiText-2 passage of 500-1000 tokens with its spelling
+  fixed, extract the sentences of a passage that mention a number, a function's code with a variable renamed),
+  batch 1, at temperature 0 and at temperature 0.7 with top-p 0.9;
+- **chat**: open questions (an essay on a topic), batch 1, at temperature 0 and at 0.7 / top-p 0.9;
+- **grounded x N**: N grounded requests at once (``--concurrent``), temperature 0.
+
+Each request makes ``--tokens`` new tokens (EOS held off by min_tokens, so both engines do the same work). Reported
+per cell: tokens/s of each engine, their ratio, drafted and accepted tokens, and whether the outputs are the same
+tokens (greedy: token for token in float32; in bf16 a (k+1)-row forward rounds apart from a one-row one, so a
+near tie may fall the other way; sampled: a seed gives the same tokens with speculation on as off, up to the same
+rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from common import WIKITEXT, cpu_name
+
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def normalise(values):
+    """Values scaled to [0, 1]."""
+    low, high = min(values), max(values)
+    if high == low:
+        return [0.0 for value in values]
+    return [(value - low) / (high - low) for value in values]
+
+
+def summary(values, window):
+    averaged = moving_average(values, window)
+    scaled = normalise(averaged)
+    return {"count": len(values), "window": window, "averages": averaged, "scaled": scaled}
+'''
+
+QUESTIONS = ["Write a long essay about the history of the printing press.",
+             "Explain in detail how bridges carry their load.",
+             "Write a story about a lighthouse keeper and a storm.",
+             "Describe the water cycle for a school class."]
+
+
+def passages(n: int, lo_words: int = 300, hi_words: int = 650) -> list[str]:
+    """WikiText-2 test paragraphs of lo..hi words (about 500-1000 tokens), the markup's spacing undone."""
+    text = (WIKITEXT / "test.txt").read_text()
+    out = []
+    for para in text.split("\n"):
+        words = para.split()
+        if lo_words <= len(words) <= hi_words and not para.strip().startswith("="):
+            clean = (para.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".").replace(" ,", ",")
+                     .replace(" .", ".").replace(" 's", "'s").replace("( ", "(").replace(" )", ")").strip())
+            out.append(clean)
+        if len(out) == n:
+            break
+    return out
+
+
+def grounded(n: int) -> list[list[dict]]:
+    ps = passages(max(2, n))
+    tasks = [f"Rewrite the following text with its spelling and punctuation corrected. Keep every sentence.\n\n{ps[0]}",
+             f"Copy out every sentence of the following text that contains a number.\n\n{ps[1]}",
+             f"Rename the variable `values` to `samples` everywhere in this code, and return the whole code.\n\n"
+             f"```python\n{CODE}```"]
+    tasks += [f"Rewrite the following text with its spelling and punctuation corrected.\n\n{p}" for p in ps[2:]]
+    return [[{"role": "user", "content": t}] for t in tasks[:n]]
+
+
+def chat(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
+
+
+def run(eng, prompts: list[list[int]], params) -> tuple[float, float, list, int, int]:
+    """All prompts at once; (seconds, seconds after the first token, outputs, drafted, accepted)."""
+    before = eng.totals()
+    t = time.perf_counter()
+    streams = [eng.stream(p, params)[1] for p in prompts]
+    outs, first = [], None
+    for s in streams:
+        evs = []
+        for ev in s:
+            first = time.perf_counter() if first is None else first
+            evs.append(ev)
+        outs.append(evs)
+    end = time.perf_counter()
+    after = eng.totals()
+    toks = [[tok for ev in evs for tok in ev.token_ids] for evs in outs]
+    return (end - t, end - first, toks, after.speculated_tokens - before.speculated_tokens,
+            after.accepted_tokens - before.accepted_tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each cell per engine (the best kept)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from quant.format import sources
+    from server.config import EngineConfig
+    from server.engine import Engine
+    from server.sampling_params import SamplingParams
+
+    cache = sources.default_cache_dir()
+    rows = []
+    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}", flush=True)
+    for dtype in args.dtypes.split(","):
+        engines = {m: Engine.from_path(None, EngineConfig(memory_budget="512MiB", dtype=dtype, speculate=m,
+                                                          max_batch=max(16, args.concurrent)), cache)
+                   for m in ("off", "ngram")}
+        off = engines["off"]
+        n = args.tokens
+        cells = [
+            ("grounded", grounded(3), dict(temperature=0.0)),
+            ("grounded", grounded(3), dict(temperature=0.7, top_p=0.9, seed=1)),
+            ("chat", chat(3), dict(temperature=0.0)),
+            ("chat", chat(3), dict(temperature=0.7, top_p=0.9, seed=1)),
+            (f"grounded x{args.concurrent}", grounded(args.concurrent), dict(temperature=0.0)),
+        ]
+        for name, msgs, kw in cells:
+            prompts = [off.chat_prompt(m) for m in msgs]
+            params = SamplingParams(max_new_tokens=n, min_tokens=n, **kw)
+            batched = name.startswith("grounded x")
+            best = {m: None for m in engines}
+            for _ in range(args.rounds):
+                for m, eng in engines.items():
+                    if batched:
+                        cell = run(eng, prompts, params)
+                    else:  # batch 1: one request after another, their times summed
+                        parts = [run(eng, [p], params) for p in prompts]
+                        cell = (sum(p[0] for p in parts), sum(p[1] for p in parts), [p[2][0] for p in parts],
+                                sum(p[3] for p in parts), sum(p[4] for p in parts))
+                    if best[m] is None or cell[0] < best[m][0]:
+                        best[m] = cell
+            tokens = n * len(prompts)
+            decoded = tokens - (1 if batched else len(prompts))  # after the (first) first token
+            (t_off, d_off, out_off, _, _), (t_on, d_on, out_on, drafted, acc) = best["off"], best["ngram"]
+            row = dict(dtype=dtype, workload=name, temperature=kw["temperature"], requests=len(prompts),
+                       prompt_tokens=[len(p) for p in prompts], tokens=tokens,
+                       off_tok_s=round(tokens / t_off, 2), on_tok_s=round(tokens / t_on, 2),
+                       ratio=round(t_off / t_on, 3), off_decode_tok_s=round(decoded / d_off, 2),
+                       on_decode_tok_s=round(decoded / d_on, 2), decode_ratio=round(d_off / d_on, 3),
+                       drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else 0.0,
+                       same_tokens=sum(a == b for a, b in zip(out_off, out_on)))
+            rows.append(row)
+            print(json.dumps(row) if args.json else
+                  f"{dtype:9} {name:13} T={kw['temperature']:<4} tok/s off {row['off_tok_s']:6.2f} ngram "
+                  f"{row['on_tok_s']:6.2f} ({row['ratio']:.3f}x); after the first token off "
+                  f"{row['off_decode_tok_s']:6.2f} ngram {row['on_decode_tok_s']:6.2f} ({row['decode_ratio']:.3f}x); "
+                  f"drafted {drafted} accepted {acc} ({row['acceptance']:.2f}); same {row['same_tokens']}/"
+                  f"{len(prompts)}", flush=True)
+        for e in engines.values():
+            e.close()
+    if args.json:
+        print(json.dumps({"cpu": cpu_name(), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

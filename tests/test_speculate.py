@@ -1,0 +1,389 @@
+"""Speculative decoding with n-gram drafts (server/speculate.py): the proposer, the draft length, the drafts' blocks
+(taken only when free, given back once verified), and exactness: with speculation on a request gives the tokens
+and logprobs it gives with it off (float32), every sampling control, ``n`` samples, the prefix cache, preemption,
+JSON mode, stop strings and streams included; the distribution of each position equal by a chi-square test over
+disjoint seeds; the pool's books exact."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from archs import ARCHITECTURES
+from helpers import greedy, greedy_exact
+
+from server.config import EngineConfig
+from server.engine import Engine
+from server.kv_pool import BlockPool, KVLayout
+from server.sampling_params import SamplingParams
+from server.scheduler import ON_DEMAND, RESERVE, Scheduler, Sequence
+from server.speculate import (
+    PRIOR,
+    PROBE_AFTER,
+    NgramIndex,
+    Speculation,
+    accepted,
+    best_length,
+    expected_tokens,
+)
+
+BS = 16
+LOOP = [11, 12, 13, 14, 15, 16, 17, 18]  # a prompt that repeats itself: its n-grams predict its continuation
+
+
+# ------------------------------------------------------------------------------------------------ the parts alone
+
+
+@pytest.mark.unit
+def test_the_draws_accept_the_drafts_up_to_the_first_they_differ_from():
+    assert accepted([5, 6, 7], [5, 6, 7, 9]) == 3  # all kept, 9 the bonus token
+    assert accepted([5, 6, 7], [5, 8, 7, 9]) == 1  # 8 drawn where 6 was drafted: 5 kept, then 8
+    assert accepted([5, 6, 7], [4, 6, 7, 9]) == 0
+    assert accepted([], [4]) == 0
+
+
+@pytest.mark.unit
+def test_the_ngram_index_proposes_what_followed_the_last_earlier_occurrence_of_the_longest_suffix():
+    idx = NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
+    assert idx.propose(3) == [4, 9, 2]  # (1, 2, 3) last occurred at the start: 4 followed it
+    idx.extend([7])
+    assert idx.propose(3) == []  # (3, 7), (2, 3, 7), ... never occurred before
+    grown = NgramIndex()
+    for t in [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3, 7, 2, 3]:
+        grown.extend([t])
+    assert grown.propose(2) == [7, 2] == NgramIndex(grown.tokens).propose(2)  # (2, 3) last ended before 7
+    assert grown.propose(0) == [] and NgramIndex([1]).propose(4) == []
+    assert NgramIndex([1, 2, 1, 2]).propose(5) == [1, 2]  # what follows runs up to the end of the text
+
+
+@pytest.mark.unit
+def test_the_draft_length_follows_the_acceptance_rate():
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4
+    assert best_length(0.0, 8, 0.1) == 0 and best_length(0.05, 8, 0.1) == 0  # never pays: plain decode
+    lengths = [best_length(a, 8, 0.1) for a in (0.2, 0.5, 0.8, 0.95)]
+    assert lengths == sorted(lengths) and 0 < lengths[0] and lengths[-1] == 8
+    assert best_length(0.99, 3, 0.1) == 3 and best_length(0.5, 8, 10.0) == 0
+    spec = Speculation(max_k=8, cost=0.1)
+    for _ in range(20):
+        spec.record(4, 0)
+    assert spec.alpha < 0.05 and spec.propose(LOOP * 3, [], 8) == []  # nothing pays any more
+    for _ in range(PROBE_AFTER - 1):
+        spec.propose(LOOP * 3, [], 8)
+    assert spec.alpha > PRIOR / 2 - 0.05  # moved half way back: the next repetitive text is drafted again
+    assert spec.propose(LOOP * 3, [], 8)[:1] == LOOP[:1]
+    spec.record(3, 3)
+    assert spec.proposed == 83 and spec.accepted == 3 and spec.steps == 21
+
+
+def _scheduler(blocks: int, admission: str = ON_DEMAND, prefill: int = 1024) -> Scheduler:
+    layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, block_size=BS)
+    pool = BlockPool(layout, blocks * layout.bytes_per_block, allocate=False, prefix_cache=True)
+    return Scheduler(pool, 8, prefill, admission, 0)
+
+
+def _seq(rid: str, prompt: list[int], new: int) -> Sequence:
+    seq = Sequence(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=new, seed=0), sink=None)
+    seq.spec = Speculation(max_k=8, cost=0.0)
+    return seq
+
+
+def _prefill(s: Scheduler) -> None:
+    plan = s.plan()
+    for seq, start, n in plan.prefill:
+        seq.prefilled = start + n
+        s.pool.publish(seq.id, seq.prefilled)
+        seq.generated.append(LOOP[len(seq.prompt) % len(LOOP)])
+
+
+@pytest.mark.unit
+def test_drafts_take_free_blocks_only_and_give_back_the_rejected_ones():
+    s = _scheduler(6)
+    a = _seq("a", LOOP * 4, 100)  # 32 tokens: 2 blocks; its first token continues the loop
+    s.add(a)
+    s.admit()
+    _prefill(s)
+    plan = s.plan()
+    assert plan.decode == [] and [(q, d) for q, d in plan.verify] == [(a, LOOP[1:] + LOOP[:1])]
+    assert len(a.blocks) == 3 and a.spec_peak_blocks == 0  # positions 32..40 fit the third block
+    a.generated += LOOP[1:3]  # two drafts kept, then a third token drawn: what the engine appends
+    s.rollback(a)
+    assert len(a.blocks) == 3 and s.pool.used_blocks == 3  # position 34 is still in the third block
+    s.pool.audit()
+    b = _seq("b", list(range(100, 147)), 100)  # 47 tokens of its own: 3 blocks, the pool is full
+    s.add(b)
+    s.admit()
+    plan = s.plan()
+    assert [q for q, _ in plan.verify] == [a] and plan.prefill  # a's drafts fit the block it holds
+    assert [len(d) for _, d in plan.verify] == [8] and s.pool.used_blocks == 6
+    a.generated.append(LOOP[3])
+    _prefill(s)
+    # a's next token ends its third block: drafts would need a fourth and none is free, so it decodes plainly
+    a.generated += [1] * 12
+    plan = s.plan()
+    assert a in plan.decode and not plan.verify and s.preemptions == 0 and len(a.blocks) == 3
+    s.pool.audit()
+
+
+@pytest.mark.unit
+def test_drafts_stop_short_of_max_new_tokens_and_never_preempt():
+    s = _scheduler(4)
+    a = _seq("a", LOOP * 4, 3)
+    s.add(a)
+    s.admit()
+    _prefill(s)
+    plan = s.plan()
+    assert [len(d) for _, d in plan.verify] == [1]  # 1 generated + 1 draft + its bonus = 3
+    a.generated += [1, 2]
+    s.rollback(a)
+    s.pool.audit()
+    full = _scheduler(3)  # 2 blocks of prompt + 1: drafts past the third block find nothing free
+    c = _seq("c", LOOP * 4, 100)
+    full.add(c)
+    full.admit()
+    _prefill(full)
+    c.generated += [1] * 14  # position 46 next: room for one more token in the third block
+    plan = full.plan()
+    assert [len(d) for _, d in plan.verify] == [1] and full.preemptions == 0 and len(c.blocks) == 3
+
+
+@pytest.mark.unit
+def test_reserve_admission_keeps_its_reservation_through_rejections():
+    s = _scheduler(10, admission=RESERVE)
+    a = _seq("a", LOOP * 4, 60)
+    s.add(a)
+    s.admit()
+    _prefill(s)
+    assert len(a.blocks) == 6
+    assert s.plan().verify
+    s.rollback(a)
+    assert len(a.blocks) == 6
+
+
+@pytest.mark.unit
+def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared_ones():
+    layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, block_size=BS)
+    pool = BlockPool(layout, 8 * layout.bytes_per_block, allocate=False, prefix_cache=True)
+    prompt = list(range(40))
+    pool.try_reserve("a", 40, prompt)
+    pool.publish("a", 40)
+    assert pool.grow("a", 70) and len(pool.blocks_of("a")) == 5
+    assert pool.shrink("a", 49) == 1 and len(pool.blocks_of("a")) == 4 and pool.used_blocks == 4
+    pool.audit()
+    before = list(pool.blocks_of("a"))
+    with pytest.raises(ValueError, match="shared or cached"):
+        pool.shrink("a", 10)  # its first two blocks are keyed by the prefix cache
+    assert pool.blocks_of("a") == before
+    pool.audit()
+    pool.release("a")
+    pool.audit()
+    assert pool.used_blocks == 0
+
+
+@pytest.mark.reference
+def test_speculation_settings_are_checked_and_int4_turns_it_off(tiny_model_dir, cache_dir, caplog):
+    with pytest.raises(ValueError, match="--speculate must be one of off, ngram"):
+        EngineConfig(speculate="eagle").validate()
+    with pytest.raises(ValueError, match="--speculate-tokens must be an integer >= 1"):
+        EngineConfig(speculate_tokens=0).validate()
+    with caplog.at_level(logging.INFO, logger="quantserve.engine"):
+        eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
+                                                                  kv_dtype="int4", speculate="ngram"), cache_dir)
+    try:
+        assert eng.speculate == "off" and "speculation off: an int4 KV cache" in caplog.text
+        c = eng.complete(LOOP * 4, greedy(6))
+        assert c.accounting.speculated_tokens == 0
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------------------------------- the engine, exactness
+
+
+def _engine(model_dir, cache_dir, speculate: str, **kw) -> Engine:
+    cfg = dict(memory_budget="2MiB", dtype="float32", max_prefill_tokens=64, speculate=speculate)
+    cfg.update(kw)
+    return Engine.from_path(str(model_dir), EngineConfig(**cfg), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, cache_dir):
+    """The tiny model with speculation off and on, serial steps (the CPU's)."""
+    off, on = _engine(tiny_model_dir, cache_dir, "off"), _engine(tiny_model_dir, cache_dir, "ngram")
+    yield off, on
+    off.close()
+    on.close()
+
+
+def assert_same(got, want) -> None:
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.finish_reason == want.finish_reason
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) <= 1e-5
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def assert_books(engine: Engine) -> None:
+    engine.pool.audit()
+    assert engine.pool.used_blocks == 0 and not engine.scheduler.has_work
+
+
+EVERY_CONTROL = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
+                     presence_penalty=0.3, frequency_penalty=0.2, logit_bias=((LOOP[3], 3.0), (7, -2.0)),
+                     min_tokens=4, logprobs=2)
+
+
+def _prompts(engine: Engine) -> list[list[int]]:
+    text = "one two three four five six seven eight " * 3
+    return [LOOP * 6, engine.tokenize(text), list(range(30, 50)) * 2]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("params", [greedy_exact(40, logprobs=2), greedy(40, stop=["three f"]),
+                                    SamplingParams(max_new_tokens=40, seed=7, **EVERY_CONTROL),
+                                    SamplingParams(max_new_tokens=40, seed=8, temperature=0.6, top_p=0.8,
+                                                   logit_bias=tuple((t, 12.0) for t in LOOP))],
+                         ids=["greedy", "greedy-stop", "every-control", "top-p"])
+def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(pair, params):
+    off, on = pair
+    drafted = 0
+    for prompt in _prompts(on):
+        want, got = off.complete(prompt, params), on.complete(prompt, params)
+        assert_same(got, want)
+        a = got.accounting
+        assert a.accepted_tokens <= a.speculated_tokens and want.accounting.speculated_tokens == 0
+        assert a.kv_blocks_reserved >= want.accounting.kv_blocks_reserved
+        drafted += a.speculated_tokens
+    assert drafted > 0  # the repetitive prompts were drafted for
+    assert on.totals().speculated_tokens >= drafted
+    assert_books(on)
+
+
+@pytest.mark.reference
+def test_drafts_are_accepted_and_their_blocks_counted(pair):
+    off, on = pair
+    got = on.complete(LOOP * 6, greedy_exact(60))
+    a = got.accounting
+    assert a.accepted_tokens > 0 and got.token_ids == off.complete(LOOP * 6, greedy_exact(60)).token_ids
+    t = on.totals()
+    assert 0 < t.acceptance_rate <= 1
+    assert a.kv_bytes_speculative % on.layout.bytes_per_block == 0
+    assert a.kv_blocks_reserved * on.layout.bytes_per_block >= a.kv_bytes_speculative
+    assert_books(on)
+
+
+@pytest.mark.reference
+def test_each_positions_distribution_is_the_plain_one_by_a_chi_square_test(pair):
+    """Disjoint seeds (off: 0..N-1, on: N..2N-1), every control on, the loop's tokens favoured so that its drafts
+    (the loop's continuation) are right about one time in eight: the two samples of each of the first positions
+    come from one distribution (a two-sample chi-square test over the tokens seen at least 10 times together, at
+    the 0.001 level), and so do consecutive pairs, as whether the second token continues the loop from the first
+    (which a verifier that kept drafts it did not draw would make far more often)."""
+    from scipy.stats import chi2_contingency
+
+    off, on = pair
+    n, positions = 150, 6
+    base = dict(EVERY_CONTROL, logprobs=None, min_tokens=0, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                logit_bias=tuple((t, 12.0) for t in LOOP))
+    successor = {t: LOOP[(i + 1) % len(LOOP)] for i, t in enumerate(LOOP)}
+    seen = {m: [Counter() for _ in range(positions)] for m in ("off", "on")}
+    follows = {m: Counter() for m in ("off", "on")}
+    for mode, eng, first in (("off", off, 0), ("on", on, n)):
+        for seed in range(first, first + n):
+            toks = eng.complete(LOOP * 6, SamplingParams(max_new_tokens=positions, seed=seed, ignore_eos=True,
+                                                         **base)).token_ids
+            for j, t in enumerate(toks):
+                seen[mode][j][t] += 1
+            follows[mode].update(successor.get(a) == b for a, b in zip(toks, toks[1:]))
+    assert on.totals().accepted_tokens > 0
+    for j in range(positions):
+        a, b = seen["off"][j], seen["on"][j]
+        common = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+        rest = [sum(c[t] for t in c if t not in common) for c in (a, b)]
+        table = [[a[t] for t in common] + ([rest[0]] if sum(rest) else []),
+                 [b[t] for t in common] + ([rest[1]] if sum(rest) else [])]
+        if len(table[0]) > 1:
+            assert chi2_contingency(table)[1] > 1e-3, (j, table)
+    pairs = [[follows[m][True], follows[m][False]] for m in ("off", "on")]
+    assert chi2_contingency(pairs)[1] > 1e-3, pairs
+
+
+@pytest.mark.reference
+def test_n_samples_the_prefix_cache_and_streams_with_speculation(pair):
+    off, on = pair
+    params = SamplingParams(max_new_tokens=24, seed=3, temperature=0.8, top_k=20)
+    prompt = LOOP * 6
+    want = [off.complete(prompt, params.with_seed(3 + i)) for i in range(3)]
+    for _ in range(2):  # the second time its prompt's blocks come from the prefix cache
+        got = on.samples(prompt, params, 3)
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+    assert got[0].accounting.prompt_tokens_cached > 0
+    _, events = on.stream(prompt, greedy_exact(30))
+    evs = list(events)
+    streamed = [t for e in evs for t in e.token_ids]
+    whole = off.complete(prompt, greedy_exact(30))
+    assert streamed == list(whole.token_ids) and "".join(e.text for e in evs) == whole.text
+    assert_books(on)
+
+
+@pytest.mark.reference
+def test_preempted_speculating_requests_give_what_they_give_alone(tiny_model_dir, cache_dir):
+    """A pool of 10 blocks of 16 for five requests of up to 96 tokens: requests are preempted and taken back while
+    others draft; each output equals a roomy engine's without speculation."""
+    roomy = _engine(tiny_model_dir, cache_dir, "off")
+    tight = _engine(tiny_model_dir, cache_dir, "ngram", memory_budget=str(10 * roomy.layout.bytes_per_block))
+    try:
+        prompts = [LOOP * 4 + [i + 20] for i in range(5)]
+        params = [greedy_exact(60), SamplingParams(max_new_tokens=60, seed=4, **EVERY_CONTROL)]
+        want = [[roomy.complete(p, q) for q in params] for p in prompts]
+        handles = []
+        results: dict = {}
+        for i, p in enumerate(prompts):
+            for j, q in enumerate(params):
+                handles.append(((i, j), tight.stream(p, q)))
+        for key, (_, events) in handles:
+            results[key] = list(events)
+        for (i, j), evs in results.items():
+            final = evs[-1]
+            assert [t for e in evs for t in e.token_ids] == list(want[i][j].token_ids), (i, j)
+            assert final.finish_reason == want[i][j].finish_reason
+        assert tight.scheduler.preemptions > 0 and tight.totals().speculated_tokens > 0
+        assert_books(tight)
+    finally:
+        roomy.close()
+        tight.close()
+
+
+@pytest.mark.reference
+def test_json_mode_keeps_its_grammar_through_drafts(pair):
+    pytest.importorskip("xgrammar")
+    off, on = pair
+    fmt = json.dumps({"type": "json_object"})
+    prompt = on.tokenize('{"a": 1, "b": 2, "a": 1, "b": 2, "a": 1, "b": 2')
+    for params in (greedy(48, response_format=fmt), SamplingParams(max_new_tokens=48, seed=2, temperature=0.7,
+                                                                  response_format=fmt)):
+        want, got = off.complete(prompt, params), on.complete(prompt, params)
+        assert_same(got, want)
+        if got.finish_reason == "stop":
+            json.loads(got.text)
+    assert_books(on)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_family_gives_its_greedy_tokens_with_speculation(arch, arch_dirs, cache_dir):
+    d = arch_dirs(arch)
+    off, on = _engine(d, cache_dir, "off"), _engine(d, cache_dir, "ngram")
+    try:
+        # greedy among the loop's tokens (the model's own order of them): its output repeats, and is drafted for
+        params = greedy_exact(32, logprobs=1, logit_bias=tuple((t, 30.0) for t in LOOP))
+        assert_same(on.complete(LOOP * 6, params), off.complete(LOOP * 6, params))
+        assert on.totals().speculated_tokens > 0
+        assert_books(on)
+    finally:
+        off.close()
+        on.close()
