@@ -67,7 +67,7 @@ def test_every_path_matches_the_reference(name, dtype):
 def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     m = _modules()["int8-sym"]
     m.prepare(torch.bfloat16)
-    assert KC.ROW_BUCKETS[:3] == (1, 4, 16)
+    assert KC.ROW_BUCKETS[:3] == (1, 4, 8)
     plan = KC.RowPlan(("kernel", "kernel") + ("dequant-fp32",) * (len(KC.ROW_BUCKETS) - 2), {})
     m.use_plan(plan, torch.bfloat16)
     calls = []
@@ -75,17 +75,17 @@ def test_a_plan_routes_each_row_count_to_its_path(monkeypatch):
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for n in (1, 4, 5, 600):
         m(torch.randn(n, 128, dtype=torch.bfloat16))
-    assert calls == [1, 4]  # 5 rows is in the 16-row bucket; 600 above the last one uses the last bucket's path
+    assert calls == [1, 4]  # 5 rows is in the 8-row bucket; 600 above the last one uses the last bucket's path
     assert m.kernel_runs(4, torch.bfloat16) and not m.kernel_runs(5, torch.bfloat16)
     assert plan.describe() == "kernel <= 4 rows, dequant-fp32 above 4"
 
 
 @pytest.mark.unit
 def test_plan_pick_and_describe():
-    assert KC.ROW_BUCKETS == (1, 4, 16, 64, 256, 512)
-    p = KC.RowPlan(("a",) * 6, {})
+    assert KC.ROW_BUCKETS == (1, 4, 8, 16, 64, 256, 512)
+    p = KC.RowPlan(("a",) * 7, {})
     assert p.single == "a" and p.describe() == "a at every row count"
-    p = KC.RowPlan(("a", "b", "b", "a", "a", "a"), {})
+    p = KC.RowPlan(("a", "b", "b", "b", "a", "a", "a"), {})
     assert [p.pick(r) for r in (1, 2, 4, 5, 16, 17, 512, 5000)] == ["a", "b", "b", "b", "b", "a", "a", "a"]
     assert p.describe() == "a <= 1 rows, b <= 16 rows, a above 16"
 

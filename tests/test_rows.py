@@ -134,15 +134,19 @@ def test_int4_rows_of_a_fused_module_are_its_parts_products():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows_", [1, 5])
+@pytest.mark.parametrize("rows_", [1, 2, 5, 8])
 def test_bf16_rows_match_the_fp32_product(bias, rows_):
+    """Within bf16's rounding of the fp32 product; and each row is what it is alone, bit for bit (rows are taken two
+    at a time, each row's sums formed as one row's are)."""
     g = torch.Generator().manual_seed(8)
     w = torch.randn(98, 200, generator=g).bfloat16()  # N, K: tails of the four rows and of the vector width
     b = torch.randn(98, generator=g).bfloat16() if bias else None
     x = torch.randn(rows_, 200, generator=g).bfloat16()
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    y = rows.bf16(w, None if b is None else b.float())(x)
+    op = rows.bf16(w, None if b is None else b.float())
+    y = op(x)
     assert y.dtype == torch.bfloat16 and float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
 
 
 def test_bad_operands_get_one_line_errors():

@@ -572,6 +572,52 @@ void dot4_bf16(const float* __restrict a, const uint16_t* __restrict w, int64_t 
     for (int i = 0; i < 4; ++i) out[i] = std::fma(a[j], qs::Raw<c10::BFloat16>::get(ws[i][j]), out[i]);
 }
 
+// dot4_bf16 for two x rows at once: each weight vector is widened once for both, and each row's sums are the very
+// sums dot4_bf16 forms (the same lanes, in the same order), so a row's output does not depend on its neighbour.
+void dot4x2_bf16(const float* __restrict a0, const float* __restrict a1, const uint16_t* __restrict w, int64_t k,
+                 float* __restrict out0, float* __restrict out1) {
+  const uint16_t* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  const char* next = reinterpret_cast<const char*>(w + 4 * k);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 s0[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 s1[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (; j + 16 <= k; j += 16) {
+    __builtin_prefetch(next + 8 * j), __builtin_prefetch(next + 8 * j + 64);  // 4 rows x 16 columns x 2 bytes
+    const __m512 x0 = _mm512_loadu_ps(a0 + j), x1 = _mm512_loadu_ps(a1 + j);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[i] + j));
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      s0[i] = _mm512_fmadd_ps(x0, wv, s0[i]);
+      s1[i] = _mm512_fmadd_ps(x1, wv, s1[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) out0[i] = _mm512_reduce_add_ps(s0[i]), out1[i] = _mm512_reduce_add_ps(s1[i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 s0[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 s1[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; j + 8 <= k; j += 8) {
+    __builtin_prefetch(next + 8 * j);  // 4 rows x 8 columns x 2 bytes
+    const __m256 x0 = _mm256_loadu_ps(a0 + j), x1 = _mm256_loadu_ps(a1 + j);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws[i] + j));
+      const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      s0[i] = _mm256_fmadd_ps(x0, wv, s0[i]);
+      s1[i] = _mm256_fmadd_ps(x1, wv, s1[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) out0[i] = hsum8(s0[i]), out1[i] = hsum8(s1[i]);
+#else
+  out0[0] = out0[1] = out0[2] = out0[3] = out1[0] = out1[1] = out1[2] = out1[3] = 0.f;
+#endif
+  for (; j < k; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const float wv = qs::Raw<c10::BFloat16>::get(ws[i][j]);
+      out0[i] = std::fma(a0[j], wv, out0[i]);
+      out1[i] = std::fma(a1[j], wv, out1[i]);
+    }
+}
+
 }  // namespace
 
 // out (M, N) bf16 = x (M, K) bf16 @ w (N, K)^T bf16 + bias (N,) fp32 where given: fp32 sums, rounded once.
@@ -596,9 +642,26 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], qs::Raw<T>::get(wp[c * k + j]), y);
     return y;
   };
-  four_rows<float>(
-      m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_bf16(xf.data() + r * k, wp + c * k, k, acc); }, dot1,
-      finish);
+  // four W rows at a time, parallel over W's rows; x rows two at a time against them (the last alone when odd)
+  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+    float acc[8];
+    for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
+      if (c + 4 > n) {
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t i = c; i < n; ++i) finish(r, i, dot1(r, i));
+        continue;
+      }
+      int64_t r = 0;
+      for (; r + 2 <= m; r += 2) {
+        dot4x2_bf16(xf.data() + r * k, xf.data() + (r + 1) * k, wp + c * k, k, acc, acc + 4);
+        for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]), finish(r + 1, c + i, acc[4 + i]);
+      }
+      if (r < m) {
+        dot4_bf16(xf.data() + r * k, wp + c * k, k, acc);
+        for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
+      }
+    }
+  });
   return out;
 }
 
