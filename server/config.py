@@ -86,6 +86,9 @@ class EngineConfig:
         modes = BY_NAME["speculate"].choices
         if self.speculate not in modes:
             raise ValueError(f"--speculate must be one of {', '.join(modes)}, got {self.speculate!r}")
+        if self.speculate != "off" and self.kv_dtype == "int4":
+            raise ValueError("--speculate: not with --kv-dtype int4 (a block is quantized as its tokens complete it, "
+                             "which a rejected draft could not take back); choose int8 or turn speculation off")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"--prefix-cache must be true or false, got {self.prefix_cache!r}")
         return self

@@ -142,14 +142,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_batch, config.max_prefill_tokens, config.kv_admission,
                                    math.ceil(config.kv_watermark * self.usable_blocks))
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
-        self.speculate = config.speculate
-        if self.speculate != "off" and self.layout.tail_blocks:  # int4: blocks quantized as tokens complete them
-            log.info("speculation off: an int4 KV cache quantizes each block as its tokens complete it, which a "
-                     "rejected draft cannot take back")
-            self.speculate = "off"
         self.eos_ids = eos_ids(model, tokenizer)
         self.step = Stepper(self.runner, self.pool, self.layout.block_size, self.device, self.eos_ids, self.vocab_size,
                             self.activation_estimate)
+        self.draft_costs = self.step.draft_costs(config.speculate_tokens) if config.speculate != "off" else ()
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
         self.info = ModelInfo(
@@ -323,8 +319,8 @@ class Engine:
         for m in seq.group.members if seq.group is not None else [seq]:
             if grammar is not None:
                 m.state["grammar"] = Matcher(self.grammars, grammar)  # each sample its own state
-            if self.speculate == "ngram":
-                m.spec = speculate.Speculation(self.config.speculate_tokens, speculate.DRAFT_COST)
+            if self.config.speculate == "ngram":
+                m.spec = speculate.Speculation(self.draft_costs)
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))
 

@@ -20,10 +20,11 @@ same tokens in every test). Greedy requests accept exactly the argmax.
 
 **Draft length.** Each request keeps a running acceptance rate alpha (accepted drafts over drafts examined, i.e.
 up to and including the first rejected one: the per-token rate's estimate, exponentially weighted) and proposes
-the k in 0..max that maximises the tokens a step yields per unit of its cost, ``(1 - alpha^(k+1)) / (1 - alpha)``
-over ``1 + cost * k`` (``cost``: one drafted row's share of a decode step). k = 0 (plain decode) where
-speculation does not pay; after :data:`PROBE_AFTER` steps without a proposal the rate is moved back towards the
-prior, so a request whose text turns repetitive starts speculating again.
+the k in 0..max that maximises the tokens a step yields per unit of its time, ``(1 - alpha^(k+1)) / (1 - alpha)``
+over ``cost[k]``: a verification of k drafts' forward time relative to a plain decode step's, measured on this
+device when the engine starts (``server.step.Stepper.draft_costs``). k = 0 (plain decode) where speculation does
+not pay; after :data:`PROBE_AFTER` steps without a proposal the rate is moved back towards the prior, so a request
+whose text turns repetitive starts speculating again.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ NGRAM_MIN = 2  # shortest: a single token repeats too often in ordinary text to 
 PRIOR = 0.5  # the acceptance rate a request starts with
 DECAY = 0.8  # weight of the past in the running rate, per verified step
 PROBE_AFTER = 16  # steps without a proposal after which the rate is moved half way back to the prior
-DRAFT_COST = 0.1  # a drafted row's share of a decode step's time
 
 
 def accepted(drafts: list[int], draws: list[int]) -> int:
@@ -56,14 +56,30 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_length(alpha: float, max_k: int, cost: float) -> int:
-    """The draft length in 0..max_k with the most tokens per unit of step cost (ties: the shorter)."""
+def best_length(alpha: float, costs: tuple[float, ...]) -> int:
+    """The draft length in 0..len(costs) - 1 with the most tokens per unit of step time (ties: the shorter);
+    ``costs[k]``: a step with k drafts' time relative to a plain one's (``costs[0]`` = 1)."""
     best, best_rate = 0, 1.0
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / (1.0 + cost * k)
+    for k in range(1, len(costs)):
+        rate = expected_tokens(alpha, k) / costs[k]
         if rate > best_rate + 1e-9:
             best, best_rate = k, rate
     return best
+
+
+def relative_costs(times: dict[int, float], max_k: int) -> tuple[float, ...]:
+    """``times``: a forward's seconds by its rows (1 among them); each draft length's time relative to one row's,
+    interpolated linearly between the rows measured (k drafts: k + 1 rows), never below a shorter length's."""
+    rows = sorted(times)
+    costs, last = [], 1.0
+    for k in range(max_k + 1):
+        n = k + 1
+        hi = next((r for r in rows if r >= n), rows[-1])
+        lo = max((r for r in rows if r <= n), default=rows[0])
+        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
+        last = max(last, t / times[1]) if k else 1.0
+        costs.append(last)
+    return tuple(costs)
 
 
 class NgramIndex:
@@ -100,10 +116,9 @@ class NgramIndex:
 @dataclass
 class Speculation:
     """One sequence's speculation: its n-gram index, its running acceptance rate, and what it has proposed and had
-    accepted (its response reports both)."""
+    accepted (its response reports both). ``costs``: :func:`best_length`'s, one per draft length up to the most."""
 
-    max_k: int
-    cost: float
+    costs: tuple[float, ...]
     index: NgramIndex = field(default_factory=NgramIndex)
     alpha: float = PRIOR
     idle: int = 0  # steps since its last proposal
@@ -118,7 +133,7 @@ class Speculation:
         if seen < len(prompt):
             self.index.extend(prompt[seen:])
         self.index.extend(generated[max(0, seen - len(prompt)):])
-        k = min(limit, best_length(self.alpha, self.max_k, self.cost))
+        k = min(limit, best_length(self.alpha, self.costs))
         drafts = self.index.propose(k)
         if not drafts:
             self.idle += 1

@@ -6,6 +6,7 @@ stops), and the prompt-logprob helpers hand a scored prompt to its request's fir
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from server.outputs import TokenLogprob, TraceStep
 from server.runner import build_step
 from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingBatch, sample
 from server.scheduler import Sequence
+from server.speculate import relative_costs
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,28 @@ class Stepper:
         self.eos_tensor = torch.tensor(sorted(eos_ids), dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
         self.estimate = estimate  # (chunk tokens, past, scored rows) -> activation bytes, for each request's peak
+
+    def draft_costs(self, max_k: int, repeats: int = 3) -> tuple[float, ...]:
+        """Each draft length's step time relative to a plain decode step's, on this device (server/speculate.py's
+        ``best_length``): forwards over 1, 2, 4 and max_k + 1 rows of a scratch block (a verification of k drafts is
+        k + 1 rows), the fastest of ``repeats`` each, the lengths between interpolated. Where the pool has no room
+        for the block, every length costs as much as it has rows (drafting then seldom pays)."""
+        table = self.pool.try_reserve(PROBE_ID, max_k + 1)
+        if table is None:
+            return tuple(float(k + 1) for k in range(max_k + 1))
+        times = {}
+        try:
+            for n in sorted({1, 2, 4, max_k + 1}):
+                step = build_step([], [([0] * n, 0, table, n)], self.block_size, self.device)
+                best = float("inf")
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    float(self.runner.forward(step)[-1, 0])  # read back: the device's work is done
+                    best = min(best, time.perf_counter() - t)
+                times[n] = best
+        finally:
+            self.pool.release(PROBE_ID)
+        return relative_costs(times, max_k)
 
     def launch(self, plan, prev: Launched | None) -> Launched | None:
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
@@ -122,6 +146,9 @@ class Stepper:
         for s, _, _ in units:
             s.pending += 1
         return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
+
+
+PROBE_ID = "\0draft-costs"  # the pool id of the block Stepper.draft_costs writes to
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:

@@ -7,7 +7,6 @@ disjoint seeds; the pool's books exact."""
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 
 import pytest
@@ -28,10 +27,12 @@ from server.speculate import (
     accepted,
     best_length,
     expected_tokens,
+    relative_costs,
 )
 
 BS = 16
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18]  # a prompt that repeats itself: its n-grams predict its continuation
+LINEAR = tuple(1 + 0.1 * k for k in range(9))  # a step with k drafts costs 1 + 0.1 k plain ones
 
 
 # ------------------------------------------------------------------------------------------------ the parts alone
@@ -63,11 +64,11 @@ def test_the_ngram_index_proposes_what_followed_the_last_earlier_occurrence_of_t
 def test_the_draft_length_follows_the_acceptance_rate():
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4
-    assert best_length(0.0, 8, 0.1) == 0 and best_length(0.05, 8, 0.1) == 0  # never pays: plain decode
-    lengths = [best_length(a, 8, 0.1) for a in (0.2, 0.5, 0.8, 0.95)]
+    assert best_length(0.0, LINEAR) == 0 and best_length(0.05, LINEAR) == 0  # never pays: plain decode
+    lengths = [best_length(a, LINEAR) for a in (0.2, 0.5, 0.8, 0.95)]
     assert lengths == sorted(lengths) and 0 < lengths[0] and lengths[-1] == 8
-    assert best_length(0.99, 3, 0.1) == 3 and best_length(0.5, 8, 10.0) == 0
-    spec = Speculation(max_k=8, cost=0.1)
+    assert best_length(0.99, LINEAR[:4]) == 3 and best_length(0.5, tuple(1 + 10.0 * k for k in range(9))) == 0
+    spec = Speculation(LINEAR)
     for _ in range(20):
         spec.record(4, 0)
     assert spec.alpha < 0.05 and spec.propose(LOOP * 3, [], 8) == []  # nothing pays any more
@@ -87,7 +88,7 @@ def _scheduler(blocks: int, admission: str = ON_DEMAND, prefill: int = 1024) -> 
 
 def _seq(rid: str, prompt: list[int], new: int) -> Sequence:
     seq = Sequence(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=new, seed=0), sink=None)
-    seq.spec = Speculation(max_k=8, cost=0.0)
+    seq.spec = Speculation((1.0,) * 9)
     return seq
 
 
@@ -183,19 +184,35 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
     assert pool.used_blocks == 0
 
 
-@pytest.mark.reference
-def test_speculation_settings_are_checked_and_int4_turns_it_off(tiny_model_dir, cache_dir, caplog):
+@pytest.mark.unit
+def test_measured_times_become_each_draft_lengths_relative_cost():
+    costs = relative_costs({1: 0.030, 2: 0.031, 4: 0.036, 9: 0.066}, 8)
+    assert costs[0] == 1.0 and costs[1] == pytest.approx(31 / 30) and costs[3] == pytest.approx(36 / 30)
+    assert costs[2] == pytest.approx((31 + 2.5) / 30) and costs[8] == pytest.approx(66 / 30)
+    assert costs[5] == pytest.approx((36 + 30 * 2 / 5) / 30)
+    assert relative_costs({1: 0.03, 2: 0.028, 4: 0.05}, 3) == (1.0, 1.0, pytest.approx(1.3), pytest.approx(5 / 3))
+
+
+@pytest.mark.unit
+def test_speculation_settings_are_checked_in_one_line():
     with pytest.raises(ValueError, match="--speculate must be one of off, ngram"):
         EngineConfig(speculate="eagle").validate()
     with pytest.raises(ValueError, match="--speculate-tokens must be an integer >= 1"):
         EngineConfig(speculate_tokens=0).validate()
-    with caplog.at_level(logging.INFO, logger="quantserve.engine"):
-        eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
-                                                                  kv_dtype="int4", speculate="ngram"), cache_dir)
+    with pytest.raises(ValueError, match="--speculate: not with --kv-dtype int4"):
+        EngineConfig(speculate="ngram", kv_dtype="int4").validate()
+
+
+@pytest.mark.reference
+def test_the_engine_measures_its_draft_costs_and_gives_the_probe_block_back(tiny_model_dir, cache_dir):
+    eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
+                                                             speculate="ngram", speculate_tokens=5), cache_dir)
     try:
-        assert eng.speculate == "off" and "speculation off: an int4 KV cache" in caplog.text
-        c = eng.complete(LOOP * 4, greedy(6))
-        assert c.accounting.speculated_tokens == 0
+        costs = eng.draft_costs
+        assert len(costs) == 6 and costs[0] == 1.0 and list(costs) == sorted(costs)
+        assert_books(eng)
+        c = eng.complete(LOOP * 6, greedy_exact(8))
+        assert c.accounting.speculated_tokens <= 5 * 8
     finally:
         eng.close()
 
@@ -204,9 +221,14 @@ def test_speculation_settings_are_checked_and_int4_turns_it_off(tiny_model_dir, 
 
 
 def _engine(model_dir, cache_dir, speculate: str, **kw) -> Engine:
+    """With speculation on, its draft costs set to nothing (whatever this machine measured), so that every request
+    drafts all it can: exactness is tested on as many drafts as the text allows."""
     cfg = dict(memory_budget="2MiB", dtype="float32", max_prefill_tokens=64, speculate=speculate)
     cfg.update(kw)
-    return Engine.from_path(str(model_dir), EngineConfig(**cfg), cache_dir)
+    eng = Engine.from_path(str(model_dir), EngineConfig(**cfg), cache_dir)
+    if speculate != "off":
+        eng.draft_costs = (1.0,) * len(eng.draft_costs)
+    return eng
 
 
 @pytest.fixture(scope="module")
