@@ -135,17 +135,19 @@ def test_int4_rows_of_a_fused_module_are_its_parts_products():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_", [1, 2, 5, 8])
-def test_bf16_rows_match_the_fp32_product(bias, rows_):
-    """Within bf16's rounding of the fp32 product; and each row is what it is alone, bit for bit (rows are taken two
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_rows_match_the_fp32_product(bias, rows_, dtype):
+    """Within the dtype's rounding of the product; and each row is what it is alone, bit for bit (rows are taken two
     at a time, each row's sums formed as one row's are)."""
     g = torch.Generator().manual_seed(8)
-    w = torch.randn(98, 200, generator=g).bfloat16()  # N, K: tails of the four rows and of the vector width
-    b = torch.randn(98, generator=g).bfloat16() if bias else None
-    x = torch.randn(rows_, 200, generator=g).bfloat16()
-    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    op = rows.bf16(w, None if b is None else b.float())
+    w = torch.randn(98, 200, generator=g).to(dtype)  # N, K: tails of the four rows and of the vector width
+    b = torch.randn(98, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows_, 200, generator=g).to(dtype)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    op = rows.dense(w, None if b is None else b.float())
     y = op(x)
-    assert y.dtype == torch.bfloat16 and float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-6
+    assert y.dtype == dtype and float((y.double() - ref).abs().max() / ref.abs().max()) < tol
     assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
 
 
@@ -162,8 +164,10 @@ def test_bad_operands_get_one_line_errors():
         rows.int8_weight(q, s, None, torch.ones(7))(torch.zeros(1, 64))
     with pytest.raises(RuntimeError, match="input_scale must be a 0-dim fp32 tensor"):
         rows.w8a8(q, s, torch.ones(2), None, None)(torch.zeros(1, 64))
-    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 tensor"):
-        rows.bf16(torch.zeros(8, 64).bfloat16(), None)(torch.zeros(1, 64))
+    with pytest.raises(RuntimeError, match="weight must be a contiguous CPU \\(N, K\\) tensor of x's dtype"):
+        rows.dense(torch.zeros(8, 64).bfloat16(), None)(torch.zeros(1, 64))
+    with pytest.raises(RuntimeError, match="x must be a contiguous CPU \\(M, K\\) bf16 or fp32 tensor"):
+        rows.dense(torch.zeros(8, 64).half(), None)(torch.zeros(1, 64).half())
     with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor \\(or bf16\\)"):
         rows.int8_weight(q, s.half(), None, None)(torch.zeros(1, 64))
     packed = torch.zeros(64 * 128 // 2, dtype=torch.uint8)

@@ -55,13 +55,14 @@ ROW_BUCKETS = (1, 4, 8, 16, 64, 256, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 13  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
+_CACHE_VERSION = 14  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
 # 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
 # and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too; 8:
 # bf16 int4 rows two columns per instruction with AVX512-BF16; 9: int4 and int8 Linears have a `gemm` path, and
 # the paths are timed in turn; with AVX2, bf16 Linears have one too; 10: AVX2's gemm rounds its sums in vector
 # steps, and its int8 tiles leave the scales to the sums; 11: a file per device, a GPU's too, with one-row launches;
-# 12: the CUDA int4 kernel takes 2-32 rows over code planes; 13: an 8-row bucket, bf16 rows two x rows at a time)
+# 12: the CUDA int4 kernel takes 2-32 rows over code planes; 13: an 8-row bucket, bf16 rows two x rows at a time;
+# 14: fp32 Linears have a `rows` path)
 
 
 def bucket_index(rows: int) -> int:
@@ -123,8 +124,8 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
                 upcast: bool = True) -> dict[str, PathFn]:
     """A float Linear's paths: in its own dtype; (16-bit, ``upcast``) upcast to fp32 per call, which wins for many
     rows where the CPU has no fast 16-bit GEMM but holds an fp32 copy of W while it runs (the engine counts that
-    transient for the projections, not for the head, which is bound without it); (bf16) ``rows``, few-row
-    products in one C++ pass (``quant.runtime.kernels.rows.bf16``), and where the CPU has no fast bf16 GEMM, ``gemm``, many-row
+    transient for the projections, not for the head, which is bound without it); (bf16 or fp32) ``rows``, few-row
+    products in one C++ pass (``quant.runtime.kernels.rows.dense``), and (bf16) where the CPU has no fast bf16 GEMM, ``gemm``, many-row
     ones in fp32 tiles (``quant.runtime.kernels.gemm.bf16``)."""
     paths: dict[str, PathFn] = {"dense": lambda x: F.linear(x, weight, bias)}
     if dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu":
@@ -132,9 +133,11 @@ def dense_paths(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
         if upcast:
             paths["dense-fp32"] = lambda x: F.linear(x.float(), weight.float(), b32).to(dtype)
         if dtype == torch.bfloat16 == weight.dtype and rowops.available(weight):
-            paths["rows"] = rowops.bf16(weight, b32)
+            paths["rows"] = rowops.dense(weight, b32)
         if dtype == torch.bfloat16 == weight.dtype and gemm.available(weight, *weight.shape, dtype, dense=True):
             paths["gemm"] = gemm.bf16(weight, b32)
+    if dtype == torch.float32 == weight.dtype and rowops.available(weight):
+        paths["rows"] = rowops.dense(weight, None if bias is None else bias.float())
     return paths
 
 

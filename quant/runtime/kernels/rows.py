@@ -1,5 +1,5 @@
 """Whole quantized Linears for a few rows in one C++ call each (``quant/runtime/kernels/csrc/rows_ops.cpp``): the ``rows`` path of
-the W8A8, weight-only int8 and int4 runtime Linears (``quant.runtime.linear``, ``quant.runtime.int4``) and of unquantized bf16 ones
+the W8A8, weight-only int8 and int4 runtime Linears (``quant.runtime.linear``, ``quant.runtime.int4``) and of unquantized bf16 and fp32 ones
 (``quant.runtime.kernel_choice.dense_paths``), which their kernel plans take where it is the fastest.
 
 At batch 1 a quantized Linear's eager form is a dozen small ATen ops, each costing about what its arithmetic does,
@@ -7,7 +7,7 @@ and on CPUs without VNNI ``torch._int_mm`` is far slower than a float product; o
 with the activation quantization and the rescale folded in, reads a fraction of a bf16 weight's bytes in one call.
 
 :func:`w8a8` equals the module's ``_int_mm`` path bit for bit (a rotated module's too: :func:`hadamard_` makes the
-same sums); :func:`int8_weight`, :func:`int4` and :func:`bf16`
+same sums); :func:`int8_weight`, :func:`int4` and :func:`dense`
 round once, in fp32, and are held to their modules' fp32 references (tests/test_rows.py).
 """
 
@@ -72,8 +72,9 @@ def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_
     return lambda x2: op(x2, packed, n, k, block, split, sz, group_size, b)
 
 
-def bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
-    """bf16 x @ weight (N, K) bf16 ^T (+ the bias in fp32) -> bf16: fp32 sums, rounded once."""
+def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
+    """x @ weight (N, K) ^T (+ the bias in fp32), x and the weight both bf16 or both fp32, in x's dtype: fp32 sums,
+    rounded once; x rows two at a time against each weight vector, each row's sums those it has alone."""
     op, b = _op("bf16_rows"), _opt(bias)
     return lambda x2: op(x2, weight, b)
 

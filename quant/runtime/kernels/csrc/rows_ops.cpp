@@ -538,130 +538,132 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
 
 namespace {
 
-// Four bf16 weight rows against one fp32 x row, fused multiply-adds, the next four rows prefetched (as dot4_i8).
-void dot4_bf16(const float* __restrict a, const uint16_t* __restrict w, int64_t k, float* __restrict out) {
-  const uint16_t* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
-  const char* next = reinterpret_cast<const char*>(w + 4 * k);
-  int64_t j = 0;
+// A weight vector widened to fp32: bf16 bits shifted into the high half, fp32 loaded as it is.
 #if defined(__AVX512F__)
-  __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (; j + 16 <= k; j += 16) {
-    __builtin_prefetch(next + 8 * j), __builtin_prefetch(next + 8 * j + 64);  // 4 rows x 16 columns x 2 bytes
-    const __m512 x = _mm512_loadu_ps(a + j);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[i] + j));
-      s[i] = _mm512_fmadd_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)), s[i]);
-    }
-  }
-  for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(s[i]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (; j + 8 <= k; j += 8) {
-    __builtin_prefetch(next + 8 * j);  // 4 rows x 8 columns x 2 bytes
-    const __m256 x = _mm256_loadu_ps(a + j);
-    for (int i = 0; i < 4; ++i) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws[i] + j));
-      s[i] = _mm256_fmadd_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)), s[i]);
-    }
-  }
-  for (int i = 0; i < 4; ++i) out[i] = hsum8(s[i]);
-#else
-  out[0] = out[1] = out[2] = out[3] = 0.f;
-#endif
-  for (; j < k; ++j)
-    for (int i = 0; i < 4; ++i) out[i] = std::fma(a[j], qs::Raw<c10::BFloat16>::get(ws[i][j]), out[i]);
+inline __m512 wide16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+inline __m512 wide16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+#if defined(__AVX2__)
+inline __m256 wide8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 wide8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+inline float wide1(uint16_t v) { return qs::Raw<c10::BFloat16>::get(v); }
+inline float wide1(float v) { return v; }
 
-// dot4_bf16 for two x rows at once: each weight vector is widened once for both, and each row's sums are the very
-// sums dot4_bf16 forms (the same lanes, in the same order), so a row's output does not depend on its neighbour.
-void dot4x2_bf16(const float* __restrict a0, const float* __restrict a1, const uint16_t* __restrict w, int64_t k,
-                 float* __restrict out0, float* __restrict out1) {
-  const uint16_t* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
+// Four weight rows (bf16 bits or fp32) against one fp32 x row (rows == 1) or two (rows == 2: each weight vector
+// widened once for both), fused multiply-adds, the next four rows prefetched. Each row's sums are formed in the same
+// lanes and order whether it is taken alone or with another, so a row's output does not depend on its neighbour.
+template <int ROWS, typename W>
+void dot4_rows(const float* __restrict a0, const float* __restrict a1, const W* __restrict w, int64_t k,
+               float* __restrict out0, float* __restrict out1) {
+  const W* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
   const char* next = reinterpret_cast<const char*>(w + 4 * k);
   int64_t j = 0;
 #if defined(__AVX512F__)
   __m512 s0[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   __m512 s1[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (; j + 16 <= k; j += 16) {
-    __builtin_prefetch(next + 8 * j), __builtin_prefetch(next + 8 * j + 64);  // 4 rows x 16 columns x 2 bytes
-    const __m512 x0 = _mm512_loadu_ps(a0 + j), x1 = _mm512_loadu_ps(a1 + j);
+    for (int64_t b = 0; b < 4 * 16 * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + 4 * sizeof(W) * j + b);
+    const __m512 x0 = _mm512_loadu_ps(a0 + j);
+    const __m512 x1 = ROWS == 2 ? _mm512_loadu_ps(a1 + j) : x0;
     for (int i = 0; i < 4; ++i) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws[i] + j));
-      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      const __m512 wv = wide16(ws[i] + j);
       s0[i] = _mm512_fmadd_ps(x0, wv, s0[i]);
-      s1[i] = _mm512_fmadd_ps(x1, wv, s1[i]);
+      if (ROWS == 2) s1[i] = _mm512_fmadd_ps(x1, wv, s1[i]);
     }
   }
-  for (int i = 0; i < 4; ++i) out0[i] = _mm512_reduce_add_ps(s0[i]), out1[i] = _mm512_reduce_add_ps(s1[i]);
+  for (int i = 0; i < 4; ++i) {
+    out0[i] = _mm512_reduce_add_ps(s0[i]);
+    if (ROWS == 2) out1[i] = _mm512_reduce_add_ps(s1[i]);
+  }
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 s0[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 s1[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (; j + 8 <= k; j += 8) {
-    __builtin_prefetch(next + 8 * j);  // 4 rows x 8 columns x 2 bytes
-    const __m256 x0 = _mm256_loadu_ps(a0 + j), x1 = _mm256_loadu_ps(a1 + j);
+    for (int64_t b = 0; b < 4 * 8 * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + 4 * sizeof(W) * j + b);
+    const __m256 x0 = _mm256_loadu_ps(a0 + j);
+    const __m256 x1 = ROWS == 2 ? _mm256_loadu_ps(a1 + j) : x0;
     for (int i = 0; i < 4; ++i) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ws[i] + j));
-      const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      const __m256 wv = wide8(ws[i] + j);
       s0[i] = _mm256_fmadd_ps(x0, wv, s0[i]);
-      s1[i] = _mm256_fmadd_ps(x1, wv, s1[i]);
+      if (ROWS == 2) s1[i] = _mm256_fmadd_ps(x1, wv, s1[i]);
     }
   }
-  for (int i = 0; i < 4; ++i) out0[i] = hsum8(s0[i]), out1[i] = hsum8(s1[i]);
+  for (int i = 0; i < 4; ++i) {
+    out0[i] = hsum8(s0[i]);
+    if (ROWS == 2) out1[i] = hsum8(s1[i]);
+  }
 #else
-  out0[0] = out0[1] = out0[2] = out0[3] = out1[0] = out1[1] = out1[2] = out1[3] = 0.f;
+  for (int i = 0; i < 4; ++i) out0[i] = 0.f, out1[i] = 0.f;
 #endif
   for (; j < k; ++j)
     for (int i = 0; i < 4; ++i) {
-      const float wv = qs::Raw<c10::BFloat16>::get(ws[i][j]);
+      const float wv = wide1(ws[i][j]);
       out0[i] = std::fma(a0[j], wv, out0[i]);
-      out1[i] = std::fma(a1[j], wv, out1[i]);
+      if (ROWS == 2) out1[i] = std::fma(a1[j], wv, out1[i]);
     }
 }
 
-}  // namespace
-
-// out (M, N) bf16 = x (M, K) bf16 @ w (N, K)^T bf16 + bias (N,) fp32 where given: fp32 sums, rounded once.
-at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous CPU (M, K) bf16 tensor");
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 &&
-                  w.size(1) == x.size(1),
-              "weight must be a contiguous CPU (N, K) bf16 tensor with x's K");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const float* bp = optional_f32(bias, n, "bias");
-  at::Tensor out = at::empty({m, n}, x.options());
-  using T = c10::BFloat16;
-  std::vector<float> xf(m * k);
-  const auto* xr = qs::raw(x.data_ptr<T>());
-  for (int64_t r = 0; r < m; ++r) row_f32<T>(xr + r * k, nullptr, xf.data() + r * k, k);
-  const uint16_t* wp = qs::raw(w.data_ptr<T>());
-  uint16_t* op = qs::raw(out.data_ptr<T>());
-  const auto finish = [&](int64_t r, int64_t c, float y) { op[r * n + c] = qs::Raw<T>::put(bp ? y + bp[c] : y); };
-  const auto dot1 = [&](int64_t r, int64_t c) {
-    float y = 0.f;
-    for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], qs::Raw<T>::get(wp[c * k + j]), y);
-    return y;
-  };
-  // four W rows at a time, parallel over W's rows; x rows two at a time against them (the last alone when odd)
+// out (M, N) = x (M, K) @ w (N, K)^T (+ bias) for fp32 x rows `xf` and weights of element type W (bf16 bits or
+// fp32): four W rows at a time, parallel over W's rows; x rows two at a time against them (the last alone when odd).
+template <typename W, typename Finish>
+void float_rows(const float* xf, const W* wp, int64_t m, int64_t n, int64_t k, const Finish& finish) {
   at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
     float acc[8];
     for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
       if (c + 4 > n) {
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t i = c; i < n; ++i) finish(r, i, dot1(r, i));
+          for (int64_t i = c; i < n; ++i) {
+            float y = 0.f;
+            for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], wide1(wp[i * k + j]), y);
+            finish(r, i, y);
+          }
         continue;
       }
       int64_t r = 0;
       for (; r + 2 <= m; r += 2) {
-        dot4x2_bf16(xf.data() + r * k, xf.data() + (r + 1) * k, wp + c * k, k, acc, acc + 4);
+        dot4_rows<2>(xf + r * k, xf + (r + 1) * k, wp + c * k, k, acc, acc + 4);
         for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]), finish(r + 1, c + i, acc[4 + i]);
       }
       if (r < m) {
-        dot4_bf16(xf.data() + r * k, wp + c * k, k, acc);
+        dot4_rows<1>(xf + r * k, nullptr, wp + c * k, k, acc, acc + 4);
         for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
       }
     }
   });
+}
+
+}  // namespace
+
+// out (M, N) = x (M, K) @ w (N, K)^T + bias (N,) fp32 where given, x and w both bf16 or both fp32: fp32 sums,
+// rounded once to x's dtype.
+at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a contiguous CPU (M, K) bf16 or fp32 tensor");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
+                  w.size(1) == x.size(1),
+              "weight must be a contiguous CPU (N, K) tensor of x's dtype with x's K");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const float* bp = optional_f32(bias, n, "bias");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    float* op = out.data_ptr<float>();
+    float_rows(x.data_ptr<float>(), w.data_ptr<float>(), m, n, k,
+               [&](int64_t r, int64_t c, float y) { op[r * n + c] = bp ? y + bp[c] : y; });
+    return out;
+  }
+  using T = c10::BFloat16;
+  std::vector<float> xf(m * k);
+  const auto* xr = qs::raw(x.data_ptr<T>());
+  for (int64_t r = 0; r < m; ++r) row_f32<T>(xr + r * k, nullptr, xf.data() + r * k, k);
+  uint16_t* op = qs::raw(out.data_ptr<T>());
+  float_rows(xf.data(), qs::raw(w.data_ptr<T>()), m, n, k,
+             [&](int64_t r, int64_t c, float y) { op[r * n + c] = qs::Raw<T>::put(bp ? y + bp[c] : y); });
   return out;
 }
 
