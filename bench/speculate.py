@@ -134,8 +134,10 @@ def main() -> None:
                                                           max_batch=max(16, args.concurrent)), cache)
                    for m in ("off", "ngram")}
         off = engines["off"]
-        print(f"{dtype}: draft costs measured at start (k drafts: a step's time / a plain step's): "
-              + " ".join(f"{c:.2f}" for c in engines["ngram"].draft_costs), flush=True)
+        costs = engines["ngram"].draft_costs
+        print(f"{dtype}: draft costs measured at start (k drafts: a forward's time / a plain step's): "
+              + " ".join(f"{c:.2f}" for c in costs.forward)
+              + f"; a drafted row's draw {costs.draw:.3f} (temperature), {costs.filtered:.3f} (top-p)", flush=True)
         n = args.tokens
         cells = [
             ("grounded", grounded(3), dict(temperature=0.0)),

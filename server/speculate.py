@@ -21,8 +21,8 @@ same tokens in every test). Greedy requests accept exactly the argmax.
 **Draft length.** Each request keeps a running acceptance rate alpha (accepted drafts over drafts examined, i.e.
 up to and including the first rejected one: the per-token rate's estimate, exponentially weighted) and proposes
 the k in 0..max that maximises the tokens a step yields per unit of its time, ``(1 - alpha^(k+1)) / (1 - alpha)``
-over ``cost[k]``: a verification of k drafts' forward time relative to a plain decode step's, measured on this
-device when the engine starts (``server.step.Stepper.draft_costs``). k = 0 (plain decode) where speculation does
+over ``cost[k]``: a verification of k drafts' time relative to a plain decode step's (its forward, and its rows'
+draws where the request samples), measured on this device when the engine starts (:class:`DraftCosts`). k = 0 (plain decode) where speculation does
 not pay; after :data:`PROBE_AFTER` steps without a proposal the rate is moved back towards the prior, so a request
 whose text turns repetitive starts speculating again.
 """
@@ -111,6 +111,24 @@ class NgramIndex:
             if at is not None:
                 return self.tokens[at: at + k]
         return []
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What drafting costs on this device, relative to a plain decode step (``server.step.Stepper.draft_costs``):
+    the forward with k drafts (``forward[k]``), and each drafted row's draw where the request samples: with the
+    temperature alone (``draw``) or through min-p, top-k or top-p (``filtered``, a sort of the vocabulary)."""
+
+    forward: tuple[float, ...]
+    draw: float = 0.0
+    filtered: float = 0.0
+
+    def of(self, params) -> tuple[float, ...]:
+        """:func:`best_length`'s costs for a request of these sampling parameters."""
+        per = 0.0
+        if params.temperature != 0.0:
+            per = self.filtered if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 else self.draw
+        return tuple(c + per * k for k, c in enumerate(self.forward))
 
 
 @dataclass

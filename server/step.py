@@ -18,7 +18,8 @@ from server.outputs import TokenLogprob, TraceStep
 from server.runner import build_step
 from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingBatch, sample
 from server.scheduler import Sequence
-from server.speculate import relative_costs
+from server.sampling_params import SamplingParams
+from server.speculate import DraftCosts, relative_costs
 
 
 @dataclass(frozen=True)
@@ -46,27 +47,37 @@ class Stepper:
         self.vocab_size = vocab_size
         self.estimate = estimate  # (chunk tokens, past, scored rows) -> activation bytes, for each request's peak
 
-    def draft_costs(self, max_k: int, repeats: int = 3) -> tuple[float, ...]:
-        """Each draft length's step time relative to a plain decode step's, on this device (server/speculate.py's
-        ``best_length``): forwards over 1, 2, 4 and max_k + 1 rows of a scratch block (a verification of k drafts is
-        k + 1 rows), the fastest of ``repeats`` each, the lengths between interpolated. Where the pool has no room
-        for the block, every length costs as much as it has rows (drafting then seldom pays)."""
+    def draft_costs(self, max_k: int, repeats: int = 3) -> DraftCosts:
+        """What drafting costs on this device relative to a plain decode step (server/speculate.py's ``DraftCosts``):
+        forwards over 1, 2, 4 and max_k + 1 rows of a scratch block (a verification of k drafts is k + 1 rows), the
+        lengths between interpolated, and one row's draw at temperature 0.7 without and with top-p; the fastest of
+        ``repeats`` each. Where the pool has no room for the block, every length costs as much as it has rows
+        (drafting then seldom pays)."""
         table = self.pool.try_reserve(PROBE_ID, max_k + 1)
         if table is None:
-            return tuple(float(k + 1) for k in range(max_k + 1))
+            return DraftCosts(tuple(float(k + 1) for k in range(max_k + 1)))
+
+        def fastest(fn) -> float:
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
+            return best
+
         times = {}
         try:
             for n in sorted({1, 2, 4, max_k + 1}):
                 step = build_step([], [([0] * n, 0, table, n)], self.block_size, self.device)
-                best = float("inf")
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    float(self.runner.forward(step)[-1, 0])  # read back: the device's work is done
-                    best = min(best, time.perf_counter() - t)
-                times[n] = best
+                times[n] = fastest(lambda: float(self.runner.forward(step)[-1, 0]))  # read back: the work is done
         finally:
             self.pool.release(PROBE_ID)
-        return relative_costs(times, max_k)
+        logits = torch.randn(1, self.vocab_size, generator=torch.Generator().manual_seed(0)).to(self.device)
+        draws = []
+        for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
+            batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
+            draws.append(fastest(lambda: int(sample(logits, batch).tokens[0])) / times[1])
+        return DraftCosts(relative_costs(times, max_k), *draws)
 
     def launch(self, plan, prev: Launched | None) -> Launched | None:
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose

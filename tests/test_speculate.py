@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram drafts (server/speculate.py): the proposer, the draft length, the drafts' blocks
 (taken only when free, given back once verified), and exactness: with speculation on a request gives the tokens
-and logprobs it gives with it off (float32), every sampling control, ``n`` samples, the prefix cache, preemption,
+and logprobs it gives with it off (float32; logprobs within 1e-4), every sampling control, ``n`` samples, the prefix cache, preemption,
 JSON mode, stop strings and streams included; the distribution of each position equal by a chi-square test over
 disjoint seeds; the pool's books exact."""
 
@@ -22,6 +22,7 @@ from server.scheduler import ON_DEMAND, RESERVE, Scheduler, Sequence
 from server.speculate import (
     PRIOR,
     PROBE_AFTER,
+    DraftCosts,
     NgramIndex,
     Speculation,
     accepted,
@@ -194,6 +195,14 @@ def test_measured_times_become_each_draft_lengths_relative_cost():
 
 
 @pytest.mark.unit
+def test_a_sampling_request_counts_its_drafted_rows_draws():
+    costs = DraftCosts((1.0, 1.0, 1.1), draw=0.1, filtered=0.3)
+    assert costs.of(SamplingParams(temperature=0.0, top_p=0.5)) == (1.0, 1.0, 1.1)
+    assert costs.of(SamplingParams(temperature=0.8)) == pytest.approx((1.0, 1.1, 1.3))
+    assert costs.of(SamplingParams(temperature=0.8, min_p=0.1)) == pytest.approx((1.0, 1.3, 1.7))
+
+
+@pytest.mark.unit
 def test_speculation_settings_are_checked_in_one_line():
     with pytest.raises(ValueError, match="--speculate must be one of off, ngram"):
         EngineConfig(speculate="eagle").validate()
@@ -208,8 +217,9 @@ def test_the_engine_measures_its_draft_costs_and_gives_the_probe_block_back(tiny
     eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
                                                              speculate="ngram", speculate_tokens=5), cache_dir)
     try:
-        costs = eng.draft_costs
+        costs = eng.draft_costs.forward
         assert len(costs) == 6 and costs[0] == 1.0 and list(costs) == sorted(costs)
+        assert 0 < eng.draft_costs.draw and 0 < eng.draft_costs.filtered
         assert_books(eng)
         c = eng.complete(LOOP * 6, greedy_exact(8))
         assert c.accounting.speculated_tokens <= 5 * 8
@@ -227,7 +237,7 @@ def _engine(model_dir, cache_dir, speculate: str, **kw) -> Engine:
     cfg.update(kw)
     eng = Engine.from_path(str(model_dir), EngineConfig(**cfg), cache_dir)
     if speculate != "off":
-        eng.draft_costs = (1.0,) * len(eng.draft_costs)
+        eng.draft_costs = DraftCosts((1.0,) * len(eng.draft_costs.forward))
     return eng
 
 
@@ -241,10 +251,12 @@ def pair(tiny_model_dir, cache_dir):
 
 
 def assert_same(got, want) -> None:
+    """The same tokens, text and finish; logprobs within 1e-4 (float32: a verification's rows may take another of
+    the kernel plan's paths than one row does, which sums in another order)."""
     assert got.token_ids == want.token_ids and got.text == want.text
     assert got.finish_reason == want.finish_reason
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
-        assert abs(a.logprob - b.logprob) <= 1e-5
+        assert abs(a.logprob - b.logprob) <= 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
