@@ -603,3 +603,34 @@ def test_preemption_on_cuda_with_graphs_and_overlapped_steps_gives_the_unpreempt
     for a, b in zip(got[14], got[None]):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
+
+
+def test_speculation_on_cuda_gives_the_tokens_of_plain_decoding():
+    """--speculate ngram on CUDA with serial steps (overlapped ones never draft): verifications run as eager
+    prefill chunks beside the decode graphs, and the draft-cost probe runs at start. Greedy and seeded sampled
+    requests over a repetitive prompt give the tokens of plain decoding in float32, drafts accepted, books clean."""
+    from helpers import word_tokenizer
+
+    from server.config import EngineConfig
+    from server.engine import Engine
+    from server.sampling_params import SamplingParams
+
+    prompt = list(range(11, 19)) * 6
+    params = [SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=48, ignore_eos=True,
+                             logit_bias=tuple((t, 12.0) for t in range(11, 19)))]
+    got = {}
+    for mode in ("off", "ngram"):
+        eng = Engine(_tiny_llama().float(), word_tokenizer(512), EngineConfig(
+            memory_budget="64MiB", dtype="float32", device="cuda", overlap=False, speculate=mode)).start()
+        try:
+            got[mode] = [eng.complete(prompt, p) for p in params]
+            if mode == "ngram":
+                assert len(eng.draft_costs.forward) == eng.config.speculate_tokens + 1
+                assert eng.totals().speculated_tokens > 0
+            eng.pool.audit()
+            assert eng.pool.used_blocks == 0
+        finally:
+            eng.close()
+    for a, b in zip(got["ngram"], got["off"]):
+        assert a.token_ids == b.token_ids
