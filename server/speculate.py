@@ -115,20 +115,22 @@ class NgramIndex:
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """What drafting costs on this device, relative to a plain decode step (``server.step.Stepper.draft_costs``):
-    the forward with k drafts (``forward[k]``), and each drafted row's draw where the request samples: with the
-    temperature alone (``draw``) or through min-p, top-k or top-p (``filtered``, a sort of the vocabulary)."""
+    """What drafting costs on this device (``server.step.Stepper.draft_costs``): the forward with k drafts relative to
+    a plain step's (``forward[k]``), and one row's draw relative to a plain step's forward, where the request samples:
+    with the temperature alone (``draw``) or through min-p, top-k or top-p (``filtered``, a sort of the vocabulary).
+    A verification draws every one of its rows, a plain step one."""
 
     forward: tuple[float, ...]
     draw: float = 0.0
     filtered: float = 0.0
 
     def of(self, params) -> tuple[float, ...]:
-        """:func:`best_length`'s costs for a request of these sampling parameters."""
-        per = 0.0
+        """:func:`best_length`'s costs for a request of these sampling parameters: (forward + k + 1 draws) over
+        (a plain forward + one draw)."""
+        d = 0.0
         if params.temperature != 0.0:
-            per = self.filtered if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 else self.draw
-        return tuple(c + per * k for k, c in enumerate(self.forward))
+            d = self.filtered if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 else self.draw
+        return tuple((c + d * (k + 1)) / (1.0 + d) for k, c in enumerate(self.forward))
 
 
 @dataclass

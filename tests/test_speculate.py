@@ -198,8 +198,8 @@ def test_measured_times_become_each_draft_lengths_relative_cost():
 def test_a_sampling_request_counts_its_drafted_rows_draws():
     costs = DraftCosts((1.0, 1.0, 1.1), draw=0.1, filtered=0.3)
     assert costs.of(SamplingParams(temperature=0.0, top_p=0.5)) == (1.0, 1.0, 1.1)
-    assert costs.of(SamplingParams(temperature=0.8)) == pytest.approx((1.0, 1.1, 1.3))
-    assert costs.of(SamplingParams(temperature=0.8, min_p=0.1)) == pytest.approx((1.0, 1.3, 1.7))
+    assert costs.of(SamplingParams(temperature=0.8)) == pytest.approx((1.0, 1.2 / 1.1, 1.4 / 1.1))
+    assert costs.of(SamplingParams(temperature=0.8, min_p=0.1)) == pytest.approx((1.0, 1.6 / 1.3, 2.0 / 1.3))
 
 
 @pytest.mark.unit
