@@ -104,12 +104,14 @@ class Stepper:
             if last:
                 (sampled if generates else scored_only).append(seq)
         ahead = [()] * len(sampled)  # per sampled row: the drafts between its request's tokens and its position
-        for seq, drafts in plan.verify:  # [last token, drafts] written and every position sampled
+        units = [(s, i, []) for i, s in enumerate(sampled)]  # (request, its first row, its drafts)
+        for seq, drafts in plan.verify:  # [last token, drafts] written and every position sampled: one unit
             start = seq.next_position
             prefill.append(([seq.generated[-1], *drafts], start, seq.blocks, len(drafts) + 1))
             score.append(0)
             seq.activation_peak = max(seq.activation_peak, self.estimate(len(drafts) + 1, start, 0))
             seq.drafts = list(drafts)
+            units.append((seq, len(sampled), seq.drafts))
             sampled += [seq] * (len(drafts) + 1)
             ahead += [tuple(drafts[:j]) for j in range(len(drafts) + 1)]
         tails = None
@@ -148,12 +150,6 @@ class Stepper:
         if any(g is not None for g in grammars):
             batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device, ahead)
         res = sample(logits, batch)
-        units, i = [], 0  # (request, its first row, its drafts): a verification's rows are one unit
-        while i < len(sampled):
-            s = sampled[i]  # a row whose next row has drafts ahead of it starts a verification
-            drafts = s.drafts if i + 1 < len(sampled) and ahead[i + 1] else []
-            units.append((s, i, drafts))
-            i += len(drafts) + 1
         for s, _, _ in units:
             s.pending += 1
         return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
