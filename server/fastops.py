@@ -11,7 +11,8 @@ extensions dir). Where it cannot be built, :func:`load` says why and the runner 
 which are the eager ops it replaces; tests hold the two to each other. ``server/csrc/attention_ops.cpp``, in the
 same library, has the sdpa backend's attention over the paged cache in place: decode rows, and prefill chunks
 (flash-style, key tiles with an online softmax); their references are the fp32 masked softmaxes beside them (the
-sdpa backend's own SDPA path remains the unfused one).
+sdpa backend's own SDPA path remains the unfused one). ``server/csrc/sampling_ops.cpp`` has the sampler's uniforms
+(server/random_stream.py is their reference).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from quant.runtime import kv_quant
 from quant.runtime.kernels.native import Extension
 from quant.shape.kv_formats import FORMATS
 from server import kv_int4
+from server.random_stream import random_uniform as ref_random_uniform
 
 _CSRC = Path(__file__).with_name("csrc")
 _EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp",
-                  _CSRC / "kv_int4_ops.cpp"],
+                  _CSRC / "kv_int4_ops.cpp", _CSRC / "sampling_ops.cpp"],
                  "quantserve_decode_ops")
 load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
 unavailable_reason = _EXT.unavailable_reason
@@ -154,6 +156,13 @@ def ref_prefill_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_
     return kv_quant.rotate(out, value_block).to(q.dtype)
 
 
+def fused_random_uniform(seeds: Tensor, steps: Tensor, ids: int | Tensor) -> Tensor:
+    """``quantserve::random_uniform``: the bits of :func:`server.random_stream.random_uniform`, on CPU tensors."""
+    if isinstance(ids, int):
+        return torch.ops.quantserve.random_uniform(seeds, steps, None, ids)
+    return torch.ops.quantserve.random_uniform(seeds, steps, ids, 0)
+
+
 # The activation model's glue kind per Ops kind: the Triton kernels allocate what the fused CPU ones do.
 MEMORY_KIND = {"fused": "fused", "triton": "fused", "eager": "eager"}
 
@@ -186,6 +195,7 @@ class Ops:
         self.store_blocks_int4 = kv_int4.ref_store_blocks_int4  # the int4 pool (server/kv_int4.py)
         self.store_tail_int4 = kv_int4.ref_store_tail_int4
         self.attention_int4 = kv_int4.ref_attention_int4
+        self.random_uniform = ref_random_uniform  # the sampler's uniforms (server/random_stream.py)
         if kind == "fused":
             ops = torch.ops.quantserve
             self.rms_norm = ops.rms_norm.default
@@ -202,6 +212,7 @@ class Ops:
             self.store_blocks_int4 = ops.store_blocks_int4.default
             self.store_tail_int4 = ops.store_tail_int4.default
             self.attention_int4 = ops.attention_int4.default
+            self.random_uniform = fused_random_uniform
         elif kind == "triton":
             from server import glue_triton as g
 

@@ -60,16 +60,18 @@ def _mul32_(x: Tensor, c: int, tmp: Tensor) -> Tensor:
     return x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_M32)
 
 
-def random_u32(seeds: Tensor, steps: Tensor, vocab_size: int, salt: int) -> Tensor:
-    """MurmurHash3_x86_32(seed lo, seed hi, step lo, step hi, v; hash seed ``salt``) for every (row, v): (B, V)."""
+def random_u32(seeds: Tensor, steps: Tensor, ids: int | Tensor, salt: int) -> Tensor:
+    """MurmurHash3_x86_32(seed lo, seed hi, step lo, step hi, v; hash seed ``salt``) for every row and every v below
+    ``ids`` (an int: (B, V)) or every v of row b's ``ids[b]`` ((B, K) int64: (B, K))."""
     # The four per-row words are absorbed on (B,) tensors and the vocab word's block mix on (V,), once each;
     # the (B, V) remainder runs in place because fresh (B, V) temporaries per op cost several times the
     # arithmetic on CPU. Same operations as _absorb(h, v), then murmur3's length xor and fmix32 finaliser.
     h = torch.full_like(seeds, salt)  # (B,)
     for word in (seeds & _M32, (seeds >> 32) & _M32, steps & _M32, (steps >> 32) & _M32):
         h = _absorb(h, word)  # (B,)
-    kv = _mix_block(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device))  # (V,)
-    x = h[:, None] ^ kv[None, :]  # (B, V)
+    if isinstance(ids, int):
+        ids = torch.arange(ids, dtype=torch.int64, device=seeds.device)[None, :]  # (1, V)
+    x = h[:, None] ^ _mix_block(ids)  # (B, V) or (B, K)
     tmp = torch.empty_like(x)  # (B, V) scratch
     torch.bitwise_right_shift(x, 19, out=tmp)
     x.bitwise_left_shift_(13).bitwise_and_(_M32).bitwise_or_(tmp)  # rotl32(x, 13)
@@ -80,10 +82,12 @@ def random_u32(seeds: Tensor, steps: Tensor, vocab_size: int, salt: int) -> Tens
     return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))  # (B, V)
 
 
-def random_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """u[b, v] in (0, 1), float64 with 52 random bits, a pure function of (seed_b, step_b, v)."""
-    a = random_u32(seeds, steps, vocab_size, _SALTS[0])  # (B, V)
-    b = random_u32(seeds, steps, vocab_size, _SALTS[1])  # (B, V)
+def random_uniform(seeds: Tensor, steps: Tensor, ids: int | Tensor) -> Tensor:
+    """u[b, v] in (0, 1), float64 with 52 random bits, a pure function of (seed_b, step_b, v), for every v below
+    ``ids`` (an int) or of row b's ``ids[b]`` ((B, K) int64). The fused CPU op ``quantserve::random_uniform``
+    (server/csrc/sampling_ops.cpp) computes the same bits in one pass."""
+    a = random_u32(seeds, steps, ids, _SALTS[0])  # (B, V)
+    b = random_u32(seeds, steps, ids, _SALTS[1])  # (B, V)
     x = a.bitwise_left_shift_(20).bitwise_or_(b.bitwise_right_shift_(12))  # (B, V) 52 bits, exact in float64
     # + 0.5 keeps u away from 0 and 1 (2**52 - 0.5 is exactly representable), so -log(-log u) is finite.
     return x.to(torch.float64).add_(0.5).mul_(2.0**-52)  # (B, V)

@@ -279,7 +279,62 @@ def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return _filter(logits, batch, want_trace=False)[0]
 
 
-def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+# The CPU's draw under min-p, top-k or top-p looks among each row's this many most probable tokens before it sorts
+# the whole vocabulary (_draw_candidates); a nucleus wider than this takes the full sort.
+TOP_CANDIDATES = 1024
+
+
+def _draw_candidates(logits: Tensor, batch: SamplingBatch, uniforms) -> tuple[Tensor, Tensor] | None:
+    """Steps 1-8 of a batch whose sampled rows filter, over each row's :data:`TOP_CANDIDATES` most probable tokens
+    instead of a sort of the whole vocabulary: (drawn tokens (B,), greedy tokens (B,)), or None when some sampled
+    row's kept set may reach past its candidates.
+
+    The candidates, ordered by value and then id, are exactly the full stable sort's prefix down to the values tied
+    with the last (a sentinel: one more than TOP_CANDIDATES is taken). A row qualifies when every token it keeps is
+    strictly above the sentinel and, unless min-p and top-k are both off for it (top-p's mass is then the temperature
+    stage's over the whole row), every token min-p and top-k keep is. Every stage then decides as :func:`_filter`
+    does, the temperature stage normalised over the whole row, and the Gumbel-max draw over the kept candidates
+    is the draw over the vocabulary with the removed tokens at log 0. One host read (the qualification), so only
+    the CPU path takes it. Reference: :func:`_filter` and the draw of :func:`sample`."""
+    x = processed_logits(logits, batch)  # (B, V)
+    greedy = batch.temperature == 0  # (B,)
+    greedy_tok = x.argmax(-1)  # (B,)
+    x = x / torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)[:, None]  # (B, V)
+    B, V = x.shape
+    top, ids = x.topk(min(V, TOP_CANDIDATES + 1), dim=-1)  # (B, K) each, descending; ties in no stated order
+    ids, by_id = ids.sort(dim=-1)  # by id, so the stable sort below orders ties by id, as the full one does
+    vals, order = top.gather(1, by_id).sort(dim=-1, descending=True, stable=True)  # (B, K)
+    ids = ids.gather(1, order)  # (B, K)
+    K = vals.shape[1]
+    # strictly above the sentinel (the last): the full sort's prefix for certain; with the whole row, everything
+    inside = vals > vals[:, -1:] if K < V else torch.ones_like(vals, dtype=torch.bool)  # (B, K)
+    m = vals[:, :1]  # (B, 1) the row's max
+    pt = torch.exp(vals - m) / torch.exp(x - m).sum(-1, keepdim=True)  # (B, K) temperature stage, whole-row mass
+    keep_k = vals > -math.inf  # (B, K)
+    min_p = batch.min_p if batch.min_p is not None else torch.zeros_like(batch.temperature)  # (B,)
+    keep_k &= pt >= min_p[:, None] * pt[:, :1]
+    k = batch.top_k  # (B,)
+    kth = vals.gather(1, (k.clamp(1, K) - 1)[:, None])  # (B, 1)
+    keep_k &= (vals >= kth) | (k == 0)[:, None]  # k >= K keeps the sentinel: the row fails below
+    whole = (k == 0) & (min_p == 0)  # (B,) min-p and top-k keep every finite token
+    bounded = ~(keep_k & ~inside).any(-1)  # (B,)
+    pk = torch.where(whole[:, None], pt, torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1))  # (B, K)
+    cum = pk.cumsum(-1)  # (B, K)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, K) mass strictly before
+    p = batch.top_p[:, None]  # (B, 1)
+    drop = (before >= p) & (p < 1)  # (B, K)
+    drop[:, 0] = False
+    keep = keep_k & ~drop  # (B, K)
+    ok = (whole | bounded) & ~(keep & ~inside).any(-1)  # (B,)
+    if not bool((ok | greedy).all()):
+        return None
+    probs = torch.softmax(vals.masked_fill(~keep, -math.inf), -1)  # (B, K) step 8's renormalisation
+    gumbel = uniforms(batch.seeds, batch.steps, ids).log_().neg_().log_().neg_()  # (B, K)
+    drawn = ids.gather(1, gumbel.add_(probs.double().log()).argmax(-1, keepdim=True))[:, 0]  # (B,)
+    return drawn, greedy_tok
+
+
+def sample(logits: Tensor, batch: SamplingBatch, ops=None) -> SampleOutput:
     """Draw one token per row of ``logits`` (B, V) following the documented order.
 
     1. logit bias added to the raw fp32 logits;
@@ -293,7 +348,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
 
     Also returns the chosen token's log-prob under the raw distribution, the raw top-N log-probs when any row
     asked for logprobs (both floored at LOGPROB_FLOOR), and each stage's top-N when any row asked for a trace.
-    No host synchronisation.
+    ``ops`` (server.fastops.Ops) gives the uniforms; with the fused CPU ops a filtering batch without a trace draws
+    among each row's top candidates (:func:`_draw_candidates`, one host read). Otherwise no host synchronisation.
     A greedy batch that asked for none of these is the argmax of steps 1-3 alone, with ``logprob`` None: at batch
     1 the softmaxes and one-hot of the general path cost ~5% of a decode step of the default model.
     """
@@ -301,19 +357,25 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     if batch.all_greedy and not batch.want_logprob and batch.trace_n == 0:
         x = processed_logits(logits, batch)  # (B, V)
         return SampleOutput(tokens=x.argmax(-1), logprob=None, top_logprobs=None, trace=None)
+    uniforms = random_uniform if ops is None else ops.random_uniform
     raw = torch.log_softmax(logits.float(), -1)  # (B, V) the model's own distribution, for logprobs
-    probs, greedy_tok, stages, stats = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
-    if batch.all_greedy:
-        tokens = greedy_tok
+    found = None
+    if ops is not None and ops.fused and batch.any_filter and batch.trace_n == 0 and not batch.all_greedy:
+        found = _draw_candidates(logits, batch, uniforms)
+    stages = stats = None
+    if found is not None:
+        drawn, greedy_tok = found
     else:
-        u = random_uniform(batch.seeds, batch.steps, probs.shape[1])  # (B, V) float64
-        gumbel = u.log_().neg_().log_().neg_()  # (B, V) -log(-log u): standard Gumbel, finite as 0 < u < 1
-        drawn = gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
-        tokens = torch.where(batch.temperature == 0, greedy_tok, drawn)  # (B,)
+        probs, greedy_tok, stages, stats = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
+        drawn = None
+        if not batch.all_greedy:
+            u = uniforms(batch.seeds, batch.steps, probs.shape[1])  # (B, V) float64
+            gumbel = u.log_().neg_().log_().neg_()  # (B, V) -log(-log u): standard Gumbel, finite as 0 < u < 1
+            drawn = gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
+    tokens = greedy_tok if drawn is None else torch.where(batch.temperature == 0, greedy_tok, drawn)  # (B,)
     logprob = raw.gather(1, tokens[:, None])[:, 0].clamp_(min=LOGPROB_FLOOR)  # (B,)
     top = None
     if batch.logprobs_n > 0:
         top_lp, top_ids = raw.topk(min(batch.logprobs_n, raw.shape[1]), dim=-1)  # (B, N) each
         top = (top_ids, top_lp.clamp_(min=LOGPROB_FLOOR))
     return SampleOutput(tokens=tokens, logprob=logprob, top_logprobs=top, trace=stages, trace_stats=stats)
-

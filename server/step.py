@@ -50,8 +50,8 @@ class Stepper:
     def draft_costs(self, max_k: int, repeats: int = 3) -> DraftCosts:
         """What drafting costs on this device relative to a plain decode step (server/speculate.py's ``DraftCosts``):
         forwards over 1, 2, 4 and max_k + 1 rows of a scratch block (a verification of k drafts is k + 1 rows), the
-        lengths between interpolated, and one row's draw at temperature 0.7 without and with top-p; the fastest of
-        ``repeats`` each. Where the pool has no room for the block, every length costs as much as it has rows
+        lengths between interpolated, and one row's draw at temperature 0.7 without and with top-p over the model's
+        logits of the last of those rows; the fastest of ``repeats`` each. Where the pool has no room for the block, every length costs as much as it has rows
         (drafting then seldom pays)."""
         table = self.pool.try_reserve(PROBE_ID, max_k + 1)
         if table is None:
@@ -65,18 +65,18 @@ class Stepper:
                 best = min(best, time.perf_counter() - t)
             return best
 
-        times = {}
+        times, logits = {}, []
         try:
             for n in sorted({1, 2, 4, max_k + 1}):
                 step = build_step([], [([0] * n, 0, table, n)], self.block_size, self.device)
-                times[n] = fastest(lambda: float(self.runner.forward(step)[-1, 0]))  # read back: the work is done
+                times[n] = fastest(lambda: logits.append(self.runner.forward(step)[-1:]) or float(logits[-1][0, 0]))
         finally:
             self.pool.release(PROBE_ID)
-        logits = torch.randn(1, self.vocab_size, generator=torch.Generator().manual_seed(0)).to(self.device)
+        logits = logits[-1]  # (1, V) read back above: the work is done
         draws = []
         for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
             batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
-            draws.append(fastest(lambda: int(sample(logits, batch).tokens[0])) / times[1])
+            draws.append(fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0])) / times[1])
         return DraftCosts(relative_costs(times, max_k), *draws)
 
     def launch(self, plan, prev: Launched | None) -> Launched | None:
@@ -149,7 +149,7 @@ class Stepper:
         grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
         if any(g is not None for g in grammars):
             batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device, ahead)
-        res = sample(logits, batch)
+        res = sample(logits, batch, self.runner.ops)
         for s, _, _ in units:
             s.pending += 1
         return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
