@@ -319,7 +319,7 @@ class Engine:
         for m in seq.group.members if seq.group is not None else [seq]:
             if grammar is not None:
                 m.state["grammar"] = Matcher(self.grammars, grammar)  # each sample its own state
-            if self.config.speculate == "ngram":
+            if self.config.speculate == "ngram" and m.params.speculate:
                 m.spec = speculate.Speculation(self.draft_costs.of(m.params))
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))
@@ -538,9 +538,10 @@ class Engine:
         for rid in dict.fromkeys(s.request_id for s in [*self.scheduler.waiting, *self.scheduler.running]):
             self._cancel(rid, error=why)
 
-    def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float) -> bool:
-        """Row ``i``'s token onto its request: its event, or its final one; whether the request goes on."""
-        o = next_token(seq, tok, i, lp, top, trace, now, self.eos_ids)
+    def _advance(self, seq: Sequence, tok: int, i: int, lp, top, trace, now: float, draft: int | None) -> bool:
+        """Row ``i``'s token (``draft``: what was drafted there) onto its request: its event, or its final one;
+        whether the request goes on."""
+        o = next_token(seq, tok, i, lp, top, trace, now, self.eos_ids, draft)
         if o.reason is None:
             self._emit(seq, Event(seq.request_id, seq.params.seed, o.text, (tok,), o.logprobs, o.trace,
                                   index=seq.index, prompt_logprobs=o.prompt_logprobs))
@@ -580,8 +581,8 @@ class Engine:
                         continue
                     try:
                         rows = self.scheduler.verified(seq, drafts, tokens[first:]) if drafts else 1
-                        for i in range(first, first + rows):
-                            if not self._advance(seq, tokens[i], i, lp, top, trace, now):
+                        for i, d in zip(range(first, first + rows), [*drafts, None]):
+                            if not self._advance(seq, tokens[i], i, lp, top, trace, now, d):
                                 break
                         else:
                             if drafts:

@@ -69,7 +69,10 @@ def _logprobs(svc: Service, lps: tuple[TokenLogprob, ...]) -> list[pb.TokenLogpr
 
 def _trace(svc: Service, steps: tuple[TraceStep, ...]) -> list[pb.TraceStep]:
     return [pb.TraceStep(**{f"after_{k}": _candidates(svc, getattr(t, k), "prob") for k in TRACE_STAGES},
-                         **{k: getattr(t, k) for k in TRACE_STATS}) for t in steps]
+                         **{k: getattr(t, k) for k in TRACE_STATS},
+                         **({} if t.draft is None else {"draft_token_id": t.draft,
+                                                        "draft_token": svc.token_text(t.draft)}))
+            for t in steps]
 
 
 def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:

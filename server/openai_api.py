@@ -192,6 +192,7 @@ def _trace(svc: Service, steps) -> list[dict]:
         return [{"token_id": i, "token": svc.token_text(i), "prob": p} for i, p in pairs]
 
     return [{f"after_{k}": cands(getattr(t, k)) for k in TRACE_STAGES} | {k: getattr(t, k) for k in TRACE_STATS}
+            | {"draft_token_id": t.draft, "draft_token": None if t.draft is None else svc.token_text(t.draft)}
             for t in steps]
 
 

@@ -117,6 +117,7 @@ class TraceStep:
     mass_top_k: float  # ... of the tokens top-k kept as well
     mass_top_p: float  # ... of the tokens top-p kept as well
     entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
+    draft: int | None = None  # the token speculation drafted for this position (None: none); kept iff it was drawn
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,9 @@ class SamplingParams:
     # None = free text; else a response format's canonical JSON text (normalize_response_format): JSON mode or a
     # JSON schema, enforced by server/grammar.py
     response_format: str | None = None
+    # False: this request never drafts under the server's --speculate (its tokens are the same either way; this
+    # only takes it out of speculation's cost and accounting)
+    speculate: bool = True
 
     def __post_init__(self):
         # frozen dataclass: normalised values (Python float/int, tuple) are written with object.__setattr__.
@@ -174,8 +177,9 @@ class SamplingParams:
                 "min_tokens",
                 f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}",
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "speculate"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         put("stop", self._check_stop(self.stop))
         put("logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "in [0, 20] or null", optional=True))
         put("trace", _int("trace", self.trace, 1, MAX_TRACE, "in [1, 50] or null", optional=True))

@@ -179,9 +179,10 @@ def first_prompt_logprobs(seq: Sequence) -> tuple:
     return tuple(seq.prompt_logprobs) if seq.group is None or seq.index == 0 else seq.group.prompt_logprobs
 
 
-def next_token(seq: Sequence, tok: int, i: int, lp, top, trace, now: float, eos_ids: frozenset[int]) -> Outcome:
-    """Row ``i`` of a step's samples, ``tok``, appended to its request: its logprobs and trace read off the step's
-    results, its text detokenized, and whether it ends the request (EOS, a grammar that terminated, a stop string,
+def next_token(seq: Sequence, tok: int, i: int, lp, top, trace, now: float, eos_ids: frozenset[int],
+               draft: int | None = None) -> Outcome:
+    """Row ``i`` of a step's samples, ``tok``, appended to its request: its logprobs and trace (with the token
+    speculation drafted there, if any) read off the step's results, its text detokenized, and whether it ends the request (EOS, a grammar that terminated, a stop string,
     the length); a stop string's text is held back until it is known not to be one."""
     p = seq.params
     plp = first_prompt_logprobs(seq)
@@ -197,7 +198,7 @@ def next_token(seq: Sequence, tok: int, i: int, lp, top, trace, now: float, eos_
         stages = {k: tuple(zip(trace[k][0][i][: p.trace], trace[k][1][i][: p.trace])) for k in TRACE_STAGES}
         stats = dict(zip(TRACE_STATS, trace["stats"][i]))
         counts = {k: int(v) for k, v in stats.items() if k.startswith("kept_")}
-        steps = (TraceStep(**stages, **stats | counts),)
+        steps = (TraceStep(**stages, **stats | counts, draft=draft),)
     detok, matcher = seq.state["detok"], seq.state["stop"]
     grammar = seq.state.get("grammar")
     if grammar is not None and not grammar.accept(tok):  # the mask allowed it: a bug, failing this request

@@ -82,7 +82,7 @@ def test_every_transport_reads_and_writes_every_control():
                   min_tokens=0, ignore_eos=True, stop=("x", "y"), logprobs=4, trace=5, min_p=0.25,  # 0: response_format
                   presence_penalty=-0.5, frequency_penalty=1.5, logit_bias={7: -100.0, 12: 2.5}, prompt_logprobs=2,
                   response_format='{"type":"json_schema","json_schema":{"schema":{"type":"object","properties":'
-                                  '{"b":{"type":"integer"},"a":{"type":"string"}}}}}')
+                                  '{"b":{"type":"integer"},"a":{"type":"string"}}}}}', speculate=False)
     assert set(values) == set(SAMPLING_FIELDS), "a new control: add it here"
     s = make_sampling(**values)
     assert s.given() == values
@@ -122,9 +122,39 @@ def test_the_trace_has_the_samplers_stages_on_every_layer():
     from server import outputs
     from server.sampling import TRACE_STAGES, TRACE_STATS
 
-    assert tuple(f.name for f in dataclasses.fields(outputs.TraceStep)) == TRACE_STAGES + TRACE_STATS
-    wire = {f"after_{s}" for s in TRACE_STAGES} | set(TRACE_STATS)
+    assert tuple(f.name for f in dataclasses.fields(outputs.TraceStep)) == TRACE_STAGES + TRACE_STATS + ("draft",)
+    wire = {f"after_{s}" for s in TRACE_STAGES} | set(TRACE_STATS) | {"draft_token_id", "draft_token"}
     assert {f.name for f in pb.TraceStep.DESCRIPTOR.fields} == wire
     assert {f.name for f in dataclasses.fields(types.TraceStep)} == wire
     assert types.TRACE_STAGES == TRACE_STAGES
     assert {f"{k}_{c}" for k in ("kept", "mass") for c in types.TRACE_CONTROLS} | {"entropy"} == set(TRACE_STATS)
+
+
+@pytest.mark.unit
+def test_a_traced_steps_draft_reaches_both_transports_and_the_table():
+    """A step speculation drafted for carries the drafted token through gRPC and HTTP to the client's TraceStep and
+    the trace table (accepted when drawn, rejected otherwise); an undrafted step carries none."""
+    import json
+    from types import SimpleNamespace
+
+    from quantserve.client import transport_grpc
+    from quantserve.client.render import trace_table
+    from quantserve.client.types import TokenLogprob, trace_from_dict
+    from rich.console import Console
+
+    from server import grpc_server, openai_api, outputs
+
+    svc = SimpleNamespace(token_text=lambda i: f"tok{i}")
+    cands = ((5, 0.6), (9, 0.4))
+    stats = dict(kept_min_p=2, kept_top_k=2, kept_top_p=2, mass_min_p=1.0, mass_top_k=1.0, mass_top_p=1.0,
+                 entropy=0.67)
+    steps = tuple(outputs.TraceStep(cands, cands, cands, cands, cands, **stats, draft=d) for d in (5, 9, None))
+    via_grpc = transport_grpc._trace(grpc_server._trace(svc, steps))
+    via_http = tuple(trace_from_dict(d) for d in json.loads(json.dumps(openai_api._trace(svc, steps))))
+    assert via_grpc == via_http
+    assert [(t.draft_token_id, t.draft_token) for t in via_grpc] == [(5, "tok5"), (9, "tok9"), (None, None)]
+    console = Console(width=300, record=True)
+    for t in via_grpc:
+        console.print(trace_table(0, t, TokenLogprob(5, "tok5", -0.51, ()), 2))
+    text = console.export_text()
+    assert "drafted 'tok5': accepted" in text and "drafted 'tok9': rejected" in text and text.count("drafted") == 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from dataclasses import replace
+
 import pytest
 import torch
 from archs import ARCHITECTURES
@@ -306,6 +308,35 @@ def test_drafts_are_accepted_and_their_blocks_counted(pair):
     assert 0 < t.acceptance_rate <= 1
     assert a.kv_bytes_speculative % on.layout.bytes_per_block == 0
     assert a.kv_blocks_reserved * on.layout.bytes_per_block >= a.kv_bytes_speculative
+    assert_books(on)
+
+
+@pytest.mark.reference
+def test_the_trace_marks_each_drafted_position(pair):
+    """Each emitted token a verification drafted for carries its draft: kept drafts are the accepted tokens, and a
+    step shows at most one rejected draft (the draw that replaced it); plain decoding marks none."""
+    off, on = pair
+    params = replace(greedy_exact(40), trace=2)
+    got, want = on.complete(LOOP * 6, params), off.complete(LOOP * 6, params)
+    assert got.token_ids == want.token_ids and all(t.draft is None for t in want.trace)
+    drafts = [(t.draft, tok) for t, tok in zip(got.trace, got.token_ids, strict=True) if t.draft is not None]
+    assert sum(d == tok for d, tok in drafts) == got.accounting.accepted_tokens > 0
+    rejected = sum(d != tok for d, tok in drafts)
+    assert rejected <= got.accounting.speculated_tokens - got.accounting.accepted_tokens
+    assert [[i for i, _ in t.top_p] for t in got.trace] == [[i for i, _ in t.top_p] for t in want.trace]
+    assert_books(on)
+
+
+@pytest.mark.reference
+def test_a_request_that_opts_out_never_drafts(pair):
+    off, on = pair
+    params = replace(greedy_exact(40), speculate=False)
+    before = on.totals().speculated_tokens
+    got = on.complete(LOOP * 6, params)
+    assert got.accounting.speculated_tokens == 0 and got.accounting.kv_bytes_speculative == 0
+    assert on.totals().speculated_tokens == before
+    assert got.token_ids == off.complete(LOOP * 6, params).token_ids
+    assert on.complete(LOOP * 6, greedy_exact(40)).accounting.speculated_tokens > 0  # the same request drafts
     assert_books(on)
 
 

@@ -49,7 +49,9 @@ _SAMPLING_HELP = MappingProxyType({"stop": "a stop string (repeat for several)",
                                    "logit_bias": "ID=BIAS: add BIAS (-100..100) to token ID's logit (repeat for "
                                                  "several)",
                                    "response_format": "OpenAI's response_format as JSON, e.g. "
-                                                      "'{\"type\": \"json_object\"}'"})
+                                                      "'{\"type\": \"json_object\"}'",
+                                   "speculate": "--no-speculate: this request never drafts, whatever the server's "
+                                                "--speculate (the tokens are the same either way)"})
 
 
 def _bias_entry(text: str) -> tuple[int, float]:
@@ -71,7 +73,7 @@ def _sampling_flags(max_new_tokens_default: int | None = None, logprobs: bool = 
             continue
         kind, kw = SAMPLING_TYPES[name], {"help": _SAMPLING_HELP.get(name)}
         if kind is bool:
-            kw.update(action="store_true", default=None)
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
         elif kind is tuple:
             kw.update(action="append")
         elif kind is dict:

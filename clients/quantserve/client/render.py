@@ -121,6 +121,10 @@ def trace_table(index: int, step: TraceStep, chosen: TokenLogprob | None, n: int
     prefix of the sorted candidates, so rank >= kept_* means that control removed it), then one line with the
     exact kept counts, masses (after temperature) and entropy of the step."""
     drew = f" drew {_tok(chosen.token)} (logprob {chosen.logprob:.3f})" if chosen is not None else ""
+    if step.draft_token is not None:  # speculation drafted this position: the draw kept or replaced the draft
+        kept = chosen is not None and (chosen.token_id == step.draft_token_id if chosen.token_id is not None
+                                       else chosen.token == step.draft_token)
+        drew += f" · drafted {_tok(step.draft_token)}: {'accepted' if kept else 'rejected'}"
     t = Table(title=Text(f"step {index}:{drew}"), title_justify="left")
     t.add_column("#", justify="right")
     names = ("after penalties", "after temperature", "after min-p", "after top-k", "after top-p")

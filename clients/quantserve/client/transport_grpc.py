@@ -90,7 +90,8 @@ def _trace(steps) -> tuple[TraceStep, ...]:
 
     return tuple(TraceStep(**{f"after_{s}": cands(getattr(t, f"after_{s}")) for s in TRACE_STAGES},
                            **{f"{k}_{c}": getattr(t, f"{k}_{c}") for k in ("kept", "mass") for c in TRACE_CONTROLS},
-                           entropy=t.entropy) for t in steps)
+                           entropy=t.entropy, draft_token_id=t.draft_token_id if t.HasField("draft_token_id") else None,
+                           draft_token=t.draft_token if t.HasField("draft_token_id") else None) for t in steps)
 
 
 def _final(request_id: str, f: pb.Final) -> dict:

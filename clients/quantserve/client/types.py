@@ -51,6 +51,7 @@ class Sampling:
     # OpenAI's response_format as JSON text: '{"type": "json_object"}' or '{"type": "json_schema", "json_schema":
     # {"schema": {...}}}' (make_sampling also takes the mapping)
     response_format: str | None = None
+    speculate: bool | None = None  # False: this request never drafts (server default: it does, under --speculate)
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by proto name (``stop`` only when non-empty)."""
@@ -129,6 +130,10 @@ class TraceStep:
     mass_top_k: float  # ... of the tokens top-k kept as well
     mass_top_p: float  # ... of the tokens top-p kept as well
     entropy: float  # nats, of the distribution the token was drawn from (0 when greedy)
+    # the token the server's speculation drafted for this step, and its text; None: none drafted. The draft was
+    # kept iff it is the token drawn (a rejected one is what the draw replaced).
+    draft_token_id: int | None = None
+    draft_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,8 @@ def trace_from_dict(d: Mapping[str, Any]) -> TraceStep:
 
     return TraceStep(**{f"after_{s}": cands(d[f"after_{s}"]) for s in TRACE_STAGES},
                      **{f"kept_{c}": int(d[f"kept_{c}"]) for c in TRACE_CONTROLS},
-                     **{f"mass_{c}": float(d[f"mass_{c}"]) for c in TRACE_CONTROLS}, entropy=float(d["entropy"]))
+                     **{f"mass_{c}": float(d[f"mass_{c}"]) for c in TRACE_CONTROLS}, entropy=float(d["entropy"]),
+                     draft_token_id=d.get("draft_token_id"), draft_token=d.get("draft_token"))
 
 
 def engine_from_dict(d: Mapping[str, Any] | None) -> EngineMemory | None:

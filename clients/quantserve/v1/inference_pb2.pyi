@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens", "ignore_eos", "stop", "logprobs", "trace", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "prompt_logprobs", "response_format")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens", "min_tokens", "ignore_eos", "stop", "logprobs", "trace", "min_p", "presence_penalty", "frequency_penalty", "logit_bias", "prompt_logprobs", "response_format", "speculate")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class SamplingParameters(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -49,7 +50,8 @@ class SamplingParameters(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
     response_format: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., trace: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[str] = ...) -> None: ...
+    speculate: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., trace: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[str] = ..., speculate: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -100,7 +102,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ...) -> None: ...
 
 class TraceStep(_message.Message):
-    __slots__ = ("after_temperature", "after_top_k", "after_top_p", "kept_top_k", "kept_top_p", "mass_top_k", "mass_top_p", "entropy", "after_penalties", "after_min_p", "kept_min_p", "mass_min_p")
+    __slots__ = ("after_temperature", "after_top_k", "after_top_p", "kept_top_k", "kept_top_p", "mass_top_k", "mass_top_p", "entropy", "after_penalties", "after_min_p", "kept_min_p", "mass_min_p", "draft_token_id", "draft_token")
     AFTER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,8 @@ class TraceStep(_message.Message):
     AFTER_MIN_P_FIELD_NUMBER: _ClassVar[int]
     KEPT_MIN_P_FIELD_NUMBER: _ClassVar[int]
     MASS_MIN_P_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     after_temperature: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_k: _containers.RepeatedCompositeFieldContainer[Candidate]
     after_top_p: _containers.RepeatedCompositeFieldContainer[Candidate]
@@ -125,7 +129,9 @@ class TraceStep(_message.Message):
     after_min_p: _containers.RepeatedCompositeFieldContainer[Candidate]
     kept_min_p: int
     mass_min_p: float
-    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ..., after_penalties: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_min_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_min_p: _Optional[int] = ..., mass_min_p: _Optional[float] = ...) -> None: ...
+    draft_token_id: int
+    draft_token: str
+    def __init__(self, after_temperature: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_k: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_top_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_top_k: _Optional[int] = ..., kept_top_p: _Optional[int] = ..., mass_top_k: _Optional[float] = ..., mass_top_p: _Optional[float] = ..., entropy: _Optional[float] = ..., after_penalties: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., after_min_p: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., kept_min_p: _Optional[int] = ..., mass_min_p: _Optional[float] = ..., draft_token_id: _Optional[int] = ..., draft_token: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
