@@ -134,10 +134,11 @@ def main() -> None:
                                                           max_batch=max(16, args.concurrent)), cache)
                    for m in ("off", "ngram")}
         off = engines["off"]
-        costs = engines["ngram"].draft_costs
-        print(f"{dtype}: draft costs measured at start (k drafts: a forward's time / a plain step's): "
-              + " ".join(f"{c:.2f}" for c in costs.forward)
-              + f"; a drafted row's draw {costs.draw:.3f} (temperature), {costs.filtered:.3f} (top-p)", flush=True)
+        costs = engines["ngram"].scheduler.draft_costs
+        print(f"{dtype}: a forward's time by its rows, measured at start, over one row's: "
+              + " ".join(f"{r}: {t / costs.seconds[0]:.2f}" for r, t in zip(costs.rows, costs.seconds))
+              + f"; a row's draw {costs.draw / costs.seconds[0]:.3f} (temperature), "
+              f"{costs.filtered / costs.seconds[0]:.3f} (top-p)", flush=True)
         n = args.tokens
         cells = [
             ("grounded", grounded(3), dict(temperature=0.0)),

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, group_blocks, shared_blocks
 from server.sampling_params import SamplingParams
-from server.speculate import Speculation, accepted
+from server.speculate import DraftCosts, Speculation, accepted, allocate
 
 ON_DEMAND, RESERVE = "on-demand", "reserve"
 MAX_DRAFT_ROWS = 64  # drafted tokens verified in one step, all requests together (each is a row of logits)
@@ -202,6 +202,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0  # requests preempted since the engine started (each sample counted)
         self.recomputed_tokens = 0  # positions computed again after preemptions, since the engine started
+        self.draft_costs = DraftCosts()  # what a step costs by its rows, and
+        self.max_drafts = 0  # the most drafts a request verifies in one step: speculate() sets both
         self.speculated_tokens = 0  # drafts verified, since the engine started
         self.accepted_tokens = 0  # of those, the drafts kept
         self._order = itertools.count()
@@ -358,32 +360,46 @@ class Scheduler:
                 n = min(seq.fill_len - seq.prefilled, budget)
                 prefill.append((seq, seq.prefilled, n))
                 budget -= n
-        verify = self._drafts(decode, min(budget, MAX_DRAFT_ROWS))
+        completing = sum(start + n == seq.fill_len for seq, start, n in prefill)  # prefills that sample a token
+        verify = self._drafts(decode, len(decode) + self.max_prefill_tokens - budget, len(decode) + completing,
+                              min(budget, MAX_DRAFT_ROWS))
         if verify:
             drafting = {id(s) for s, _ in verify}
             decode = [s for s in decode if id(s) not in drafting]
         return Plan(decode, prefill, verify)
 
-    def _drafts(self, decode: list[Sequence], budget: int) -> list[tuple[Sequence, list[int]]]:
-        """The decode rows that verify drafts this step, with their drafts: after every row has its own block and
-        the prefill its chunks, drafts take what the prefill budget leaves and only free (or evictable cached)
-        blocks, never preempting; a request's drafts stop short of its max_new_tokens."""
-        verify = []
+    def speculate(self, costs: DraftCosts, max_drafts: int) -> None:
+        """Let requests with a :class:`Speculation` draft, up to ``max_drafts`` each per step, as ``costs`` (measured
+        by the engine; DraftCosts(): a row costs nothing, so every draft is verified) say it pays."""
+        self.draft_costs, self.max_drafts = costs, max_drafts
+
+    def _drafts(self, decode: list[Sequence], base_rows: int, base_tokens: int,
+                budget: int) -> list[tuple[Sequence, list[int]]]:
+        """The decode rows that verify drafts this step, with their drafts: every request that can offers its
+        drafts (stopping short of its max_new_tokens) and :func:`server.speculate.allocate` keeps those that pay
+        on top of the step's ``base_rows`` rows (yielding ``base_tokens`` tokens), within what the prefill budget
+        leaves; after every row has its own block and the prefill its chunks, they take only free (or evictable
+        cached) blocks, never preempting."""
+        offers = []
         for seq in decode:
-            if budget <= 0:
-                break
             if seq.spec is None or seq.pending or seq.blocks is None:
                 continue
-            limit = min(budget, seq.params.max_new_tokens - len(seq.generated) - 1)
-            drafts = seq.spec.propose(seq.prompt, seq.generated, limit) if limit > 0 else []
+            limit = min(budget, self.max_drafts, seq.params.max_new_tokens - len(seq.generated) - 1)
+            drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
+            offers.append((seq, drafts))
+        lengths = allocate([(s.spec.alpha, len(d), s.spec.draw) for s, d in offers], base_rows, base_tokens, budget,
+                           self.draft_costs) if offers else []
+        verify = []
+        for (seq, drafts), k in zip(offers, lengths):
+            drafts = drafts[:k]
             held = self.pool.held_blocks(seq.id)
             while drafts and not self.pool.grow(seq.id, seq.next_position + 1 + len(drafts)):
                 drafts = drafts[:-1]
             if not drafts:
+                seq.spec.skip()
                 continue
             seq.spec_peak_blocks = max(seq.spec_peak_blocks, self.pool.held_blocks(seq.id) - held)
             seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
-            budget -= len(drafts)
             verify.append((seq, drafts))
         return verify
 

@@ -19,16 +19,19 @@ a (k+1)-row forward computes against a one-row one (a near tie can then fall the
 same tokens in every test). Greedy requests accept exactly the argmax.
 
 **Draft length.** Each request keeps a running acceptance rate alpha (accepted drafts over drafts examined, i.e.
-up to and including the first rejected one: the per-token rate's estimate, exponentially weighted) and proposes
-the k in 0..max that maximises the tokens a step yields per unit of its time, ``(1 - alpha^(k+1)) / (1 - alpha)``
-over ``cost[k]``: a verification of k drafts' time relative to a plain decode step's (its forward, and its rows'
-draws where the request samples), measured on this device when the engine starts (:class:`DraftCosts`). k = 0 (plain decode) where speculation does
-not pay; after :data:`PROBE_AFTER` steps without a proposal the rate is moved back towards the prior, so a request
-whose text turns repetitive starts speculating again.
+up to and including the first rejected one: the per-token rate's estimate, exponentially weighted). Each step the
+scheduler offers every decoding request's drafts to :func:`allocate`, which verifies those that pay: the j-th
+draft adds alpha^j expected tokens and one row to the step's forward, whose time by its rows was measured on this
+device when the engine started (:class:`DraftCosts`), with that row's draw where the request samples. A lone
+request drafts while its rate pays for the rows; in a large batch, where a row costs nearly its share of the
+compute, only the likely drafts are verified; none where plain decoding does best. After :data:`PROBE_AFTER`
+steps without a verification the rate is moved back towards the prior, so a request whose text turns repetitive
+drafts again.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 MODES = ("off", "ngram")
@@ -36,7 +39,7 @@ NGRAM_MAX = 4  # longest suffix matched
 NGRAM_MIN = 2  # shortest: a single token repeats too often in ordinary text to predict the next ones
 PRIOR = 0.5  # the acceptance rate a request starts with
 DECAY = 0.8  # weight of the past in the running rate, per verified step
-PROBE_AFTER = 16  # steps without a proposal after which the rate is moved half way back to the prior
+PROBE_AFTER = 16  # steps without a verification after which the rate is moved half way back to the prior
 
 
 def accepted(drafts: list[int], draws: list[int]) -> int:
@@ -48,38 +51,34 @@ def accepted(drafts: list[int], draws: list[int]) -> int:
     return len(drafts)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a verification of k drafts yields when each is accepted with probability alpha (until the first
-    rejection), counting the draw at the first rejection or the bonus token."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def allocate(offers: list[tuple[float, int, float]], base_rows: int, base_tokens: float, budget: int,
+             costs: DraftCosts) -> list[int]:
+    """How many drafts each request verifies this step: ``offers`` (one per request that could: its acceptance rate
+    alpha, the drafts it has, a drafted row's draw in seconds), on top of a step of ``base_rows`` forward rows that
+    yields ``base_tokens`` tokens (its decode rows and the prefills it completes), at most ``budget`` drafts in all.
 
-
-def best_length(alpha: float, costs: tuple[float, ...]) -> int:
-    """The draft length in 0..len(costs) - 1 with the most tokens per unit of step time (ties: the shorter);
-    ``costs[k]``: a step with k drafts' time relative to a plain one's (``costs[0]`` = 1)."""
-    best, best_rate = 0, 1.0
-    for k in range(1, len(costs)):
-        rate = expected_tokens(alpha, k) / costs[k]
-        if rate > best_rate + 1e-9:
-            best, best_rate = k, rate
+    The j-th draft of a request with rate alpha adds alpha^j expected tokens (it counts only if every draft before
+    it was accepted). Drafts are added best gain first, each growing the step's time by the forward of one more
+    row (:meth:`DraftCosts.forward`, measured) and its draw; of all those prefixes the one with the most expected
+    tokens per second is taken, none if plain decoding does best. So a lone request drafts as long as its rate
+    pays for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute, only
+    drafts that are likely accepted are verified."""
+    ks = [0] * len(offers)
+    heap = [(-alpha, i) for i, (alpha, n, _) in enumerate(offers) if n > 0 and alpha > 0]
+    heapq.heapify(heap)
+    rows, draws, tokens = base_rows, 0.0, base_tokens
+    best_rate, best = tokens / costs.forward(rows), list(ks)
+    while heap and rows - base_rows < budget:
+        gain, i = heapq.heappop(heap)
+        alpha, n, draw = offers[i]
+        ks[i] += 1
+        rows, draws, tokens = rows + 1, draws + draw, tokens - gain
+        if ks[i] < n:
+            heapq.heappush(heap, (gain * alpha, i))
+        rate = tokens / (costs.forward(rows) + draws)
+        if rate > best_rate * (1 + 1e-9):
+            best_rate, best = rate, list(ks)
     return best
-
-
-def relative_costs(times: dict[int, float], max_k: int) -> tuple[float, ...]:
-    """``times``: a forward's seconds by its rows (1 among them); each draft length's time relative to one row's,
-    interpolated linearly between the rows measured (k drafts: k + 1 rows), never below a shorter length's."""
-    rows = sorted(times)
-    costs, last = [], 1.0
-    for k in range(max_k + 1):
-        n = k + 1
-        hi = next((r for r in rows if r >= n), rows[-1])
-        lo = max((r for r in rows if r <= n), default=rows[0])
-        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
-        last = max(last, t / times[1]) if k else 1.0
-        costs.append(last)
-    return tuple(costs)
 
 
 class NgramIndex:
@@ -115,52 +114,63 @@ class NgramIndex:
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """What drafting costs on this device (``server.step.Stepper.draft_costs``): the forward with k drafts relative to
-    a plain step's (``forward[k]``), and one row's draw relative to a plain step's forward, where the request samples:
-    with the temperature alone (``draw``) or through min-p, top-k or top-p (``filtered``, a sort of the vocabulary).
-    A verification draws every one of its rows, a plain step one."""
+    """What a step costs on this device (``server.step.Stepper.draft_costs`` measures it when the engine starts):
+    a forward's seconds by its rows (``rows`` ascending from 1, ``seconds`` each), and one row's draw in seconds
+    where the request samples: with the temperature alone (``draw``) or through min-p, top-k or top-p
+    (``filtered``). A verification draws every one of its rows, a plain step one."""
 
-    forward: tuple[float, ...]
+    rows: tuple[int, ...] = (1,)
+    seconds: tuple[float, ...] = (1.0,)
     draw: float = 0.0
     filtered: float = 0.0
 
-    def of(self, params) -> tuple[float, ...]:
-        """:func:`best_length`'s costs for a request of these sampling parameters: (forward + k + 1 draws) over
-        (a plain forward + one draw)."""
-        d = 0.0
-        if params.temperature != 0.0:
-            d = self.filtered if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 else self.draw
-        return tuple((c + d * (k + 1)) / (1.0 + d) for k, c in enumerate(self.forward))
+    def forward(self, n: int) -> float:
+        """Seconds of a forward over n rows: linear between the rows measured, and beyond the last along the last
+        two's slope; never less than a forward over fewer rows."""
+        rows, secs = self.rows, self.seconds
+        if n <= rows[0] or len(rows) == 1:
+            return secs[0]
+        hi = next((j for j, r in enumerate(rows) if r >= n), len(rows) - 1)
+        t = secs[hi - 1] + (secs[hi] - secs[hi - 1]) * (n - rows[hi - 1]) / (rows[hi] - rows[hi - 1])
+        return max(t, *secs[: hi + (rows[hi] < n)])
+
+    def draw_of(self, params) -> float:
+        """One drafted row's draw, in seconds, for a request of these sampling parameters (0 when greedy)."""
+        if params.temperature == 0.0:
+            return 0.0
+        return self.filtered if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 else self.draw
 
 
 @dataclass
 class Speculation:
     """One sequence's speculation: its n-gram index, its running acceptance rate, and what it has proposed and had
-    accepted (its response reports both). ``costs``: :func:`best_length`'s, one per draft length up to the most."""
+    accepted (its response reports both). ``draw``: a drafted row's draw in seconds (:meth:`DraftCosts.draw_of`)."""
 
-    costs: tuple[float, ...]
+    draw: float = 0.0
     index: NgramIndex = field(default_factory=NgramIndex)
     alpha: float = PRIOR
-    idle: int = 0  # steps since its last proposal
+    idle: int = 0  # steps since its last verification
     proposed: int = 0
     accepted: int = 0
     steps: int = 0  # verifications
 
-    def propose(self, prompt: list[int], generated: list[int], limit: int) -> list[int]:
-        """The drafts for its next step, at most ``limit`` (what its max_new_tokens and the pool leave), from its
-        prompt and generated tokens (indexed here, on the engine thread, as they come)."""
+    def offer(self, prompt: list[int], generated: list[int], limit: int) -> list[int]:
+        """The drafts it could verify next, at most ``limit`` (what its max_new_tokens and the step leave), from its
+        prompt and generated tokens (indexed here, on the engine thread, as they come); :func:`allocate` decides
+        how many it does."""
         seen = len(self.index.tokens)
         if seen < len(prompt):
             self.index.extend(prompt[seen:])
         self.index.extend(generated[max(0, seen - len(prompt)):])
-        k = min(limit, best_length(self.alpha, self.costs))
-        drafts = self.index.propose(k)
-        if not drafts:
-            self.idle += 1
-            if self.idle >= PROBE_AFTER:
-                self.alpha = (self.alpha + PRIOR) / 2
-                self.idle = 0
-        return drafts
+        return self.index.propose(limit)
+
+    def skip(self) -> None:
+        """A step in which it verified nothing: after :data:`PROBE_AFTER` of them its rate moves half way back to
+        the prior, so a request whose text turns repetitive drafts again."""
+        self.idle += 1
+        if self.idle >= PROBE_AFTER:
+            self.alpha = (self.alpha + PRIOR) / 2
+            self.idle = 0
 
     def record(self, proposed: int, accepted_: int) -> None:
         """A verification's outcome: ``accepted_`` of ``proposed`` drafts accepted."""

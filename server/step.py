@@ -19,7 +19,7 @@ from server.runner import build_step
 from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingBatch, sample
 from server.scheduler import Sequence
 from server.sampling_params import SamplingParams
-from server.speculate import DraftCosts, relative_costs
+from server.speculate import DraftCosts
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,17 @@ class Stepper:
         self.vocab_size = vocab_size
         self.estimate = estimate  # (chunk tokens, past, scored rows) -> activation bytes, for each request's peak
 
-    def draft_costs(self, max_k: int, repeats: int = 3) -> DraftCosts:
-        """What drafting costs on this device relative to a plain decode step (server/speculate.py's ``DraftCosts``):
-        forwards over 1, 2, 4 and max_k + 1 rows of a scratch block (a verification of k drafts is k + 1 rows), the
-        lengths between interpolated, and one row's draw at temperature 0.7 without and with top-p over the model's
-        logits of the last of those rows; the fastest of ``repeats`` each. Where the pool has no room for the block, every length costs as much as it has rows
-        (drafting then seldom pays)."""
-        table = self.pool.try_reserve(PROBE_ID, max_k + 1)
-        if table is None:
-            return DraftCosts(tuple(float(k + 1) for k in range(max_k + 1)))
+    def draft_costs(self, repeats: int = 3) -> DraftCosts:
+        """What a step costs on this device by its rows (server/speculate.py's ``DraftCosts``): forwards over 1, 2,
+        4 ... :data:`PROBE_ROWS` rows of scratch blocks (as many as the pool has room for), and one row's draw at
+        temperature 0.7 without and with top-p over the model's logits of the last of those rows; the fastest of
+        ``repeats`` each. Where the pool has no room for even two rows, every row costs as much as a step (drafting
+        then seldom pays)."""
+        n = PROBE_ROWS
+        while n > 1 and (table := self.pool.try_reserve(PROBE_ID, n)) is None:
+            n //= 2
+        if n == 1:
+            return DraftCosts((1, 2), (1.0, 2.0))
 
         def fastest(fn) -> float:
             best = float("inf")
@@ -67,17 +69,17 @@ class Stepper:
 
         times, logits = {}, []
         try:
-            for n in sorted({1, 2, 4, max_k + 1}):
-                step = build_step([], [([0] * n, 0, table, n)], self.block_size, self.device)
-                times[n] = fastest(lambda: logits.append(self.runner.forward(step)[-1:]) or float(logits[-1][0, 0]))
+            for rows in (2**i for i in range(n.bit_length())):
+                step = build_step([], [([0] * rows, 0, table, rows)], self.block_size, self.device)
+                times[rows] = fastest(lambda: logits.append(self.runner.forward(step)[-1:]) or float(logits[-1][0, 0]))
         finally:
             self.pool.release(PROBE_ID)
         logits = logits[-1]  # (1, V) read back above: the work is done
         draws = []
         for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
             batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
-            draws.append(fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0])) / times[1])
-        return DraftCosts(relative_costs(times, max_k), *draws)
+            draws.append(fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0])))
+        return DraftCosts(tuple(times), tuple(times.values()), *draws)
 
     def launch(self, plan, prev: Launched | None) -> Launched | None:
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
@@ -155,7 +157,8 @@ class Stepper:
         return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
 
 
-PROBE_ID = "\0draft-costs"  # the pool id of the block Stepper.draft_costs writes to
+PROBE_ID = "\0draft-costs"  # the pool id of the blocks Stepper.draft_costs writes to
+PROBE_ROWS = 64  # the most rows it measures a forward over (a step's time beyond: extrapolated)
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:

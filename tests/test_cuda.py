@@ -626,7 +626,7 @@ def test_speculation_on_cuda_gives_the_tokens_of_plain_decoding():
         try:
             got[mode] = [eng.complete(prompt, p) for p in params]
             if mode == "ngram":
-                assert len(eng.draft_costs.forward) == eng.config.speculate_tokens + 1
+                assert len(eng.scheduler.draft_costs.rows) >= 2
                 assert eng.totals().speculated_tokens > 0
             eng.pool.audit()
             assert eng.pool.used_blocks == 0

@@ -28,14 +28,13 @@ from server.speculate import (
     NgramIndex,
     Speculation,
     accepted,
-    best_length,
-    expected_tokens,
-    relative_costs,
+    allocate,
 )
 
 BS = 16
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18]  # a prompt that repeats itself: its n-grams predict its continuation
-LINEAR = tuple(1 + 0.1 * k for k in range(9))  # a step with k drafts costs 1 + 0.1 k plain ones
+# a forward over n rows costs 1 + 0.1 (n - 1) one-row ones, up to 64 rows
+LINEAR = DraftCosts((1, 64), (1.0, 7.3))
 
 
 # ------------------------------------------------------------------------------------------------ the parts alone
@@ -65,20 +64,30 @@ def test_the_ngram_index_proposes_what_followed_the_last_earlier_occurrence_of_t
 
 @pytest.mark.unit
 def test_the_draft_length_follows_the_acceptance_rate():
-    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert expected_tokens(1.0, 3) == 4
-    assert best_length(0.0, LINEAR) == 0 and best_length(0.05, LINEAR) == 0  # never pays: plain decode
-    lengths = [best_length(a, LINEAR) for a in (0.2, 0.5, 0.8, 0.95)]
-    assert lengths == sorted(lengths) and 0 < lengths[0] and lengths[-1] == 8
-    assert best_length(0.99, LINEAR[:4]) == 3 and best_length(0.5, tuple(1 + 10.0 * k for k in range(9))) == 0
-    spec = Speculation(LINEAR)
+    alone = [allocate([(a, 8, 0.0)], 1, 1, 64, LINEAR)[0] for a in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95)]
+    assert alone[:2] == [0, 0] and alone[2] > 0 and alone == sorted(alone) and alone[-1] == 8  # 0.05: never pays
+    assert allocate([(0.99, 3, 0.0)], 1, 1, 64, LINEAR) == [3]  # no more than it has
+    assert allocate([(0.99, 8, 0.0)], 1, 1, 2, LINEAR) == [2]  # nor than the step leaves
+    assert allocate([(0.5, 8, 0.0)], 1, 1, 64, DraftCosts((1, 2), (1.0, 11.0))) == [0]  # rows too dear
+    assert allocate([(0.8, 8, 0.0)], 1, 1, 64, DraftCosts()) == [8]  # rows that cost nothing: every draft
+    assert allocate([(0.8, 8, 10.0)], 1, 1, 64, DraftCosts()) == [0]  # ... but their draws do
+    # In a batch of 16 whose rows cost their share of the compute, only drafts likely to be kept pay, best first:
+    # rate 0.9 drafts more than 0.6, and the 0.3 request none.
+    share = DraftCosts((1, 16, 64), (1.0, 2.5, 5.5))
+    ks = allocate([(0.9, 8, 0.0), (0.6, 8, 0.0), (0.3, 8, 0.0)], 16, 16, 64, share)
+    assert ks[0] > ks[1] > 0 and ks[2] == 0
+    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, LINEAR)[0] > 0  # alone, 0.3 pays
+    assert allocate([(0.9, 8, 0.0)], 16, 16, 64, DraftCosts((1, 16, 64), (1.0, 2.5, 10.0))) == [0]  # nothing does
+
+    spec = Speculation()
     for _ in range(20):
         spec.record(4, 0)
-    assert spec.alpha < 0.05 and spec.propose(LOOP * 3, [], 8) == []  # nothing pays any more
-    for _ in range(PROBE_AFTER - 1):
-        spec.propose(LOOP * 3, [], 8)
+    assert spec.alpha < 0.05 and allocate([(spec.alpha, 8, 0.0)], 1, 1, 64, LINEAR) == [0]  # nothing pays
+    for _ in range(PROBE_AFTER):
+        spec.skip()
     assert spec.alpha > PRIOR / 2 - 0.05  # moved half way back: the next repetitive text is drafted again
-    assert spec.propose(LOOP * 3, [], 8)[:1] == LOOP[:1]
+    assert allocate([(spec.alpha, 8, 0.0)], 1, 1, 64, LINEAR)[0] > 0
+    assert spec.offer(LOOP * 3, [], 8)[:1] == LOOP[:1]
     spec.record(3, 3)
     assert spec.proposed == 83 and spec.accepted == 3 and spec.steps == 21
 
@@ -86,12 +95,14 @@ def test_the_draft_length_follows_the_acceptance_rate():
 def _scheduler(blocks: int, admission: str = ON_DEMAND, prefill: int = 1024) -> Scheduler:
     layout = KVLayout(layers=1, kv_heads=1, head_dim=4, dtype=torch.float32, block_size=BS)
     pool = BlockPool(layout, blocks * layout.bytes_per_block, allocate=False, prefix_cache=True)
-    return Scheduler(pool, 8, prefill, admission, 0)
+    s = Scheduler(pool, 8, prefill, admission, 0)
+    s.speculate(DraftCosts(), 8)
+    return s
 
 
 def _seq(rid: str, prompt: list[int], new: int) -> Sequence:
     seq = Sequence(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=new, seed=0), sink=None)
-    seq.spec = Speculation((1.0,) * 9)
+    seq.spec = Speculation()
     return seq
 
 
@@ -188,20 +199,24 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
 
 
 @pytest.mark.unit
-def test_measured_times_become_each_draft_lengths_relative_cost():
-    costs = relative_costs({1: 0.030, 2: 0.031, 4: 0.036, 9: 0.066}, 8)
-    assert costs[0] == 1.0 and costs[1] == pytest.approx(31 / 30) and costs[3] == pytest.approx(36 / 30)
-    assert costs[2] == pytest.approx((31 + 2.5) / 30) and costs[8] == pytest.approx(66 / 30)
-    assert costs[5] == pytest.approx((36 + 30 * 2 / 5) / 30)
-    assert relative_costs({1: 0.03, 2: 0.028, 4: 0.05}, 3) == (1.0, 1.0, pytest.approx(1.3), pytest.approx(5 / 3))
+def test_a_steps_time_by_its_rows_between_and_beyond_the_measured_ones():
+    costs = DraftCosts((1, 2, 4, 8), (0.030, 0.031, 0.036, 0.066))
+    assert costs.forward(1) == 0.030 and costs.forward(0) == 0.030 and costs.forward(4) == 0.036
+    assert costs.forward(3) == pytest.approx(0.0335) and costs.forward(6) == pytest.approx(0.051)
+    assert costs.forward(16) == pytest.approx(0.066 + 8 * 0.030 / 4)  # beyond: the last two's slope
+    noisy = DraftCosts((1, 2, 4), (0.03, 0.028, 0.05))
+    assert noisy.forward(2) == 0.03 and noisy.forward(3) == pytest.approx(0.039)  # never below fewer rows
+    assert DraftCosts().forward(50) == 1.0  # one row measured: every step costs it
+    assert DraftCosts((1, 2, 4), (0.03, 0.04, 0.02)).forward(9) == 0.04
 
 
 @pytest.mark.unit
 def test_a_sampling_request_counts_its_drafted_rows_draws():
-    costs = DraftCosts((1.0, 1.0, 1.1), draw=0.1, filtered=0.3)
-    assert costs.of(SamplingParams(temperature=0.0, top_p=0.5)) == (1.0, 1.0, 1.1)
-    assert costs.of(SamplingParams(temperature=0.8)) == pytest.approx((1.0, 1.2 / 1.1, 1.4 / 1.1))
-    assert costs.of(SamplingParams(temperature=0.8, min_p=0.1)) == pytest.approx((1.0, 1.6 / 1.3, 2.0 / 1.3))
+    costs = DraftCosts(draw=0.1, filtered=0.3)
+    assert costs.draw_of(SamplingParams(temperature=0.0, top_p=0.5)) == 0.0
+    assert costs.draw_of(SamplingParams(temperature=0.8)) == 0.1
+    assert costs.draw_of(SamplingParams(temperature=0.8, min_p=0.1)) == 0.3
+    assert costs.draw_of(SamplingParams(temperature=0.8, top_k=3)) == 0.3
 
 
 @pytest.mark.unit
@@ -219,9 +234,10 @@ def test_the_engine_measures_its_draft_costs_and_gives_the_probe_block_back(tiny
     eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
                                                              speculate="ngram", speculate_tokens=5), cache_dir)
     try:
-        costs = eng.draft_costs.forward
-        assert len(costs) == 6 and costs[0] == 1.0 and list(costs) == sorted(costs)
-        assert 0 < eng.draft_costs.draw and 0 < eng.draft_costs.filtered
+        costs = eng.scheduler.draft_costs
+        assert costs.rows[0] == 1 and len(costs.rows) >= 2 and list(costs.rows) == sorted(costs.rows)
+        assert all(t > 0 for t in costs.seconds) and eng.scheduler.max_drafts == 5
+        assert 0 < costs.draw and 0 < costs.filtered
         assert_books(eng)
         c = eng.complete(LOOP * 6, greedy_exact(8))
         assert c.accounting.speculated_tokens <= 5 * 8
@@ -239,7 +255,7 @@ def _engine(model_dir, cache_dir, speculate: str, **kw) -> Engine:
     cfg.update(kw)
     eng = Engine.from_path(str(model_dir), EngineConfig(**cfg), cache_dir)
     if speculate != "off":
-        eng.draft_costs = DraftCosts((1.0,) * len(eng.draft_costs.forward))
+        eng.scheduler.speculate(DraftCosts(), eng.config.speculate_tokens)
     return eng
 
 
