@@ -68,6 +68,7 @@ class SamplingBatch:
     any_filter: bool = True  # some sampled row has top_k > 0, top_p < 1 or min_p > 0
     all_greedy: bool = False  # every row has T == 0 (no random draw needed)
     want_logprob: bool = True  # some row asked for logprobs (else a greedy batch skips the log-softmax)
+    any_repetition: bool = True  # some row has repetition_penalty != 1 (else step 2 is skipped)
     min_p: Tensor | None = None  # (B,) fp32; None when no row has min_p > 0
     # presence and frequency penalties, (B,) fp32 each, and where each row's generated ids start in ``history``
     # (B,) int64; None when no row has either penalty
@@ -126,6 +127,7 @@ class SamplingBatch:
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
             all_greedy=not sampled,
             want_logprob=any(p.logprobs is not None for p in params),
+            any_repetition=any(p.repetition_penalty != 1.0 for p in params),
             min_p=f[3] if any(p.min_p > 0.0 for p in sampled) else None,
             presence=f[4] if counted else None, frequency=f[5] if counted else None,
             generated_from=i[3] if counted else None,
@@ -210,7 +212,7 @@ def processed_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Steps 1-3 on fp32 logits (B, V), then the structured-output mask; a new tensor whenever a step changes
     anything."""
     x = apply_logit_bias(logits.float(), batch.bias_ids, batch.bias_values)  # (B, V)
-    x = apply_penalty(x, batch.repetition_penalty, batch.history)  # (B, V)
+    x = apply_penalty(x, batch.repetition_penalty, batch.history if batch.any_repetition else None)  # (B, V)
     x = apply_presence_frequency(x, batch)  # (B, V)
     if batch.allowed is not None:
         x = x.masked_fill(~unpack_bitmask(batch.allowed, x.shape[1]), -math.inf)  # (B, V)

@@ -252,6 +252,9 @@ def test_build_checks_and_flags():
     assert b.history is None and b.logprobs_n == 2 and b.trace_n == 5 and b.any_filter and not b.all_greedy
     assert b.temperature.dtype == torch.float32 and b.top_k.dtype == torch.int64 and b.seeds.tolist() == [1, 2, 3]
     assert SamplingBatch.build(ps[:1], [1], [0], None).all_greedy
+    counted = SamplingBatch.build([SamplingParams(presence_penalty=0.5)], [1], [0], [[3, 4]], prompt_lens=[1])
+    assert counted.history is not None and not counted.any_repetition  # step 2 skipped: its penalty is 1
+    assert SamplingBatch.build([SamplingParams(repetition_penalty=1.2)], [1], [0], [[3]]).any_repetition
     with pytest.raises(ValueError, match="histories"):
         SamplingBatch.build([SamplingParams(repetition_penalty=1.2)], [1], [0], None)
     with pytest.raises(ValueError):
