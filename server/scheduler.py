@@ -30,8 +30,9 @@ Every step:
    tokens are planned for this step: a long prompt is spread over several steps, so the decode latency of
    the running requests stays bounded by one chunk, not by the longest prompt that arrives;
 4. a decoding request that speculates (server/speculate.py) and has no sample in flight may turn its row into a
-   verification of drafted tokens, with what the prefill budget leaves (at most MAX_DRAFT_ROWS drafts a step) and
-   only blocks that are free: drafts never preempt. Its rejected drafts' blocks return once it is read
+   verification of drafted tokens: the drafts that pay for their rows on top of this step's (``allocate``), with
+   what the prefill budget leaves (at most MAX_DRAFT_ROWS drafts a step) and only blocks that are free: drafts
+   never preempt. Its rejected drafts' blocks return once it is read
    (:meth:`Scheduler.rollback`).
 
 Requests join at any step boundary and leave the moment they finish or are cancelled, with their blocks
