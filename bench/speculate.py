@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts on the default model on this CPU: tokens/s with speculation on against
 off, in the same run.
 
-    python bench/speculate.py [--dtypes bfloat16,float32] [--tokens 128] [--concurrent 16] [--json]
+    python bench/speculate.py [--dtypes bfloat16,float32] [--tokens 128] [--concurrent 16]
+                              [--workloads grounded,chat,concurrent] [--rounds 2] [--json]
 
 Workloads, each run with ``--speculate off`` and ``ngram`` on two engines loaded side by side (runs alternate, so
 a drift of the machine falls on both):
@@ -116,8 +117,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each cell per engine (the best kept)")
+    ap.add_argument("--workloads", default="grounded,chat,concurrent",
+                    help="which cells to run: grounded (batch 1), chat, concurrent (grounded x N)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    wanted = set(args.workloads.split(","))
 
     import torch
 
@@ -148,6 +152,8 @@ def main() -> None:
             (f"grounded x{args.concurrent}", grounded(args.concurrent), dict(temperature=0.0)),
         ]
         for name, msgs, kw in cells:
+            if ("concurrent" if name.startswith("grounded x") else name) not in wanted:
+                continue
             prompts = [off.chat_prompt(m) for m in msgs]
             params = SamplingParams(max_new_tokens=n, min_tokens=n, **kw)
             batched = name.startswith("grounded x")
