@@ -440,6 +440,24 @@ def test_preempted_speculating_requests_give_what_they_give_alone(tiny_model_dir
 
 
 @pytest.mark.reference
+def test_a_seed_reproduces_a_speculative_run_in_bf16(tiny_model_dir, cache_dir):
+    """What a seed reproduces with speculation on, where rounding may part it from plain decoding (bf16: a
+    verification's rows round apart from one-row steps): the same request and settings give the same tokens and
+    the same drafts each time."""
+    eng = _engine(tiny_model_dir, cache_dir, "ngram", dtype="bfloat16")
+    try:
+        for params in (greedy(48), SamplingParams(max_new_tokens=48, seed=11, **EVERY_CONTROL)):
+            for prompt in _prompts(eng)[:2]:
+                runs = [eng.complete(prompt, replace(params, trace=1)) for _ in range(2)]
+                assert runs[0].token_ids == runs[1].token_ids and runs[0].text == runs[1].text
+                assert [t.draft for t in runs[0].trace] == [t.draft for t in runs[1].trace]
+        assert eng.totals().speculated_tokens > 0
+        assert_books(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.reference
 def test_json_mode_keeps_its_grammar_through_drafts(pair):
     pytest.importorskip("xgrammar")
     off, on = pair
