@@ -463,12 +463,16 @@ def test_json_mode_keeps_its_grammar_through_drafts(pair):
     off, on = pair
     fmt = json.dumps({"type": "json_object"})
     prompt = on.tokenize('{"a": 1, "b": 2, "a": 1, "b": 2, "a": 1, "b": 2')
+    every = {k: v for k, v in EVERY_CONTROL.items() if k != "min_tokens"}  # (refused with a response_format)
+    before = on.totals().speculated_tokens
     for params in (greedy(48, response_format=fmt), SamplingParams(max_new_tokens=48, seed=2, temperature=0.7,
-                                                                  response_format=fmt)):
+                                                                  response_format=fmt),
+                   SamplingParams(max_new_tokens=48, seed=5, response_format=fmt, **every)):
         want, got = off.complete(prompt, params), on.complete(prompt, params)
         assert_same(got, want)
         if got.finish_reason == "stop":
             json.loads(got.text)
+    assert on.totals().speculated_tokens > before
     assert_books(on)
 
 
