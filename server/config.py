@@ -53,6 +53,13 @@ class EngineConfig:
         """Tokens per KV block: ``block_size`` when given, else the KV format's default (server/kv_pool.py)."""
         return self.block_size if self.block_size is not None else default_block_size(self.kv_format)
 
+    @property
+    def speculates(self) -> bool:
+        """Whether requests draft (server/speculate.py): ``ngram``, or ``auto`` on the CPU without an int4 cache."""
+        if self.speculate == "auto":
+            return torch.device(self.device).type == "cpu" and self.kv_dtype != "int4"
+        return self.speculate == "ngram"
+
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size", "speculate_tokens"):
             v = self.kv_block_size if name == "block_size" else getattr(self, name)
@@ -86,7 +93,7 @@ class EngineConfig:
         modes = BY_NAME["speculate"].choices
         if self.speculate not in modes:
             raise ValueError(f"--speculate must be one of {', '.join(modes)}, got {self.speculate!r}")
-        if self.speculate != "off" and self.kv_dtype == "int4":
+        if self.speculate == "ngram" and self.kv_dtype == "int4":
             raise ValueError("--speculate: not with --kv-dtype int4 (a block is quantized as its tokens complete it, "
                              "which a rejected draft could not take back); choose int8 or turn speculation off")
         if not isinstance(self.prefix_cache, bool):

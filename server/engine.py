@@ -145,7 +145,7 @@ class Engine:
         self.eos_ids = eos_ids(model, tokenizer)
         self.step = Stepper(self.runner, self.pool, self.layout.block_size, self.device, self.eos_ids, self.vocab_size,
                             self.activation_estimate)
-        if config.speculate != "off":
+        if config.speculates:
             self.scheduler.speculate(self.step.draft_costs(), config.speculate_tokens)
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
@@ -320,7 +320,7 @@ class Engine:
         for m in seq.group.members if seq.group is not None else [seq]:
             if grammar is not None:
                 m.state["grammar"] = Matcher(self.grammars, grammar)  # each sample its own state
-            if self.config.speculate == "ngram" and m.params.speculate:
+            if self.config.speculates and m.params.speculate:
                 m.spec = speculate.Speculation(self.scheduler.draft_costs.draw_of(m.params))
         self._inbox.put(("add", seq))
         return RequestHandle(self, rid, seed, len(ids))

@@ -169,10 +169,12 @@ SETTINGS: tuple[Setting, ...] = (
       "int8 tokens per running sequence), or the activations' dtype by name; attention dequantizes as it reads; "
       "quantized caches on the CPU only for now", "engine",
       choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8", "int4")),
-    S("speculate", str, "off", "speculative decoding: ngram (each request drafts the tokens that followed the last "
+    S("speculate", str, "auto", "speculative decoding: ngram (each request drafts the tokens that followed the last "
       "earlier occurrence of its final tokens in its prompt or output, verified in one forward pass with every "
       "sampling control applied at each position: the same distribution, and for a seed the same tokens, as "
-      "without) or off; not with --kv-dtype int4", "engine", choices=("off", "ngram")),
+      "without; drafts are verified only where they pay on this device, measured at start), off, or auto: ngram on "
+      "the CPU except with --kv-dtype int4, off elsewhere (not yet verified on a GPU)", "engine",
+      choices=("auto", "off", "ngram")),
     S("speculate_tokens", int, 8, "most tokens a request drafts in one step (fewer as its acceptance rate asks)",
       "engine", check=at_least(1)),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),

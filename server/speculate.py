@@ -34,7 +34,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-MODES = ("off", "ngram")
 NGRAM_MAX = 4  # longest suffix matched
 NGRAM_MIN = 2  # shortest: a single token repeats too often in ordinary text to predict the next ones
 PRIOR = 0.5  # the acceptance rate a request starts with

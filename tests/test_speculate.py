@@ -221,7 +221,7 @@ def test_a_sampling_request_counts_its_drafted_rows_draws():
 
 @pytest.mark.unit
 def test_speculation_settings_are_checked_in_one_line():
-    with pytest.raises(ValueError, match="--speculate must be one of off, ngram"):
+    with pytest.raises(ValueError, match="--speculate must be one of auto, off, ngram"):
         EngineConfig(speculate="eagle").validate()
     with pytest.raises(ValueError, match="--speculate-tokens must be an integer >= 1"):
         EngineConfig(speculate_tokens=0).validate()
