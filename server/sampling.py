@@ -219,9 +219,9 @@ def processed_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x
 
 
-def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
-    """Steps 1-8 but the draw, whole batch: (probs (B, V), greedy tokens (B,), trace stages, trace stats)."""
-    x = processed_logits(logits, batch)  # (B, V)
+def _filter(x: Tensor, batch: SamplingBatch, want_trace: bool):
+    """Steps 4-8 but the draw on the processed logits ``x`` (B, V) (steps 1-3, :func:`processed_logits`), whole
+    batch: (probs (B, V), greedy tokens (B,), trace stages, trace stats)."""
     processed = x
     B, V = x.shape
     greedy = batch.temperature == 0  # (B,)
@@ -245,13 +245,7 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     kth = vals.gather(1, (k - 1)[:, None])  # (B, 1)
     keep_k = keep_m & (vals >= kth)  # (B, V) ties with the k-th value are kept, as transformers does
     pk = torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1)  # (B, V) the min-p and top-k stage, sorted
-    cum = pk.cumsum(-1)  # (B, V)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, V) mass strictly before
-    p = batch.top_p[:, None]  # (B, 1)
-    # p == 1 is "off" explicitly: fp32 cumsum may reach 1.0 early and would otherwise drop tiny tails.
-    drop = (before >= p) & (p < 1)  # (B, V)
-    drop[:, 0] = False  # the most probable token always survives (p = 0 keeps exactly it)
-    keep_sorted = keep_k & ~drop  # (B, V)
+    keep_sorted = keep_k & ~_top_p_drops(pk, batch.top_p)  # (B, V)
     keep = torch.zeros_like(keep_sorted).scatter_(1, idx, keep_sorted)  # (B, V) back to vocab order
     probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)  # (B, V) step 8's renormalisation
     probs = torch.where(greedy[:, None], onehot, probs)  # (B, V)
@@ -274,11 +268,30 @@ def _filter(logits: Tensor, batch: SamplingBatch, want_trace: bool):
     return probs, greedy_tok, stages, stats
 
 
+def _top_p_drops(pk: Tensor, top_p: Tensor) -> Tensor:
+    """Step 7 on sorted probabilities ``pk`` (B, N), most probable first: the tokens top-p removes, those whose mass
+    strictly before them reaches p (B, N)."""
+    cum = pk.cumsum(-1)  # (B, N)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, N) mass strictly before
+    p = top_p[:, None]  # (B, 1)
+    # p == 1 is "off" explicitly: fp32 cumsum may reach 1.0 early and would otherwise drop tiny tails.
+    drop = (before >= p) & (p < 1)  # (B, N)
+    drop[:, 0] = False  # the most probable token always survives (p = 0 keeps exactly it)
+    return drop
+
+
+def _gumbel_argmax(uniforms, batch: SamplingBatch, ids: int | Tensor, probs: Tensor) -> Tensor:
+    """Step 8's draw: the index (B,) of each row's Gumbel-max over ``probs`` (B, N), the uniforms of its seed and
+    step at token ids ``ids`` (every id below it, or (B, N) ids)."""
+    gumbel = uniforms(batch.seeds, batch.steps, ids).log_().neg_().log_().neg_()  # (B, N) -log(-log u), finite
+    return gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
+
+
 def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """The (B, V) distribution that :func:`sample` draws from (steps 1-7, renormalised); one-hot for greedy rows.
     Reference: ``reference_filter`` (steps 4-7 one by one: ``ref_temperature``, ``ref_min_p``, ``ref_top_k``,
     ``ref_top_p``)."""
-    return _filter(logits, batch, want_trace=False)[0]
+    return _filter(processed_logits(logits, batch), batch, want_trace=False)[0]
 
 
 # The CPU's draw under min-p, top-k or top-p looks among each row's this many most probable tokens before it sorts
@@ -286,7 +299,7 @@ def filtered_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 TOP_CANDIDATES = 1024
 
 
-def _draw_candidates(logits: Tensor, batch: SamplingBatch, uniforms) -> tuple[Tensor, Tensor] | None:
+def _draw_candidates(x: Tensor, batch: SamplingBatch, uniforms) -> tuple[Tensor, Tensor] | None:
     """Steps 1-8 of a batch whose sampled rows filter, over each row's :data:`TOP_CANDIDATES` most probable tokens
     instead of a sort of the whole vocabulary: (drawn tokens (B,), greedy tokens (B,)), or None when some sampled
     row's kept set may reach past its candidates.
@@ -297,8 +310,8 @@ def _draw_candidates(logits: Tensor, batch: SamplingBatch, uniforms) -> tuple[Te
     stage's over the whole row), every token min-p and top-k keep is. Every stage then decides as :func:`_filter`
     does, the temperature stage normalised over the whole row, and the Gumbel-max draw over the kept candidates
     is the draw over the vocabulary with the removed tokens at log 0. One host read (the qualification), so only
-    the CPU path takes it. Reference: :func:`_filter` and the draw of :func:`sample`."""
-    x = processed_logits(logits, batch)  # (B, V)
+    the CPU path takes it. ``x``: the processed logits (steps 1-3). Reference: :func:`_filter` and the draw of
+    :func:`sample`."""
     greedy = batch.temperature == 0  # (B,)
     greedy_tok = x.argmax(-1)  # (B,)
     x = x / torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)[:, None]  # (B, V)
@@ -321,18 +334,12 @@ def _draw_candidates(logits: Tensor, batch: SamplingBatch, uniforms) -> tuple[Te
     whole = (k == 0) & (min_p == 0)  # (B,) min-p and top-k keep every finite token
     bounded = ~(keep_k & ~inside).any(-1)  # (B,)
     pk = torch.where(whole[:, None], pt, torch.softmax(vals.masked_fill(~keep_k, -math.inf), -1))  # (B, K)
-    cum = pk.cumsum(-1)  # (B, K)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], -1)  # (B, K) mass strictly before
-    p = batch.top_p[:, None]  # (B, 1)
-    drop = (before >= p) & (p < 1)  # (B, K)
-    drop[:, 0] = False
-    keep = keep_k & ~drop  # (B, K)
+    keep = keep_k & ~_top_p_drops(pk, batch.top_p)  # (B, K)
     ok = (whole | bounded) & ~(keep & ~inside).any(-1)  # (B,)
     if not bool((ok | greedy).all()):
         return None
     probs = torch.softmax(vals.masked_fill(~keep, -math.inf), -1)  # (B, K) step 8's renormalisation
-    gumbel = uniforms(batch.seeds, batch.steps, ids).log_().neg_().log_().neg_()  # (B, K)
-    drawn = ids.gather(1, gumbel.add_(probs.double().log()).argmax(-1, keepdim=True))[:, 0]  # (B,)
+    drawn = ids.gather(1, _gumbel_argmax(uniforms, batch, ids, probs)[:, None])[:, 0]  # (B,)
     return drawn, greedy_tok
 
 
@@ -361,19 +368,16 @@ def sample(logits: Tensor, batch: SamplingBatch, ops=None) -> SampleOutput:
         return SampleOutput(tokens=x.argmax(-1), logprob=None, top_logprobs=None, trace=None)
     uniforms = random_uniform if ops is None else ops.random_uniform
     raw = torch.log_softmax(logits.float(), -1)  # (B, V) the model's own distribution, for logprobs
+    x = processed_logits(logits, batch)  # (B, V) steps 1-3, once for either path
     found = None
     if ops is not None and ops.fused and batch.any_filter and batch.trace_n == 0 and not batch.all_greedy:
-        found = _draw_candidates(logits, batch, uniforms)
+        found = _draw_candidates(x, batch, uniforms)
     stages = stats = None
     if found is not None:
         drawn, greedy_tok = found
     else:
-        probs, greedy_tok, stages, stats = _filter(logits, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
-        drawn = None
-        if not batch.all_greedy:
-            u = uniforms(batch.seeds, batch.steps, probs.shape[1])  # (B, V) float64
-            gumbel = u.log_().neg_().log_().neg_()  # (B, V) -log(-log u): standard Gumbel, finite as 0 < u < 1
-            drawn = gumbel.add_(probs.double().log()).argmax(-1)  # (B,) log 0 = -inf: removed tokens never win
+        probs, greedy_tok, stages, stats = _filter(x, batch, want_trace=batch.trace_n > 0)  # (B, V), (B,)
+        drawn = None if batch.all_greedy else _gumbel_argmax(uniforms, batch, probs.shape[1], probs)  # (B,)
     tokens = greedy_tok if drawn is None else torch.where(batch.temperature == 0, greedy_tok, drawn)  # (B,)
     logprob = raw.gather(1, tokens[:, None])[:, 0].clamp_(min=LOGPROB_FLOOR)  # (B,)
     top = None

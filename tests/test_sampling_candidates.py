@@ -11,7 +11,7 @@ import torch
 
 from server import fastops, sampling
 from server.random_stream import random_uniform
-from server.sampling import SamplingBatch, _draw_candidates, sample
+from server.sampling import SamplingBatch, _draw_candidates, processed_logits, sample
 from server.sampling_params import SamplingParams
 
 V = 3000
@@ -31,6 +31,11 @@ def _peaky(B: int, seed: int) -> torch.Tensor:
     x = torch.randn(B, V, generator=g) * 2
     x[:, torch.randperm(V, generator=g)[:30]] += 9
     return x
+
+
+def _candidates(logits, batch):
+    """The candidate path on a batch's logits, as sample() calls it (steps 1-3 first)."""
+    return _draw_candidates(processed_logits(logits, batch), batch, random_uniform)
 
 
 def _build(params, seeds, history=True):
@@ -71,7 +76,7 @@ def test_candidate_draw_is_the_full_sorts_draw():
         logits = _peaky(len(QUALIFYING), rep)
         seeds = [rep * 100 + i for i in range(len(QUALIFYING))]
         batch = _build(QUALIFYING, seeds)
-        assert _draw_candidates(logits, batch, random_uniform) is not None
+        assert _candidates(logits, batch) is not None
         fast, full = sample(logits, batch, REF_OPS), sample(logits, batch)
         assert torch.equal(fast.tokens, full.tokens)
         assert torch.allclose(fast.logprob, full.logprob)
@@ -94,7 +99,7 @@ def test_json_mask_rows_qualify_on_their_allowed_tokens():
     allowed = torch.zeros(2, (V + 31) // 32, dtype=torch.int32)
     allowed[:, :2] = -1  # tokens 0..63 allowed
     batch.allowed = allowed
-    assert _draw_candidates(logits, batch, random_uniform) is not None
+    assert _candidates(logits, batch) is not None
     for step in range(40):
         batch.steps = torch.full((2,), step)
         fast, full = sample(logits, batch, REF_OPS).tokens, sample(logits, batch).tokens
@@ -114,11 +119,11 @@ def test_rows_reaching_past_the_candidates_take_the_full_sort(p):
     logits = _peaky(2, 2)
     for batch in (_build([p], [1]), _build([p, QUALIFYING[0]], [1, 2])):
         rows = batch.seeds.shape[0]
-        assert _draw_candidates(logits[:rows], batch, random_uniform) is None
+        assert _candidates(logits[:rows], batch) is None
         assert torch.equal(sample(logits[:rows], batch, REF_OPS).tokens, sample(logits[:rows], batch).tokens)
     # a plain-temperature row among filtering ones keeps every token: the batch takes the full sort
     mixed = _build([SamplingParams(temperature=0.7), QUALIFYING[0]], [1, 2])
-    assert _draw_candidates(logits, mixed, random_uniform) is None
+    assert _candidates(logits, mixed) is None
 
 
 @pytest.mark.unit
@@ -127,6 +132,6 @@ def test_ties_at_the_last_candidate_hand_back():
     logits = torch.zeros(1, V)
     logits[0, :10] = 5.0
     batch = _build([SamplingParams(temperature=1.0, top_k=K)], [0], history=False)
-    assert _draw_candidates(logits, batch, random_uniform) is None
+    assert _candidates(logits, batch) is None
     batch = _build([SamplingParams(temperature=1.0, top_k=10)], [0], history=False)
-    assert _draw_candidates(logits, batch, random_uniform) is not None
+    assert _candidates(logits, batch) is not None
