@@ -227,6 +227,10 @@ def test_speculation_settings_are_checked_in_one_line():
         EngineConfig(speculate_tokens=0).validate()
     with pytest.raises(ValueError, match="--speculate: not with --kv-dtype int4"):
         EngineConfig(speculate="ngram", kv_dtype="int4").validate()
+    # auto, the default: n-grams on the CPU; off with an int4 cache and off the CPU (not yet verified on a GPU)
+    assert EngineConfig().speculate == "auto" and EngineConfig().speculates
+    assert not EngineConfig(kv_dtype="int4").validate().speculates
+    assert not EngineConfig(device="cuda").speculates and not EngineConfig(speculate="off").speculates
 
 
 @pytest.mark.reference
