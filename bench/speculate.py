@@ -1,11 +1,13 @@
-"""Speculative decoding with n-gram drafts on the default model on this CPU: tokens/s with speculation on against
-off, in the same run.
+"""Speculative decoding on the default model on this CPU: tokens/s with speculation on against off, in the same run.
 
     python bench/speculate.py [--dtypes bfloat16,float32] [--tokens 128] [--concurrent 16]
                               [--workloads grounded,chat,concurrent] [--rounds 2] [--json]
+                              [--draft ARTIFACT [--every-draft]]
 
-Workloads, each run with ``--speculate off`` and ``ngram`` on two engines loaded side by side (runs alternate, so
-a drift of the machine falls on both):
+Workloads, each run with ``--speculate off`` and ``ngram`` (or ``draft`` with ``--draft``, e.g. a w4a16 artifact
+of the default model) on engines loaded side by side (runs alternate, so a drift of the machine falls on all);
+``--every-draft`` adds an engine on which every request drafts all it may each step (its costs set to nothing),
+which measures the draft's acceptance rate at full draft length whether or not drafting pays on this device:
 
 - **grounded**: input-grounded requests (rewrite a WikiText-2 passage of 500-1000 tokens with its spelling
   fixed, extract the sentences of a passage that mention a number, a function's code with a variable renamed),
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each cell per engine (the best kept)")
     ap.add_argument("--workloads", default="grounded,chat,concurrent",
                     help="which cells to run: grounded (batch 1), chat, concurrent (grounded x N)")
+    ap.add_argument("--draft", default=None, help="a draft model (artifact or model dir): --speculate draft")
+    ap.add_argument("--every-draft", action="store_true",
+                    help="also an engine on which every request drafts all it may each step")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     wanted = set(args.workloads.split(","))
@@ -129,16 +134,27 @@ def main() -> None:
     from server.config import EngineConfig
     from server.engine import Engine
     from server.sampling_params import SamplingParams
+    from server.speculate import DraftCosts
 
     cache = sources.default_cache_dir()
     rows = []
     print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}", flush=True)
     for dtype in args.dtypes.split(","):
-        engines = {m: Engine.from_path(None, EngineConfig(memory_budget="512MiB", dtype=dtype, speculate=m,
-                                                          max_batch=max(16, args.concurrent)), cache)
-                   for m in ("off", "ngram")}
+        mode = "draft" if args.draft else "ngram"
+        modes = ("off", mode) + (("every",) if args.every_draft else ())
+        engines = {m: Engine.from_path(None, EngineConfig(
+            memory_budget="512MiB", dtype=dtype, speculate="off" if m == "off" else mode,
+            draft=None if m == "off" else args.draft, max_batch=max(16, args.concurrent)), cache) for m in modes}
+        if "every" in engines:
+            e = engines["every"]
+            e.scheduler.speculate(DraftCosts(), e.config.speculate_tokens, e.draft,
+                                  e.draft and DraftCosts((1,), (0.0,)))
         off = engines["off"]
-        costs = engines["ngram"].scheduler.draft_costs
+        costs = engines[mode].scheduler.draft_costs
+        if args.draft:
+            pc = engines[mode].scheduler.proposer_costs
+            print(f"draft {args.draft}: its forward's time by its rows over the target's one row: "
+                  + " ".join(f"{r}: {t / costs.seconds[0]:.2f}" for r, t in zip(pc.rows, pc.seconds)), flush=True)
         print(f"{dtype}: a forward's time by its rows, measured at start, over one row's: "
               + " ".join(f"{r}: {t / costs.seconds[0]:.2f}" for r, t in zip(costs.rows, costs.seconds))
               + f"; a row's draw {costs.draw / costs.seconds[0]:.3f} (temperature), "
@@ -170,21 +186,30 @@ def main() -> None:
                         best[m] = cell
             tokens = n * len(prompts)
             decoded = tokens - (1 if batched else len(prompts))  # after the (first) first token
-            (t_off, d_off, out_off, _, _), (t_on, d_on, out_on, drafted, acc) = best["off"], best["ngram"]
+            (t_off, d_off, out_off, _, _), (t_on, d_on, out_on, drafted, acc) = best["off"], best[mode]
             row = dict(dtype=dtype, workload=name, temperature=kw["temperature"], requests=len(prompts),
                        prompt_tokens=[len(p) for p in prompts], tokens=tokens,
                        off_tok_s=round(tokens / t_off, 2), on_tok_s=round(tokens / t_on, 2),
                        ratio=round(t_off / t_on, 3), off_decode_tok_s=round(decoded / d_off, 2),
                        on_decode_tok_s=round(decoded / d_on, 2), decode_ratio=round(d_off / d_on, 3),
                        drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else 0.0,
-                       same_tokens=sum(a == b for a, b in zip(out_off, out_on)))
+                       same_tokens=sum(a == b for a, b in zip(out_off, out_on)), mode=mode)
+            if "every" in best:
+                t_e, _, out_e, dr_e, acc_e = best["every"]
+                row.update(every_tok_s=round(tokens / t_e, 2), every_ratio=round(t_off / t_e, 3), every_drafted=dr_e,
+                           every_accepted=acc_e, every_acceptance=round(acc_e / dr_e, 3) if dr_e else 0.0,
+                           every_same_tokens=sum(a == b for a, b in zip(out_off, out_e)))
             rows.append(row)
             print(json.dumps(row) if args.json else
-                  f"{dtype:9} {name:13} T={kw['temperature']:<4} tok/s off {row['off_tok_s']:6.2f} ngram "
+                  f"{dtype:9} {name:13} T={kw['temperature']:<4} tok/s off {row['off_tok_s']:6.2f} {mode} "
                   f"{row['on_tok_s']:6.2f} ({row['ratio']:.3f}x); after the first token off "
-                  f"{row['off_decode_tok_s']:6.2f} ngram {row['on_decode_tok_s']:6.2f} ({row['decode_ratio']:.3f}x); "
+                  f"{row['off_decode_tok_s']:6.2f} {mode} {row['on_decode_tok_s']:6.2f} ({row['decode_ratio']:.3f}x); "
                   f"drafted {drafted} accepted {acc} ({row['acceptance']:.2f}); same {row['same_tokens']}/"
-                  f"{len(prompts)}", flush=True)
+                  f"{len(prompts)}" + ("" if "every" not in best else
+                                       f"; every draft: {row['every_tok_s']:6.2f} tok/s ({row['every_ratio']:.3f}x), "
+                                       f"drafted {row['every_drafted']} accepted {row['every_accepted']} "
+                                       f"({row['every_acceptance']:.2f}), same {row['every_same_tokens']}/"
+                                       f"{len(prompts)}"), flush=True)
         for e in engines.values():
             e.close()
     if args.json:

@@ -16,7 +16,8 @@ from server.runner import SCORE_ROWS
 from server.scheduler import admission_blocks
 
 
-def engine_totals(pool, layout, weight_bytes: int, scheduler, queued: int) -> EngineTotals:
+def engine_totals(pool, layout, weight_bytes: int, scheduler, queued: int, draft=None) -> EngineTotals:
+    """The engine's memory and counters now (``draft``: its draft model, server/draft.py)."""
     bpb = layout.bytes_per_block
     return EngineTotals(
         weight_bytes=weight_bytes, kv_capacity_bytes=pool.capacity_bytes, kv_used_bytes=pool.used_blocks * bpb,
@@ -25,11 +26,15 @@ def engine_totals(pool, layout, weight_bytes: int, scheduler, queued: int) -> En
         prefix_queried_tokens=pool.queried_tokens, prefix_evictions=pool.evictions,
         preemptions=scheduler.preemptions, recomputed_tokens=scheduler.recomputed_tokens,
         speculated_tokens=scheduler.speculated_tokens, accepted_tokens=scheduler.accepted_tokens,
+        draft_weight_bytes=draft.weight_bytes if draft else 0,
+        draft_kv_capacity_bytes=draft.pool.capacity_bytes if draft else 0,
     )
 
 
-def request_accounting(seq, layout, attention: str, totals: EngineTotals) -> Accounting:
-    """A request's (one sample's) memory as its final event reports it."""
+def request_accounting(seq, layout, attention: str, totals: EngineTotals,
+                       draft_bytes_per_block: int | None = 0) -> Accounting:
+    """A request's (one sample's) memory as its final event reports it (``draft_bytes_per_block``: of a draft
+    model's KV pool, server/draft.py)."""
     bpt, bpb = layout.bytes_per_token, layout.bytes_per_block
     reserved_blocks = seq.peak_blocks
     return Accounting(
@@ -42,6 +47,7 @@ def request_accounting(seq, layout, attention: str, totals: EngineTotals) -> Acc
         preemptions=seq.preemptions, recomputed_tokens=seq.recomputed_tokens,
         speculated_tokens=seq.spec.proposed if seq.spec else 0, accepted_tokens=seq.spec.accepted if seq.spec else 0,
         kv_bytes_speculative=seq.spec_peak_blocks * bpb,
+        kv_bytes_draft=seq.draft_peak_blocks * (draft_bytes_per_block or 0),
     )
 
 

@@ -31,6 +31,8 @@ class EngineConfig:
     kv_dtype: str = setting("kv_dtype")  # server/kv_pool.py's KVLayout
     block_size: int | None = None  # tokens per KV block; None: the KV dtype's (kv_block_size)
     speculate: str = setting("speculate")  # server/speculate.py
+    draft: str | None = setting("draft")  # server/draft.py
+    draft_dtype: str = setting("draft_dtype")
     speculate_tokens: int = setting("speculate_tokens")
     dtype: str = setting("dtype")
     device: str = setting("device")
@@ -54,11 +56,25 @@ class EngineConfig:
         return self.block_size if self.block_size is not None else default_block_size(self.kv_format)
 
     @property
-    def speculates(self) -> bool:
-        """Whether requests draft (server/speculate.py): ``ngram``, or ``auto`` on the CPU without an int4 cache."""
+    def speculation(self) -> str:
+        """How requests draft (server/speculate.py): ``draft`` (a draft model, server/draft.py), ``ngram`` or
+        ``off``; ``auto`` is the draft model when one is given, else n-grams on the CPU without an int4 cache."""
         if self.speculate == "auto":
-            return torch.device(self.device).type == "cpu" and self.kv_dtype != "int4"
-        return self.speculate == "ngram"
+            if self.draft is not None:
+                return "draft"
+            return "ngram" if torch.device(self.device).type == "cpu" and self.kv_dtype != "int4" else "off"
+        return self.speculate
+
+    @property
+    def draft_torch_dtype(self) -> torch.dtype:
+        """The draft model's dtype: ``draft_dtype``, or for auto the target's but bfloat16 for a float32 target."""
+        if self.draft_dtype != "auto":
+            return getattr(torch, self.draft_dtype)
+        return torch.bfloat16 if self.dtype == "float32" else getattr(torch, self.dtype)
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculation != "off"
 
     def validate(self) -> "EngineConfig":
         for name in ("max_queue", "max_batch", "max_prefill_tokens", "block_size", "speculate_tokens"):
@@ -93,7 +109,15 @@ class EngineConfig:
         modes = BY_NAME["speculate"].choices
         if self.speculate not in modes:
             raise ValueError(f"--speculate must be one of {', '.join(modes)}, got {self.speculate!r}")
-        if self.speculate == "ngram" and self.kv_dtype == "int4":
+        if self.draft_dtype not in BY_NAME["draft_dtype"].choices:
+            raise ValueError(f"--draft-dtype must be one of {', '.join(BY_NAME['draft_dtype'].choices)}, "
+                             f"got {self.draft_dtype!r}")
+        if self.speculate == "draft" and self.draft is None:
+            raise ValueError("--speculate draft needs a draft model: --draft MODEL")
+        if self.draft is not None and self.speculate not in ("draft", "auto"):
+            raise ValueError(f"--draft is the draft model of --speculate draft (or auto), not --speculate "
+                             f"{self.speculate}")
+        if self.speculates and self.kv_dtype == "int4":
             raise ValueError("--speculate: not with --kv-dtype int4 (a block is quantized as its tokens complete it, "
                              "which a rejected draft could not take back); choose int8 or turn speculation off")
         if not isinstance(self.prefix_cache, bool):
@@ -117,6 +141,7 @@ class ModelInfo:
     glue_ops: str  # "fused" (server/csrc kernels), "triton" (server/glue_triton.py) or "eager" with the reason
     embeddings: str  # "float", or "int8" with the head's kernel (server/layers/embedding.py)
     kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count and why (measured)
+    speculation: str = "off"  # off, ngram, or the draft model: "draft <model> (<scheme>)"
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,8 @@ from server import outputs as out
 from server.config import EngineConfig, ModelInfo
 from server.detokenize import IncrementalDetokenizer, StopMatcher
 from server.grammar import Grammars, Matcher
-from server.kv_pool import (
-    BlockPool,
-    KVLayout,
-    budget_fraction,
-    resolve_budget,
-)
+from server.draft import DraftModel, draft_kv_layout, split_budget
+from server.kv_pool import BlockPool, KVLayout, budget_fraction, resolve_budget
 from server.layers.embedding import describe as describe_embeddings
 from server.layers.embedding import resolve as resolve_embeddings
 from server.loading import load_for_serving, release_freed_memory, share_one_heap
@@ -71,16 +67,6 @@ log = logging.getLogger("quantserve.engine")
 _PAD_ID = "__cuda_graph_padding__"  # the pool id of the CUDA graphs' padding block (in use from the start)
 
 
-
-
-
-
-
-
-
-
-
-
 class RequestHandle:
     def __init__(self, engine: "Engine", request_id: str, seed: int, prompt_tokens: int):
         self._engine = engine
@@ -94,7 +80,8 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, model_name: str = "model", scheme: str = "none",
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, draft: tuple | None = None):
+        """draft: (model, tokenizer, name, scheme) of the draft model of ``--speculate draft`` (server/draft.py)."""
         self.config = config.validate()
         self.model = model
         self.tokenizer = tokenizer
@@ -106,13 +93,15 @@ class Engine:
         self.context_length = int(mcfg.max_position_embeddings)
         self.vocab_size = int(mcfg.vocab_size)
         self.layout = KVLayout.from_config(mcfg, self.dtype, config.kv_block_size, config.kv_format)
+        draft_layout = draft and draft_kv_layout(draft, tokenizer, model_name, config)
+        share = lambda b: split_budget(b, self.layout, draft_layout)  # noqa: E731 - the target's and draft's pools
         fraction = budget_fraction(config.memory_budget)
         # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
         # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
         # A block's K/V depends on its tokens and on these (the prefix cache's salt); the pool is the engine's own.
         self._kv_salt = f"{model_name}|{scheme}|{config.dtype}"
-        self.pool = self._pool(self.layout.bytes_per_block if fraction else
-                               resolve_budget(config.memory_budget, self.device))
+        budget = share(0 if fraction else resolve_budget(config.memory_budget, self.device))
+        self.pool = self._pool(self.layout.bytes_per_block if fraction else budget[0])
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
         chooser = Chooser(config.kernels, cache_dir, config.threads, head_rows=config.max_batch,
                           device=self.device)  # plans per device
@@ -120,8 +109,11 @@ class Engine:
                                   embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
                                   kv_rotation=self.layout.rotation, kv_format=self.layout.kv_format)
         if fraction:
-            self.pool = self._pool(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
+            budget = share(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
+            self.pool = self._pool(budget[0])
             self.runner.use_kv_storage(self.pool.storage, self.pool.scales)
+        self.draft = draft and DraftModel(draft, draft_layout, budget[1], config, self.vocab_size,
+                                          eos_ids(model, tokenizer))
         self.cuda_graphs = "off"
         self._held_ids: set[str] = set()  # pool ids the engine holds itself (never a request's)
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -146,7 +138,9 @@ class Engine:
         self.step = Stepper(self.runner, self.pool, self.layout.block_size, self.device, self.eos_ids, self.vocab_size,
                             self.activation_estimate)
         if config.speculates:
-            self.scheduler.speculate(self.step.draft_costs(), config.speculate_tokens)
+            self.step.drafter = self.draft
+            costs, proposer = self.step.draft_costs()
+            self.scheduler.speculate(costs, config.speculate_tokens, self.draft, proposer)
         # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
         self.weight_bytes = self.runner.weight_bytes()
         self.info = ModelInfo(
@@ -155,6 +149,7 @@ class Engine:
             kv_bytes_per_token=self.layout.bytes_per_token, kv_capacity_bytes=self.pool.capacity_bytes,
             kv_block_size=self.layout.block_size, glue_ops=self.runner.glue_ops,
             embeddings=describe_embeddings(self.embeddings), kernels=(*chooser.table(), *self.runner.kernel_notes()),
+            speculation=self.draft.describe() if self.draft else config.speculation,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _queued, _accepting, _live
@@ -199,9 +194,11 @@ class Engine:
             try:
                 if config.threads:
                     torch.set_num_threads(config.threads)
-                model, tok, name, scheme = load_for_serving(spec, getattr(torch, config.dtype), config.device,
-                                                            cache_dir)
-                box["engine"] = cls(model, tok, config, name, scheme, cache_dir)
+                dtype = getattr(torch, config.dtype)
+                model, tok, name, scheme = load_for_serving(spec, dtype, config.device, cache_dir)
+                draft = None if config.draft is None else load_for_serving(
+                    config.draft, config.draft_torch_dtype, config.device, cache_dir)
+                box["engine"] = cls(model, tok, config, name, scheme, cache_dir, draft)
                 release_freed_memory()
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box["error"] = e
@@ -384,7 +381,8 @@ class Engine:
     # ------------------------------------------------------------------------------------ accounting
 
     def totals(self) -> EngineTotals:
-        return accounting.engine_totals(self.pool, self.layout, self.weight_bytes, self.scheduler, self._queued)
+        return accounting.engine_totals(self.pool, self.layout, self.weight_bytes, self.scheduler, self._queued,
+                                        self.draft)
 
     def activation_estimate(self, chunk_tokens: int, past: int = 0, scored: int = 0) -> int:
         return accounting.activation_estimate(self.shape, self.dtype, self.runner, chunk_tokens, past, scored)
@@ -439,7 +437,8 @@ class Engine:
                 self._live.difference_update([m.id for m in g.members] if g is not None else [seq.id])
         self._emit(seq, Event(
             seq.request_id, seq.params.seed, text, tuple(token_ids), tuple(logprobs), tuple(trace), True, reason,
-            stop, accounting.request_accounting(seq, self.layout, self.attention, self.totals()), error,
+            stop, accounting.request_accounting(seq, self.layout, self.attention, self.totals(),
+                                                self.draft and self.draft.layout.bytes_per_block), error,
             None if seq.first_token_at is None else seq.first_token_at - seq.arrival, now - seq.arrival,
             index=seq.index, prompt_logprobs=tuple(prompt_logprobs),
         ))
@@ -514,6 +513,8 @@ class Engine:
                     continue
                 dirty = True
                 try:
+                    if plan.propose:  # the draft model drafts what the plan verifies
+                        self.scheduler.drafted(plan, self.step.drafter.propose(plan.propose, self.step.draw))
                     launched = self.step.launch(plan, inflight)
                 except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
                     log.error("engine step failed:\n%s", traceback.format_exc())

@@ -84,7 +84,7 @@ def accounting_to_proto(a: Accounting) -> pb.MemoryAccounting:
         kv_bytes_shared=a.kv_bytes_shared, kv_bytes_own=a.kv_bytes_own, prompt_tokens_cached=a.prompt_tokens_cached,
         kv_dtype=a.kv_dtype, preemptions=a.preemptions, recomputed_tokens=a.recomputed_tokens,
         speculated_tokens=a.speculated_tokens, accepted_tokens=a.accepted_tokens,
-        kv_bytes_speculative=a.kv_bytes_speculative,
+        kv_bytes_speculative=a.kv_bytes_speculative, kv_bytes_draft=a.kv_bytes_draft,
     )
 
 
@@ -95,7 +95,8 @@ def totals_to_proto(e) -> pb.EngineMemory:
                            prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
                            prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
                            recomputed_tokens=e.recomputed_tokens, speculated_tokens=e.speculated_tokens,
-                           accepted_tokens=e.accepted_tokens)
+                           accepted_tokens=e.accepted_tokens, draft_weight_bytes=e.draft_weight_bytes,
+                           draft_kv_capacity_bytes=e.draft_kv_capacity_bytes)
 
 
 def final_to_proto(ev) -> pb.Final:
@@ -159,7 +160,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             context_length=i["context_length"], vocab_size=i["vocab_size"],
             kv_bytes_per_token=i["kv_bytes_per_token"], memory=pb.EngineMemory(**i["memory"]),
             glue_ops=i["glue_ops"], embeddings=i["embeddings"], kernels=i["kernels"], max_new_tokens_limit=i["max_new_tokens_limit"],
-            max_prompt_tokens=i["max_prompt_tokens"],
+            max_prompt_tokens=i["max_prompt_tokens"], speculation=i["speculation"],
         )
 
 

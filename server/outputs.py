@@ -50,6 +50,8 @@ class EngineTotals:
     recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions, since the engine started
     speculated_tokens: int = 0  # tokens drafted and verified (server/speculate.py), since the engine started
     accepted_tokens: int = 0  # of those, the tokens kept
+    draft_weight_bytes: int = 0  # the draft model's weights (--speculate draft, server/draft.py)
+    draft_kv_capacity_bytes: int = 0  # its KV pool (a share of the KV budget)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -87,6 +89,7 @@ class Accounting:
     speculated_tokens: int = 0  # tokens it drafted (server/speculate.py): each verified in a step with its others
     accepted_tokens: int = 0  # of those, the tokens its draws accepted
     kv_bytes_speculative: int = 0  # the most KV its drafts held at once beyond its tokens' (returned once verified)
+    kv_bytes_draft: int = 0  # the most of the draft model's KV cache it held (server/draft.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,7 +33,8 @@ Every step:
    verification of drafted tokens: the drafts that pay for their rows on top of this step's (``allocate``), with
    what the prefill budget leaves (at most MAX_DRAFT_ROWS drafts a step) and only blocks that are free: drafts
    never preempt. Its rejected drafts' blocks return once it is read
-   (:meth:`Scheduler.rollback`).
+   (:meth:`Scheduler.rollback`). With a draft model (server/draft.py) the plan says how many drafts each request
+   verifies (``Plan.propose``) and the step has the draft model propose them.
 
 Requests join at any step boundary and leave the moment they finish or are cancelled, with their blocks
 returned to the pool at once. The scheduler is used only from the engine thread.
@@ -121,6 +122,7 @@ class Sequence:
     spec: Speculation | None = None  # its n-gram speculation (server/speculate.py); None: it does not speculate
     drafts: list[int] = field(default_factory=list)  # the drafts of its verification in flight
     spec_peak_blocks: int = 0  # the most blocks its drafts held beyond its tokens' (taken for one step each)
+    draft_peak_blocks: int = 0  # the most blocks of a draft model's pool it held (server/draft.py)
 
     @property
     def request_id(self) -> str:
@@ -179,14 +181,16 @@ class Plan:
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int, int]]  # (sequence, first prompt index, chunk length)
     verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (sequence, its drafts)
+    propose: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, most drafts): a draft model's
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.verify
+        return not self.decode and not self.prefill and not self.verify and not self.propose
 
     @property
     def sequences(self) -> list[Sequence]:
-        return self.decode + [s for s, _, _ in self.prefill] + [s for s, _ in self.verify]
+        return (self.decode + [s for s, _, _ in self.prefill] + [s for s, _ in self.verify]
+                + [s for s, _ in self.propose])
 
 
 class Scheduler:
@@ -205,6 +209,8 @@ class Scheduler:
         self.recomputed_tokens = 0  # positions computed again after preemptions, since the engine started
         self.draft_costs = DraftCosts()  # what a step costs by its rows, and
         self.max_drafts = 0  # the most drafts a request verifies in one step: speculate() sets both
+        self.drafter = None  # a draft model (server/draft.py's DraftModel) proposes the drafts; None: n-grams
+        self.proposer_costs: DraftCosts | None = None  # its forwards by their rows
         self.speculated_tokens = 0  # drafts verified, since the engine started
         self.accepted_tokens = 0  # of those, the drafts kept
         self._order = itertools.count()
@@ -247,6 +253,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         seq.shared_blocks = max(seq.shared_blocks, self.pool.shared_blocks(seq.id))
         self.pool.release(seq.id)
+        if self.drafter is not None:
+            self.drafter.release(seq.id)
 
     def _headroom(self) -> int:
         return admission_headroom(self.admission, self.watermark_blocks, len(self.running))
@@ -364,15 +372,20 @@ class Scheduler:
         completing = sum(start + n == seq.fill_len for seq, start, n in prefill)  # prefills that sample a token
         verify = self._drafts(decode, len(decode) + self.max_prefill_tokens - budget, len(decode) + completing,
                               min(budget, MAX_DRAFT_ROWS))
-        if verify:
-            drafting = {id(s) for s, _ in verify}
-            decode = [s for s in decode if id(s) not in drafting]
+        if not verify:
+            return Plan(decode, prefill)
+        drafting = {id(s) for s, _ in verify}
+        decode = [s for s in decode if id(s) not in drafting]
+        if self.drafter is not None:
+            return Plan(decode, prefill, propose=[(s, len(d)) for s, d in verify])
         return Plan(decode, prefill, verify)
 
-    def speculate(self, costs: DraftCosts, max_drafts: int) -> None:
+    def speculate(self, costs: DraftCosts, max_drafts: int, drafter=None, proposer: DraftCosts | None = None) -> None:
         """Let requests with a :class:`Speculation` draft, up to ``max_drafts`` each per step, as ``costs`` (measured
-        by the engine; DraftCosts(): a row costs nothing, so every draft is verified) say it pays."""
+        by the engine; DraftCosts(): a row costs nothing, so every draft is verified) say it pays. ``drafter``: a
+        draft model proposes them (its forwards cost ``proposer``), else n-grams do."""
         self.draft_costs, self.max_drafts = costs, max_drafts
+        self.drafter, self.proposer_costs = drafter, (proposer or DraftCosts()) if drafter is not None else None
 
     def _drafts(self, decode: list[Sequence], base_rows: int, base_tokens: int,
                 budget: int) -> list[tuple[Sequence, list[int]]]:
@@ -386,10 +399,13 @@ class Scheduler:
             if seq.spec is None or seq.pending or seq.blocks is None:
                 continue
             limit = min(budget, self.max_drafts, seq.params.max_new_tokens - len(seq.generated) - 1)
-            drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
+            if self.drafter is not None:  # a draft model proposes up to the limit (placeholders until it has)
+                drafts = [-1] * max(0, limit)
+            else:
+                drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
             offers.append((seq, drafts))
         lengths = allocate([(s.spec.alpha, len(d), s.spec.draw) for s, d in offers], base_rows, base_tokens, budget,
-                           self.draft_costs) if offers else []
+                           self.draft_costs, self.proposer_costs) if offers else []
         verify = []
         for (seq, drafts), k in zip(offers, lengths):
             drafts = drafts[:k]
@@ -399,10 +415,30 @@ class Scheduler:
             if not drafts:
                 seq.spec.skip()
                 continue
-            seq.spec_peak_blocks = max(seq.spec_peak_blocks, self.pool.held_blocks(seq.id) - held)
-            seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
+            if self.drafter is None:
+                self._peaks(seq, self.pool.held_blocks(seq.id) - held)
             verify.append((seq, drafts))
         return verify
+
+    def _peaks(self, seq: Sequence, drafts_blocks: int) -> None:
+        seq.spec_peak_blocks = max(seq.spec_peak_blocks, drafts_blocks)
+        seq.peak_blocks = max(seq.peak_blocks, self.pool.held_blocks(seq.id))
+
+    def drafted(self, plan: Plan, drafts: list[list[int]]) -> None:
+        """A draft model's proposals for ``plan.propose`` (server/draft.py): each request verifies those it got (the
+        blocks taken for more go back), or decodes a plain row when it got none."""
+        blocks = self.pool.layout.blocks_for
+        for (seq, _), d in zip(plan.propose, drafts):
+            p = seq.next_position + 1
+            if self.admission == ON_DEMAND:
+                self.pool.shrink(seq.id, p + len(d))
+            if d:
+                self._peaks(seq, blocks(p + len(d)) - blocks(p) if self.admission == ON_DEMAND else 0)
+                plan.verify.append((seq, d))
+            else:
+                seq.spec.skip()
+                plan.decode.append(seq)
+        plan.propose = []
 
     def verified(self, seq: Sequence, drafts: list[int], draws: list[int]) -> int:
         """A verification read back (``draws``: the step's tokens from its first row on): its drafts are kept up
@@ -419,3 +455,5 @@ class Scheduler:
         keeps those of the positions written, its next token's is taken when planned)."""
         if self.admission == ON_DEMAND and seq.blocks is not None:
             self.pool.shrink(seq.id, len(seq.prompt) + len(seq.generated) - 1)
+        if self.drafter is not None:
+            self.drafter.kept(seq)

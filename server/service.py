@@ -261,7 +261,7 @@ class Service:
             "model": i.model, "scheme": i.scheme, "dtype": i.dtype, "device": i.device, "attention": i.attention,
             "context_length": i.context_length, "vocab_size": i.vocab_size,
             "kv_bytes_per_token": i.kv_bytes_per_token, "glue_ops": i.glue_ops, "embeddings": i.embeddings,
-            "kernels": list(i.kernels),
+            "kernels": list(i.kernels), "speculation": i.speculation,
             "memory": asdict(self.engine.totals()),
             "max_new_tokens_limit": self.limits.max_new_tokens, "max_prompt_tokens": self.max_prompt_tokens,
         }

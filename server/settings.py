@@ -170,11 +170,19 @@ SETTINGS: tuple[Setting, ...] = (
       "quantized caches on the CPU only for now", "engine",
       choices=("auto", "bfloat16", "float16", "float32", "int8", "fp8", "int4")),
     S("speculate", str, "auto", "speculative decoding: ngram (each request drafts the tokens that followed the last "
-      "earlier occurrence of its final tokens in its prompt or output, verified in one forward pass with every "
-      "sampling control applied at each position: the same distribution, and for a seed the same tokens, as "
-      "without; drafts are verified only where they pay on this device, measured at start), off, or auto: ngram on "
-      "the CPU except with --kv-dtype int4, off elsewhere (not yet verified on a GPU)", "engine",
-      choices=("auto", "off", "ngram")),
+      "earlier occurrence of its final tokens in its prompt or output), draft (a draft model, --draft, proposes "
+      "them, drawing each with the target's own controls and random numbers), verified in one forward pass with "
+      "every sampling control applied at each position: the same distribution, and for a seed the same tokens, as "
+      "without; drafts are verified only where they pay on this device, measured at start; off; or auto: draft "
+      "when --draft is given, else ngram on the CPU except with --kv-dtype int4, off elsewhere (not yet verified "
+      "on a GPU)", "engine", choices=("auto", "off", "ngram", "draft")),
+    S("draft", str, None, "the draft model of --speculate draft: an artifact or model dir (or hub id) with the "
+      "served model's tokenizer, for instance a w4a16 artifact of the same model; served in --dtype, its KV cache "
+      "taking a share of the KV budget that holds as many tokens as the target's", "engine"),
+    S("draft_dtype", str, "auto", "the draft model's activations and KV cache: auto (--dtype, but bfloat16 for a "
+      "float32 target: a draft's precision changes only how often its drafts are kept, never the output, and "
+      "w4a16 kernels run 16-bit activations), bfloat16, float16 or float32", "engine",
+      choices=("auto", "bfloat16", "float16", "float32")),
     S("speculate_tokens", int, 8, "most tokens a request drafts in one step (fewer as its acceptance rate asks)",
       "engine", check=at_least(1)),
     S("max_new_tokens", int, 4096, "limit on a request's max_new_tokens", "limits"),

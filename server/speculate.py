@@ -51,30 +51,39 @@ def accepted(drafts: list[int], draws: list[int]) -> int:
 
 
 def allocate(offers: list[tuple[float, int, float]], base_rows: int, base_tokens: float, budget: int,
-             costs: DraftCosts) -> list[int]:
+             costs: DraftCosts, proposer: DraftCosts | None = None) -> list[int]:
     """How many drafts each request verifies this step: ``offers`` (one per request that could: its acceptance rate
     alpha, the drafts it has, a drafted row's draw in seconds), on top of a step of ``base_rows`` forward rows that
     yields ``base_tokens`` tokens (its decode rows and the prefills it completes), at most ``budget`` drafts in all.
+    ``proposer``: a draft model's forwards by their rows (server/draft.py), None for n-gram drafts (free).
 
     The j-th draft of a request with rate alpha adds alpha^j expected tokens (it counts only if every draft before
     it was accepted). Drafts are added best gain first, each growing the step's time by the forward of one more
-    row (:meth:`DraftCosts.forward`, measured) and its draw; of all those prefixes the one with the most expected
-    tokens per second is taken, none if plain decoding does best. So a lone request drafts as long as its rate
-    pays for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute, only
-    drafts that are likely accepted are verified."""
+    row (:meth:`DraftCosts.forward`, measured) and its draw; a draft model's j-th draft also adds a row to its j-th
+    forward (the first makes that forward) and the draft's own draw. Of all those prefixes the one with the most
+    expected tokens per second is taken, none if plain decoding does best. So a lone request drafts as long as its
+    rate pays for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute,
+    only drafts that are likely accepted are verified."""
     ks = [0] * len(offers)
+    depth: list[int] = []  # a draft model's rows in its j-th forward
     heap = [(-alpha, i) for i, (alpha, n, _) in enumerate(offers) if n > 0 and alpha > 0]
     heapq.heapify(heap)
-    rows, draws, tokens = base_rows, 0.0, base_tokens
+    rows, extra, tokens = base_rows, 0.0, base_tokens
     best_rate, best = tokens / costs.forward(rows), list(ks)
     while heap and rows - base_rows < budget:
         gain, i = heapq.heappop(heap)
         alpha, n, draw = offers[i]
         ks[i] += 1
-        rows, draws, tokens = rows + 1, draws + draw, tokens - gain
+        rows, extra, tokens = rows + 1, extra + draw, tokens - gain
+        if proposer is not None:
+            j = ks[i] - 1
+            if j == len(depth):
+                depth.append(0)
+            depth[j] += 1
+            extra += draw + proposer.forward(depth[j]) - (proposer.forward(depth[j] - 1) if depth[j] > 1 else 0.0)
         if ks[i] < n:
             heapq.heappush(heap, (gain * alpha, i))
-        rate = tokens / (costs.forward(rows) + draws)
+        rate = tokens / (costs.forward(rows) + extra)
         if rate > best_rate * (1 + 1e-9):
             best_rate, best = rate, list(ks)
     return best

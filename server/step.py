@@ -13,6 +13,7 @@ import torch
 
 from server import outputs as out
 from server.batch import stage
+from server.draft import draft_params
 from server.grammar import fill_bitmask
 from server.outputs import TokenLogprob, TraceStep
 from server.runner import build_step
@@ -46,40 +47,53 @@ class Stepper:
         self.eos_tensor = torch.tensor(sorted(eos_ids), dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
         self.estimate = estimate  # (chunk tokens, past, scored rows) -> activation bytes, for each request's peak
+        self.drafter = None  # a draft model (server/draft.py): it proposes the drafts of a plan's ``propose``
 
-    def draft_costs(self, repeats: int = 3) -> DraftCosts:
+    def draft_costs(self, repeats: int = 3) -> tuple[DraftCosts, DraftCosts | None]:
         """What a step costs on this device by its rows (server/speculate.py's ``DraftCosts``): forwards over 1, 2,
         4 ... :data:`PROBE_ROWS` rows of scratch blocks (as many as the pool has room for), and one row's draw at
         temperature 0.7 without and with top-p over the model's logits of the last of those rows; the fastest of
         ``repeats`` each. Where the pool has no room for even two rows, every row costs as much as a step (drafting
-        then seldom pays)."""
-        n = PROBE_ROWS
-        while n > 1 and (table := self.pool.try_reserve(PROBE_ID, n)) is None:
-            n //= 2
-        if n == 1:
-            return DraftCosts((1, 2), (1.0, 2.0))
-
-        def fastest(fn) -> float:
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t)
-            return best
-
-        times, logits = {}, []
-        try:
-            for rows in (2**i for i in range(n.bit_length())):
-                step = build_step([], [([0] * rows, 0, table, rows)], self.block_size, self.device)
-                times[rows] = fastest(lambda: logits.append(self.runner.forward(step)[-1:]) or float(logits[-1][0, 0]))
-        finally:
-            self.pool.release(PROBE_ID)
-        logits = logits[-1]  # (1, V) read back above: the work is done
+        then seldom pays). With a draft model, its forwards' too (second; else None)."""
+        times, logits = probe_forwards(self.runner, self.pool, self.device, repeats)
+        proposer = None
+        if self.drafter is not None:
+            proposer = DraftCosts(*probe_forwards(self.drafter.runner, self.drafter.pool, self.device, repeats)[0])
+        if logits is None:
+            return DraftCosts(*times), proposer
         draws = []
         for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
             batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
-            draws.append(fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0])))
-        return DraftCosts(tuple(times), tuple(times.values()), *draws)
+            draws.append(_fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0]), repeats))
+        return DraftCosts(*times, *draws), proposer
+
+    def draw(self, logits, sampled: list[Sequence], ahead: list[tuple]):
+        """Sample ``logits`` (one row per entry of ``sampled``, none with a sample in flight) as this step's sampler
+        draws the token at each row's position: ``ahead[i]``, the drafts between its request's tokens and that
+        position. A draft model's proposals (server/draft.py): the token ids, read back; no logprobs or trace."""
+        params = [draft_params(s.params) for s in sampled]
+        batch = self._batch(logits, sampled, params, ahead)
+        return sample(logits, batch, self.runner.ops).tokens.tolist()
+
+    def _batch(self, logits, sampled: list[Sequence], params: list, ahead: list[tuple]) -> SamplingBatch:
+        """The sampling batch of a step's rows, each row's state as of its position: its draw's index (the token's
+        index in its output), its end of sequence suppressed while short of min_tokens (in ``logits``), the
+        penalties' history (a pending token's place marked -1, filled on the device by the caller), the grammar
+        advanced along its drafts."""
+        counts = [len(s.generated) + s.pending + len(a) for s, a in zip(sampled, ahead)]  # each draw's index
+        suppress = [i for i, s in enumerate(sampled) if counts[i] < s.params.min_tokens]
+        if suppress and self.eos_ids:
+            rows_t = stage(suppress, torch.int64, self.device)
+            logits[rows_t[:, None], self.eos_tensor[None, :]] = -float("inf")
+        histories = None
+        if any(p.uses_history for p in params):
+            histories = [s.prompt + s.generated + [-1] * s.pending + list(a) for s, a in zip(sampled, ahead)]
+        batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device,
+                                    prompt_lens=[len(s.prompt) for s in sampled])
+        grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
+        if any(g is not None for g in grammars):
+            batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device, ahead)
+        return batch
 
     def launch(self, plan, prev: Launched | None) -> Launched | None:
         """Run a plan's forward and sampling; the samples' copy back is queued, not waited for. A decode row whose
@@ -135,22 +149,11 @@ class Stepper:
         if not sampled:
             return Launched([], None, False, scoring, scores, scored_only) if scoring or scored_only else None
         params = [s.params for s in sampled]
-        counts = [len(s.generated) + s.pending + len(a) for s, a in zip(sampled, ahead)]  # each draw's index
-        suppress = [i for i, s in enumerate(sampled) if counts[i] < s.params.min_tokens]
-        if suppress and self.eos_ids:
-            rows_t = stage(suppress, torch.int64, self.device)
-            logits[rows_t[:, None], self.eos_tensor[None, :]] = -float("inf")
-        histories = None
-        if any(p.uses_history for p in params):  # a pending token's place is filled on the device
-            histories = [s.prompt + s.generated + [-1] * s.pending + list(a) for s, a in zip(sampled, ahead)]
-        batch = SamplingBatch.build(params, [p.seed for p in params], counts, histories, device=self.device,
-                                    prompt_lens=[len(s.prompt) for s in sampled])
-        if histories is not None and rows:  # the fed decode rows are the same rows of ``sampled``
-            idx = stage(rows + [len(histories[i]) - 1 for i in rows] + index, torch.int64, self.device).view(3, -1)
+        batch = self._batch(logits, sampled, params, ahead)
+        if batch.history is not None and rows:  # the fed decode rows (the first of ``sampled``): their pending token
+            ends = [len(sampled[i].prompt) + len(sampled[i].generated) + sampled[i].pending - 1 for i in rows]
+            idx = stage(rows + ends + index, torch.int64, self.device).view(3, -1)
             batch.history[idx[0], idx[1]] = prev.tokens.index_select(0, idx[2])
-        grammars = [s.state.get("grammar") for s in sampled]  # each one's last token is read back (see plan)
-        if any(g is not None for g in grammars):
-            batch.allowed = fill_bitmask(grammars, self.vocab_size, self.device, ahead)
         res = sample(logits, batch, self.runner.ops)
         for s, _, _ in units:
             s.pending += 1
@@ -159,6 +162,35 @@ class Stepper:
 
 PROBE_ID = "\0draft-costs"  # the pool id of the blocks Stepper.draft_costs writes to
 PROBE_ROWS = 64  # the most rows it measures a forward over (a step's time beyond: extrapolated)
+
+
+def _fastest(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def probe_forwards(runner, pool, device, repeats: int):
+    """((rows, seconds), the last forward's last logits row or None): a runner's forwards over 1, 2, 4 ...
+    PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0, 2.0)), a row
+    as dear as a step), the fastest of ``repeats`` each."""
+    n = PROBE_ROWS
+    while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
+        n //= 2
+    if n == 1:
+        return ((1, 2), (1.0, 2.0)), None
+    times, logits = {}, []
+    try:
+        for rows in (2**i for i in range(n.bit_length())):
+            step = build_step([], [([0] * rows, 0, table, rows)], pool.layout.block_size, device)
+            times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]),
+                                   repeats)
+    finally:
+        pool.release(PROBE_ID)
+    return (tuple(times), tuple(times.values())), logits[-1]  # (1, V), read back above: the work is done
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:

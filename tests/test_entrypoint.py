@@ -27,7 +27,8 @@ def test_every_variable_maps_to_its_flag():
            "QUANTSERVE_GRACE_SECONDS": "25", "QUANTSERVE_TLS_CERT": "/tls/c.pem", "QUANTSERVE_TLS_KEY": "/tls/k.pem",
            "QUANTSERVE_API_KEY_FILE": "/secrets/key", "QUANTSERVE_LOG_LEVEL": "WARNING", "QUANTSERVE_CACHE": "/c",
            "QUANTSERVE_PREFIX_CACHE": "false", "QUANTSERVE_KV_ADMISSION": "reserve", "QUANTSERVE_KV_WATERMARK": "0.05",
-           "QUANTSERVE_KV_DTYPE": "int8", "QUANTSERVE_SPECULATE": "ngram", "QUANTSERVE_SPECULATE_TOKENS": "4",
+           "QUANTSERVE_KV_DTYPE": "int8", "QUANTSERVE_SPECULATE": "draft", "QUANTSERVE_SPECULATE_TOKENS": "4",
+           "QUANTSERVE_DRAFT": "/artifacts/draft", "QUANTSERVE_DRAFT_DTYPE": "bfloat16",
            "PATH": "/usr/bin"}
     argv = serve_argv(env)
     assert argv[0] == "/artifacts/m"

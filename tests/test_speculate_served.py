@@ -76,3 +76,35 @@ def test_metrics_give_the_acceptance_rate(server):
     accepted = metric_sum(server.http, "quantserve_accepted_tokens")
     rate = metric_sum(server.http, "quantserve_speculation_acceptance_rate")
     assert drafted > 0 and rate == pytest.approx(accepted / drafted)
+
+
+@pytest.fixture(scope="module")
+def draft_server(tiny_model_dir, cache_dir):
+    """``--speculate draft`` with the tiny model drafting for itself (every draft accepted), drafts free."""
+    s = live_server.start(tiny_model_dir, cache_dir, speculate="draft", draft=str(tiny_model_dir),
+                          draft_dtype="float32")
+    s.engine.scheduler.speculate(DraftCosts(), s.engine.config.speculate_tokens, s.engine.draft,
+                                 DraftCosts((1,), (0.0,)))
+    yield s
+    s.shutdown()
+    assert s.rc == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_draft_model_is_named_and_its_memory_reported_on_both_transports(draft_server, transport, capsys):
+    with Client(draft_server.http if transport == "http" else draft_server.grpc_target, http=transport == "http") as c:
+        r = c.generate(PROMPT, temperature=0.0, max_new_tokens=24)
+        plain = c.generate(PROMPT, temperature=0.0, max_new_tokens=24, speculate=False)
+        info = c.info()
+    assert r.token_ids == plain.token_ids and plain.memory.kv_bytes_draft == 0
+    assert 0 < r.memory.accepted_tokens == r.memory.speculated_tokens  # the draft is the target itself
+    assert r.memory.kv_bytes_draft % draft_server.engine.draft.layout.bytes_per_block == 0 < r.memory.kv_bytes_draft
+    assert info.speculation == f"draft {draft_server.engine.draft.name} (none)"
+    assert info.memory.draft_weight_bytes == draft_server.engine.draft.weight_bytes > 0
+    assert info.memory.draft_kv_capacity_bytes == draft_server.engine.draft.pool.capacity_bytes
+    flags = ["--target", draft_server.http, "--http"] if transport == "http" else ["--target", draft_server.grpc_target]
+    assert main(["info", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "draft model" in out and "speculative decoding" in out
+    draft_server.assert_idle()
+    assert draft_server.engine.draft.pool.used_blocks == 0

@@ -41,7 +41,8 @@ def summary(r: Result) -> str:
             parts.append(f"preempted {m.preemptions}x, {m.recomputed_tokens} tokens recomputed")
         if m.speculated_tokens:
             parts.append(f"drafted {m.speculated_tokens}, accepted {m.accepted_tokens}, drafts' KV peak "
-                         f"{human_bytes(m.kv_bytes_speculative)}")
+                         f"{human_bytes(m.kv_bytes_speculative)}"
+                         + (f", draft model's KV peak {human_bytes(m.kv_bytes_draft)}" if m.kv_bytes_draft else ""))
         if m.kv_bytes_shared:
             parts.append(f"shared {human_bytes(m.kv_bytes_shared)} / own {human_bytes(m.kv_bytes_own)}, "
                          f"{m.prompt_tokens_cached} prompt tokens cached")
@@ -62,7 +63,7 @@ def info_table(i: ModelInfo, transport: str) -> Table:
             ("device", na(i.device)), ("glue ops", na(i.glue_ops)), ("embeddings", na(i.embeddings)),
             ("context length", str(i.context_length)),
             ("vocab size", na(i.vocab_size)),
-            ("KV bytes / token", na(i.kv_bytes_per_token))]
+            ("KV bytes / token", na(i.kv_bytes_per_token)), ("speculative decoding", na(i.speculation))]
     if i.memory is not None:
         m = i.memory
         rows += [("weights", human_bytes(m.weight_bytes)), ("KV pool capacity", human_bytes(m.kv_capacity_bytes)),
@@ -71,6 +72,11 @@ def info_table(i: ModelInfo, transport: str) -> Table:
                  ("prefix cache", f"{human_bytes(m.kv_cached_bytes)} cached, hit rate {100 * m.prefix_hit_rate:.1f}% "
                   f"({m.prefix_hit_tokens} of {m.prefix_queried_tokens} prompt tokens), {m.prefix_evictions} "
                   "evictions" if m.prefix_cache else "off")]
+        if m.speculated_tokens:
+            rows.append(("speculation", f"{m.speculated_tokens} drafted, {100 * m.acceptance_rate:.1f}% accepted"))
+        if m.draft_weight_bytes:
+            rows.append(("draft model", f"weights {human_bytes(m.draft_weight_bytes)}, KV pool "
+                                        f"{human_bytes(m.draft_kv_capacity_bytes)}"))
     else:
         rows.append(("memory totals", "n/a"))
     rows += [("max new tokens (limit)", na(i.max_new_tokens_limit)), ("max prompt tokens", na(i.max_prompt_tokens))]

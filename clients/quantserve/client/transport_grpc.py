@@ -64,7 +64,8 @@ def _engine(e: pb.EngineMemory) -> EngineMemory:
                         prefix_hit_tokens=e.prefix_hit_tokens, prefix_queried_tokens=e.prefix_queried_tokens,
                         prefix_evictions=e.prefix_evictions, preemptions=e.preemptions,
                         recomputed_tokens=e.recomputed_tokens, speculated_tokens=e.speculated_tokens,
-                        accepted_tokens=e.accepted_tokens)
+                        accepted_tokens=e.accepted_tokens, draft_weight_bytes=e.draft_weight_bytes,
+                        draft_kv_capacity_bytes=e.draft_kv_capacity_bytes)
 
 
 def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
@@ -76,7 +77,7 @@ def _memory(m: pb.MemoryAccounting) -> MemoryAccounting:
                             prompt_tokens_cached=m.prompt_tokens_cached, kv_dtype=m.kv_dtype,
                             preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens,
                             speculated_tokens=m.speculated_tokens, accepted_tokens=m.accepted_tokens,
-                            kv_bytes_speculative=m.kv_bytes_speculative)
+                            kv_bytes_speculative=m.kv_bytes_speculative, kv_bytes_draft=m.kv_bytes_draft)
 
 
 def _logprobs(lps) -> tuple[TokenLogprob, ...]:
@@ -126,7 +127,7 @@ def info_from_proto(i: pb.ModelInfoResponse) -> ModelInfo:
     return ModelInfo(model=i.model, scheme=i.scheme, context_length=i.context_length, dtype=i.dtype, device=i.device,
                      attention=i.attention, vocab_size=i.vocab_size, kv_bytes_per_token=i.kv_bytes_per_token,
                      glue_ops=i.glue_ops, embeddings=i.embeddings, kernels=tuple(i.kernels), max_new_tokens_limit=i.max_new_tokens_limit,
-                     max_prompt_tokens=i.max_prompt_tokens, memory=_engine(i.memory))
+                     max_prompt_tokens=i.max_prompt_tokens, memory=_engine(i.memory), speculation=i.speculation)
 
 
 def plan_to_proto(shapes: tuple[RequestShape, ...]) -> pb.PlanRequest:

@@ -157,7 +157,7 @@ def info_from_body(body: dict) -> ModelInfo:
                          glue_ops=body.get("glue_ops"), embeddings=body.get("embeddings"),
                          kernels=tuple(body.get("kernels") or ()),
                          max_new_tokens_limit=body.get("max_new_tokens_limit"),
-                         max_prompt_tokens=body.get("max_prompt_tokens"),
+                         max_prompt_tokens=body.get("max_prompt_tokens"), speculation=body.get("speculation"),
                          memory=engine_from_dict(body.get("memory")))
     except (KeyError, TypeError, ValueError) as e:
         raise ClientError(INTERNAL, f"unexpected /v1/info response: {type(e).__name__}: {e}") from None

@@ -166,6 +166,8 @@ class EngineMemory:
     recomputed_tokens: int = 0  # positions whose K/V was computed again after preemptions
     speculated_tokens: int = 0  # tokens drafted and verified (speculative decoding) since the server started
     accepted_tokens: int = 0  # of those, the tokens kept
+    draft_weight_bytes: int = 0  # the draft model's weights (--speculate draft)
+    draft_kv_capacity_bytes: int = 0  # its KV pool (a share of the KV budget)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -198,6 +200,7 @@ class MemoryAccounting:
     speculated_tokens: int = 0  # tokens it drafted (speculative decoding), each verified with the others of a step
     accepted_tokens: int = 0  # of those, the tokens its draws accepted
     kv_bytes_speculative: int = 0  # the most KV its drafts held at once beyond its tokens'
+    kv_bytes_draft: int = 0  # the most of a draft model's KV cache it held (--speculate draft)
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,7 @@ class ModelInfo:
     glue_ops: str | None = None
     embeddings: str | None = None
     kernels: tuple[str, ...] = ()  # per projection computation: the path at each row count, as measured
+    speculation: str | None = None  # off, ngram, or the draft model: "draft <model> (<scheme>)"
     max_new_tokens_limit: int | None = None
     max_prompt_tokens: int | None = None
     memory: EngineMemory | None = None
@@ -334,7 +338,7 @@ def memory_from_dict(d: Mapping[str, Any] | None) -> MemoryAccounting | None:
         return None
     ints = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used",
             "activation_peak_bytes", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "preemptions",
-            "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative")
+            "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative", "kv_bytes_draft")
     return MemoryAccounting(**{k: int(d.get(k, 0)) for k in ints}, attention=str(d.get("attention", "")),
                             engine=engine_from_dict(d.get("engine")), kv_dtype=str(d.get("kv_dtype", "")))
 

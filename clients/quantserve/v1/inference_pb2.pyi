@@ -144,7 +144,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineMemory(_message.Message):
-    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens")
+    __slots__ = ("weight_bytes", "kv_capacity_bytes", "kv_used_bytes", "kv_block_size", "running", "queued", "kv_cached_bytes", "prefix_cache", "prefix_hit_tokens", "prefix_queried_tokens", "prefix_evictions", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens", "draft_weight_bytes", "draft_kv_capacity_bytes")
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class EngineMemory(_message.Message):
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     weight_bytes: int
     kv_capacity_bytes: int
     kv_used_bytes: int
@@ -175,10 +177,12 @@ class EngineMemory(_message.Message):
     recomputed_tokens: int
     speculated_tokens: int
     accepted_tokens: int
-    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    draft_weight_bytes: int
+    draft_kv_capacity_bytes: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_cached_bytes: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_weight_bytes: _Optional[int] = ..., draft_kv_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class MemoryAccounting(_message.Message):
-    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "kv_dtype", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative")
+    __slots__ = ("kv_bytes_per_token", "kv_blocks_reserved", "kv_bytes_reserved", "kv_bytes_used", "activation_peak_bytes", "attention", "engine", "kv_bytes_shared", "kv_bytes_own", "prompt_tokens_cached", "kv_dtype", "preemptions", "recomputed_tokens", "speculated_tokens", "accepted_tokens", "kv_bytes_speculative", "kv_bytes_draft")
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,7 @@ class MemoryAccounting(_message.Message):
     SPECULATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_DRAFT_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_per_token: int
     kv_blocks_reserved: int
     kv_bytes_reserved: int
@@ -211,7 +216,8 @@ class MemoryAccounting(_message.Message):
     speculated_tokens: int
     accepted_tokens: int
     kv_bytes_speculative: int
-    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_bytes_speculative: _Optional[int] = ...) -> None: ...
+    kv_bytes_draft: int
+    def __init__(self, kv_bytes_per_token: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., kv_bytes_reserved: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., attention: _Optional[str] = ..., engine: _Optional[_Union[EngineMemory, _Mapping]] = ..., kv_bytes_shared: _Optional[int] = ..., kv_bytes_own: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., preemptions: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., speculated_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., kv_bytes_speculative: _Optional[int] = ..., kv_bytes_draft: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop", "seed", "usage", "memory", "ttft_s", "duration_s")
@@ -310,7 +316,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "scheme", "dtype", "device", "attention", "context_length", "vocab_size", "kv_bytes_per_token", "memory", "glue_ops", "max_new_tokens_limit", "max_prompt_tokens", "embeddings", "kernels")
+    __slots__ = ("model", "scheme", "dtype", "device", "attention", "context_length", "vocab_size", "kv_bytes_per_token", "memory", "glue_ops", "max_new_tokens_limit", "max_prompt_tokens", "embeddings", "kernels", "speculation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +331,7 @@ class ModelInfoResponse(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     scheme: str
     dtype: str
@@ -339,7 +346,8 @@ class ModelInfoResponse(_message.Message):
     max_prompt_tokens: int
     embeddings: str
     kernels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ...) -> None: ...
+    speculation: str
+    def __init__(self, model: _Optional[str] = ..., scheme: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., memory: _Optional[_Union[EngineMemory, _Mapping]] = ..., glue_ops: _Optional[str] = ..., max_new_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., embeddings: _Optional[str] = ..., kernels: _Optional[_Iterable[str]] = ..., speculation: _Optional[str] = ...) -> None: ...
 
 class RequestShape(_message.Message):
     __slots__ = ("prompt_tokens", "max_new_tokens", "count", "n", "expected_new_tokens")
