@@ -63,17 +63,18 @@ class DraftModel:
     """The draft model, its runner and its KV pool; ``propose`` runs its forwards for a step's drafting requests."""
 
     def __init__(self, draft: tuple, layout: KVLayout, budget_bytes: int, config, vocab_size: int,
-                 eos_ids: frozenset[int]):
-        """draft: (model, tokenizer, name, scheme), served in the engine's ``config`` (its dtype, device, KV format,
-        glue ops and embeddings setting); ``vocab_size`` and ``eos_ids``: the target's."""
+                 eos_ids: frozenset[int], chooser=None):
+        """draft: (model, tokenizer, name, scheme), served in the engine's ``config`` (its device, KV format, glue
+        ops and embeddings setting; its ``draft_torch_dtype``); ``vocab_size`` and ``eos_ids``: the target's;
+        ``chooser``: the engine's kernel plans (quant.runtime.kernel_choice), which the draft's projections join."""
         model, _, self.name, self.scheme = draft
         self.layout = layout
         self.device = torch.device(config.device)
         self.pool = BlockPool(layout, budget_bytes, self.device, prefix_cache=False)
         embeddings = resolve_embeddings(config.embeddings, config.draft_torch_dtype, self.scheme != "none")
         self.runner = ModelRunner(model, self.pool.storage, layout.block_size, fused_ops=config.fused_ops,
-                                  embeddings=embeddings, kv_scales=self.pool.scales, kv_rotation=layout.rotation,
-                                  kv_format=layout.kv_format)
+                                  embeddings=embeddings, chooser=chooser, kv_scales=self.pool.scales,
+                                  kv_rotation=layout.rotation, kv_format=layout.kv_format)
         self.vocab_size = vocab_size  # the target's: the draft's logits are cut or padded to it
         self.eos_ids = eos_ids  # a drafted end of sequence is its request's last draft
         self.max_catch_up = config.max_prefill_tokens  # tokens a step's first draft forward writes, all together

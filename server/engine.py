@@ -113,7 +113,7 @@ class Engine:
             self.pool = self._pool(budget[0])
             self.runner.use_kv_storage(self.pool.storage, self.pool.scales)
         self.draft = draft and DraftModel(draft, draft_layout, budget[1], config, self.vocab_size,
-                                          eos_ids(model, tokenizer))
+                                          eos_ids(model, tokenizer), chooser)
         self.cuda_graphs = "off"
         self._held_ids: set[str] = set()  # pool ids the engine holds itself (never a request's)
         if self.device.type == "cuda" and config.cuda_graphs:
