@@ -21,6 +21,7 @@ their draft KV up (and catch up again when they next draft); a request that find
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -30,6 +31,8 @@ from server import models
 from server.kv_pool import BlockPool, KVLayout
 from server.layers.embedding import resolve as resolve_embeddings
 from server.runner import ModelRunner, build_step
+
+log = logging.getLogger("quantserve.engine")
 
 
 def check_tokenizer(target, draft, target_name: str, draft_name: str) -> None:
@@ -82,7 +85,8 @@ class DraftModel:
         self._last_used: dict[str, int] = {}  # request -> the step it last drafted in (who gives its KV up first)
         self._steps = 0
         self.evictions = 0  # requests whose draft KV was given up for another's
-
+        self.broken: str | None = None  # why it failed, once it has (it then proposes nothing)
+        self.context_length = int(model.config.max_position_embeddings)  # a request past it is not drafted for
         self.weight_bytes = self.runner.weight_bytes()
 
     def describe(self) -> str:
@@ -96,10 +100,9 @@ class DraftModel:
     def kept(self, seq) -> None:
         """After a request's verification is read: its draft KV keeps the positions whose tokens are its own now
         (the accepted drafts'), and gives back the blocks past them."""
-        tokens = len(seq.prompt) + len(seq.generated)
-        if seq.id in self.covered and self.covered[seq.id] > tokens - 1:
-            self.covered[seq.id] = tokens - 1
-            self.pool.shrink(seq.id, tokens - 1)
+        if seq.id in self.covered:
+            self.covered[seq.id] = min(self.covered[seq.id], len(seq.prompt) + len(seq.generated) - 1)
+            self.pool.shrink(seq.id, self.covered[seq.id])
 
     def _room(self, seq, positions: int, busy: set[str]) -> bool:
         """Grow the request's draft table to ``positions``, giving up the draft KV of requests not drafting this
@@ -125,9 +128,23 @@ class DraftModel:
 
     def propose(self, wants: list[tuple[object, int]], draw) -> list[list[int]]:
         """Each request's drafts, at most its ``k`` (fewer when it drafts an end of sequence, when the step's
-        catch-up budget leaves it only part of its missing tokens, or when the pool has no room: then none).
+        catch-up budget leaves it only part of its missing tokens; none when the pool has no room or its drafts
+        would pass the draft model's context length).
         ``draw(logits, seqs, aheads)``: the step's sampler, each row drawn as the target would draw the token at
-        its position (server/step.py). A request has no sample in flight: its tokens are all known."""
+        its position (server/step.py). A request has no sample in flight: its tokens are all known.
+        A draft model that fails is not the requests' failure: one log line, its KV given back, and it proposes
+        nothing from then on (``broken`` says why); the requests decode as without speculation."""
+        if self.broken is None:
+            try:
+                return self._propose(wants, draw)
+            except Exception as e:  # noqa: BLE001 - the draft only ever speeds requests up
+                self.broken = f"{type(e).__name__}: {e}"
+                log.error("the draft model %s failed; speculation is off from now on: %s", self.name, self.broken)
+                for r in list(self.covered):
+                    self.release(r)
+        return [[] for _ in wants]
+
+    def _propose(self, wants: list[tuple[object, int]], draw) -> list[list[int]]:
         self._steps += 1
         busy = {s.id for s, _ in wants}
         drafts: list[list[int]] = [[] for _ in wants]
@@ -136,7 +153,7 @@ class DraftModel:
             tokens = seq.prompt + seq.generated
             start = self.covered.get(seq.id, 0)
             n = min(len(tokens) - start, budget)
-            if n <= 0 or not self._room(seq, start + n + (k - 1 if start + n == len(tokens) else 0), busy):
+            if n <= 0 or len(tokens) + k - 1 > self.context_length or not self._room(seq, start + n + (k - 1 if start + n == len(tokens) else 0), busy):
                 continue
             budget -= n
             self._last_used[seq.id] = self._steps

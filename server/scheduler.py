@@ -395,6 +395,8 @@ class Scheduler:
         leaves; after every row has its own block and the prefill its chunks, they take only free (or evictable
         cached) blocks, never preempting."""
         offers = []
+        if self.drafter is not None and self.drafter.broken is not None:
+            return []
         for seq in decode:
             if seq.spec is None or seq.pending or seq.blocks is None:
                 continue

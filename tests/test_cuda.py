@@ -634,3 +634,41 @@ def test_speculation_on_cuda_gives_the_tokens_of_plain_decoding():
             eng.close()
     for a, b in zip(got["ngram"], got["off"]):
         assert a.token_ids == b.token_ids
+
+
+def test_a_draft_model_on_cuda_gives_the_tokens_of_plain_decoding():
+    """--speculate draft on CUDA with serial steps: the draft model (the target's own weights, float32: every draft
+    accepted) runs its catch-up chunks and decode rows eagerly beside the target's graphs; the tokens are plain
+    decoding's, both pools' books clean."""
+    from helpers import word_tokenizer
+
+    from server.config import EngineConfig
+    from server.engine import Engine
+    from server.sampling_params import SamplingParams
+
+    prompt = list(range(11, 19)) * 6
+    params = [SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=48, ignore_eos=True)]
+    tok = word_tokenizer(512)
+    cfg = dict(memory_budget="64MiB", dtype="float32", device="cuda", overlap=False)
+    plain = Engine(_tiny_llama().float(), tok, EngineConfig(**cfg, speculate="off")).start()
+    try:
+        want = [plain.complete(prompt, p).token_ids for p in params]
+    finally:
+        plain.close()
+    eng = Engine(_tiny_llama().float(), tok, EngineConfig(**cfg, speculate="draft", draft="self",
+                                                           draft_dtype="float32"),
+                 draft=(_tiny_llama().float(), tok, "self", "none")).start()
+    try:
+        from server.speculate import DraftCosts
+
+        eng.scheduler.speculate(DraftCosts(), eng.config.speculate_tokens, eng.draft, DraftCosts((1,), (0.0,)))
+        got = [eng.complete(prompt, p) for p in params]
+        assert [g.token_ids for g in got] == want
+        t = eng.totals()
+        assert t.speculated_tokens > 0 and t.accepted_tokens == t.speculated_tokens
+        eng.pool.audit()
+        eng.draft.pool.audit()
+        assert eng.pool.used_blocks == 0 and eng.draft.pool.used_blocks == 0
+    finally:
+        eng.close()

@@ -260,3 +260,32 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start_in_one_line(tiny_mod
     with pytest.raises(UnsupportedModelError, match=r"^--draft .*its tokenizer is not .*'s \(\d+ tokens against "
                                                     r"\d+, '<not-in-the-target>' differs\)"):
         _engine(tiny_model_dir, cache_dir, other)
+
+
+@pytest.mark.reference
+def test_a_failing_draft_model_turns_speculation_off_and_fails_no_request(tiny_model_dir, cache_dir, w4_draft,
+                                                                          caplog):
+    off = _engine(tiny_model_dir, cache_dir)
+    w4 = _engine(tiny_model_dir, cache_dir, w4_draft)
+    try:
+        params = SamplingParams(max_new_tokens=24, seed=2, **EVERY_CONTROL)
+
+        def fail(step):
+            raise RuntimeError("injected draft failure")
+
+        w4.draft.runner.forward = fail
+        with caplog.at_level("ERROR", logger="quantserve.engine"):
+            got = w4.complete(LOOP * 6, params)
+        assert got.finish_reason == off.complete(LOOP * 6, params).finish_reason
+        assert got.token_ids == off.complete(LOOP * 6, params).token_ids
+        assert w4.draft.broken == "RuntimeError: injected draft failure"
+        assert [r.message for r in caplog.records if "draft model" in r.message] == [
+            f"the draft model {w4.draft.name} failed; speculation is off from now on: RuntimeError: injected "
+            "draft failure"]
+        before = w4.totals().speculated_tokens
+        assert w4.complete(LOOP * 6, greedy(16)).accounting.speculated_tokens == 0
+        assert w4.totals().speculated_tokens == before
+        assert_books(w4)
+    finally:
+        off.close()
+        w4.close()
