@@ -94,9 +94,11 @@ def chat(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
 
 
-def run(eng, prompts: list[list[int]], params) -> tuple[float, float, list, int, int]:
-    """All prompts at once; (seconds, seconds after the first token, outputs, drafted, accepted)."""
+def run(eng, prompts: list[list[int]], params) -> tuple:
+    """All prompts at once; (seconds, seconds after the first token, outputs, drafted, accepted, and of those the
+    draft model's drafted and accepted)."""
     before = eng.totals()
+    model = eng.scheduler.model_speculated_tokens, eng.scheduler.model_accepted_tokens
     t = time.perf_counter()
     streams = [eng.stream(p, params)[1] for p in prompts]
     outs, first = [], None
@@ -110,7 +112,8 @@ def run(eng, prompts: list[list[int]], params) -> tuple[float, float, list, int,
     after = eng.totals()
     toks = [[tok for ev in evs for tok in ev.token_ids] for evs in outs]
     return (end - t, end - first, toks, after.speculated_tokens - before.speculated_tokens,
-            after.accepted_tokens - before.accepted_tokens)
+            after.accepted_tokens - before.accepted_tokens, eng.scheduler.model_speculated_tokens - model[0],
+            eng.scheduler.model_accepted_tokens - model[1])
 
 
 def main() -> None:
@@ -181,34 +184,40 @@ def main() -> None:
                     else:  # batch 1: one request after another, their times summed
                         parts = [run(eng, [p], params) for p in prompts]
                         cell = (sum(p[0] for p in parts), sum(p[1] for p in parts), [p[2][0] for p in parts],
-                                sum(p[3] for p in parts), sum(p[4] for p in parts))
+                                *(sum(p[j] for p in parts) for j in range(3, 7)))
                     if best[m] is None or cell[0] < best[m][0]:
                         best[m] = cell
             tokens = n * len(prompts)
             decoded = tokens - (1 if batched else len(prompts))  # after the (first) first token
-            (t_off, d_off, out_off, _, _), (t_on, d_on, out_on, drafted, acc) = best["off"], best[mode]
+            (t_off, d_off, out_off, *_), (t_on, d_on, out_on, drafted, acc, m_dr, m_acc) = best["off"], best[mode]
             row = dict(dtype=dtype, workload=name, temperature=kw["temperature"], requests=len(prompts),
                        prompt_tokens=[len(p) for p in prompts], tokens=tokens,
                        off_tok_s=round(tokens / t_off, 2), on_tok_s=round(tokens / t_on, 2),
                        ratio=round(t_off / t_on, 3), off_decode_tok_s=round(decoded / d_off, 2),
                        on_decode_tok_s=round(decoded / d_on, 2), decode_ratio=round(d_off / d_on, 3),
                        drafted=drafted, accepted=acc, acceptance=round(acc / drafted, 3) if drafted else 0.0,
-                       same_tokens=sum(a == b for a, b in zip(out_off, out_on)), mode=mode)
+                       same_tokens=sum(a == b for a, b in zip(out_off, out_on)), mode=mode,
+                       model_drafted=m_dr, model_accepted=m_acc)
             if "every" in best:
-                t_e, _, out_e, dr_e, acc_e = best["every"]
+                t_e, _, out_e, dr_e, acc_e, m_dr_e, m_acc_e = best["every"]
                 row.update(every_tok_s=round(tokens / t_e, 2), every_ratio=round(t_off / t_e, 3), every_drafted=dr_e,
                            every_accepted=acc_e, every_acceptance=round(acc_e / dr_e, 3) if dr_e else 0.0,
-                           every_same_tokens=sum(a == b for a, b in zip(out_off, out_e)))
+                           every_same_tokens=sum(a == b for a, b in zip(out_off, out_e)), every_model_drafted=m_dr_e,
+                           every_model_accepted=m_acc_e,
+                           every_model_acceptance=round(m_acc_e / m_dr_e, 3) if m_dr_e else 0.0)
             rows.append(row)
             print(json.dumps(row) if args.json else
                   f"{dtype:9} {name:13} T={kw['temperature']:<4} tok/s off {row['off_tok_s']:6.2f} {mode} "
                   f"{row['on_tok_s']:6.2f} ({row['ratio']:.3f}x); after the first token off "
                   f"{row['off_decode_tok_s']:6.2f} {mode} {row['on_decode_tok_s']:6.2f} ({row['decode_ratio']:.3f}x); "
-                  f"drafted {drafted} accepted {acc} ({row['acceptance']:.2f}); same {row['same_tokens']}/"
+                  f"drafted {drafted} accepted {acc} ({row['acceptance']:.2f}"
+                  + (f"; the draft model's {m_dr} / {m_acc}" if args.draft else "") + f"); same {row['same_tokens']}/"
                   f"{len(prompts)}" + ("" if "every" not in best else
                                        f"; every draft: {row['every_tok_s']:6.2f} tok/s ({row['every_ratio']:.3f}x), "
                                        f"drafted {row['every_drafted']} accepted {row['every_accepted']} "
-                                       f"({row['every_acceptance']:.2f}), same {row['every_same_tokens']}/"
+                                       f"({row['every_acceptance']:.2f}; the draft model's "
+                                       f"{row['every_model_accepted']} / {row['every_model_drafted']}), same "
+                                       f"{row['every_same_tokens']}/"
                                        f"{len(prompts)}"), flush=True)
         for e in engines.values():
             e.close()

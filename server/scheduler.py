@@ -213,6 +213,8 @@ class Scheduler:
         self.proposer_costs: DraftCosts | None = None  # its forwards by their rows
         self.speculated_tokens = 0  # drafts verified, since the engine started
         self.accepted_tokens = 0  # of those, the drafts kept
+        self.model_speculated_tokens = 0  # of the drafts verified, the draft model's (server/draft.py)
+        self.model_accepted_tokens = 0  # and of those, the drafts kept
         self._order = itertools.count()
 
     @property
@@ -376,9 +378,8 @@ class Scheduler:
             return Plan(decode, prefill)
         drafting = {id(s) for s, _ in verify}
         decode = [s for s in decode if id(s) not in drafting]
-        if self.drafter is not None:
-            return Plan(decode, prefill, propose=[(s, len(d)) for s, d in verify])
-        return Plan(decode, prefill, verify)
+        return Plan(decode, prefill, [(s, d) for s, d in verify if d[0] != -1],  # n-grams' and the draft model's
+                    [(s, len(d)) for s, d in verify if d[0] == -1])
 
     def speculate(self, costs: DraftCosts, max_drafts: int, drafter=None, proposer: DraftCosts | None = None) -> None:
         """Let requests with a :class:`Speculation` draft, up to ``max_drafts`` each per step, as ``costs`` (measured
@@ -395,19 +396,18 @@ class Scheduler:
         leaves; after every row has its own block and the prefill its chunks, they take only free (or evictable
         cached) blocks, never preempting."""
         offers = []
-        if self.drafter is not None and self.drafter.broken is not None:
-            return []
+        model = self.drafter is not None and self.drafter.broken is None  # a failed draft model proposes nothing
         for seq in decode:
             if seq.spec is None or seq.pending or seq.blocks is None:
                 continue
             limit = min(budget, self.max_drafts, seq.params.max_new_tokens - len(seq.generated) - 1)
-            if self.drafter is not None:  # a draft model proposes up to the limit (placeholders until it has)
+            drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
+            if not drafts and model:  # where the text offers no n-gram, the draft model proposes (placeholders)
                 drafts = [-1] * max(0, limit)
-            else:
-                drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
             offers.append((seq, drafts))
-        lengths = allocate([(s.spec.alpha, len(d), s.spec.draw) for s, d in offers], base_rows, base_tokens, budget,
-                           self.draft_costs, self.proposer_costs) if offers else []
+        lengths = allocate([(s.spec.model_alpha if d[:1] == [-1] else s.spec.alpha, len(d), s.spec.draw, d[:1] == [-1])
+                            for s, d in offers], base_rows, base_tokens, budget, self.draft_costs,
+                           self.proposer_costs) if offers else []
         verify = []
         for (seq, drafts), k in zip(offers, lengths):
             drafts = drafts[:k]
@@ -417,7 +417,7 @@ class Scheduler:
             if not drafts:
                 seq.spec.skip()
                 continue
-            if self.drafter is None:
+            if drafts[0] != -1:  # (the draft model's: counted once it has proposed)
                 self._peaks(seq, self.pool.held_blocks(seq.id) - held)
             verify.append((seq, drafts))
         return verify
@@ -437,6 +437,7 @@ class Scheduler:
             if d:
                 self._peaks(seq, blocks(p + len(d)) - blocks(p) if self.admission == ON_DEMAND else 0)
                 plan.verify.append((seq, d))
+                seq.spec.by_model = True
             else:
                 seq.spec.skip()
                 plan.decode.append(seq)
@@ -447,7 +448,11 @@ class Scheduler:
         to the first its draws reject (server/speculate.py), counted; returns how many of its rows' tokens it
         emits: the kept drafts and the draw after them."""
         keep = accepted(drafts, draws)
-        seq.spec.record(len(drafts), keep)
+        by_model, seq.spec.by_model = seq.spec.by_model, False
+        seq.spec.record(len(drafts), keep, by_model)
+        if by_model:
+            self.model_speculated_tokens += len(drafts)
+            self.model_accepted_tokens += keep
         self.speculated_tokens += len(drafts)
         self.accepted_tokens += keep
         return keep + 1

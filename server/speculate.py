@@ -50,12 +50,13 @@ def accepted(drafts: list[int], draws: list[int]) -> int:
     return len(drafts)
 
 
-def allocate(offers: list[tuple[float, int, float]], base_rows: int, base_tokens: float, budget: int,
+def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: int,
              costs: DraftCosts, proposer: DraftCosts | None = None) -> list[int]:
     """How many drafts each request verifies this step: ``offers`` (one per request that could: its acceptance rate
-    alpha, the drafts it has, a drafted row's draw in seconds), on top of a step of ``base_rows`` forward rows that
-    yields ``base_tokens`` tokens (its decode rows and the prefills it completes), at most ``budget`` drafts in all.
-    ``proposer``: a draft model's forwards by their rows (server/draft.py), None for n-gram drafts (free).
+    alpha, the drafts it has, a drafted row's draw in seconds, and optionally whether the draft model proposes them:
+    True when left out), on top of a step of ``base_rows`` forward rows that yields ``base_tokens`` tokens (its
+    decode rows and the prefills it completes), at most ``budget`` drafts in all. ``proposer``: the draft model's
+    forwards by their rows (server/draft.py), None without one (n-gram drafts cost nothing to propose).
 
     The j-th draft of a request with rate alpha adds alpha^j expected tokens (it counts only if every draft before
     it was accepted). Drafts are added best gain first, each growing the step's time by the forward of one more
@@ -66,16 +67,16 @@ def allocate(offers: list[tuple[float, int, float]], base_rows: int, base_tokens
     only drafts that are likely accepted are verified."""
     ks = [0] * len(offers)
     depth: list[int] = []  # a draft model's rows in its j-th forward
-    heap = [(-alpha, i) for i, (alpha, n, _) in enumerate(offers) if n > 0 and alpha > 0]
+    heap = [(-o[0], i) for i, o in enumerate(offers) if o[1] > 0 and o[0] > 0]
     heapq.heapify(heap)
     rows, extra, tokens = base_rows, 0.0, base_tokens
     best_rate, best = tokens / costs.forward(rows), list(ks)
     while heap and rows - base_rows < budget:
         gain, i = heapq.heappop(heap)
-        alpha, n, draw = offers[i]
+        alpha, n, draw = offers[i][:3]
         ks[i] += 1
         rows, extra, tokens = rows + 1, extra + draw, tokens - gain
-        if proposer is not None:
+        if proposer is not None and (len(offers[i]) < 4 or offers[i][3]):
             j = ks[i] - 1
             if j == len(depth):
                 depth.append(0)
@@ -157,10 +158,12 @@ class Speculation:
     draw: float = 0.0
     index: NgramIndex = field(default_factory=NgramIndex)
     alpha: float = PRIOR
+    model_alpha: float = PRIOR  # the draft model's drafts' rate (server/draft.py), kept apart from the n-grams'
     idle: int = 0  # steps since its last verification
     proposed: int = 0
     accepted: int = 0
     steps: int = 0  # verifications
+    by_model: bool = False  # its verification in flight checks the draft model's drafts (else n-grams')
 
     def offer(self, prompt: list[int], generated: list[int], limit: int) -> list[int]:
         """The drafts it could verify next, at most ``limit`` (what its max_new_tokens and the step leave), from its
@@ -178,13 +181,17 @@ class Speculation:
         self.idle += 1
         if self.idle >= PROBE_AFTER:
             self.alpha = (self.alpha + PRIOR) / 2
+            self.model_alpha = (self.model_alpha + PRIOR) / 2
             self.idle = 0
 
-    def record(self, proposed: int, accepted_: int) -> None:
-        """A verification's outcome: ``accepted_`` of ``proposed`` drafts accepted."""
+    def record(self, proposed: int, accepted_: int, model: bool = False) -> None:
+        """A verification's outcome: ``accepted_`` of ``proposed`` drafts accepted (``model``: the draft model's)."""
         self.idle = 0
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted_
         trials = accepted_ + (accepted_ < proposed)  # drafts examined: up to and including the first rejected
-        self.alpha = DECAY * self.alpha + (1 - DECAY) * (accepted_ / trials)
+        if model:
+            self.model_alpha = DECAY * self.model_alpha + (1 - DECAY) * (accepted_ / trials)
+        else:
+            self.alpha = DECAY * self.alpha + (1 - DECAY) * (accepted_ / trials)

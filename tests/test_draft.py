@@ -156,28 +156,55 @@ PARAMS = [greedy_exact(40, logprobs=2), greedy(40, stop=["three f"]),
 @pytest.mark.reference
 def test_a_draft_identical_to_the_target_has_every_draft_accepted(engines):
     off, itself, _ = engines
+    s = itself.scheduler
     for params in PARAMS[::2]:
         for prompt in _prompts(itself):
+            before = s.model_speculated_tokens, s.model_accepted_tokens
             got = itself.complete(prompt, params)
             assert_same(got, off.complete(prompt, params))
-            a = got.accounting
-            assert a.speculated_tokens > 0 and a.accepted_tokens == a.speculated_tokens
+            assert got.accounting.speculated_tokens > 0
+            drafted, kept = s.model_speculated_tokens - before[0], s.model_accepted_tokens - before[1]
+            assert kept == drafted  # the draft model's drafts; n-gram ones may be rejected
+    assert s.model_speculated_tokens > 0
     assert_books(itself)
+
+
+@pytest.mark.reference
+def test_n_grams_draft_where_the_text_repeats_and_the_draft_model_elsewhere(engines):
+    """Text that repeats is drafted for by n-grams (free to propose), a prompt of tokens seen once by the draft
+    model, whose KV then holds the request's tokens; either way the plain tokens."""
+    off, _, w4 = engines
+    s = w4.scheduler
+
+    def drafts(prompt, params):
+        before = s.speculated_tokens, s.model_speculated_tokens
+        got = w4.complete(prompt, params)
+        assert_same(got, off.complete(prompt, params))
+        model = s.model_speculated_tokens - before[1]
+        return s.speculated_tokens - before[0] - model, model, got.accounting.kv_bytes_draft
+
+    looped = greedy_exact(32, logit_bias=tuple((t, 30.0) for t in LOOP))  # its output repeats the loop's tokens
+    ngram, _, _ = drafts(LOOP * 6, looped)
+    assert ngram > 0
+    _, model, kv = drafts(list(range(100, 160)), greedy_exact(9))
+    assert model > 0 and kv > 0
+    assert_books(w4)
 
 
 @pytest.mark.reference
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "greedy-stop", "every-control", "top-p"])
 def test_a_4bit_draft_gives_the_tokens_and_logprobs_of_plain_decoding(engines, params):
     off, _, w4 = engines
-    drafted = accepted = 0
+    drafted = accepted = draft_kv = 0
     for prompt in _prompts(w4):
         want, got = off.complete(prompt, params), w4.complete(prompt, params)
         assert_same(got, want)
         a = got.accounting
         assert a.accepted_tokens <= a.speculated_tokens
-        assert a.kv_bytes_draft > 0 and a.kv_bytes_draft % w4.draft.layout.bytes_per_block == 0
+        assert a.kv_bytes_draft % w4.draft.layout.bytes_per_block == 0
         drafted, accepted = drafted + a.speculated_tokens, accepted + a.accepted_tokens
-    assert 0 < accepted <= drafted
+        draft_kv += a.kv_bytes_draft
+    assert 0 < accepted <= drafted and draft_kv > 0
     t = w4.totals()
     assert t.draft_weight_bytes == w4.draft.weight_bytes > 0
     assert t.draft_kv_capacity_bytes == w4.draft.pool.capacity_bytes
@@ -234,7 +261,7 @@ def test_pools_too_small_for_every_request_preempt_and_give_draft_kv_to_those_dr
                  draft_dtype="float32")
     try:
         assert w4.pool.num_blocks == w4.draft.pool.num_blocks == 10
-        prompts = [LOOP * 4 + [i + 20] for i in range(4)]
+        prompts = [list(range(100 + 40 * i, 133 + 40 * i)) for i in range(4)]  # no repeats: the draft model drafts
         params = [greedy_exact(56), SamplingParams(max_new_tokens=56, seed=4, **EVERY_CONTROL)]
         want = {(i, j): off.complete(p, q) for i, p in enumerate(prompts) for j, q in enumerate(params)}
         streams = {key: w4.stream(prompts[key[0]], params[key[1]])[1] for key in want}
@@ -274,17 +301,19 @@ def test_a_failing_draft_model_turns_speculation_off_and_fails_no_request(tiny_m
             raise RuntimeError("injected draft failure")
 
         w4.draft.runner.forward = fail
+        prompt = list(range(100, 160))  # no repeats: the draft model is asked first
         with caplog.at_level("ERROR", logger="quantserve.engine"):
-            got = w4.complete(LOOP * 6, params)
-        assert got.finish_reason == off.complete(LOOP * 6, params).finish_reason
-        assert got.token_ids == off.complete(LOOP * 6, params).token_ids
+            got = w4.complete(prompt, params)
+        assert got.finish_reason == off.complete(prompt, params).finish_reason
+        assert got.token_ids == off.complete(prompt, params).token_ids
         assert w4.draft.broken == "RuntimeError: injected draft failure"
         assert [r.message for r in caplog.records if "draft model" in r.message] == [
             f"the draft model {w4.draft.name} failed; speculation is off from now on: RuntimeError: injected "
             "draft failure"]
-        before = w4.totals().speculated_tokens
-        assert w4.complete(LOOP * 6, greedy(16)).accounting.speculated_tokens == 0
-        assert w4.totals().speculated_tokens == before
+        before = w4.scheduler.model_speculated_tokens
+        assert w4.complete(prompt, greedy(16)).accounting.kv_bytes_draft == 0
+        assert w4.complete(LOOP * 6, greedy(16)).accounting.speculated_tokens > 0  # n-grams still draft
+        assert w4.scheduler.model_speculated_tokens == before
         assert_books(w4)
     finally:
         off.close()
