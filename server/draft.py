@@ -1,5 +1,6 @@
 """A draft model for speculative decoding (``--speculate draft --draft MODEL``): a smaller or more quantized model of
-the same tokenizer proposes each step's drafts, which the target verifies (server/speculate.py, server/step.py).
+the same tokenizer proposes the drafts of requests whose text offers no n-gram (n-grams, free to propose, go first;
+server/scheduler.py), which the target verifies (server/speculate.py, server/step.py).
 
 **What it proposes.** At every drafted position the draft model's logits go through the one sampler
 (server/sampling.py) in the documented order with the request's controls and state as of that position (penalty

@@ -391,7 +391,9 @@ class Scheduler:
     def _drafts(self, decode: list[Sequence], base_rows: int, base_tokens: int,
                 budget: int) -> list[tuple[Sequence, list[int]]]:
         """The decode rows that verify drafts this step, with their drafts: every request that can offers its
-        drafts (stopping short of its max_new_tokens) and :func:`server.speculate.allocate` keeps those that pay
+        drafts (stopping short of its max_new_tokens): its n-grams', or where its text has none and there is a draft
+        model, that model's (placeholders, -1, proposed once the plan is made: ``Plan.propose``), each at its own
+        source's acceptance rate; :func:`server.speculate.allocate` keeps those that pay
         on top of the step's ``base_rows`` rows (yielding ``base_tokens`` tokens), within what the prefill budget
         leaves; after every row has its own block and the prefill its chunks, they take only free (or evictable
         cached) blocks, never preempting."""
