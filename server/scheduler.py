@@ -119,7 +119,7 @@ class Sequence:
     preemptions: int = 0  # times it was preempted
     recomputed_tokens: int = 0  # positions whose K/V it computed again after preemptions
     kv_written: int = 0  # at its last preemption: positions whose K/V it had written
-    spec: Speculation | None = None  # its n-gram speculation (server/speculate.py); None: it does not speculate
+    spec: Speculation | None = None  # its speculation (server/speculate.py); None: it does not speculate
     drafts: list[int] = field(default_factory=list)  # the drafts of its verification in flight
     spec_peak_blocks: int = 0  # the most blocks its drafts held beyond its tokens' (taken for one step each)
     draft_peak_blocks: int = 0  # the most blocks of a draft model's pool it held (server/draft.py)
