@@ -352,9 +352,11 @@ def test_both_transports_and_metrics_report_preemptions(tiny_model_dir, cache_di
 
     s = start(tiny_model_dir, cache_dir, memory_budget=str(14 * 16 * 512))
     try:
+        # 190 tokens each (12 blocks): any two of them running at once need more than 14, however the four requests'
+        # arrivals spread under load
         def one(i):
             with Client(s.http.removeprefix("http://") if i % 2 else s.grpc_target, http=bool(i % 2)) as c:
-                return c.generate(_prompt(40, 60 + i), max_new_tokens=70, min_tokens=70, temperature=0.0)
+                return c.generate(_prompt(40, 60 + i), max_new_tokens=150, min_tokens=150, temperature=0.0)
 
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(one, range(4)))
