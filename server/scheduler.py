@@ -404,14 +404,12 @@ class Scheduler:
                 continue
             limit = min(budget, self.max_drafts, seq.params.max_new_tokens - len(seq.generated) - 1)
             drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
-            if not drafts and model:  # where the text offers no n-gram, the draft model proposes (placeholders)
-                drafts = [-1] * max(0, limit)
-            offers.append((seq, drafts))
-        lengths = allocate([(s.spec.model_alpha if d[:1] == [-1] else s.spec.alpha, len(d), s.spec.draw, d[:1] == [-1])
-                            for s, d in offers], base_rows, base_tokens, budget, self.draft_costs,
-                           self.proposer_costs) if offers else []
+            by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
+            offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
+        lengths = allocate([(s.spec.model_alpha if m else s.spec.alpha, len(d), s.spec.draw, m) for s, d, m in offers],
+                           base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs) if offers else []
         verify = []
-        for (seq, drafts), k in zip(offers, lengths):
+        for (seq, drafts, _), k in zip(offers, lengths):
             drafts = drafts[:k]
             held = self.pool.held_blocks(seq.id)
             while drafts and not self.pool.grow(seq.id, seq.next_position + 1 + len(drafts)):

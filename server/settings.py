@@ -177,8 +177,8 @@ SETTINGS: tuple[Setting, ...] = (
       "when --draft is given, else ngram on the CPU except with --kv-dtype int4, off elsewhere (not yet verified "
       "on a GPU)", "engine", choices=("auto", "off", "ngram", "draft")),
     S("draft", str, None, "the draft model of --speculate draft: an artifact or model dir (or hub id) with the "
-      "served model's tokenizer, for instance a w4a16 artifact of the same model; served in --dtype, its KV cache "
-      "taking a share of the KV budget that holds as many tokens as the target's", "engine"),
+      "served model's tokenizer, for instance a w4a16 artifact of the same model; served in --draft-dtype, its KV "
+      "cache taking a share of the KV budget that holds as many tokens as the target's", "engine"),
     S("draft_dtype", str, "auto", "the draft model's activations and KV cache: auto (--dtype, but bfloat16 for a "
       "float32 target: a draft's precision changes only how often its drafts are kept, never the output, and "
       "w4a16 kernels run 16-bit activations), bfloat16, float16 or float32", "engine",

@@ -17,6 +17,17 @@ def greedy_exact(n: int, **kw):
     return greedy(n, min_tokens=n, **kw)
 
 
+def assert_same_completion(got, want) -> None:
+    """The same tokens, text and finish; logprobs within 1e-4 and the same top ids (speculation's tests, float32: a
+    verification's rows may take another of the kernel plan's paths than one row does, which sums in another
+    order)."""
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.finish_reason == want.finish_reason
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) <= 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def hf_logits(model, ids: list[int]):
     """A transformers model's float logits at every position of ``ids``: (T, V)."""
     import torch

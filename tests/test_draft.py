@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import run_cli
+from helpers import assert_same_completion as assert_same
 from helpers import greedy, greedy_exact
 
 from quant.errors import UnsupportedModelError
@@ -125,16 +126,6 @@ def engines(tiny_model_dir, cache_dir, w4_draft):
     yield made
     for e in made:
         e.close()
-
-
-def assert_same(got, want) -> None:
-    """The same tokens, text and finish; logprobs within 1e-4 (float32: a verification's rows may sum in another
-    order than one row's)."""
-    assert got.token_ids == want.token_ids and got.text == want.text
-    assert got.finish_reason == want.finish_reason
-    for a, b in zip(got.logprobs, want.logprobs, strict=True):
-        assert abs(a.logprob - b.logprob) <= 1e-4
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def assert_books(engine: Engine) -> None:

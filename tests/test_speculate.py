@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from archs import ARCHITECTURES
+from helpers import assert_same_completion as assert_same
 from helpers import greedy, greedy_exact
 
 from server.config import EngineConfig
@@ -270,16 +271,6 @@ def pair(tiny_model_dir, cache_dir):
     yield off, on
     off.close()
     on.close()
-
-
-def assert_same(got, want) -> None:
-    """The same tokens, text and finish; logprobs within 1e-4 (float32: a verification's rows may take another of
-    the kernel plan's paths than one row does, which sums in another order)."""
-    assert got.token_ids == want.token_ids and got.text == want.text
-    assert got.finish_reason == want.finish_reason
-    for a, b in zip(got.logprobs, want.logprobs, strict=True):
-        assert abs(a.logprob - b.logprob) <= 1e-4
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def assert_books(engine: Engine) -> None:
