@@ -20,6 +20,9 @@ Tables (all rows of a table in this one run, same prompt, same machine):
 5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
    ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared.
 
+6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32,
+   beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
+
 Every case runs in a fresh subprocess (``--case``), peers included.
 
 Artifacts are taken from ``--artifacts`` (bench/quality.py writes them there) or built with ``quant build``.
@@ -43,11 +46,12 @@ from common import NEW, PROMPT, ensure_artifact, greedy
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True):
+def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True,
+               dtype: str = "bfloat16"):
     from server.config import EngineConfig
     from server.engine import Engine
 
-    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops)
+    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype)
     return Engine.from_path(spec, cfg, cache).start()
 
 
@@ -220,9 +224,9 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case in ("ours-b1", "ours-b1-eager", "ours-16", "rss"):
+    if case in ("ours-b1", "ours-b1-eager", "ours-b1-fp32", "ours-16", "rss"):
         eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
-                         fused_ops=case != "ours-b1-eager")
+                         fused_ops=case != "ours-b1-eager", dtype="float32" if case == "ours-b1-fp32" else "bfloat16")
         try:
             if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
                     help="comma-separated tables: batch1, concurrent, rss, http (batch-1 through quant serve vs "
                          "llama.cpp, alternated --rounds times, and 16 streams through quant serve), versus (batch-1 "
                          "engine w4a16 against llama.cpp, and against each --baseline commit's engine, alternated "
-                         "--rounds times)")
+                         "--rounds times), fp32 (batch-1 served in float32: the base model and w4a16, beside w4a16 "
+                         "in bf16, alternated --rounds times)")
     ap.add_argument("--baseline", default=None, metavar="GIT_REF",
                     help="also run our engine's cases with the engine of this commit (a git worktree under "
                          "bench/out/), alternating with ours, and report ours / baseline; for versus, several "
@@ -372,6 +377,19 @@ def main(argv=None) -> int:
         llama = statistics.median(runs["llama.cpp Q4_1"])
         res["versus"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
                              "vs_llama_cpp": round(statistics.median(v) / llama, 3)} for k, v in runs.items()}
+    if "fp32" in only:
+        # Batch-1 served in float32 (--dtype float32): the base model's dense fp32 against the w4a16 artifact in
+        # fp32 and in bf16, process by process in turn each round.
+        cases = {"ours base, float32": ("ours-b1-fp32", base), "ours w4a16, float32": ("ours-b1-fp32", specs["w4a16"]),
+                 "ours w4a16, bfloat16": ("ours-b1", specs["w4a16"])}
+        runs = {k: [] for k in cases}
+        for _ in range(args.rounds):
+            for k, (case, spec) in cases.items():
+                runs[k].append(child(case, spec, cache, args.threads, args.repeats)["tok_s"])
+            print("fp32", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
+        peer = statistics.median(runs["ours base, float32"])
+        res["fp32"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
+                           "vs_base_float32": round(statistics.median(v) / peer, 3)} for k, v in runs.items()}
     if "concurrent" in only:
         for name in ("bf16 base", "w4a16"):
             record("concurrent16", f"ours {name}", "ours-16", specs[name])

@@ -181,7 +181,7 @@ SETTINGS: tuple[Setting, ...] = (
       "cache taking a share of the KV budget that holds as many tokens as the target's", "engine"),
     S("draft_dtype", str, "auto", "the draft model's activations and KV cache: auto (--dtype, but bfloat16 for a "
       "float32 target: a draft's precision changes only how often its drafts are kept, never the output, and "
-      "w4a16 kernels run 16-bit activations), bfloat16, float16 or float32", "engine",
+      "bfloat16 holds its KV cache in half the bytes), bfloat16, float16 or float32", "engine",
       choices=("auto", "bfloat16", "float16", "float32")),
     S("speculate_tokens", int, 8, "most tokens a request drafts in one step (fewer as its acceptance rate asks)",
       "engine", check=at_least(1)),

@@ -10,7 +10,12 @@ from quant.build import gptq as G
 from quant.errors import ConfigError
 from quant.runtime import int4
 from quant.runtime import primitives as P
-from quant.runtime.kernels import int4_layout
+from quant.runtime.kernels import dequant, int4_layout, rows
+
+
+def rows_ops_built() -> bool:
+    """The C++ ops that serve fp32 from the int4pack layout (quant.runtime.int4._cpu_fp32_paths) are built."""
+    return bool(rows.available(torch.empty(0)) and dequant.load())
 
 
 def _problem(n=64, k=256, rows=2048, seed=0, corr=True):
@@ -226,12 +231,16 @@ def test_int4_kernel_matches_reference(dtype, rows, group):
     q = G.gptq(w, h, 4, group, True)
     m = int4.GPTQLinear.from_quantized(q, torch.randn(128) * 0.1, v2=False)
     m.prepare(dtype)
-    assert m.layout == ("int4pack" if dtype == torch.bfloat16 else "gptq")
+    # fp32 on a CPU with the C++ ops takes the int4pack layout too (rows / one-pass dequantize, no PyTorch kernel)
+    assert m.layout == ("int4pack" if dtype == torch.bfloat16 or rows_ops_built() else "gptq")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
-    fast = m(x).float()
     ref = m.reference_forward(x)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert float((fast - ref).abs().max() / ref.abs().max()) < tol
+    paths = m.paths(dtype)
+    assert dtype == torch.bfloat16 or "kernel" not in paths
+    for name, call in {"forward": m, **paths}.items():
+        fast = call(x).float()
+        assert float((fast - ref).abs().max() / ref.abs().max()) < tol, name
 
 
 def _act_order_checkpoint(k: int = 256, n: int = 128, group: int = 64):
@@ -255,7 +264,7 @@ def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
     ref_w = m.dequantized(torch.float32)
     assert float((ref_w - w).abs().max()) < float(w.abs().max()) / 7  # the formula honours g_idx: close to w
     m.prepare(dtype)
-    assert (m.perm is not None) == (dtype == torch.bfloat16)
+    assert (m.perm is not None) == (dtype == torch.bfloat16 or rows_ops_built())
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
     fast = m(x).float()
     ref = m.reference_forward(x)

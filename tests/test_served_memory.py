@@ -15,6 +15,7 @@ from torch import nn
 from quant.build import gptq as G
 from quant.format import artifact
 from quant.runtime.int4 import GPTQLinear
+from quant.runtime.kernels import dequant, rows
 from quant.runtime.measure import weight_report
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -47,14 +48,18 @@ def test_int4pack_layout_replaces_the_gptq_tensors():
 
 
 @pytest.mark.unit
-def test_prepare_keeps_the_gptq_layout_for_fp32_and_is_idempotent():
+def test_prepare_for_fp32_holds_one_layout_and_is_idempotent():
     m = _gptq_module()
+    stored = m.dequantized(torch.float32)
     m.prepare(torch.float32)
-    assert m.layout == "gptq" and m.packed is None and m.qweight is not None
-    m.prepare(torch.bfloat16)
-    packed = m.packed
-    m.prepare(torch.bfloat16)
-    assert m.packed is packed
+    if rows.available(torch.empty(0)) and dequant.load():  # the C++ ops read int4pack in fp32: no GPTQ tensors kept
+        assert m.layout == "int4pack" and m.qweight is None and m.scales_zeros.dtype == torch.float32
+        torch.testing.assert_close(m.dequantized(torch.float32), stored, atol=1e-6 * float(stored.abs().max()), rtol=0)
+    else:  # dequantized from the checkpoint's tensors per call
+        assert m.layout == "gptq" and m.packed is None and m.qweight is not None
+    held = {n: id(t) for n, t in m.named_buffers() if t is not None}
+    m.prepare(torch.float32)
+    assert {n: id(t) for n, t in m.named_buffers() if t is not None} == held
 
 
 @pytest.mark.unit

@@ -55,8 +55,9 @@ class GPTQLinear(WeightOnlyLinear):
       (`packed`), one scale/zero table in the activation dtype (`scales_zeros`, (G, N, 2)) and, for an act-order
       checkpoint, the kernel's column order (`perm`). The GPTQ tensors are dropped: the checkpoint pages they
       were read from are not touched again (the engine returns them to the OS).
-    - "gptq" (fp32 activations, other group sizes): the checkpoint tensors as stored, dequantized per call
-      (the CPU int4 kernel in fp32 measured ~20x slower than dense).
+      fp32 activations on a CPU take the same layout without PyTorch's kernel (in fp32 it measured ~20x slower
+      than dense): the ``rows`` op reads it for few rows, the one-pass dequantizer for many.
+    - "gptq" (CUDA fp32, other group sizes): the checkpoint tensors as stored, dequantized per call.
     """
 
     SPEC_TYPE = "gptq"
@@ -119,11 +120,13 @@ class GPTQLinear(WeightOnlyLinear):
 
     def runtime_layout(self, dtype: torch.dtype | None) -> str:
         """The layout ``prepare(dtype)`` gives this module on its device: "int4pack" (PyTorch's int4 kernels: on
-        CUDA bf16 only, with K a multiple of 32), "w4triton" (CUDA: the Triton kernel over the GPTQ codes, any
+        CUDA bf16 only, with K a multiple of 32; on a CPU fp32 too, read by our C++ ops), "w4triton" (CUDA: the Triton kernel over the GPTQ codes, any
         16-bit dtype, preferred there) or "gptq" (as stored, dequantized per call)."""
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        if dtype == torch.float32 and not self.qweight.is_cuda:
+            return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 and _cpu_fp32_paths() else "gptq"
         if dtype not in (torch.bfloat16, torch.float16):
             return "gptq"
-        n, k, gs = self.out_features, self.in_features, self.group_size
         if self.qweight.is_cuda:
             if triton_ops.available() is None and triton_ops.w4_block_k(gs) is not None:
                 return "w4triton"
@@ -207,7 +210,10 @@ class GPTQLinear(WeightOnlyLinear):
         if self.has_kernel(dtype):
             return ("aten._weight_int4pack_mm(_for_cpu), one C++ pass (quant.runtime.kernels.rows), a tiled C++ product (quant.runtime.kernels.gemm, "
                     "bf16) or dequantize + matmul; per row count the fastest on the serving CPU")
-        return "dequantize + matmul (the fp32 int4pack kernel is slower than dense on CPU)"
+        if self.packed is not None:  # fp32 on a CPU: the int4pack layout without PyTorch's kernel
+            return ("one C++ pass (quant.runtime.kernels.rows) or a one-pass dequantize + matmul, per row count the "
+                    "fastest on the serving CPU (the fp32 int4pack kernel is slower than dense)")
+        return "dequantize + matmul"
 
     def has_kernel(self, dtype: torch.dtype) -> bool:
         if self._whole is not None:
@@ -290,6 +296,13 @@ class GPTQLinear(WeightOnlyLinear):
         if layout:  # one pass from the kernel layout (C++ where built), the fp32 values the kernel computes
             return dequant.int4pack(self.packed, n, k, layout, self.scales_zeros, gs, self.perm, dtype)
         return dequant.int4_codes_reference(self._kernel_codes(), self.scales_zeros, gs, self.perm, dtype)
+
+
+def _cpu_fp32_paths() -> bool:
+    """Whether fp32 activations on this CPU have paths from the int4pack layout that beat dequantizing the GPTQ
+    tensors per call: the ``rows`` op for few rows and the one-pass C++ dequantizer for many (PyTorch's own int4
+    kernel in fp32 measured ~20x slower than dense), both reading a layout this code knows."""
+    return rowops.available(torch.empty(0)) and dequant.load() and cpu_layout() is not None
 
 
 def _in_kernel_order(call, perm: torch.Tensor | None):
