@@ -10,12 +10,9 @@ from quant.build import gptq as G
 from quant.errors import ConfigError
 from quant.runtime import int4
 from quant.runtime import primitives as P
-from quant.runtime.kernels import dequant, int4_layout, rows
+from quant.runtime.kernels import int4_layout
 
 
-def rows_ops_built() -> bool:
-    """The C++ ops that serve fp32 from the int4pack layout (quant.runtime.int4._cpu_fp32_paths) are built."""
-    return bool(rows.available(torch.empty(0)) and dequant.load())
 
 
 def _problem(n=64, k=256, rows=2048, seed=0, corr=True):
@@ -232,7 +229,7 @@ def test_int4_kernel_matches_reference(dtype, rows, group):
     m = int4.GPTQLinear.from_quantized(q, torch.randn(128) * 0.1, v2=False)
     m.prepare(dtype)
     # fp32 on a CPU with the C++ ops takes the int4pack layout too (rows / one-pass dequantize, no PyTorch kernel)
-    assert m.layout == ("int4pack" if dtype == torch.bfloat16 or rows_ops_built() else "gptq")
+    assert m.layout == ("int4pack" if dtype == torch.bfloat16 or int4.fp32_int4pack_on_cpu() else "gptq")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
     ref = m.reference_forward(x)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -264,7 +261,7 @@ def test_act_order_checkpoint_is_computed_with_its_g_idx(dtype):
     ref_w = m.dequantized(torch.float32)
     assert float((ref_w - w).abs().max()) < float(w.abs().max()) / 7  # the formula honours g_idx: close to w
     m.prepare(dtype)
-    assert (m.perm is not None) == (dtype == torch.bfloat16 or rows_ops_built())
+    assert (m.perm is not None) == (dtype == torch.bfloat16 or int4.fp32_int4pack_on_cpu())
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
     fast = m(x).float()
     ref = m.reference_forward(x)

@@ -14,8 +14,7 @@ from torch import nn
 
 from quant.build import gptq as G
 from quant.format import artifact
-from quant.runtime.int4 import GPTQLinear
-from quant.runtime.kernels import dequant, rows
+from quant.runtime.int4 import GPTQLinear, fp32_int4pack_on_cpu
 from quant.runtime.measure import weight_report
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -52,7 +51,7 @@ def test_prepare_for_fp32_holds_one_layout_and_is_idempotent():
     m = _gptq_module()
     stored = m.dequantized(torch.float32)
     m.prepare(torch.float32)
-    if rows.available(torch.empty(0)) and dequant.load():  # the C++ ops read int4pack in fp32: no GPTQ tensors kept
+    if fp32_int4pack_on_cpu():  # the C++ ops read int4pack in fp32: no GPTQ tensors kept
         assert m.layout == "int4pack" and m.qweight is None and m.scales_zeros.dtype == torch.float32
         torch.testing.assert_close(m.dequantized(torch.float32), stored, atol=1e-6 * float(stored.abs().max()), rtol=0)
     else:  # dequantized from the checkpoint's tensors per call

@@ -124,7 +124,7 @@ class GPTQLinear(WeightOnlyLinear):
         16-bit dtype, preferred there) or "gptq" (as stored, dequantized per call)."""
         n, k, gs = self.out_features, self.in_features, self.group_size
         if dtype == torch.float32 and not self.qweight.is_cuda:
-            return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 and _cpu_fp32_paths() else "gptq"
+            return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 and fp32_int4pack_on_cpu() else "gptq"
         if dtype not in (torch.bfloat16, torch.float16):
             return "gptq"
         if self.qweight.is_cuda:
@@ -298,7 +298,7 @@ class GPTQLinear(WeightOnlyLinear):
         return dequant.int4_codes_reference(self._kernel_codes(), self.scales_zeros, gs, self.perm, dtype)
 
 
-def _cpu_fp32_paths() -> bool:
+def fp32_int4pack_on_cpu() -> bool:
     """Whether fp32 activations on this CPU have paths from the int4pack layout that beat dequantizing the GPTQ
     tensors per call: the ``rows`` op for few rows and the one-pass C++ dequantizer for many (PyTorch's own int4
     kernel in fp32 measured ~20x slower than dense), both reading a layout this code knows."""
