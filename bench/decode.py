@@ -20,8 +20,8 @@ Tables (all rows of a table in this one run, same prompt, same machine):
 5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
    ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared.
 
-6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32,
-   beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
+6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32 (with
+   its float head, and with ``--embeddings int8``), beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
 
 Every case runs in a fresh subprocess (``--case``), peers included.
 
@@ -47,11 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True,
-               dtype: str = "bfloat16"):
+               dtype: str = "bfloat16", embeddings: str = "auto"):
     from server.config import EngineConfig
     from server.engine import Engine
 
-    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype)
+    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype, embeddings=embeddings)
     return Engine.from_path(spec, cfg, cache).start()
 
 
@@ -224,9 +224,10 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case in ("ours-b1", "ours-b1-eager", "ours-b1-fp32", "ours-16", "rss"):
+    if case in ("ours-b1", "ours-b1-eager", "ours-b1-fp32", "ours-b1-fp32-int8", "ours-16", "rss"):
         eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
-                         fused_ops=case != "ours-b1-eager", dtype="float32" if case == "ours-b1-fp32" else "bfloat16")
+                         fused_ops=case != "ours-b1-eager", dtype="float32" if "fp32" in case else "bfloat16",
+                         embeddings="int8" if case.endswith("int8") else "auto")
         try:
             if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}
@@ -379,8 +380,9 @@ def main(argv=None) -> int:
                              "vs_llama_cpp": round(statistics.median(v) / llama, 3)} for k, v in runs.items()}
     if "fp32" in only:
         # Batch-1 served in float32 (--dtype float32): the base model's dense fp32 against the w4a16 artifact in
-        # fp32 and in bf16, process by process in turn each round.
+        # fp32 (its head float, then int8) and in bf16, process by process in turn each round.
         cases = {"ours base, float32": ("ours-b1-fp32", base), "ours w4a16, float32": ("ours-b1-fp32", specs["w4a16"]),
+                 "ours w4a16, float32, --embeddings int8": ("ours-b1-fp32-int8", specs["w4a16"]),
                  "ours w4a16, bfloat16": ("ours-b1", specs["w4a16"])}
         runs = {k: [] for k in cases}
         for _ in range(args.rounds):

@@ -191,8 +191,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("dtype", str, "bfloat16", "activations, KV cache and unquantized weights", "engine",
       choices=("bfloat16", "float16", "float32")),
     S("device", str, "cpu", "cpu, cuda, cuda:1, ...", "engine"),
-    S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16 only); auto: "
-      "int8 for a quantized artifact served in bfloat16, else float", "engine", choices=("auto", "float", "int8")),
+    S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16, or float32 "
+      "where the C++ rows op is built); auto: int8 for a quantized artifact served in bfloat16, else float",
+      "engine", choices=("auto", "float", "int8")),
     S("kernels", str, "measure", "how each projection's kernel is chosen per row count: measure (the fastest on "
       "this device, timed once per CPU or GPU model and shape, cached; on a GPU also the one-row kernels' launch) "
       "or static (built-in rules)", "engine",

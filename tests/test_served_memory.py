@@ -15,6 +15,7 @@ from torch import nn
 from quant.build import gptq as G
 from quant.format import artifact
 from quant.runtime.int4 import GPTQLinear, fp32_int4pack_on_cpu
+from quant.runtime.kernels import rows as rowops
 from quant.runtime.measure import weight_report
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -173,37 +174,47 @@ def test_served_w4a16_holds_its_artifact_bytes(tmp_path, tokenizer, text_file):
 
 
 @pytest.mark.reference
-def test_int8_rows_lookup_and_head_match_their_reference():
-    from server.layers.embedding import Int8Rows
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_rows_lookup_and_head_match_their_reference(dtype):
+    from server.layers.embedding import Int8Rows, check_mode
 
+    if dtype == torch.float32 and not rowops.available(torch.empty(0, dtype=torch.int8)):
+        pytest.skip("fp32 int8 embeddings need the C++ rows op")
+    check_mode("int8", dtype)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(1000, 64, generator=g).bfloat16()
-    rows = Int8Rows(w, torch.bfloat16)
+    w = torch.randn(1000, 64, generator=g).to(dtype)
+    rows = Int8Rows(w, dtype)
     ref = rows.dequantized()  # (V, H) fp32
     assert float((ref - w.float()).abs().max()) <= float(w.float().abs().amax(1).max()) / 127  # half a step per row
     ids = torch.tensor([3, 999, 3, 0])
-    torch.testing.assert_close(rows.lookup(ids).float(), ref[ids], atol=1e-2, rtol=1e-2)
-    for s in (1, 5, 64, 130):  # one kernel call, and 64-row pieces beyond it
-        h = torch.randn(s, 64, generator=g).bfloat16()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(rows.lookup(ids).float(), ref[ids], atol=tol, rtol=tol)
+    for s in (1, 5, 64, 130):  # one kernel call, and 64-row pieces beyond it (bf16)
+        h = torch.randn(s, 64, generator=g).to(dtype)
         got = rows.head(h).float()  # (S, V)
         want = h.float() @ ref.t()
-        assert got.shape == (s, 1000)
-        assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+        assert got.shape == (s, 1000) and got.dtype == torch.float32
+        assert float((got - want).abs().max() / want.abs().max()) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.unit
-def test_int8_embeddings_need_bfloat16_and_name_the_flag():
+def test_int8_embeddings_need_bfloat16_or_float32_and_name_the_flag():
     from server.config import EngineConfig
 
-    with pytest.raises(ValueError, match="--embeddings int8 needs --dtype bfloat16"):
+    with pytest.raises(ValueError, match="--embeddings int8 needs --dtype bfloat16 or float32 .* float16"):
+        EngineConfig(embeddings="int8", dtype="float16").validate()
+    if rowops.available(torch.empty(0, dtype=torch.int8)):
         EngineConfig(embeddings="int8", dtype="float32").validate()
+    else:
+        with pytest.raises(ValueError, match="--embeddings int8 with --dtype float32 needs the C\\+\\+ rows op"):
+            EngineConfig(embeddings="int8", dtype="float32").validate()
     with pytest.raises(ValueError, match="--embeddings must be one of auto, float, int8, got 'int4'"):
         EngineConfig(embeddings="int4").validate()
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("tie", [True, False])
-def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
+@pytest.mark.parametrize("tie,dtype", [(True, "bfloat16"), (False, "bfloat16"), (True, "float32")])
+def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie, dtype):
     """The engine's logits with int8 embeddings equal a float model whose embedding (and head) hold the int8 rows'
     values; the float matrix is not held (tied: one int8 tensor for both), and weight_bytes says so."""
     import copy
@@ -216,19 +227,24 @@ def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
     from server.layers.embedding import quantize_rows
     from server.runner import build_step
 
+    if dtype == "float32" and not rowops.available(torch.empty(0, dtype=torch.int8)):
+        pytest.skip("fp32 int8 embeddings need the C++ rows op")
+    dt = getattr(torch, dtype)
     d = make_tiny_llama(tmp_path / "m", tokenizer, tie_word_embeddings=tie)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=dt).eval()
     ref_model = copy.deepcopy(model)
     for lin in {id(m): m for m in (ref_model.get_input_embeddings(), ref_model.get_output_embeddings())}.values():
         q, s = quantize_rows(lin.weight.data)
-        lin.weight.data = (q.float() * s.bfloat16().float()[:, None]).bfloat16()
-    float_engine = Engine(copy.deepcopy(model), tokenizer, EngineConfig(memory_budget="4MiB", threads=1))
-    engine = Engine(model, tokenizer, EngineConfig(memory_budget="4MiB", threads=1, embeddings="int8"))
+        lin.weight.data = (q.float() * s.to(dt).float()[:, None]).to(dt)
+    cfg = dict(memory_budget="4MiB", threads=1, dtype=dtype)
+    float_engine = Engine(copy.deepcopy(model), tokenizer, EngineConfig(**cfg))
+    engine = Engine(model, tokenizer, EngineConfig(**cfg, embeddings="int8"))
     assert engine.info.embeddings.startswith("int8") and float_engine.info.embeddings == "float"
     V, H = model.config.vocab_size, model.config.hidden_size
     matrices = 1 if tie else 2
-    # bf16 matrices become int8 codes plus one bf16 scale per row
-    assert float_engine.weight_bytes - engine.weight_bytes == matrices * (V * H * 2 - (V * H + V * 2))
+    # float matrices become int8 codes plus one scale per row in the activation dtype
+    b = dt.itemsize
+    assert float_engine.weight_bytes - engine.weight_bytes == matrices * (V * H * b - (V * H + V * b))
     held = {t.untyped_storage().data_ptr() for t in engine.runner.held_tensors()}
     assert model.get_input_embeddings().weight.untyped_storage().data_ptr() not in held
     ids = list(range(300, 320))
@@ -237,7 +253,8 @@ def test_engine_with_int8_embeddings(tmp_path, tokenizer, tie):
     with torch.inference_mode():
         want = ref_model(torch.tensor([ids])).logits[0, -1].float()
     assert int(got.argmax()) == int(want.argmax())
-    torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0)
+    tol = 0.05 if dtype == "bfloat16" else 1e-4
+    torch.testing.assert_close(got, want, atol=tol * float(want.abs().max()), rtol=0)
 
 
 @pytest.mark.unit
@@ -246,5 +263,5 @@ def test_auto_embeddings_are_int8_only_for_quantized_models_in_bfloat16():
 
     assert resolve("auto", torch.bfloat16, quantized=True) == "int8"
     assert resolve("auto", torch.bfloat16, quantized=False) == "float"  # served unquantized: as it is
-    assert resolve("auto", torch.float32, quantized=True) == "float"  # no fast int8 kernel for fp32
+    assert resolve("auto", torch.float32, quantized=True) == "float"  # fp32 is served as it is unless int8 is asked
     assert resolve("float", torch.bfloat16, quantized=True) == "float"

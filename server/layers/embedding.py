@@ -6,11 +6,15 @@ is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (ben
 
 int8: every row of the (V, hidden) matrix is quantized symmetrically with its own scale (max |w| / 127), as
 ``quant.runtime.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
-it looks up; the head runs ``aten._weight_int8pack_mm`` on the sampled rows (``server.models.base``: only they
-reach the head), 64 rows per call at most (beyond that the kernel loses to a dense matmul, and dequantizing the
-whole matrix would cost a transient of its float size). A tied embedding and head share the one int8 tensor; an
-untied head is quantized the same way on its own. The CPU kernel is fast only for bf16 activations (fp32 and
-fp16: 10 ms for this matrix), so int8 embeddings need ``--dtype bfloat16``.
+it looks up; the head runs on the sampled rows alone (``server.models.base``: only they reach the head): in bf16 one
+row through the one-call C++ product (``quant.runtime.kernels.rows.int8_weight``) and more through
+``aten._weight_int8pack_mm``, 64 rows per call at most (beyond that the kernel loses to a dense matmul, and
+dequantizing the whole matrix would cost a transient of its float size); in fp32 every row count through the C++
+product (PyTorch's kernel takes ~15x longer there: 49 against 3.0 ms for two rows of the default model's matrix, as
+fast as its bf16 kernel at 1 to 64 rows; 1.6 against the dense fp32 head's 4.8 ms for one row on an AVX2 EPYC). A
+tied embedding and head share the one int8 tensor; an untied head is quantized the same way on its own. fp16 has
+no fast int8 product, so int8 embeddings need ``--dtype bfloat16`` or ``float32`` (the latter where the C++ ops are
+built).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ MODES = ("auto", "float", "int8")
 def resolve(mode: str, dtype: torch.dtype, quantized: bool) -> str:
     """``auto``: int8 for a quantized artifact served in bf16 (measured on the default model's w4a16 artifact:
     -0.10% perplexity change, mean KL 0.001, bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy), float otherwise: a model served unquantized is
-    served as it is, and other dtypes have no fast int8 kernel."""
+    served as it is, fp32 is chosen for its exactness (int8 only when asked), and fp16 has no fast int8 kernel."""
     if mode != "auto":
         return mode
     return "int8" if quantized and dtype == torch.bfloat16 else "float"
@@ -45,14 +49,21 @@ def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
 def check_mode(mode: str, dtype: torch.dtype) -> None:
     if mode not in MODES:
         raise ValueError(f"--embeddings must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "int8" and dtype != torch.bfloat16:
-        raise ValueError(f"--embeddings int8 needs --dtype bfloat16 (the int8 kernel is ~14x slower with "
+    if mode != "int8" or dtype == torch.bfloat16:
+        return
+    if dtype != torch.float32:
+        raise ValueError(f"--embeddings int8 needs --dtype bfloat16 or float32 (the int8 kernel is ~14x slower with "
                          f"{str(dtype).replace('torch.', '')} activations), or --embeddings float")
+    if not rowops.available(torch.empty(0, dtype=torch.int8)):
+        raise ValueError(f"--embeddings int8 with --dtype float32 needs the C++ rows op "
+                         f"({rowops.unavailable_reason()}): use --dtype bfloat16 or --embeddings float")
 
 
 def describe(mode: str) -> str:
     """What ModelInfo reports."""
-    return "float" if mode == "float" else "int8 per row (lookup dequantizes its rows; head: aten._weight_int8pack_mm)"
+    if mode == "float":
+        return "float"
+    return "int8 per row (lookup dequantizes its rows; head: the C++ rows product, aten._weight_int8pack_mm)"
 
 
 class Int8Rows:
@@ -64,8 +75,9 @@ class Int8Rows:
         self.dtype = dtype
         # One row (batch-1 decode) goes through the one-call C++ product: at 49152 x 576 it reads the matrix in
         # ~0.6x the int8pack kernel's time (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy).
-        use = dtype == torch.bfloat16 and rowops.available(self.q)
+        use = dtype in (torch.bfloat16, torch.float32) and rowops.available(self.q)
         self.rows = rowops.int8_weight(self.q, self.scale, None, None) if use else None
+        self.rows_only = dtype == torch.float32  # every row count: no fast fp32 int8pack kernel (check_mode)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, H) in the activation dtype, dequantizing only those rows."""
@@ -73,7 +85,7 @@ class Int8Rows:
 
     def head(self, h: Tensor) -> Tensor:
         """(S, H) -> (S, V) logits in the activation dtype."""
-        if h.shape[0] == 1 and self.rows is not None:
+        if self.rows is not None and (h.shape[0] == 1 or self.rows_only):
             return self.rows(h.contiguous())
         if h.shape[0] <= INT8PACK_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)
