@@ -226,8 +226,8 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
     torch.set_num_threads(threads)
     if case in ("ours-b1", "ours-b1-eager", "ours-b1-fp32", "ours-b1-fp32-int8", "ours-16", "rss"):
         eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
-                         fused_ops=case != "ours-b1-eager", dtype="float32" if "fp32" in case else "bfloat16",
-                         embeddings="int8" if case.endswith("int8") else "auto")
+                         fused_ops=case != "ours-b1-eager", embeddings="int8" if case.endswith("int8") else "auto",
+                         dtype="float32" if "fp32" in case else "bfloat16")
         try:
             if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}

@@ -154,7 +154,9 @@ class DraftModel:
             tokens = seq.prompt + seq.generated
             start = self.covered.get(seq.id, 0)
             n = min(len(tokens) - start, budget)
-            if n <= 0 or len(tokens) + k - 1 > self.context_length or not self._room(seq, start + n + (k - 1 if start + n == len(tokens) else 0), busy):
+            if n <= 0 or len(tokens) + k - 1 > self.context_length:
+                continue
+            if not self._room(seq, start + n + (k - 1 if start + n == len(tokens) else 0), busy):
                 continue
             budget -= n
             self._last_used[seq.id] = self._steps

@@ -13,8 +13,6 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels import int4_layout
 
 
-
-
 def _problem(n=64, k=256, rows=2048, seed=0, corr=True):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05

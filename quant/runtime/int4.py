@@ -120,19 +120,18 @@ class GPTQLinear(WeightOnlyLinear):
 
     def runtime_layout(self, dtype: torch.dtype | None) -> str:
         """The layout ``prepare(dtype)`` gives this module on its device: "int4pack" (PyTorch's int4 kernels: on
-        CUDA bf16 only, with K a multiple of 32; on a CPU fp32 too, read by our C++ ops), "w4triton" (CUDA: the Triton kernel over the GPTQ codes, any
-        16-bit dtype, preferred there) or "gptq" (as stored, dequantized per call)."""
+        CUDA bf16 only, with K a multiple of 32; on a CPU fp32 too, read by our C++ ops: :func:`repacked_on_cpu`),
+        "w4triton" (CUDA: the Triton kernel over the GPTQ codes, any 16-bit dtype, preferred there) or "gptq" (as
+        stored, dequantized per call)."""
         n, k, gs = self.out_features, self.in_features, self.group_size
-        if dtype == torch.float32 and not self.qweight.is_cuda:
-            return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 and fp32_int4pack_on_cpu() else "gptq"
+        if not self.qweight.is_cuda:
+            return "int4pack" if repacked_on_cpu(n, gs, dtype) else "gptq"
         if dtype not in (torch.bfloat16, torch.float16):
             return "gptq"
-        if self.qweight.is_cuda:
-            if triton_ops.available() is None and triton_ops.w4_block_k(gs) is not None:
-                return "w4triton"
-            ok = dtype == torch.bfloat16 and gs in KERNEL_GROUP_SIZES and k % 32 == 0 and n % 8 == 0
-            return "int4pack" if ok else "gptq"
-        return "int4pack" if gs in KERNEL_GROUP_SIZES and n % 16 == 0 else "gptq"
+        if triton_ops.available() is None and triton_ops.w4_block_k(gs) is not None:
+            return "w4triton"
+        ok = dtype == torch.bfloat16 and gs in KERNEL_GROUP_SIZES and k % 32 == 0 and n % 8 == 0
+        return "int4pack" if ok else "gptq"
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
         """Hold the layout that serves activations in `dtype` (once, after loading; idempotent)."""
@@ -296,6 +295,15 @@ class GPTQLinear(WeightOnlyLinear):
         if layout:  # one pass from the kernel layout (C++ where built), the fp32 values the kernel computes
             return dequant.int4pack(self.packed, n, k, layout, self.scales_zeros, gs, self.perm, dtype)
         return dequant.int4_codes_reference(self._kernel_codes(), self.scales_zeros, gs, self.perm, dtype)
+
+
+def repacked_on_cpu(n: int, group_size: int, dtype: torch.dtype | None) -> bool:
+    """Whether a CPU module of ``n`` outputs in groups of ``group_size`` holds the int4pack layout for ``dtype``
+    activations (``GPTQLinear.prepare``; the served-weight prediction, quant.build.schemes.w4, follows it): a kernel
+    group size, whole 16-row blocks, and 16-bit activations, or fp32 where our C++ ops read the layout."""
+    if group_size not in KERNEL_GROUP_SIZES or n % 16:
+        return False
+    return dtype in (torch.bfloat16, torch.float16) or (dtype == torch.float32 and fp32_int4pack_on_cpu())
 
 
 def fp32_int4pack_on_cpu() -> bool:

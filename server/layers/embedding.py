@@ -77,7 +77,6 @@ class Int8Rows:
         # ~0.6x the int8pack kernel's time (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy).
         use = dtype in (torch.bfloat16, torch.float32) and rowops.available(self.q)
         self.rows = rowops.int8_weight(self.q, self.scale, None, None) if use else None
-        self.rows_only = dtype == torch.float32  # every row count: no fast fp32 int8pack kernel (check_mode)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """(T,) token ids -> (T, H) in the activation dtype, dequantizing only those rows."""
@@ -85,7 +84,8 @@ class Int8Rows:
 
     def head(self, h: Tensor) -> Tensor:
         """(S, H) -> (S, V) logits in the activation dtype."""
-        if self.rows is not None and (h.shape[0] == 1 or self.rows_only):
+        # fp32: every row count (no fast fp32 int8pack kernel: check_mode)
+        if self.rows is not None and (h.shape[0] == 1 or self.dtype == torch.float32):
             return self.rows(h.contiguous())
         if h.shape[0] <= INT8PACK_MAX_ROWS:
             return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)

@@ -35,7 +35,7 @@ from quant.build.sequential import (
 )
 from quant.build.smooth import layer_groups
 from quant.errors import ConfigError
-from quant.runtime.int4 import KERNEL_GROUP_SIZES, GPTQLinear, fp32_int4pack_on_cpu
+from quant.runtime.int4 import GPTQLinear, repacked_on_cpu
 from quant.runtime.kernels.int4_layout import PACK
 from quant.runtime.linear import set_module
 from quant.runtime.moe import quantizable_linears
@@ -185,8 +185,7 @@ class GPTQScheme(Scheme):
         return n * k // 2, g * n // 2 + 2 * g * n + 4 * k  # qweight; qzeros, fp16 scales, g_idx
 
     def served_linear_bytes(self, n, k, group_size, float_bytes):
-        repacked = float_bytes == 2 or (float_bytes == 4 and fp32_int4pack_on_cpu())  # the CPU layout (prepare)
-        if not repacked or group_size not in KERNEL_GROUP_SIZES or n % 16:
+        if not repacked_on_cpu(n, group_size, {2: torch.bfloat16, 4: torch.float32}.get(float_bytes)):
             return self.linear_bytes(n, k, group_size)
         return n * k // 2, (k // group_size) * n * 2 * float_bytes  # packed codes; (G, N, 2) scale/zero table
 
