@@ -14,7 +14,7 @@ from torch import nn
 
 from quant.build import gptq as G
 from quant.format import artifact
-from quant.runtime.int4 import GPTQLinear, fp32_int4pack_on_cpu
+from quant.runtime.int4 import GPTQLinear
 from quant.runtime.kernels import rows as rowops
 from quant.runtime.measure import weight_report
 
@@ -48,11 +48,16 @@ def test_int4pack_layout_replaces_the_gptq_tensors():
 
 
 @pytest.mark.unit
-def test_prepare_for_fp32_holds_one_layout_and_is_idempotent():
+@pytest.mark.parametrize("ops", ["as built", "missing"])
+def test_prepare_for_fp32_holds_one_layout_and_is_idempotent(ops, monkeypatch):
+    from quant.runtime import int4
+
+    if ops == "missing":  # a machine where the C++ ops did not build: the GPTQ tensors, dequantized per call
+        monkeypatch.setattr(int4, "fp32_int4pack_on_cpu", lambda: False)
     m = _gptq_module()
     stored = m.dequantized(torch.float32)
     m.prepare(torch.float32)
-    if fp32_int4pack_on_cpu():  # the C++ ops read int4pack in fp32: no GPTQ tensors kept
+    if int4.fp32_int4pack_on_cpu():  # the C++ ops read int4pack in fp32: no GPTQ tensors kept
         assert m.layout == "int4pack" and m.qweight is None and m.scales_zeros.dtype == torch.float32
         torch.testing.assert_close(m.dequantized(torch.float32), stored, atol=1e-6 * float(stored.abs().max()), rtol=0)
     else:  # dequantized from the checkpoint's tensors per call
@@ -198,16 +203,18 @@ def test_int8_rows_lookup_and_head_match_their_reference(dtype):
 
 
 @pytest.mark.unit
-def test_int8_embeddings_need_bfloat16_or_float32_and_name_the_flag():
+def test_int8_embeddings_need_bfloat16_or_float32_and_name_the_flag(monkeypatch):
     from server.config import EngineConfig
+    from server.layers import embedding
 
     with pytest.raises(ValueError, match="--embeddings int8 needs --dtype bfloat16 or float32 .* float16"):
         EngineConfig(embeddings="int8", dtype="float16").validate()
     if rowops.available(torch.empty(0, dtype=torch.int8)):
         EngineConfig(embeddings="int8", dtype="float32").validate()
-    else:
-        with pytest.raises(ValueError, match="--embeddings int8 with --dtype float32 needs the C\\+\\+ rows op"):
-            EngineConfig(embeddings="int8", dtype="float32").validate()
+    monkeypatch.setattr(embedding.rowops, "available", lambda t: False)  # a machine where the C++ ops did not build
+    with pytest.raises(ValueError, match="--embeddings int8 with --dtype float32 needs the C\\+\\+ rows op"):
+        EngineConfig(embeddings="int8", dtype="float32").validate()
+    EngineConfig(embeddings="int8", dtype="bfloat16").validate()  # bf16 has PyTorch's int8 kernel without them
     with pytest.raises(ValueError, match="--embeddings must be one of auto, float, int8, got 'int4'"):
         EngineConfig(embeddings="int4").validate()
 
