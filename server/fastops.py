@@ -156,6 +156,26 @@ def ref_prefill_attention_quant(q: Tensor, codes: Tensor, scales: Tensor, block_
     return kv_quant.rotate(out, value_block).to(q.dtype)
 
 
+def ref_rotary_decode_attention(qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, scales: Tensor | None,
+                                slots: Tensor, block_table: Tensor, lens: Tensor, heads: int, block_size: int,
+                                window: int, scale: float, softcap: float, key_block: int, value_block: int) -> Tensor:
+    """A decode step's attention of one layer from the fused qkv output (B, (H + 2 Hkv) D): the rotary on its q and
+    k in place, k and v stored to their slots (quantized where ``scales`` is given), and the decode rows' attention:
+    (B, H * D). The composition of the references above, which the one C++ call is held to."""
+    B, (Hkv, D) = qkv.shape[0], kv.shape[2:]
+    q, k, v = qkv.split([heads * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, heads, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
+    ref_rope_(q, k, cos, sin)
+    if scales is None:
+        ref_store_kv(k, v, kv, slots)
+        out = ref_decode_attention(q, kv, block_table, lens, block_size, window, scale, softcap)
+    else:
+        ref_store_kv_quant(k, v, kv, scales, slots, key_block, value_block)
+        out = ref_decode_attention_quant(q, kv, scales, block_table, lens, block_size, window, scale, softcap,
+                                         key_block, value_block)
+    return out.reshape(B, heads * D)
+
+
 def fused_random_uniform(seeds: Tensor, steps: Tensor, ids: int | Tensor) -> Tensor:
     """``quantserve::random_uniform``: the bits of :func:`server.random_stream.random_uniform`, on CPU tensors."""
     if isinstance(ids, int):
@@ -192,6 +212,7 @@ class Ops:
         self.store_kv_quant = ref_store_kv_quant
         self.decode_attention_quant = ref_decode_attention_quant
         self.prefill_attention_quant = ref_prefill_attention_quant
+        self.rotary_decode_attention = ref_rotary_decode_attention
         self.store_blocks_int4 = kv_int4.ref_store_blocks_int4  # the int4 pool (server/kv_int4.py)
         self.store_tail_int4 = kv_int4.ref_store_tail_int4
         self.attention_int4 = kv_int4.ref_attention_int4
@@ -209,6 +230,7 @@ class Ops:
             self.store_kv_quant = ops.store_kv_quant.default
             self.decode_attention_quant = ops.decode_attention_quant.default
             self.prefill_attention_quant = ops.prefill_attention_quant.default
+            self.rotary_decode_attention = ops.rotary_decode_attention.default
             self.store_blocks_int4 = ops.store_blocks_int4.default
             self.store_tail_int4 = ops.store_tail_int4.default
             self.attention_int4 = ops.attention_int4.default

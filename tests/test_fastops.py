@@ -67,6 +67,51 @@ def test_decode_attention_matches_reference(dtype, window, softcap):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache,rotation", [("float", (0, 0)), ("int8", (64, 0)), ("fp8", (0, 0))])
+def test_rotary_decode_attention_is_the_calls_it_replaces(dtype, cache, rotation):
+    """One call from the fused qkv output (the rotary, the cache write, the decode attention) leaves the bits the
+    separate fused calls leave, in the output and the cache, and stays within the attention's tolerance of its
+    reference (the references' composition)."""
+    B, H, Hkv, D, R, bs = 3, 9, 3, 64, 48, 16  # partial rotary, GQA
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    cos, sin = (torch.randn(B, R, generator=g).to(dtype) for _ in range(2))
+    codes = {"float": dtype, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache]
+    kv = torch.randn(2, 40 * bs, Hkv, D, generator=g).to(dtype).to(codes)  # earlier positions, some content
+    scales = None if cache == "float" else (torch.rand(2, 40 * bs, Hkv, generator=g) * 0.05 + 0.01).half()
+    lens = torch.tensor([1, 37, 150])
+    order = torch.randperm(40, generator=g)
+    tables = torch.stack([order[i * 10: (i + 1) * 10] for i in range(B)])  # (B, 10) disjoint, shuffled
+    pos = lens - 1
+    slots = tables[torch.arange(B), pos // bs] * bs + pos % bs  # where each row's new K/V goes
+    args = (slots, tables, lens, H, bs, 20, 0.125, 30.0, *rotation)
+
+    def state():
+        return qkv.clone(), kv.clone(), None if scales is None else scales.clone()
+
+    q1, kv1, sc1 = state()
+    got = FUSED.rotary_decode_attention(q1, cos, sin, kv1, sc1, *args)
+    q2, kv2, sc2 = state()
+    q, k, v = q2.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, H, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
+    FUSED.rope_(q, k, cos, sin)
+    attend = (tables, lens, bs, 20, 0.125, 30.0)
+    if scales is None:
+        FUSED.store_kv(k, v, kv2, slots)
+        want = FUSED.decode_attention(q, kv2, *attend)
+    else:
+        FUSED.store_kv_quant(k, v, kv2, sc2, slots, *rotation)
+        want = FUSED.decode_attention_quant(q, kv2, sc2, *attend, *rotation)
+    assert got.shape == (B, H * D) and torch.equal(got, want.reshape(B, H * D))
+    assert torch.equal(kv1.view(torch.uint8), kv2.view(torch.uint8)) and torch.equal(q1, q2)
+    assert sc1 is None or torch.equal(sc1, sc2)
+    q3, kv3, sc3 = state()
+    ref = REF.rotary_decode_attention(q3, cos, sin, kv3, sc3, *args)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=0)
+
+
 def test_decode_attention_reference_is_sdpa_over_the_gathered_keys():
     """The reference itself against PyTorch's SDPA on each row's keys gathered in order (GQA, fp32)."""
     q, kv, tables, lens, bs = paged_case(torch.float32)

@@ -122,6 +122,54 @@ def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
     assert float((y.float() - paths["dequant-fp32"](x).float()).abs().max() / ref.abs().max()) < 8e-3
 
 
+def _int4_fp32(n: int = 192, k: int = 256, seed: int = 0):
+    m = gptq_linear(n, k, True, False, seed=seed)
+    m.prepare(torch.float32)
+    if m.layout != "int4pack":
+        pytest.skip("float32 keeps the GPTQ layout on this machine")
+    return m
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**-100, 2.0**80])
+def test_int4_rows_in_fp32_hold_the_reference_at_every_magnitude(magnitude):
+    """AVX2's kernel codes each 4-bit weight as a subnormal number and scales x by a power of two chosen per row:
+    exact products at any magnitude of x, even a row whose values span 2^60 (the smallest still counted), and the
+    fp32 reference to fp32 accuracy (elsewhere the FMA kernel, held the same way)."""
+    m = _int4_fp32()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 256, generator=g) * magnitude
+    x[1] *= torch.where(torch.arange(256) % 3 == 0, 2.0**30, 2.0**-30)  # one row spanning 2^60
+    ref = m.reference_forward(x)
+    y = m.paths(torch.float32)["rows"](x)
+    for r in range(5):
+        assert float((y[r] - ref[r]).abs().max() / ref[r].abs().max()) < 1e-5, r
+
+
+def test_int4_rows_in_fp32_propagate_a_nan_row_and_leave_the_others():
+    m = _int4_fp32()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    x[1, 7] = float("nan")
+    y = m.paths(torch.float32)["rows"](x)
+    ref = m.reference_forward(x)
+    assert bool(y[1].isnan().all()) and bool(ref[1].isnan().all())
+    assert float((y[[0, 2]] - ref[[0, 2]]).abs().max() / ref[[0, 2]].abs().max()) < 1e-5
+
+
+def test_int4_rows_are_right_where_subnormal_inputs_read_as_zero():
+    """With the calling thread's DAZ set (``torch.set_flush_denormal``), its share of the blocks takes the FMA
+    kernel: the subnormal-coded weights would read as zeros there."""
+    m = _int4_fp32()
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(10))
+    ref = m.reference_forward(x)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        y = m.paths(torch.float32)["rows"](x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 def test_int4_rows_of_a_fused_module_are_its_parts_products():
     """Parts of 64 and 128 rows end on block boundaries of every layout, so each row's sums are the same."""
     fused = int4.GPTQLinear.fuse([gptq_linear(n, 128, False, False, seed=n) for n in (64, 128)])

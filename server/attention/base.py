@@ -70,6 +70,12 @@ class AttentionBackend(ABC):
         self.ops.rope_(q, k, cos, sin)
         return self.forward(q, k, v, layer, meta)
 
+    def decode_qkv(self, qkv: Tensor, heads: int, cos: Tensor, sin: Tensor, layer: int, meta) -> Tensor | None:
+        """:meth:`forward_rotary` of a step whose rows all decode, from the fused qkv projection's output
+        (T, (H + 2 Hkv) D), in one call where the backend has one: the attention output (T, H * D); None where it
+        has not (the caller splits qkv and calls :meth:`forward_rotary`)."""
+        return None
+
     @classmethod
     def unsupported(cls, specs: list[AttentionSpec]) -> str | None:
         """Why this backend cannot run layers with these specs, or None."""

@@ -142,6 +142,19 @@ class SdpaBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------------------ per layer
 
+    def decode_qkv(self, qkv: Tensor, heads: int, cos: Tensor, sin: Tensor, layer: int, meta: SdpaMeta) -> Tensor | None:
+        """The C++ kernels' whole decode step of a layer in one call (``rotary_decode_attention``: the rotary, the
+        cache write and the decode attention, the functions :meth:`forward_rotary` calls one by one, so the same
+        bits) where they run this step's decode rows and no chunk is in it."""
+        if meta.decode_tables is None or meta.chunks or meta.num_decode != qkv.shape[0]:
+            return None
+        spec = self.specs[layer]
+        tables, lens = meta.decode_tables
+        sc = None if self.scales is None else self.scales[layer]
+        return self.ops.rotary_decode_attention(qkv, cos, sin, self.kv[layer], sc, meta.slots, tables, lens, heads,
+                                                self.block_size, spec.window or 0, spec.scale, spec.softcap or 0.0,
+                                                *self.rotation)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta: SdpaMeta) -> Tensor:
         spec = self.specs[layer]
         kv = self.kv[layer]  # (2, slots, Hkv, D)

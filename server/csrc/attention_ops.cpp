@@ -225,6 +225,41 @@ at::Tensor decode_attention_quant(const at::Tensor& q, const at::Tensor& kv, con
   return decode_impl(q, kv, &scales, key_block, value_block, block_table, lens, block_size, window, scale, softcap);
 }
 
+// The other sources' ops this one composes (decode_ops.cpp, kv_cache_ops.cpp).
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor kv, const at::Tensor& slots);
+void store_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor codes, at::Tensor scales,
+                    const at::Tensor& slots, int64_t key_block, int64_t value_block);
+
+// A decode step's attention of one layer in one call, from the fused qkv projection's output (B, (H + 2 Hkv) D):
+// rope_ on its q and k in place, k and v stored to their slots (store_kv, or store_kv_quant where scales are
+// given), and decode_attention (decode_attention_quant) of q; returns (B, H * D). The same functions in the same
+// order as the sdpa backend's separate calls, so the same bits: what it saves is the dozen small calls around them.
+at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv,
+                                   const std::optional<at::Tensor>& scales, const at::Tensor& slots,
+                                   const at::Tensor& block_table, const at::Tensor& lens, int64_t heads,
+                                   int64_t block_size, int64_t window, double scale, double softcap,
+                                   int64_t key_block, int64_t value_block) {
+  TORCH_CHECK(kv.dim() == 4, "kv must be a (2, slots, Hkv, D) tensor");
+  const int64_t Hkv = kv.size(2), D = kv.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && qkv.size(1) == (heads + 2 * Hkv) * D,
+              "qkv must be (B, (heads + 2 Hkv) D) with contiguous rows of the cache's heads and head_dim");
+  const int64_t B = qkv.size(0);
+  at::Tensor q = qkv.narrow(1, 0, heads * D).view({B, heads, D});
+  at::Tensor k = qkv.narrow(1, heads * D, Hkv * D).view({B, Hkv, D});
+  at::Tensor v = qkv.narrow(1, (heads + Hkv) * D, Hkv * D).view({B, Hkv, D});
+  rope_(q, k, cos, sin);
+  at::Tensor out;
+  if (scales.has_value()) {
+    store_kv_quant(k, v, kv, *scales, slots, key_block, value_block);
+    out = decode_impl(q, kv, &*scales, key_block, value_block, block_table, lens, block_size, window, scale, softcap);
+  } else {
+    store_kv(k, v, kv, slots);
+    out = decode_impl(q, kv, nullptr, 0, 0, block_table, lens, block_size, window, scale, softcap);
+  }
+  return out.view({B, heads * D});
+}
+
 // ------------------------------------------------------------------------------------------- prefill chunks
 //
 // A prefill chunk's C queries against the request's keys at positions [0, start + C), causal (query i sits at
@@ -663,6 +698,9 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
         "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
   m.def("prefill_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, int start, int block_size, "
         "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
+  m.def("rotary_decode_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor(c!)? scales, "
+        "Tensor slots, Tensor block_table, Tensor lens, int heads, int block_size, int window, float scale, "
+        "float softcap, int key_block, int value_block) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
@@ -670,4 +708,5 @@ TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
   m.impl("decode_attention_quant", &decode_attention_quant);
   m.impl("prefill_attention_quant", &prefill_attention_quant);
+  m.impl("rotary_decode_attention", &rotary_decode_attention);
 }

@@ -39,6 +39,8 @@ void store_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& codes, at:
   });
 }
 
+}  // namespace
+
 // k and v (T, Hkv, D) of the model's dtype, heads contiguous, rows possibly strided, quantized into their slots of
 // one layer's cache: codes (2, slots, Hkv, D) int8 or float8_e4m3fn, scales (2, slots, Hkv) float16. key_block > 0
 // (value_block > 0): each key (value) rotated by the normalized Walsh-Hadamard transform in blocks of that many
@@ -73,8 +75,6 @@ void store_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor codes, 
       store_rows<scalar_t, qs::Int8Code>(k, v, codes, scales, sp, key_block, value_block);
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
   m.def("store_kv_quant(Tensor k, Tensor v, Tensor(a!) codes, Tensor(b!) scales, Tensor slots, int key_block, "

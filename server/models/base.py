@@ -317,7 +317,10 @@ class CausalLM:
     def _attention_heads(self, i: int, layer: _Layer, h: Tensor, cos_sin, backend, meta) -> Tensor:
         """Layer i's attention before its output projection: (T, H * D)."""
         T, H, Hkv, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        q, k, v = layer.qkv(h).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H + 2 Hkv) D)
+        qkv = layer.qkv(h)  # (T, (H + 2 Hkv) D)
+        if self.qk_norm is None and (o := backend.decode_qkv(qkv, H, *cos_sin, i, meta)) is not None:
+            return o  # a decode step in one call of the backend's
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of qkv
         if self.qk_norm == "proj":
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
