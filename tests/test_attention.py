@@ -9,6 +9,7 @@ import torch
 from server import fastops
 from server.attention import BACKENDS, AttentionSpec
 from server.attention import reference as R
+from server.attention.sdpa import SdpaBackend
 from server.batch import StepInputs
 
 pytestmark = pytest.mark.reference
@@ -93,6 +94,45 @@ def test_backend_matches_reference_for_a_lone_decode_row(backend, spec, ops):
     for past in (0, 3, 6, 7, 30):  # below, at and past the window
         got, want = run_case(backend, SPECS[spec], decode=[past], chunks=[], seed=past, contiguous=True, ops=ops)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not fastops.load(), reason="fused ops not built")
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_sdpa_decode_step_in_one_call_is_the_split_calls(spec):
+    """A decode-only step's layer through ``decode_qkv`` (one C++ call from the fused qkv output) leaves the bits of
+    splitting qkv and calling ``forward_rotary``, in its output and in the pool; a step with a prefill chunk, and
+    the eager ops, take the split calls (None)."""
+    s, bs, blocks = SPECS[spec], 4, 64
+    H, Hkv, D = s.heads, s.kv_heads, s.head_dim
+    g = torch.Generator().manual_seed(4)
+    pasts = [0, 5, 13]
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = [order[8 * i: 8 * i + 8] for i in range(len(pasts))]
+    slots = [t[p // bs] * bs + p % bs for p, t in zip(pasts, tables)]
+    T = len(pasts)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    pool = torch.randn(SdpaBackend.kv_shape(1, blocks, bs, Hkv, D), generator=g)
+    step = StepInputs(torch.zeros(T, dtype=torch.int64), torch.tensor(pasts), torch.tensor(slots),
+                      torch.arange(T), list(zip(pasts, tables)), [], bs)
+    got = []
+    for one_call in (True, False):
+        backend = SdpaBackend(pool.clone(), bs, [s], fastops.Ops("fused"))
+        x, meta = qkv.clone(), backend.prepare(step)
+        if one_call:
+            o = backend.decode_qkv(x, H, cos, sin, 0, meta)
+        else:
+            q, k, v = x.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            o = backend.forward_rotary(q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D), cos, sin, 0, meta)
+        got.append((o.reshape(T, H * D), backend.kv))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    mixed = StepInputs(torch.zeros(T + 2, dtype=torch.int64), torch.tensor(pasts + [0, 1]),
+                       torch.tensor(slots + [order[60] * bs, order[60] * bs + 1]), torch.arange(T + 2),
+                       list(zip(pasts, tables)), [(T, 2, 0, [order[60]])], bs)
+    backend = SdpaBackend(pool.clone(), bs, [s], fastops.Ops("fused"))
+    assert backend.decode_qkv(torch.randn(T + 2, (H + 2 * Hkv) * D), H, cos, sin, 0, backend.prepare(mixed)) is None
+    eager = SdpaBackend(pool.clone(), bs, [s], fastops.Ops("eager"))
+    assert eager.decode_qkv(qkv.clone(), H, cos, sin, 0, eager.prepare(step)) is None
 
 
 def test_reference_window_mask_is_transformers_rule():

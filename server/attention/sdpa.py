@@ -142,7 +142,8 @@ class SdpaBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------------------ per layer
 
-    def decode_qkv(self, qkv: Tensor, heads: int, cos: Tensor, sin: Tensor, layer: int, meta: SdpaMeta) -> Tensor | None:
+    def decode_qkv(self, qkv: Tensor, heads: int, cos: Tensor, sin: Tensor, layer: int,
+                   meta: SdpaMeta) -> Tensor | None:
         """The C++ kernels' whole decode step of a layer in one call (``rotary_decode_attention``: the rotary, the
         cache write and the decode attention, the functions :meth:`forward_rotary` calls one by one, so the same
         bits) where they run this step's decode rows and no chunk is in it."""

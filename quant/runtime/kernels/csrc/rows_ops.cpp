@@ -422,7 +422,10 @@ void int4_block_avx2(const XPairs& xr, const uint8_t* __restrict blk, int64_t k,
     for (int j = 0; j < 4; ++j) {
       alignas(32) float a[8], b[8];
       _mm256_store_ps(a, lo[j]), _mm256_store_ps(b, hi[j]);
-      for (int l = 0; l < 4; ++l) acc[4 * j + l] = (a[l] + a[4 + l]) * xr.lo, acc[16 + 4 * j + l] = (b[l] + b[4 + l]) * xr.hi;
+      for (int l = 0; l < 4; ++l) {
+        acc[4 * j + l] = (a[l] + a[4 + l]) * xr.lo;
+        acc[16 + 4 * j + l] = (b[l] + b[4 + l]) * xr.hi;
+      }
     }
     const S* zg = sz + (g0 / gs) * n * 2;
     const float xs = xr.sum[g0 / gs];
