@@ -456,9 +456,12 @@ def test_the_sweep_sends_a_cells_seeds_as_n_and_gets_the_rows_of_a_request_per_s
 @pytest.mark.slow
 def test_the_default_model_in_float32_gives_the_uncached_tokens_and_logprobs(cache_dir):
     """The real model: prompts sharing a 200-token stem (a system prompt and a question), one after another, with
-    the cache and without, greedy and seeded: the same tokens, logprobs within 1e-5."""
-    on = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256),
-                          cache_dir)
+    the cache and without, greedy and seeded: the same tokens, logprobs within 1e-5. The built-in kernel rules:
+    with measured plans the uncached run's long prefill and the cached run's short one may also take different
+    kernels for the same tokens' projections (a plan picks per row count from timings), which sum the same products
+    in another order (1.2e-5 and 1.4e-5 apart in a top logprob on an AVX2 EPYC, the cache aside)."""
+    on = Engine.from_path(None, EngineConfig(memory_budget="64MiB", dtype="float32", max_prefill_tokens=256,
+                                             kernels="static"), cache_dir)
     try:
         system = ("You are a helpful assistant who knows the history of rivers, mills and market towns, and who "
                   "answers in short plain sentences. ") * 10
