@@ -194,6 +194,16 @@ float sum_f32(const float* __restrict a, int64_t k) {
   return acc;
 }
 
+// (m, K / gs) each fp32 x row's sums over its groups of gs columns: the factor of the zero-point term in the int4
+// kernels that take them precomputed.
+std::vector<float> group_sums(const float* xf, int64_t m, int64_t k, int64_t gs) {
+  const int64_t G = k / gs;
+  std::vector<float> out(m * G);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < G; ++g) out[r * G + g] = sum_f32(xf + r * k + g * gs, gs);
+  return out;
+}
+
 // Every (x row, W row) pair of an (M, K) x (N, K)^T product, four W rows at a time, parallel over W's rows:
 // dot4(r, c, acc) sums x row r against W rows c .. c + 3, dot1(r, c) against the one row c (the last, fewer than
 // four), and finish(r, c, sum) writes output (r, c).
@@ -380,6 +390,13 @@ struct XPairs {
 
 constexpr uint32_t kDaz = 0x0040;  // MXCSR: subnormal inputs read as zero
 
+// int4_block_avx2's byte shuffles: lane l of each 128-bit half (one column) takes byte 4j + (l & 3) of that half
+// into its byte 2, zeros elsewhere (-1).
+#define QS_PICK(j) {-1, -1, 4 * j, -1, -1, -1, 4 * j + 1, -1, -1, -1, 4 * j + 2, -1, -1, -1, 4 * j + 3, -1, \
+                    -1, -1, 4 * j, -1, -1, -1, 4 * j + 1, -1, -1, -1, 4 * j + 2, -1, -1, -1, 4 * j + 3, -1}
+alignas(32) constexpr int8_t kPick[4][32] = {QS_PICK(0), QS_PICK(1), QS_PICK(2), QS_PICK(3)};
+#undef QS_PICK
+
 // The scale 2^e of one x row (K floats) for int4_block_avx2, written with the row's pairs into xp (4K floats);
 // false where the row is not finite (the caller then takes int4_block_rows, which propagates it as the reference
 // does). e puts the largest |x| near 2^100: products stay within 2^-29 and above 2^-126 for every x within 2^97 of it.
@@ -399,12 +416,8 @@ template <typename S>
 void int4_block_avx2(const XPairs& xr, const uint8_t* __restrict blk, int64_t k, int64_t gs, const S* __restrict sz,
                      int64_t n, float* __restrict y) {
   const __m256i m0f = _mm256_set1_epi8(0x0F), m78 = _mm256_set1_epi8(0x78);
-  __m256i pick[4];  // lane l of 128-bit half h: byte 4j + (l & 3) of that half into byte 2, zeros elsewhere
-  for (int j = 0; j < 4; ++j) {
-    alignas(32) int8_t p[32];
-    for (int b = 0; b < 32; ++b) p[b] = (b & 3) == 2 ? static_cast<int8_t>(4 * j + ((b >> 2) & 3)) : -1;
-    pick[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-  }
+  __m256i pick[4];
+  for (int j = 0; j < 4; ++j) pick[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[j]));
   for (int64_t g0 = 0; g0 < k; g0 += gs) {
     __m256 lo[4], hi[4];
     for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
@@ -561,24 +574,19 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       pairs = split && block == 64 && group_size % 2 == 0;
-      if (pairs) {
-        xsum.resize(m * G);
-        for (int64_t r = 0; r < m; ++r)
-          for (int64_t g = 0; g < G; ++g) xsum[r * G + g] = sum_f32(xf.data() + r * k + g * group_size, group_size);
-      }
+      if (pairs) xsum = group_sums(xf.data(), m, k, group_size);
     }
 #endif
 #if defined(QS_INT4_AVX2_PAIRS)
     // fp32 x rows prepared for int4_block_avx2 (whole split 32-row blocks), where every row is finite
-    std::vector<float> xp_buf, psum;
+    std::vector<float> xp_buf;
     std::vector<XPairs> prep;
     if (split && block == 32 && group_size % 2 == 0) {
-      xp_buf.resize(m * 4 * k), psum.resize(m * G), prep.resize(m);
+      xsum = group_sums(xf.data(), m, k, group_size);
+      xp_buf.resize(m * 4 * k), prep.resize(m);
       for (int64_t r = 0; r < m && !prep.empty(); ++r) {
-        const float* xrow = xf.data() + r * k;
-        for (int64_t g = 0; g < G; ++g) psum[r * G + g] = sum_f32(xrow + g * group_size, group_size);
-        prep[r] = {xp_buf.data() + r * 4 * k, psum.data() + r * G, 0.f, 0.f};
-        if (!x_pairs(xrow, k, xp_buf.data() + r * 4 * k, prep[r].lo, prep[r].hi)) prep.clear();
+        prep[r] = {xp_buf.data() + r * 4 * k, xsum.data() + r * G, 0.f, 0.f};
+        if (!x_pairs(xf.data() + r * k, k, xp_buf.data() + r * 4 * k, prep[r].lo, prep[r].hi)) prep.clear();
       }
     }
 #endif
