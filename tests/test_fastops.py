@@ -234,6 +234,18 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         FUSED.prefill_attention(q.transpose(1, 2), kv, table, 10, bs, 0, 0.1, 0.0)
     with pytest.raises(RuntimeError, match="whole blocks"):
         FUSED.prefill_attention(q, kv, table, 10, 5, 0, 0.1, 0.0)  # 112 slots
+    qkv, cs = torch.randn(2, (4 + 2 * 2) * 8), torch.randn(2, 8)  # 4 query heads, 2 KV heads of 8
+    kv, tables, lens = torch.zeros(2, 32, 2, 8), torch.tensor([[0, 1], [2, 3]]), torch.tensor([3, 5])
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        FUSED.rotary_decode_attention(qkv[:, :-8], cs, cs, kv, None, torch.tensor([2, 20]), tables, lens, 4, 8, 0,
+                                      0.1, 0.0, 0, 0)
+    with pytest.raises(RuntimeError, match="kv must be"):
+        FUSED.rotary_decode_attention(qkv, cs, cs, kv[0], None, torch.tensor([2, 20]), tables, lens, 4, 8, 0, 0.1,
+                                      0.0, 0, 0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        FUSED.rotary_decode_attention(qkv, cs, cs, kv, None, torch.tensor([2, 32]), tables, lens, 4, 8, 0, 0.1, 0.0,
+                                      0, 0)
+    assert kv.abs().sum() == 0  # slots are checked before anything is written
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start():
