@@ -18,7 +18,9 @@ Tables (all rows of a table in this one run, same prompt, same machine):
    process by process with llama.cpp for ``--rounds`` rounds, medians compared; and 16 concurrent requests
    through ``quant serve`` (with ``--baseline``: alternated with that commit's server).
 5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
-   ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared.
+   ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared;
+   each engine as users get it (n-gram speculation where its start-up timing says it pays) and with speculation
+   off (``--speculate off``: the decode step itself, as llama.cpp runs here, without a draft).
 
 6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32 (with
    its float head, and with ``--embeddings int8``), beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
@@ -47,11 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True,
-               dtype: str = "bfloat16", embeddings: str = "auto"):
+               dtype: str = "bfloat16", embeddings: str = "auto", speculate: str = "auto"):
     from server.config import EngineConfig
     from server.engine import Engine
 
-    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype, embeddings=embeddings)
+    cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype, embeddings=embeddings,
+                       speculate=speculate)
     return Engine.from_path(spec, cfg, cache).start()
 
 
@@ -224,10 +227,11 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case in ("ours-b1", "ours-b1-eager", "ours-b1-fp32", "ours-b1-fp32-int8", "ours-16", "rss"):
+    if case in ("ours-b1", "ours-b1-plain", "ours-b1-eager", "ours-b1-fp32", "ours-b1-fp32-int8", "ours-16", "rss"):
         eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
                          fused_ops=case != "ours-b1-eager", embeddings="int8" if case.endswith("int8") else "auto",
-                         dtype="float32" if "fp32" in case else "bfloat16")
+                         dtype="float32" if "fp32" in case else "bfloat16",
+                         speculate="off" if case == "ours-b1-plain" else "auto")
         try:
             if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}
@@ -252,11 +256,14 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
 
 def child(case: str, spec: str, cache: Path, threads: int, repeats: int, root: Path = ROOT) -> dict:
     """One case in a fresh process, run by the bench script of ``root`` (ours, or a baseline's worktree). The
-    ``serve-*`` cases run this script, driving the server of ``root`` (a baseline's own script may predate them)."""
-    extra = []
+    ``serve-*`` cases run this script, driving the server of ``root``, and ``ours-b1-plain`` runs it on the code of
+    ``root`` (a baseline's own script may predate them)."""
+    extra, script = [], root
     if case.startswith("serve") and root != ROOT:
-        extra, root = ["--server-root", str(root)], ROOT
-    p = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--case", case, spec, "--threads",
+        extra, root, script = ["--server-root", str(root)], ROOT, ROOT
+    if case == "ours-b1-plain":
+        script = ROOT
+    p = subprocess.run([sys.executable, str(script / "bench" / "decode.py"), "--case", case, spec, "--threads",
                         str(threads), "--repeats", str(repeats), *extra], capture_output=True, text=True, cwd=root,
                        env={**os.environ, "QUANTSERVE_CACHE": str(cache), "PYTHONPATH": str(root)})
     if p.returncode != 0:
@@ -366,14 +373,15 @@ def main(argv=None) -> int:
         # Batch-1 engine decode of the w4a16 artifact against llama.cpp and the --baseline commits' engines,
         # process by process in turn each round: where the step's time went between commits, on this CPU.
         ensure_llama_cpp()
-        runs = {"llama.cpp Q4_1": [], "ours w4a16": [], **{f"ours w4a16 at {r}": [] for r in refs}}
-        trees = {r: baseline_worktree(r) for r in refs}
+        trees = {"": ROOT, **{f" at {r}": baseline_worktree(r) for r in refs}}
+        cases = {"ours-b1": "", "ours-b1-plain": ", speculation off"}
+        runs = {"llama.cpp Q4_1": [], **{f"ours w4a16{at}{how}": [] for at in trees for how in cases.values()}}
         for _ in range(args.rounds):
             runs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats)["tok_s"])
-            runs["ours w4a16"].append(child("ours-b1", specs["w4a16"], cache, args.threads, args.repeats)["tok_s"])
-            for r, tree in trees.items():
-                runs[f"ours w4a16 at {r}"].append(
-                    child("ours-b1", specs["w4a16"], cache, args.threads, args.repeats, tree)["tok_s"])
+            for at, tree in trees.items():
+                for case, how in cases.items():
+                    runs[f"ours w4a16{at}{how}"].append(
+                        child(case, specs["w4a16"], cache, args.threads, args.repeats, tree)["tok_s"])
             print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
         llama = statistics.median(runs["llama.cpp Q4_1"])
         res["versus"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
