@@ -108,8 +108,12 @@ def group_params(w: torch.Tensor, bits: int, sym: bool, clip: bool = False,
         errs = []
         for c in ps.split(16):  # 16 candidates at a time: (16, N, g) temporaries
             s, z = _params_for(lo[None] * c[:, None], hi[None] * c[:, None], maxq, sym)  # (C, N) each
-            q = torch.clamp(torch.round(w[None] / s[..., None]) + z[..., None], 0, maxq)  # (C, N, g)
-            e = (s[..., None] * (q - z[..., None]) - w[None]).abs_().pow_(CLIP_NORM)  # (C, N, g)
+            s, z = s[..., None], z[..., None]  # (C, N, 1)
+            # code - zero = round(w / s) clamped to [-z, maxq - z]: whole numbers, so the same values as clamping
+            # code = round(w / s) + z to [0, maxq] and subtracting z, in place and without two passes.
+            e = torch.round(w[None] / s)  # (C, N, g)
+            e = torch.minimum(torch.maximum(e, -z, out=e), maxq - z, out=e)
+            e = e.mul_(s).sub_(w[None]).abs_().pow_(CLIP_NORM)  # |s (code - zero) - w|^CLIP_NORM
             errs.append(e.sum(dim=-1) if importance is None else e @ importance)  # (C, N)
         best_p = ps[torch.cat(errs).argmin(dim=0)]  # (N,) the first (widest) of equal errors
         lo, hi = lo * best_p, hi * best_p

@@ -23,7 +23,8 @@ the groups before it quantized, in one staged pass for Llama-shaped layers. Per 
    function in fp32 (dequantized weight, fake-quantized input: `W8A8Linear.reference_forward`), the fast dense
    path on every machine, where `_int_mm` is 25x slower than fp32 on AVX2-only CPUs. The int8 modules are
    swapped in when the layer is done.
-Scores compare int8 x int8 products computed by `primitives.int8_product` (the machine's faster path).
+Scores compare int8 x int8 products computed by `quant.runtime.kernels.gemm.int8_product` (the machine's faster exact
+path).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from quant.build.schemes.base import Scheme
 from quant.build.sequential import _cast_kwargs, capture_layer_inputs, decoder_layers, layer_pass, layer_plan
 from quant.runtime import hadamard
 from quant.runtime import primitives as P
+from quant.runtime.kernels import gemm
 from quant.runtime.linear import set_module
 from quant.runtime.w8a8 import W8A8Linear
 
@@ -73,9 +75,9 @@ def _act_q(x: torch.Tensor, threshold: float | None) -> tuple[torch.Tensor, torc
 
 def _output_error(xq, x_scale, wq: torch.Tensor, w_scale: torch.Tensor, ref: torch.Tensor) -> float:
     """Squared error of the quantized output against the float output, computed as the runtime computes it:
-    an int8 x int8 product rescaled."""
-    y = P.int8_product(xq, wq) * (x_scale * w_scale)  # (R, N)
-    return float(torch.linalg.vector_norm(y - ref) ** 2)
+    an int8 x int8 product rescaled (in place: the same arithmetic without two (R, N) temporaries)."""
+    y = gemm.int8_product(xq, wq).mul_(x_scale * w_scale).sub_(ref)  # (R, N)
+    return float(torch.linalg.vector_norm(y) ** 2)
 
 
 def _score_alpha(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 from quant.runtime.kernels.rows import Rows
 
@@ -110,6 +111,19 @@ def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | 
         return op(xq, xs, weight, weight_scale, sums, b)
 
     return call
+
+
+def int8_product(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """``primitives.int8_product``'s numbers, xq (M, K) int8 @ wq (N, K)^T int8 -> (M, N) fp32, the exact integer
+    sums: where that sums the codes' products in fp32 (no exact ``torch._int_mm``: AVX2 without VNNI), by the AVX2
+    build's int16 op instead (its exact int32 sums, converted as int_mm's), which does twice the multiply-adds an
+    instruction; elsewhere, or for a shape the op does not take (N not in whole blocks, K odd), that function."""
+    block, _, dense, _ = _build()
+    n, k = wq.shape
+    if (dense and xq.device.type == "cpu" and n % block == 0 and k % 2 == 0 and xq.shape[0] > 0
+            and not P.int_mm_is_usable(xq.device)):
+        return torch.ops.quantserve_gemm.int8_sums(xq.contiguous(), wq.contiguous())
+    return P.int8_product(xq, wq)
 
 
 def bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:

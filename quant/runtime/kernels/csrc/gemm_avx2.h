@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "elements.h"
 #include "gemm_common.h"
@@ -60,10 +61,10 @@ inline __m256i bf16_bits8(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
-// (rows, 16) sums (fp32, or int32 by their bits: converted as int_mm's .float()) -> bf16 columns of out (row stride
-// n) through the epilogue (its vectors at this block), two vectors a row.
-template <bool kInt32>
-void finish16(const float* __restrict acc, int64_t rows, const Epilogue& e, uint16_t* __restrict out, int64_t n) {
+// (rows, 16) sums (fp32, or int32 by their bits: converted as int_mm's .float()) -> bf16 (Out uint16_t) or fp32
+// (Out float) columns of out (row stride n) through the epilogue (its vectors at this block), two vectors a row.
+template <bool kInt32, typename Out>
+void finish16(const float* __restrict acc, int64_t rows, const Epilogue& e, Out* __restrict out, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     __m256 y[2];
     for (int h = 0; h < 2; ++h) {
@@ -78,6 +79,10 @@ void finish16(const float* __restrict acc, int64_t rows, const Epilogue& e, uint
         y[h] = _mm256_mul_ps(y[h], e.row_scale ? _mm256_mul_ps(_mm256_set1_ps(e.row_scale[r]), cs) : cs);
       }
       if (e.bias) y[h] = _mm256_add_ps(y[h], _mm256_loadu_ps(e.bias + 8 * h));
+    }
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm256_storeu_ps(out + r * n, y[0]), _mm256_storeu_ps(out + r * n + 8, y[1]);
+      continue;
     }
     // packus: [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] (the bits are < 2^16); the permute puts the 64-bit quarters in order
     const __m256i packed = _mm256_packus_epi32(bf16_bits8(y[0]), bf16_bits8(y[1]));
@@ -262,7 +267,8 @@ struct Avx2Int16 {
     strips<Avx2Int16, MR>(x + k0, ldx, tile, kt, first, acc);
   }
 
-  static void finish(const float* acc, int64_t rows, const Epilogue& e, uint16_t* out, int64_t n) {
+  template <typename Out>  // bf16 bits (w8a8_gemm) or fp32 (int8_sums)
+  static void finish(const float* acc, int64_t rows, const Epilogue& e, Out* out, int64_t n) {
     finish16<true>(acc, rows, e, out, n);
   }
 };

@@ -128,13 +128,13 @@ To widen(From v) {
   }
 }
 
-// out (M, N) bf16 = x (M, K) @ W^T through the epilogue, by the kernel Kn (the build's Isa, or Avx2Int16), W's
+// out (M, N) bf16 (or fp32, Out float: the int8_sums op) = x (M, K) @ W^T through the epilogue, by the kernel Kn (the build's Isa, or Avx2Int16), W's
 // blocks of Kn::kBlock rows expanded by `expand` (and their codes prefetched by expand.prefetch): per thread, work
 // items of one block and a chunk of x's rows; per item, K-tile by K-tile, the tile expanded once and every strip
 // run over it. x: bf16 bits or int8.
-template <typename Kn = Isa, typename Expand, typename XIn>
+template <typename Kn = Isa, typename Expand, typename XIn, typename Out>
 void tiled(const XIn* x, int64_t m, int64_t n, int64_t k, const Expand& expand, const qs::gemm::Epilogue& epi,
-           uint16_t* op) {
+           Out* op) {
   if (m == 0) return;
   std::vector<typename Kn::X> staged;  // x as the kernel reads it, where it is not that already
   const typename Kn::X* xp;
@@ -301,6 +301,28 @@ at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::
   return out;
 }
 
+// out (M, N) fp32 = xq (M, K) int8 @ q (N, K) int8 ^T: the exact int32 sums, converted as int_mm's .float() (N a
+// multiple of the build's block, K even). Only in the AVX2 build (vpmaddwd, Avx2Int16), where int_mm's own sums are
+// not exact and an fp32 product of the codes does half the multiply-adds an instruction: the w8a8 build's search
+// scores its candidates with it (quant.runtime.kernels.gemm.int8_product).
+at::Tensor int8_sums(const at::Tensor& xq, const at::Tensor& q) {
+  TORCH_CHECK(gemm_build()[2] == 1, "int8_sums is built only for CPUs with AVX2 and without AVX512-BF16");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "weight must be a contiguous CPU (N, K) int8 tensor");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n % gemm_build()[0] == 0 && k % 2 == 0, "N must be a multiple of ", gemm_build()[0], " and K even");
+  TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
+                  xq.scalar_type() == at::kChar,
+              "xq must be a contiguous CPU (M, K) int8 tensor");
+  at::Tensor out = at::empty({xq.size(0), n}, xq.options().dtype(at::kFloat));
+#if defined(QS_GEMM_DENSE)
+  const qs::gemm::Int16PairTiles expand{q.data_ptr<int8_t>(), k};
+  tiled<qs::gemm::Avx2Int16>(xq.data_ptr<int8_t>(), xq.size(0), n, k, expand, qs::gemm::Epilogue{},
+                             out.data_ptr<float>());
+#endif
+  return out;
+}
+
 // out (M, N) bf16 = x (M, K) bf16 @ w (N, K) bf16 ^T (+ bias fp32), in fp32 (N a multiple of the block): only where
 // bf16 products are slower than fp32 (gemm_build()[2]).
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
@@ -327,6 +349,7 @@ TORCH_LIBRARY(quantserve_gemm, m) {
   m.def("bf16_gemm(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def("w8a8_gemm(Tensor xq, Tensor x_scale, Tensor weight, Tensor weight_scale, Tensor weight_sums, Tensor bias) "
         "-> Tensor");
+  m.def("int8_sums(Tensor xq, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quantserve_gemm, CPU, m) {
@@ -334,4 +357,5 @@ TORCH_LIBRARY_IMPL(quantserve_gemm, CPU, m) {
   m.impl("int8_gemm", &int8_gemm);
   m.impl("bf16_gemm", &bf16_gemm);
   m.impl("w8a8_gemm", &w8a8_gemm);
+  m.impl("int8_sums", &int8_sums);
 }
