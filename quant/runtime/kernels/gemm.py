@@ -120,8 +120,7 @@ def int8_product(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     instruction; elsewhere, or for a shape the op does not take (N not in whole blocks, K odd), that function."""
     block, _, dense, _ = _build()
     n, k = wq.shape
-    if (dense and xq.device.type == "cpu" and n % block == 0 and k % 2 == 0 and xq.shape[0] > 0
-            and not P.int_mm_is_usable(xq.device)):
+    if dense and xq.device.type == "cpu" and n % block == 0 and k % 2 == 0 and not P.int_mm_is_usable(xq.device):
         return torch.ops.quantserve_gemm.int8_sums(xq.contiguous(), wq.contiguous())
     return P.int8_product(xq, wq)
 

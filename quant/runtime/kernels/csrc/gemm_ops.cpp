@@ -128,10 +128,10 @@ To widen(From v) {
   }
 }
 
-// out (M, N) bf16 (or fp32, Out float: the int8_sums op) = x (M, K) @ W^T through the epilogue, by the kernel Kn (the build's Isa, or Avx2Int16), W's
-// blocks of Kn::kBlock rows expanded by `expand` (and their codes prefetched by expand.prefetch): per thread, work
-// items of one block and a chunk of x's rows; per item, K-tile by K-tile, the tile expanded once and every strip
-// run over it. x: bf16 bits or int8.
+// out (M, N) bf16 (fp32 where Out is float: the int8_sums op) = x (M, K) @ W^T through the epilogue, by the kernel Kn
+// (the build's Isa, or Avx2Int16), W's blocks of Kn::kBlock rows expanded by `expand` (and their codes prefetched by
+// expand.prefetch): per thread, work items of one block and a chunk of x's rows; per item, K-tile by K-tile, the
+// tile expanded once and every strip run over it. x: bf16 bits or int8.
 template <typename Kn = Isa, typename Expand, typename XIn, typename Out>
 void tiled(const XIn* x, int64_t m, int64_t n, int64_t k, const Expand& expand, const qs::gemm::Epilogue& epi,
            Out* op) {
