@@ -67,12 +67,24 @@ void check_x(const at::Tensor& x, int64_t k) {
               "x must be a contiguous CPU (M, K) bf16 tensor");
 }
 
-// An int8 (N, K) weight and its (N,) fp32 scales, as the int8 and W8A8 ops take them: N in whole blocks, K even.
-void check_int8_weight(const at::Tensor& q, const at::Tensor& scale, int64_t block) {
+// An int8 (N, K) weight as the int8, W8A8 and int8_sums ops take it: N in whole blocks, K even.
+void check_int8_codes(const at::Tensor& q, int64_t block) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
               "weight must be a contiguous CPU (N, K) int8 tensor");
+  TORCH_CHECK(q.size(0) % block == 0 && q.size(1) % 2 == 0, "N must be a multiple of ", block, " and K even");
+}
+
+// W8A8's quantized activations as its ops take them: a contiguous CPU (M, K) int8 tensor.
+void check_xq(const at::Tensor& xq, int64_t k) {
+  TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
+                  xq.scalar_type() == at::kChar,
+              "xq must be a contiguous CPU (M, K) int8 tensor");
+}
+
+// An int8 (N, K) weight and its (N,) fp32 scales, as the int8 and W8A8 ops take them.
+void check_int8_weight(const at::Tensor& q, const at::Tensor& scale, int64_t block) {
+  check_int8_codes(q, block);
   const int64_t n = q.size(0);
-  TORCH_CHECK(n % block == 0 && q.size(1) % 2 == 0, "N must be a multiple of ", block, " and K even");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
               "weight_scale must be a contiguous (N,) fp32 tensor");
 }
@@ -265,9 +277,7 @@ at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::
   TORCH_CHECK(block > 0, "w8a8_gemm needs a build with AVX512-BF16 or AVX2");
   check_int8_weight(q, weight_scale, block);
   const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
-                  xq.scalar_type() == at::kChar,
-              "xq must be a contiguous CPU (M, K) int8 tensor");
+  check_xq(xq, k);
   const int64_t m = xq.size(0);
   TORCH_CHECK(x_scale.dim() == 1 && x_scale.size(0) == m && x_scale.is_contiguous() &&
                   x_scale.scalar_type() == at::kFloat,
@@ -307,13 +317,9 @@ at::Tensor w8a8_gemm(const at::Tensor& xq, const at::Tensor& x_scale, const at::
 // scores its candidates with it (quant.runtime.kernels.gemm.int8_product).
 at::Tensor int8_sums(const at::Tensor& xq, const at::Tensor& q) {
   TORCH_CHECK(gemm_build()[2] == 1, "int8_sums is built only for CPUs with AVX2 and without AVX512-BF16");
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "weight must be a contiguous CPU (N, K) int8 tensor");
+  check_int8_codes(q, gemm_build()[0]);
   const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(n % gemm_build()[0] == 0 && k % 2 == 0, "N must be a multiple of ", gemm_build()[0], " and K even");
-  TORCH_CHECK(xq.device().is_cpu() && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == k &&
-                  xq.scalar_type() == at::kChar,
-              "xq must be a contiguous CPU (M, K) int8 tensor");
+  check_xq(xq, k);
   at::Tensor out = at::empty({xq.size(0), n}, xq.options().dtype(at::kFloat));
 #if defined(QS_GEMM_DENSE)
   const qs::gemm::Int16PairTiles expand{q.data_ptr<int8_t>(), k};
