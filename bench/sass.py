@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -144,23 +145,49 @@ def inspect(kernel, case: str, name: str, arch: int) -> Compiled:
         if isinstance(val, (int, float, bool, str)):
             consts[names[i] if i is not None and i < len(names) else str(key)] = val
     c = Compiled(case, name, arch, consts, md.num_warps, shared_bytes=md.shared)
+    read = _read_cubin(kernel.asm["cubin"], name)
+    c.registers, c.spilled_bytes = read["registers"], read["stack"] + read["local"]
+    if read["loop"]:
+        c.loop_instructions = sum(read["loop"].values())
+        c.loop_ops = dict(collections.Counter(read["loop"]).most_common())
+    return c
+
+
+def _read_cubin(cubin: bytes, name: str) -> dict:
+    """What cuobjdump (registers, stack, local memory) and nvdisasm (the innermost loop's opcodes) read from a cubin.
+    Kept per machine under the quantserve cache, by the digest of the cubin and of the tools: nvdisasm takes ~0.25
+    s a kernel, most of a ``--check`` whose kernels Triton's own cache hands back compiled."""
+    from quant.format.sources import default_cache_dir
+
+    tools = [Path(_tool(t)) for t in ("cuobjdump", "nvdisasm")]
+    digest = hashlib.sha256(cubin)
+    for t in tools:
+        st = t.stat()
+        digest.update(f"{t}:{st.st_size}:{st.st_mtime_ns}".encode())
+    kept = default_cache_dir() / "sass" / f"{digest.hexdigest()}.json"
+    if kept.is_file():
+        try:
+            return json.loads(kept.read_text())
+        except ValueError:
+            pass  # damaged: read the cubin again
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+            f.write(cubin)
+        usage = subprocess.run([str(tools[0]), "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([str(tools[1]), "-c", path], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {name}")
-    c.registers, stack, _, local = (int(g) for g in m.groups())
-    c.spilled_bytes = stack + local
+    registers, stack, _, local = (int(g) for g in m.groups())
     loop = innermost_loop(sass)
-    if loop is not None:
-        c.loop_instructions = sum(loop.values())
-        c.loop_ops = dict(loop.most_common())
-    return c
+    read = {"registers": registers, "stack": stack, "local": local, "loop": dict(loop) if loop else None}
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(read))
+    tmp.replace(kept)
+    return read
 
 
 def innermost_loop(sass: str) -> collections.Counter | None:
