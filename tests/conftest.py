@@ -24,7 +24,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitex
 
 
 # The modules whose tests take longest, longest first (bench/RESULTS.md#test-suite-wall-time-scriptstestsh: the
-# default model's quality guards, where the WikiText-2 data is beside the checkout, take ~1,200 s of one worker's
+# default model's quality guards, where the WikiText-2 data is beside the checkout, take ~620 s of one worker's
 # thread). They run first: pytest-xdist's worksteal gives each worker a contiguous half of the tests and balances by
 # taking from the end of the other's, so what is left to balance at the end should be short tests. A module stays
 # whole and in its own order; the rest keep file order.
