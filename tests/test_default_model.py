@@ -83,7 +83,7 @@ def reference(cache_dir):
     """What a build's quality report compares an artifact with (quant.build.pipeline.evaluate_artifact): the source
     model in float64, over the guards' windows (4 x 512 of WikiText-2 test)."""
     model, tok = models.load_model(models.resolve(None, cache_dir), torch.float64)
-    return _Remembered(model), calibration.eval_windows(tok, TEST_TXT, 4, 512)
+    return _Remembered(model), calibration.eval_windows(tok, TEST_TXT, 4, 512), tok
 
 
 @needs_data
@@ -91,9 +91,10 @@ def reference(cache_dir):
 def test_each_schemes_quality_on_the_default_model_holds_its_measured_figure(name, tmp_path, cache_dir, reference):
     fields, dppl, margin, kl = GUARDS[name]
     out = build(BuildConfig(out=str(tmp_path / "a"), **fields), cache_dir, progress=False)
-    base, windows = reference
+    base, windows, tok = reference
     # The report a build with --eval-data writes: the artifact loaded in float64 against its source on the windows.
-    q = evaluate.compare(base, {name: load(out, dtype=torch.float64).model}, windows, progress=False)[name]
+    quantized = load(out, dtype=torch.float64).model
+    q = evaluate.compare(base, {name: quantized}, windows, progress=False)[name]
     assert q.tokens == 4 * 511
     measured = f"{name}: Δppl {q.delta_ppl_pct:+.3f}%, KL {q.mean_kl:.5f}"
     assert dppl is not None and kl is not None, f"no figure recorded: {measured}"
@@ -105,31 +106,24 @@ def test_each_schemes_quality_on_the_default_model_holds_its_measured_figure(nam
         gen = art.model.generate(ids, max_new_tokens=3, do_sample=False)
         assert "Paris" in art.tokenizer.decode(gen[0, ids.shape[1]:])
     if name == "w8a8-dynamic":  # the scheme whose fp32 figures move most between CPUs
-        _same_figures_on_an_avx2_cpu_and_one_thread(out, cache_dir)
+        here = evaluate.compare(base, {name: quantized}, calibration.eval_windows(tok, TEST_TXT, 1, 512),
+                                progress=False)[name]  # quant eval --windows 1: the first of the four windows
+        _same_figures_on_an_avx2_cpu_and_two_threads(out, here, cache_dir)
 
 
-def _eval(path, env: dict) -> subprocess.Popen:
+def _same_figures_on_an_avx2_cpu_and_two_threads(path, here: evaluate.Quality, cache_dir) -> None:
+    """The same artifact evaluated here (this CPU's vector ISA, this worker's thread) and by ``quant eval`` with every
+    vector ISA capped at AVX2 (ATen's dispatch, MKL's and oneDNN's) on two threads: float64's reference arithmetic
+    gives the same Δppl to 0.001 point (the promise is 0.05; measured 6e-8), where fp32's serving kernels moved it by
+    0.29 point on 4 windows."""
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "OMP_NUM_THREADS": "2", "QUANTSERVE_CACHE": str(cache_dir)}
     cmd = [sys.executable, "-m", "quant.cli", "eval", str(path), "--data", str(TEST_TXT), "--windows", "1",
            "--json", "--no-progress"]
-    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def _same_figures_on_an_avx2_cpu_and_one_thread(path, cache_dir) -> None:
-    """The same artifact evaluated natively with two threads and with every vector ISA capped at AVX2 (ATen's
-    dispatch, MKL's and oneDNN's) on one thread: float64's reference arithmetic gives the same Δppl to 0.001 point
-    (the promise is 0.05; measured 6e-8), where fp32's serving kernels moved it by 0.29 point on 4 windows."""
-    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "OMP_NUM_THREADS": "1", "QUANTSERVE_CACHE": str(cache_dir)}
-    native = {"OMP_NUM_THREADS": "2", "QUANTSERVE_CACHE": str(cache_dir)}
-    runs = [_eval(path, native), _eval(path, avx2)]  # at once, sharing the cores
-    got = []
-    for r in runs:
-        out, err = r.communicate(timeout=600)
-        assert r.returncode == 0, err[-2000:]
-        got.append(json.loads(out))
-    native, capped = got
-    assert native["dtype"] == capped["dtype"] == "float64" and native["tokens"] == 511
-    assert abs(native["delta_ppl_pct"] - capped["delta_ppl_pct"]) < 1e-3, (native, capped)
-    assert native["mean_kl"] == pytest.approx(capped["mean_kl"], rel=1e-6)
-    assert native["top1_agreement"] == capped["top1_agreement"]
+    run = subprocess.run(cmd, env={**os.environ, **avx2}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    capped = json.loads(run.stdout)
+    assert capped["dtype"] == "float64" and capped["tokens"] == here.tokens == 511
+    assert abs(here.delta_ppl_pct - capped["delta_ppl_pct"]) < 1e-3, (here, capped)
+    assert here.mean_kl == pytest.approx(capped["mean_kl"], rel=1e-6)
+    assert here.top1_agreement == capped["top1_agreement"]
