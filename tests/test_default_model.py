@@ -114,8 +114,8 @@ def test_each_schemes_quality_on_the_default_model_holds_its_measured_figure(nam
 def _same_figures_on_an_avx2_cpu_and_two_threads(path, here: evaluate.Quality, cache_dir) -> None:
     """The same artifact evaluated here (this CPU's vector ISA, this worker's thread) and by ``quant eval`` with every
     vector ISA capped at AVX2 (ATen's dispatch, MKL's and oneDNN's) on two threads: float64's reference arithmetic
-    gives the same Δppl to 0.001 point (the promise is 0.05; measured 6e-8), where fp32's serving kernels moved it by
-    0.29 point on 4 windows."""
+    gives the same Δppl to 0.001 point (the promise is 0.05; 6e-8 apart when measured on two windows), where fp32's
+    serving kernels moved it by 0.29 point on 4 windows."""
     avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "OMP_NUM_THREADS": "2", "QUANTSERVE_CACHE": str(cache_dir)}
     cmd = [sys.executable, "-m", "quant.cli", "eval", str(path), "--data", str(TEST_TXT), "--windows", "1",
