@@ -123,3 +123,42 @@ def test_the_gpu_checks_parts_are_named_and_ordered():
     assert r.returncode == 2 and "unknown part(s) (none)" in r.stderr and "Traceback" not in r.stderr, r.stderr
     described = " ".join(gpu_py("--help").stdout.split())  # argparse wraps the help's lines
     assert all(f" {p}: " in described for p in parts), described
+
+
+LISTING = """.L_x_0:
+        /*0000*/                   FFMA R0, R1, R2, R0 ;
+        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+        /*0030*/                   EXIT ;
+"""
+
+
+def test_the_tools_readings_are_kept_by_the_cubins_digest_and_a_damaged_record_is_read_again(tmp_path, monkeypatch):
+    """bench/sass.py keeps what cuobjdump and nvdisasm read from a cubin under the quantserve cache: the same cubin
+    is not read twice, another one is, and a damaged record is read again from the tools and replaced."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_under_test", ROOT / "bench" / "sass.py")
+    sass = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, sass)  # where its dataclasses look themselves up
+    spec.loader.exec_module(sass)
+    for tool in ("cuobjdump", "nvdisasm"):
+        (tmp_path / tool).write_text(tool)
+    monkeypatch.setattr(sass, "_tool", lambda name: str(tmp_path / name))
+    monkeypatch.setenv("QUANTSERVE_CACHE", str(tmp_path / "cache"))
+    ran = []
+
+    def tool_run(cmd, **kw):
+        ran.append(Path(cmd[0]).name)
+        out = "REG:40 STACK:0 SHARED:0 LOCAL:8" if ran[-1] == "cuobjdump" else LISTING
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(sass.subprocess, "run", tool_run)
+    want = {"registers": 40, "stack": 0, "local": 8, "loop": {"FFMA": 1, "IADD3": 1, "BRA": 1}}
+    assert sass._read_cubin(b"cubin one", "k") == want and ran == ["cuobjdump", "nvdisasm"]
+    assert sass._read_cubin(b"cubin one", "k") == want and len(ran) == 2  # kept
+    (kept,) = (tmp_path / "cache" / "sass").glob("*.json")
+    kept.write_text("{damaged")
+    assert sass._read_cubin(b"cubin one", "k") == want and len(ran) == 4  # read again
+    assert json.loads(kept.read_text()) == want
+    assert sass._read_cubin(b"cubin two", "k") == want and len(ran) == 6  # another cubin
