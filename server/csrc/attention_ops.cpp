@@ -32,21 +32,65 @@ using qs::to_f;
 namespace {
 
 constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
+constexpr int64_t kTile = 8;   // keys whose scores attend_group computes together
+
+// Eight fp32 lanes (GCC's vector extension: AVX2's width; an AVX-512 build uses the same 256-bit form).
+typedef float V8 __attribute__((vector_size(32)));
+inline V8 v8load(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void v8store(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+inline V8 v8fma(V8 a, V8 b, V8 c) {  // a * b + c in one rounding (the library is built with -ffp-contract=off)
+#if defined(__FMA__)
+  return (V8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline float v8sum(V8 v) {  // lanes l and l + 4 first, then a fixed tree
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+// The scores of the g query heads qf (g, D) against kTile staged key rows kt (kTile, D), D a multiple of 8, into
+// s[i * n] for head i: a key's dot product in eight lanes, the tile's keys in independent accumulators (one chain of
+// D / 8 FMAs per key instead of one latency-bound chain per dot product), each summed by v8sum. `nt` keys are real;
+// the rest of the tile is padding whose scores are not written.
+inline void tile_scores(const float* __restrict qf, const float* __restrict kt, int64_t g, int64_t D, int64_t nt,
+                        float scale, float cap, float* __restrict s, int64_t n) {
+  for (int64_t i = 0; i < g; ++i) {
+    V8 acc[kTile];
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = V8{};
+    for (int64_t d = 0; d < D; d += 8) {
+      const V8 qv = v8load(qf + i * D + d);
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = v8fma(qv, v8load(kt + t * D + d), acc[t]);
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      float x = v8sum(acc[t]) * scale;
+      if (cap > 0.f) x = qs::softcap(x, cap);
+      s[i * n + t] = x;
+    }
+  }
+}
 
 // One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
 // paged cache (rows: this head's K and V, read as qs::FloatRows or dequantized as qs::QuantRows), output o (g, D).
-// Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise.
+// Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise. Where D is a multiple
+// of 8 (every head size served), keys are staged kTile at a time for tile_scores and each weighted-sum row is added
+// eight lanes at a time; otherwise one key and one dot product at a time.
 template <typename T, typename Rows>
 __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q, const Rows& rows,
                                             const int64_t* table, int64_t bs, int64_t lo, int64_t L, int64_t g,
                                             int64_t D, float scale, float cap, typename Raw<T>::type* __restrict o,
                                             std::vector<float>& work) {
   const int64_t n = L - lo;
-  work.resize(g * D * 2 + D + g * n);
+  const bool tiled = D % 8 == 0;
+  work.resize(g * D * 2 + kTile * D + g * n);
   float* __restrict qf = work.data();  // (g, D)
   float* __restrict acc = qf + g * D;  // (g, D)
-  float* __restrict row = acc + g * D;  // (D,)
-  float* __restrict s = row + D;  // (g, n) scores, then softmax numerators
+  float* __restrict row = acc + g * D;  // (kTile, D): staged key rows (the first: a K or V row)
+  float* __restrict s = row + kTile * D;  // (g, n) scores, then softmax numerators
   for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
   if (rows.key_block > 0)  // keys are stored rotated: rotate q to match
     for (int64_t i = 0; i < g; ++i) qs::hadamard_blocks(qf + i * D, D, rows.key_block);
@@ -61,16 +105,28 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
     if (++poff == bs) poff = 0, ++pblk;
   };
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
-  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
-    if (j + kAhead < n) prefetch_next();
-    rows.load_k(table[blk] * bs + off, row, D);
-    for (int64_t i = 0; i < g; ++i) {
-      float dot = 0.f;
-      _Pragma("omp simd reduction(+ : dot)")
-      for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * row[d];
-      float x = dot * scale;
-      if (cap > 0.f) x = qs::softcap(x, cap);
-      s[i * n + j] = x;
+  if (tiled) {
+    std::fill(row, row + kTile * D, 0.f);  // a last partial tile's padding
+    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+      const int64_t nt = std::min(kTile, n - j0);
+      for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
+        if (j0 + t + kAhead < n) prefetch_next();
+        rows.load_k(table[blk] * bs + off, row + t * D, D);
+      }
+      tile_scores(qf, row, g, D, nt, scale, cap, s + j0, n);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
+      if (j + kAhead < n) prefetch_next();
+      rows.load_k(table[blk] * bs + off, row, D);
+      for (int64_t i = 0; i < g; ++i) {
+        float dot = 0.f;
+        _Pragma("omp simd reduction(+ : dot)")
+        for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * row[d];
+        float x = dot * scale;
+        if (cap > 0.f) x = qs::softcap(x, cap);
+        s[i * n + j] = x;
+      }
     }
   }
   for (int64_t i = 0; i < g; ++i) {  // softmax: numerators in place, then scale the weighted sum by 1 / sum
@@ -92,7 +148,13 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
     rows.load_v(table[blk] * bs + off, row, D);
     for (int64_t i = 0; i < g; ++i) {
       const float p = s[i * n + j];
-      for (int64_t d = 0; d < D; ++d) acc[i * D + d] += p * row[d];
+      float* __restrict ai = acc + i * D;
+      if (tiled) {
+        const V8 pv = V8{} + p;
+        for (int64_t d = 0; d < D; d += 8) v8store(ai + d, v8fma(pv, v8load(row + d), v8load(ai + d)));
+      } else {
+        for (int64_t d = 0; d < D; ++d) ai[d] += p * row[d];
+      }
     }
   }
   for (int64_t i = 0; i < g; ++i) {

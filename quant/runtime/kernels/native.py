@@ -30,8 +30,11 @@ INCLUDE = Path(__file__).with_name("csrc")
 # OpenMP (without it every kernel here ran on one thread whatever ``torch.set_num_threads`` said), and the ``omp
 # simd`` loops (reductions) vectorise; the runtime linked is libgomp.so.1, the soname torch has already loaded, so
 # one OpenMP runtime and one thread pool serve both; -ffp-contract=off: no a*b+c fused into one rounding, so each
-# product rounds where the eager op it replaces rounds (the tests compare ulps).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+# product rounds where the eager op it replaces rounds (the tests compare ulps); -fno-trapping-math: the compiler may
+# evaluate both sides of a float select (exp_approx's clamps, bf16's NaN rounding), which is what lets it vectorise
+# a loop with them (without it the activation and decode-softmax loops ran scalar, ~10 ns an element); the values
+# are the same, only floating-point exception flags, which nothing here reads, may differ.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
 
 
