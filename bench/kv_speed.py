@@ -58,8 +58,11 @@ def main() -> None:
 
     kvs = args.kv_dtypes.split(",")
     contexts = [int(c) for c in args.contexts.split(",")]
+    # speculation off: a step here is one token's forward (with n-gram drafts on, as each engine's start-up timing
+    # decides, a greedy WikiText continuation drafts, and one engine's "step" carried several tokens)
     engines = {kv: Engine.from_path(args.artifact, EngineConfig(memory_budget="384MiB", dtype=args.dtype, kv_dtype=kv,
-                                                                max_batch=4), default_cache_dir()) for kv in kvs}
+                                                                max_batch=4, speculate="off"), default_cache_dir())
+               for kv in kvs}
     rows = []
     try:
         text = DATA.read_text()
