@@ -34,14 +34,9 @@ namespace {
 constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
 constexpr int64_t kTile = 8;   // keys whose scores attend_group computes together
 
-// Eight fp32 lanes (GCC's vector extension: AVX2's width; an AVX-512 build uses the same 256-bit form).
-typedef float V8 __attribute__((vector_size(32)));
-inline V8 v8load(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void v8store(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+using qs::V8;
+using qs::load8;
+using qs::store8;
 inline V8 v8fma(V8 a, V8 b, V8 c) {  // a * b + c in one rounding (the library is built with -ffp-contract=off)
 #if defined(__FMA__)
   return (V8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -63,8 +58,8 @@ inline void tile_scores(const float* __restrict qf, const float* __restrict kt, 
     V8 acc[kTile];
     for (int64_t t = 0; t < kTile; ++t) acc[t] = V8{};
     for (int64_t d = 0; d < D; d += 8) {
-      const V8 qv = v8load(qf + i * D + d);
-      for (int64_t t = 0; t < kTile; ++t) acc[t] = v8fma(qv, v8load(kt + t * D + d), acc[t]);
+      const V8 qv = load8(qf + i * D + d);
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = v8fma(qv, load8(kt + t * D + d), acc[t]);
     }
     for (int64_t t = 0; t < nt; ++t) {
       float x = v8sum(acc[t]) * scale;
@@ -151,7 +146,7 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
       float* __restrict ai = acc + i * D;
       if (tiled) {
         const V8 pv = V8{} + p;
-        for (int64_t d = 0; d < D; d += 8) v8store(ai + d, v8fma(pv, v8load(row + d), v8load(ai + d)));
+        for (int64_t d = 0; d < D; d += 8) store8(ai + d, v8fma(pv, load8(row + d), load8(ai + d)));
       } else {
         for (int64_t d = 0; d < D; ++d) ai[d] += p * row[d];
       }

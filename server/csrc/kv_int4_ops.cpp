@@ -242,16 +242,10 @@ inline void int4_row_split(const uint8_t* __restrict c, float s, float m, float*
   }
 }
 
-// Register-blocked pieces of attend_item (GCC vector extensions: 8 floats a vector on AVX2 and AVX-512 alike).
-typedef float V8 __attribute__((vector_size(32)));
-
-inline V8 load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+// Register-blocked pieces of attend_item (qs::V8: 8 floats a vector on AVX2 and AVX-512 alike).
+using qs::V8;
+using qs::load8;
+using qs::store8;
 
 // S (R, bs) = Q (R rows of D, stride D) times KT (D, bs): R rows' scores against a block of keys, kept in registers.
 template <int R>

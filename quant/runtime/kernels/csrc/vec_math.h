@@ -34,4 +34,13 @@ inline float exp_approx(float x) {
 // cap * tanh(x / cap), the soft-capping of attention scores (Gemma 2), through exp_approx.
 inline float softcap(float x, float cap) { return cap * (2.0f / (1.0f + exp_approx(-2.0f * x / cap)) - 1.0f); }
 
+// Eight fp32 lanes for hand-blocked loops (GCC's vector extension: AVX2's width; AVX-512 builds use the same form).
+typedef float V8 __attribute__((vector_size(32)));
+inline V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
 }  // namespace qs
