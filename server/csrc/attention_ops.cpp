@@ -101,7 +101,7 @@ __attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restr
   };
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
   if (tiled) {
-    std::fill(row, row + kTile * D, 0.f);  // a last partial tile's padding
+    std::fill(row, row + kTile * D, 0.f);  // a short first tile's padding reads zeros (later ones, the tile before)
     for (int64_t j0 = 0; j0 < n; j0 += kTile) {
       const int64_t nt = std::min(kTile, n - j0);
       for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
