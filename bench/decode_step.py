@@ -1,12 +1,13 @@
 """Where a batch-1 decode step goes, through the engine (no transport): the step (its launch, then the read of its
-samples and the requests advanced), the model forward, the sampler and the C++ decode attention per layer, each
-timed by wrapping the engine's own calls (no profiler: its hooks cost more than these ops), on the default
-model's w4a16 artifact.
+samples and the requests advanced), the model forward and inside it each layer's calls (projections, attention,
+activation, residual norms), the head, the embedding lookup, the rotary tables and the sampler, each timed by
+wrapping the engine's own calls (no profiler: its hooks cost more than these ops), on the default model's w4a16
+artifact, speculation off (every step one token's forward).
 
     python bench/decode_step.py [--artifact bench/out/quality/w4a16] [--rounds 3] [--threads 2]
 
-One process; a warm-up request, then ``--rounds`` greedy requests of 128 new tokens (EOS ignored); per round the
-mean time of each wrapped call and the request's tokens/s. Wrapping adds ~0.2 µs a call.
+One process; a warm-up request, then ``--rounds`` greedy requests of 128 new tokens (EOS ignored); per round each
+wrapped call's time a step (its calls a step in brackets) and the request's tokens/s. Wrapping adds ~0.2 µs a call.
 """
 
 from __future__ import annotations
@@ -52,14 +53,28 @@ def main() -> None:
 
         setattr(obj, name, timed)
 
-    eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB"),
-                           default_cache_dir())
+    eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB",
+                                                       speculate="off"), default_cache_dir())
     try:
         wrap(eng.step, "launch", "step: launch (forward, sampling)")
         wrap(eng, "_read", "step: samples read, requests advanced")
         wrap(eng.runner, "forward", "model forward")
         wrap(st, "sample", "sampling")
-        wrap(eng.runner.backend.ops, "decode_attention", "decode attention (one layer)")
+        wrap(eng.runner.backend, "decode_qkv", "attention: rotary, cache write, decode attention")
+        model = eng.runner.model
+        for layer in model.layers:
+            for name in ("qkv", "o"):
+                wrap(layer, name, f"{name} projection")
+            wrap(layer.mlp, "gate_up", "gate_up projection")
+            wrap(layer.mlp, "down", "down projection")
+            wrap(layer.mlp, "act_mul", "activation")
+            for norm in (layer.attn_in, layer.mlp_in):
+                if norm is not None:
+                    wrap(norm, "add", "residual add + norm")
+        wrap(model, "head", "head")
+        wrap(model, "lookup", "embedding lookup")
+        for rotary in model.rotaries:
+            wrap(rotary, "cos_sin", "rotary tables")
         ids = eng.tokenize(PROMPT)
         eng.complete(ids, SamplingParams(temperature=0.0, max_new_tokens=8))
         rounds = []
@@ -69,15 +84,19 @@ def main() -> None:
             t = time.perf_counter()
             out = eng.complete(ids, SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True))
             wall = time.perf_counter() - t
-            rounds.append({"tok_s": round(len(out.token_ids) / wall, 1),
-                           **{k: {"mean_us": round(1e6 * total[k] / calls[k], 1), "calls": calls[k]} for k in total}})
+            steps = calls["model forward"]
+            rounds.append({"tok_s": round(len(out.token_ids) / wall, 1), "step_us": round(1e6 * wall / steps, 1),
+                           **{k: {"us_a_step": round(1e6 * total[k] / steps, 1), "calls_a_step": calls[k] / steps}
+                              for k in sorted(total, key=lambda k: -total[k])}})
             print(json.dumps(rounds[-1]), flush=True)
     finally:
         eng.close()
-    print(f"\n| call | mean µs per call, rounds {', '.join(str(i + 1) for i in range(len(rounds)))} |\n|---|---|")
-    for key in rounds[0]:
-        if key != "tok_s":
-            print(f"| {key} | {', '.join(str(r[key]['mean_us']) for r in rounds)} |")
+    numbers = ", ".join(str(i + 1) for i in range(len(rounds)))
+    print(f"\n| call (calls a step) | µs a step, rounds {numbers} |\n|---|---|")
+    for key, v in rounds[0].items():
+        if isinstance(v, dict):
+            print(f"| {key} ({v['calls_a_step']:g}) | {', '.join(str(r[key]['us_a_step']) for r in rounds)} |")
+    print(f"| request wall time a step | {', '.join(str(r['step_us']) for r in rounds)} |")
     print(f"| request tok/s | {', '.join(str(r['tok_s']) for r in rounds)} |")
 
 
