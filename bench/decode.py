@@ -49,12 +49,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True,
-               dtype: str = "bfloat16", embeddings: str = "auto", speculate: str = "auto"):
+               dtype: str = "bfloat16", embeddings: str = "auto", speculate: str = "auto",
+               int4_activations: str = "float"):
     from server.config import EngineConfig
     from server.engine import Engine
 
     cfg = EngineConfig(memory_budget=budget, threads=threads, fused_ops=fused_ops, dtype=dtype, embeddings=embeddings,
-                       speculate=speculate)
+                       speculate=speculate, int4_activations=int4_activations)
     return Engine.from_path(spec, cfg, cache).start()
 
 
@@ -227,11 +228,13 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    if case in ("ours-b1", "ours-b1-plain", "ours-b1-eager", "ours-b1-fp32", "ours-b1-fp32-int8", "ours-16", "rss"):
+    if case in ("ours-b1", "ours-b1-plain", "ours-b1-a8", "ours-b1-a8-plain", "ours-b1-eager", "ours-b1-fp32",
+                "ours-b1-fp32-int8", "ours-16", "rss"):
         eng = engine_for(spec, cache, threads, budget="256MiB" if case == "rss" else "512MiB",
                          fused_ops=case != "ours-b1-eager", embeddings="int8" if case.endswith("int8") else "auto",
                          dtype="float32" if "fp32" in case else "bfloat16",
-                         speculate="off" if case == "ours-b1-plain" else "auto")
+                         speculate="off" if case.endswith("plain") else "auto",
+                         int4_activations="int8" if "-a8" in case else "float")
         try:
             if case.startswith("ours-b1"):
                 return {**ours_batch1(eng, repeats), **rss_of(eng)}
@@ -375,11 +378,14 @@ def main(argv=None) -> int:
         ensure_llama_cpp()
         trees = {"": ROOT, **{f" at {r}": baseline_worktree(r) for r in refs}}
         cases = {"ours-b1": "", "ours-b1-plain": ", speculation off"}
-        runs = {"llama.cpp Q4_1": [], **{f"ours w4a16{at}{how}": [] for at in trees for how in cases.values()}}
+        # --int4-activations int8 (llama.cpp's own trade) where this checkout has it, not at the baselines
+        here = {**cases, "ours-b1-a8": ", int8 activations", "ours-b1-a8-plain": ", int8 activations, speculation off"}
+        per_tree = {at: here if at == "" else cases for at in trees}
+        runs = {"llama.cpp Q4_1": [], **{f"ours w4a16{at}{how}": [] for at in trees for how in per_tree[at].values()}}
         for _ in range(args.rounds):
             runs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats)["tok_s"])
             for at, tree in trees.items():
-                for case, how in cases.items():
+                for case, how in per_tree[at].items():
                     runs[f"ours w4a16{at}{how}"].append(
                         child(case, specs["w4a16"], cache, args.threads, args.repeats, tree)["tok_s"])
             print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)

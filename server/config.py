@@ -37,6 +37,7 @@ class EngineConfig:
     dtype: str = setting("dtype")
     device: str = setting("device")
     embeddings: str = setting("embeddings")  # server/layers/embedding.py
+    int4_activations: str = setting("int4_activations")  # quant/runtime/int4.py: GPTQLinear.use_int8_activations
     kernels: str = setting("kernels")  # quant/runtime/kernel_choice.py
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
@@ -86,6 +87,9 @@ class EngineConfig:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
         check_embeddings(self.embeddings, getattr(torch, self.dtype))
+        if self.int4_activations not in BY_NAME["int4_activations"].choices:
+            raise ValueError(f"--int4-activations must be one of {', '.join(BY_NAME['int4_activations'].choices)}, "
+                             f"got {self.int4_activations!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"--kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         admissions = BY_NAME["kv_admission"].choices

@@ -99,7 +99,7 @@ class Engine:
         # A fraction of free memory is taken once the runner exists (weights repacked and fused, the transients of
         # doing so freed), less one step's activation workspace; until then a one-block stand-in pool serves.
         # A block's K/V depends on its tokens and on these (the prefix cache's salt); the pool is the engine's own.
-        self._kv_salt = f"{model_name}|{scheme}|{config.dtype}"
+        self._kv_salt = f"{model_name}|{scheme}|{config.dtype}|{config.int4_activations}"
         budget = share(0 if fraction else resolve_budget(config.memory_budget, self.device))
         self.pool = self._pool(self.layout.bytes_per_block if fraction else budget[0])
         self.embeddings = resolve_embeddings(config.embeddings, self.dtype, scheme != "none")
@@ -107,7 +107,8 @@ class Engine:
                           device=self.device)  # plans per device
         self.runner = ModelRunner(model, self.pool.storage, self.layout.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
-                                  kv_rotation=self.layout.rotation, kv_format=self.layout.kv_format)
+                                  kv_rotation=self.layout.rotation, kv_format=self.layout.kv_format,
+                                  int4_activations=config.int4_activations)
         if fraction:
             budget = share(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
             self.pool = self._pool(budget[0])

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from quant.errors import UnsupportedModelError
+from quant.runtime.int4 import use_int8_activations
 from server import attention, fastops, models
 from server.batch import StepInputs, stage
 from server.sampling import LOGPROB_FLOOR
@@ -97,8 +98,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
                  fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None,
                  kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0),
-                 kv_format: str | None = None):
+                 kv_format: str | None = None, int4_activations: str = "float"):
         """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter).
+        int4_activations: int8 puts every int4 projection on int8 activations (quant.runtime.int4), before binding.
         kv_format: the quantized format the pool holds (server.kv_pool.KVLayout.kv_format), or None; kv_scales: the
         pool's scales for int8 and fp8 (kv_storage then holds their codes); kv_rotation: their keys' and values'
         rotation blocks (KVLayout.rotation). int4 (kv_storage: the pool's units) has its own backend."""
@@ -106,6 +108,7 @@ class ModelRunner:
         cache_dtype = dtype if kv_format else kv_storage.dtype  # codes are read in the model's dtype
         self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
         self.ops = fastops.Ops(glue or fastops.kind_of(self.glue_ops))
+        self._notes = [use_int8_activations(model)] if int4_activations == "int8" else []
         self.model = models.build(model, self.ops, embeddings, chooser)
         if kv_format == "int4":
             if backend not in (None, attention.Int4Backend.name):
@@ -183,7 +186,7 @@ class ModelRunner:
         return self.model.layers
 
     def kernel_notes(self) -> list[str]:
-        return self.model.projections.describe()
+        return [*self._notes, *self.model.projections.describe()]
 
     def runtime_weight_bytes(self) -> int:
         return self.model.runtime_weight_bytes()

@@ -194,6 +194,10 @@ SETTINGS: tuple[Setting, ...] = (
     S("embeddings", str, "auto", "the token embedding and LM head: float, or int8 per row (bfloat16, or float32 "
       "where the C++ rows op is built); auto: int8 for a quantized artifact served in bfloat16, else float",
       "engine", choices=("auto", "float", "int8")),
+    S("int4_activations", str, "float", "what int4 (w4a16) projections multiply: float, the activations as they are; "
+      "or int8, each input row quantized in blocks of 32 columns (llama.cpp's Q8 trade: an exact int8 product, about "
+      "1.8x the int4 projections' decode speed on AVX2 CPUs, for the perplexity cost bench/RESULTS.md states); int8 "
+      "needs an AVX2 CPU without AVX-512", "engine", choices=("float", "int8")),
     S("kernels", str, "measure", "how each projection's kernel is chosen per row count: measure (the fastest on "
       "this device, timed once per CPU or GPU model and shape, cached; on a GPU also the one-row kernels' launch) "
       "or static (built-in rules)", "engine",

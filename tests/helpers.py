@@ -73,15 +73,16 @@ def file_mappings(path) -> list[tuple[int, int, int]]:
     return out
 
 
-def gptq_linear(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64):
-    """A GPTQLinear (v1, groups of ``group``) of a seeded random weight rounded to its grid, prepared for bf16."""
+def gptq_linear(n: int, k: int, bias: bool, act_order: bool, seed: int = 0, group: int = 64, sym: bool = True):
+    """A GPTQLinear (v1, groups of ``group``) of a seeded random weight rounded to its grid (symmetric, or with a zero
+    point per group), prepared for bf16."""
     import torch
 
     from quant.build import gptq as G
     from quant.runtime import int4
 
     g = torch.Generator().manual_seed(seed)
-    q = G.rtn(torch.randn(n, k, generator=g), 4, group)
+    q = G.rtn(torch.randn(n, k, generator=g), 4, group, sym=sym)
     m = int4.GPTQLinear.from_quantized(q, torch.randn(n, generator=g) if bias else None, v2=False)
     if act_order:  # a checkpoint written with desc_act: groups over a shuffled column order (prepare permutes)
         m.g_idx = (torch.randperm(k, generator=g) // group).to(torch.int32)

@@ -104,8 +104,9 @@ def test_int8_weight_rows_of_a_fused_module_are_its_parts_products():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("rows_", [1, 5])
-def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_):
-    m = gptq_linear(n, 128, bias, act_order)
+@pytest.mark.parametrize("sym", [True, False])  # asymmetric: each row's zero point enters every group's sum
+def test_int4_rows_matches_the_fp32_reference(n, bias, act_order, rows_, sym):
+    m = gptq_linear(n, 128, bias, act_order, sym=sym)
     if int4_layout.cpu_layout() is None:
         pytest.skip("this CPU's int4pack layout is not one the C++ ops read")
     assert (m.perm is not None) == act_order
@@ -179,6 +180,63 @@ def test_int4_rows_of_a_fused_module_are_its_parts_products():
     y = fused.paths(torch.bfloat16)["rows"](x)
     want = torch.cat([gptq_linear(n, 128, False, False, seed=n).paths(torch.bfloat16)["rows"](x) for n in (64, 128)], 1)
     assert torch.equal(y, want)
+
+
+def _int4_a8(m: int4.GPTQLinear):
+    if int4_layout.cpu_layout() != (32, True) or m.packed is None:
+        pytest.skip("int8 activations are built for AVX2's int4pack layout (32-row split blocks) only")
+    bias = None if m.bias is None else m.bias.data.float()
+    return rows.int4_a8(m.packed, m.out_features, m.in_features, m.scales_zeros, m.group_size, bias)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_rows_with_int8_activations_match_their_reference(sym, bias, rows_, dtype):
+    """The module's weights times its input quantized in blocks of 32 columns (P.quantize_act_blocks): the integer
+    sums are exact, so the product equals that reference to fp32 ordering; rows are independent."""
+    m = gptq_linear(96, 256, bias, False, sym=sym)
+    m.prepare(dtype)
+    op = _int4_a8(m)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(rows_, 256, generator=g) * torch.linspace(0.01, 4.0, 256)).to(dtype)  # blocks' scales differ
+    ref = torch.nn.functional.linear(P.quantize_act_blocks(x), m.dequantized(torch.float32),
+                                     None if m.bias is None else m.bias.float())
+    y = op(x)
+    assert y.dtype == dtype and y.shape == (rows_, 96)
+    if dtype == torch.float32:
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-6
+    else:
+        assert float((y == ref.to(dtype)).float().mean()) > 0.97
+        assert float((y.float() - ref).abs().max() / ref.abs().max()) < 8e-3
+    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
+    # and it is not the exact product: the activations' rounding shows (the reference tells them apart)
+    exact = torch.nn.functional.linear(x.float(), m.dequantized(torch.float32), None if m.bias is None else m.bias.float())
+    assert float((ref - exact).abs().max() / exact.abs().max()) > 1e-4
+
+
+def test_int4_rows_with_int8_activations_propagate_a_nan_row_and_leave_the_others():
+    m = _int4_fp32()
+    op = _int4_a8(m)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12))
+    x[1, 7] = float("inf")
+    y = op(x)
+    ref = torch.nn.functional.linear(P.quantize_act_blocks(x), m.dequantized(torch.float32), m.bias.float())
+    assert bool(y[1].isnan().all()) and bool(ref[1].isnan().all())
+    assert float((y[[0, 2]] - ref[[0, 2]]).abs().max() / ref[[0, 2]].abs().max()) < 1e-6
+
+
+def test_int4_rows_with_int8_activations_refuse_what_they_cannot_compute():
+    m = _int4_fp32()
+    x = torch.randn(1, 256)
+    sz, op = m.scales_zeros, rows._op("int4_rows_a8")
+    with pytest.raises(RuntimeError, match="qmax must be in"):
+        op(x, m.packed, 192, 256, sz, 64, torch.empty(0), 128.0, 1e-8)  # 16-bit sums would saturate
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        op(x[:, :200], m.packed[: 192 * 200 // 2], 192, 200, sz, 64, torch.empty(0), 127.0, 1e-8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        P.quantize_act_blocks(torch.randn(2, 200))
 
 
 @pytest.mark.parametrize("bias", [False, True])

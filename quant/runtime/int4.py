@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quant.runtime import primitives as P
 from quant.runtime.kernels import dequant, gemm, triton_ops
 from quant.runtime.kernels import rows as rowops
 from quant.runtime.kernels.int4_layout import (
@@ -41,7 +42,7 @@ from quant.runtime.kernels.int4_layout import (
 from quant.runtime.linear import WeightOnlyLinear, fused_bias, fused_offsets
 
 # The int4 kernel beats unpacking and a dense matmul at every row count measured (1 to 512 rows,
-# bench/kernels.py), so 16-bit inputs always take it; the dequantize path serves fp32 and the reference.
+# bench/linear_paths.py), so 16-bit inputs always take it; the dequantize path serves fp32 and the reference.
 INT4PACK_MAX_ROWS = 1 << 30
 
 
@@ -83,6 +84,7 @@ class GPTQLinear(WeightOnlyLinear):
         self.register_buffer("perm", None)
         self._whole: tuple[GPTQLinear, int, int] | None = None  # a fused part: (fused module, first row, end row)
         self.zero_free = False  # set by prepare(): every zero of scales_zeros is 0 (a symmetric checkpoint)
+        self.int8_activations = False  # use_int8_activations(): inputs quantized in blocks of 32 columns
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -164,12 +166,14 @@ class GPTQLinear(WeightOnlyLinear):
         on a probe), else repacked from the parts' codes; the parts then hold nothing and compute their rows
         through the fused module (the engine never calls them)."""
         first = mods[0]
-        if len({(m.layout, m.group_size, m.v2) for m in mods}) != 1 or any(m.out_features % PACK for m in mods):
+        if (len({(m.layout, m.group_size, m.v2, m.int8_activations) for m in mods}) != 1
+                or any(m.out_features % PACK for m in mods)):
             return None
         bias = fused_bias(mods, torch.float32)
         fused = cls(first.in_features, sum(m.out_features for m in mods), bias is not None, first.group_size,
                     first.v2, device="meta")
         fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        fused.int8_activations = first.int8_activations
         spans = fused_offsets(mods)
         if first.layout in ("int4pack", "w4triton"):
             if (any(m.scales_zeros.dtype != first.scales_zeros.dtype for m in mods)
@@ -228,18 +232,45 @@ class GPTQLinear(WeightOnlyLinear):
         back cheaply on this CPU (an unknown layout: only the kernel's identity product would do, K x K x N), and
         with ``rows`` (``quant.runtime.kernels.rows.int4``, few rows) and ``gemm`` (``quant.runtime.kernels.gemm.int4``, many) where they can."""
         out = super().paths(dtype)
+        bias = None if self.bias is None else self.bias.data.float()
         if self.packed is not None and self.packed.device.type == "cpu":
             layout = cpu_layout()
             if layout is None:
                 return {"kernel": out["kernel"]}
             n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
-            bias = None if self.bias is None else self.bias.data.float()
             if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
                 out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
                                                perm)
             if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
                 out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
+        if self.int8_activations:
+            out = {name: _on_blocks(call, self.perm) for name, call in out.items() if name != "rows"}
+            layout = cpu_layout() if self.packed is not None and self.packed.device.type == "cpu" else None
+            if int8_activations_supported(layout, self.out_features, self.in_features, self.group_size):
+                out["rows"] = _in_kernel_order(rowops.int4_a8(self.packed, self.out_features, self.in_features,
+                                                              self.scales_zeros, self.group_size, bias), perm)
         return out
+
+    def use_int8_activations(self) -> None:
+        """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's
+        column order (``primitives.quantize_act_blocks``; an act-order checkpoint's blocks are of its permuted
+        columns), llama.cpp's Q8 activations: on AVX2's layout the ``rows`` path is the int8 product itself
+        (``rows.int4_a8``, ~1.8x the exact one's speed), every other path computes on the dequantized blocks. The
+        reference (:meth:`reference_forward`) quantizes the same way, so every path still computes one function."""
+        if self.packed is None or self.packed.device.type != "cpu":
+            raise ValueError("int8 activations for int4 weights are served on the CPU's int4pack layout only")
+        self.int8_activations = True
+        self._plan = None
+
+    def plan_key(self, dtype: torch.dtype) -> str:
+        return super().plan_key(dtype) + ("|int8-activations" if self.int8_activations else "")
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.int8_activations:
+            return super().reference_forward(x)
+        shape = x.shape
+        xh = quantized_blocks(x.reshape(-1, self.in_features), self.perm)  # fp32 (float64 for float64 x)
+        return super().reference_forward(xh).reshape(*shape[:-1], self.out_features)
 
     def _gemv_space(self, dtype: torch.dtype):
         if self._whole is not None or self.layout != "w4triton":
@@ -311,6 +342,46 @@ def fp32_int4pack_on_cpu() -> bool:
     tensors per call: the ``rows`` op for few rows and the one-pass C++ dequantizer for many (PyTorch's own int4
     kernel in fp32 measured ~20x slower than dense), both reading a layout this code knows."""
     return rowops.available(torch.empty(0)) and dequant.load() and cpu_layout() is not None
+
+
+def use_int8_activations(model: nn.Module) -> str:
+    """Every GPTQLinear of ``model`` computes on int8 activations from now on (:meth:`GPTQLinear.use_int8_activations`),
+    before the server binds and fuses them; what ModelInfo.kernels says of it. ValueError, saying what is missing,
+    for a model without int4 weights or a CPU without the int8 product."""
+    mods = [m for m in model.modules() if isinstance(m, GPTQLinear)]
+    if not mods:
+        raise ValueError("--int4-activations int8 applies to int4 weights (a w4a16 artifact); this model has none")
+    if any(m.packed is None or m.packed.device.type != "cpu" for m in mods):
+        raise ValueError("--int4-activations int8 is served on the CPU only (the int4 weights here are not in the "
+                         "CPU's int4pack layout)")
+    layout = cpu_layout()
+    if not any(int8_activations_supported(layout, m.out_features, m.in_features, m.group_size) for m in mods):
+        why = rowops.unavailable_reason() or f"this CPU's int4 layout is {layout}, the int8 product reads (32, True)"
+        raise ValueError(f"--int4-activations int8 needs an AVX2 CPU without AVX-512 and the C++ rows ops ({why})")
+    for m in mods:
+        m.use_int8_activations()
+    return f"int4 projections ({len(mods)} modules): int8 activations in blocks of 32 columns (--int4-activations int8)"
+
+
+def int8_activations_supported(layout, n: int, k: int, group_size: int) -> bool:
+    """Whether the int8-activation product (``rows.int4_a8``) reads this shape on this CPU: AVX2's int4pack layout
+    (32-row split blocks, where the C++ ops are built), N and K multiples of 32, groups of whole 32-column blocks."""
+    return (layout == (32, True) and rowops.available(torch.empty(0)) and n % P.ACT_BLOCK == 0
+            and k % P.ACT_BLOCK == 0 and group_size % P.ACT_BLOCK == 0)
+
+
+def quantized_blocks(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) with its blocks of 32 columns of the kernel's order quantized and dequantized
+    (``primitives.quantize_act_blocks``), in W's column order, fp32 (float64 for float64 x)."""
+    if perm is None:
+        return P.quantize_act_blocks(x)
+    xh = P.quantize_act_blocks(x.index_select(1, perm))
+    return torch.empty_like(xh).index_copy_(1, perm, xh)
+
+
+def _on_blocks(call, perm: torch.Tensor | None):
+    """A path computing on x's quantized blocks (in x's dtype) instead of x."""
+    return lambda x: call(quantized_blocks(x, perm).to(x.dtype))
 
 
 def _in_kernel_order(call, perm: torch.Tensor | None):

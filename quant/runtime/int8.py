@@ -18,7 +18,7 @@ from quant.runtime.linear import (
 )
 
 # Up to this many rows (tokens) the weight-only int8 kernel wins; at 512 rows a dequantized dense
-# matmul is faster on CPU (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy).
+# matmul is faster on CPU (bench/RESULTS.md#cpu-kernels-per-linear-benchlinear_pathspy).
 INT8PACK_MAX_ROWS = 64
 
 

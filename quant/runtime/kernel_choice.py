@@ -2,7 +2,7 @@
 
 A runtime Linear can be computed several ways, and which is fastest depends on the CPU far more than on the
 model: on an AVX2-only CPU a 512-row bf16 matmul is 8x slower than fp32 and ``torch._int_mm`` 25x slower, while
-with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy). So each module offers
+with AVX-512 (bf16, VNNI) the low-bit kernels win at every row count (bench/RESULTS.md#cpu-kernels-per-linear-benchlinear_pathspy). So each module offers
 its *paths* for an activation dtype (``QuantizedLinear.paths``; dense Linears get :func:`dense_paths`), each a
 callable on a contiguous (M, K) input returning (M, N) in that dtype, and a :class:`Chooser` measures them:
 
@@ -55,14 +55,7 @@ ROW_BUCKETS = (1, 4, 8, 16, 64, 256, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 15  # bumped when a path gets faster or slower (3: the int4 dequantizer writes W^T, 3-6x faster;
-# 4: the C++ kernels run on all threads, and the int8 Linears have a one-call `rows` path; 5: the int4 dequantizer's
-# and the rows paths' inner loops written with intrinsics; 6: int4 Linears have a `rows` path; 7: bf16 ones too; 8:
-# bf16 int4 rows two columns per instruction with AVX512-BF16; 9: int4 and int8 Linears have a `gemm` path, and
-# the paths are timed in turn; with AVX2, bf16 Linears have one too; 10: AVX2's gemm rounds its sums in vector
-# steps, and its int8 tiles leave the scales to the sums; 11: a file per device, a GPU's too, with one-row launches;
-# 12: the CUDA int4 kernel takes 2-32 rows over code planes; 13: an 8-row bucket, bf16 rows two x rows at a time;
-# 14: fp32 Linears have a `rows` path; 15: AVX2's int4 `rows` codes weights as subnormals, ~1.5x)
+_CACHE_VERSION = 16  # bumped when a path gets faster or slower, so that every device measures again
 
 
 def bucket_index(rows: int) -> int:

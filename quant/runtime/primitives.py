@@ -6,7 +6,8 @@ Conventions (all per output channel for weights, W of shape (N, K)):
 - affine int8: the uint8 grid [0, 255] with a rounded zero-point z, stored shifted into int8
   (q8 = q - 128, z8 = z - 128) so that the int8 kernels apply: W ~ s * (q8 - z8). The range always
   contains 0.0 so that zero weights stay exactly zero.
-- activations: symmetric int8 in [-127, 127]; per tensor (static, calibrated) or per token (dynamic).
+- activations: symmetric int8 in [-127, 127]; per tensor (static, calibrated), per token (dynamic), or per block of
+  ACT_BLOCK columns of a token (int4 weights' int8 activations, llama.cpp's Q8 blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 QMAX = 127
 # Scales are never zero: an all-zero channel gets this scale and quantizes to q = 0 exactly.
 MIN_SCALE = 1e-8
+ACT_BLOCK = 32  # columns per scale of block-quantized activations
 
 
 def weight_scale_sym(w: torch.Tensor) -> torch.Tensor:
@@ -82,6 +84,18 @@ def quantize_act_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
+def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (M, K) fp32 (float64 for float64 x): each row quantized symmetrically in blocks of ACT_BLOCK columns
+    (scale max |x| / QMAX, at least MIN_SCALE; round half to even) and dequantized, the activations an int8-activation
+    product sees. A row that is not finite comes back not finite."""
+    m, k = x.shape
+    if k % ACT_BLOCK:
+        raise ValueError(f"block-quantized activations need K a multiple of {ACT_BLOCK}, got {k}")
+    xb = _compute(x).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    scale = (xb.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(MIN_SCALE)  # (M, K / ACT_BLOCK, 1)
+    return (torch.round(xb / scale).clamp_(-QMAX, QMAX) * scale).reshape(m, k)
+
+
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32 (float64 for float64
     x)."""
@@ -140,7 +154,7 @@ _INT_MM_FASTER: dict[str, bool] = {}
 def int_mm_is_faster(device: torch.device) -> bool:
     """Whether ``torch._int_mm`` beats an fp32 matmul on `device`, measured once per device type. On CPUs
     with int8 dot-product instructions (VNNI, AMX) it is ~2x faster; on AVX2-only ones ~25x slower
-    (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy), so calibration, which only needs the product's value, picks per machine."""
+    (bench/RESULTS.md#cpu-kernels-per-linear-benchlinear_pathspy), so calibration, which only needs the product's value, picks per machine."""
     key = torch.device(device).type
     if key not in _INT_MM_FASTER:
         if key == "cuda":

@@ -46,7 +46,7 @@ def int4pack(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], sca
     torch.ops.quantserve_quant.dequant_int4pack(packed.contiguous(), n, k, layout[0], layout[1],
                                                 scales_zeros.contiguous(), group_size,
                                                 packed.new_empty(0, dtype=torch.int64) if perm is None else perm, out_t)
-    return out_t.t()  # (N, K) view; a dense matmul takes it at the same speed as a contiguous W (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy)
+    return out_t.t()  # (N, K) view; a dense matmul takes it at the same speed as a contiguous W (bench/RESULTS.md#cpu-kernels-per-linear-benchlinear_pathspy)
 
 
 def int4pack_reference(packed, n, k, layout, scales_zeros, group_size, perm, dtype) -> torch.Tensor:

@@ -6,7 +6,7 @@ chunk's rows).
 Each block of W's rows is dequantized once per call, a K-tile at a time, into an L1 tile, which 6-row strips of x
 run over: with AVX512-BF16, tiles of bf16 pairs and ``vdpbf16ps`` (the dequantize + oneDNN path's weights and
 arithmetic); with AVX2, fp32 tiles and FMAs (the dequantize-to-fp32 path's), in both without writing the
-dequantized W through memory (bench/RESULTS.md#cpu-kernels-per-linear-benchkernelspy has them timed). The ops are held to their modules' fp32 references
+dequantized W through memory (bench/RESULTS.md#cpu-kernels-per-linear-benchlinear_pathspy has them timed). The ops are held to their modules' fp32 references
 and to those paths (tests/test_gemm.py).
 """
 

@@ -21,7 +21,8 @@ import torch
 from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 
-_EXT = Extension(Path(__file__).with_name("csrc") / "rows_ops.cpp", "quantserve_rows_ops")
+_CSRC = Path(__file__).with_name("csrc")
+_EXT = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp"], "quantserve_rows_ops")
 unavailable_reason = _EXT.unavailable_reason
 Rows = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,6 +71,16 @@ def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_
     op, sz, b = _op("int4_rows"), scales_zeros.contiguous(), _opt(bias)
     block, split = layout
     return lambda x2: op(x2, packed, n, k, block, split, sz, group_size, b)
+
+
+def int4_a8(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None) -> Rows:
+    """:func:`int4` with each x row first quantized to int8 in blocks of 32 columns
+    (``quant.runtime.primitives.quantize_act_blocks``): exact integer sums of codes times int8 activations, scaled in
+    fp32, rounded once. AVX2 builds only (``int4_a8_ops.cpp``), on AVX2's int4pack layout (32-row split blocks)."""
+    op, sz, b = _op("int4_rows_a8"), scales_zeros.contiguous(), _opt(bias)
+    qmax, floor = float(P.QMAX), float(P.MIN_SCALE)
+    return lambda x2: op(x2, packed, n, k, sz, group_size, b, qmax, floor)
 
 
 def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:

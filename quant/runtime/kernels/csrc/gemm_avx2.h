@@ -61,6 +61,29 @@ inline __m256i bf16_bits8(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+// o[0 .. count) = y (+ bias) in T (count a multiple of 16): bf16 rounded as bf16_bits8, fp32 as it is, other types
+// one at a time.
+template <typename T>
+inline void store_rows(T* __restrict o, const float* __restrict y, const float* __restrict bias, int64_t count) {
+  for (int64_t h = 0; h < count; h += 16) {
+    __m256 v[2];
+    for (int j = 0; j < 2; ++j) {
+      v[j] = _mm256_loadu_ps(y + h + 8 * j);
+      if (bias) v[j] = _mm256_add_ps(v[j], _mm256_loadu_ps(bias + h + 8 * j));
+    }
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i packed = _mm256_packus_epi32(bf16_bits8(v[0]), bf16_bits8(v[1]));  // as finish16 orders them
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + h), _mm256_permute4x64_epi64(packed, 0xD8));
+    } else if constexpr (std::is_same_v<T, float>) {
+      _mm256_storeu_ps(o + h, v[0]), _mm256_storeu_ps(o + h + 8, v[1]);
+    } else {
+      alignas(32) float t[16];
+      _mm256_store_ps(t, v[0]), _mm256_store_ps(t + 8, v[1]);
+      for (int i = 0; i < 16; ++i) o[h + i] = static_cast<T>(t[i]);
+    }
+  }
+}
+
 // (rows, 16) sums (fp32, or int32 by their bits: converted as int_mm's .float()) -> bf16 (Out uint16_t) or fp32
 // (Out float) columns of out (row stride n) through the epilogue (its vectors at this block), two vectors a row.
 template <bool kInt32, typename Out>

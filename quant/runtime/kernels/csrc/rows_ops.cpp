@@ -23,6 +23,9 @@
 #include "elements.h"
 #include "hadamard.h"
 #include "int4_vec.h"
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include "gemm_avx2.h"  // qs::gemm::store_rows
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -412,12 +415,38 @@ bool x_pairs(const float* x, int64_t k, float* xp, float& lo, float& hi) {
   return true;
 }
 
+// Four consecutive rows' (scale, zero) pairs from the (N, 2) table at p, in fp32, each vector's two halves the same
+// four rows (s0 s1 s2 s3 s0 s1 s2 s3): int4_block_avx2's lane order.
+template <typename S>
+inline void scales4(const S* p, __m256& s, __m256& z) {
+  __m256 v;  // s0 z0 s1 z1 s2 z2 s3 z3
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  } else if constexpr (std::is_same_v<S, float>) {
+    v = _mm256_loadu_ps(p);
+  } else {
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = qs::to_f(p[i]);
+    v = _mm256_load_ps(t);
+  }
+  s = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+  z = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+}
+
+// y (32,) = the 32-row block times one row: per group s (x . q) + (z - 8 s) sum(x). The group's sums stay in the
+// loop's lane order and take their rows' scales there (scales4); the two columns' halves and the codes' power of two
+// (xr.lo, xr.hi: exact) are applied once at the end.
 template <typename S>
 void int4_block_avx2(const XPairs& xr, const uint8_t* __restrict blk, int64_t k, int64_t gs, const S* __restrict sz,
                      int64_t n, float* __restrict y) {
   const __m256i m0f = _mm256_set1_epi8(0x0F), m78 = _mm256_set1_epi8(0x78);
   __m256i pick[4];
   for (int j = 0; j < 4; ++j) pick[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[j]));
+  // sums[j], sums[4 + j]: the scaled group sums of rows 4 j .. 4 j + 3 (low nibbles) and 16 + 4 j .. (high), lanes l
+  // and 4 + l each holding one column of every pair; offs[i]: the same rows' (z - 8 s) sum(x), both halves alike
+  __m256 sums[8], offs[8];
+  for (int i = 0; i < 8; ++i) sums[i] = offs[i] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < k; g0 += gs) {
     __m256 lo[4], hi[4];
     for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
@@ -431,21 +460,19 @@ void int4_block_avx2(const XPairs& xr, const uint8_t* __restrict blk, int64_t k,
         hi[j] = _mm256_fmadd_ps(xc, _mm256_castsi256_ps(_mm256_shuffle_epi8(wh, pick[j])), hi[j]);
       }
     }
-    float acc[32];
-    for (int j = 0; j < 4; ++j) {
-      alignas(32) float a[8], b[8];
-      _mm256_store_ps(a, lo[j]), _mm256_store_ps(b, hi[j]);
-      for (int l = 0; l < 4; ++l) {
-        acc[4 * j + l] = (a[l] + a[4 + l]) * xr.lo;
-        acc[16 + 4 * j + l] = (b[l] + b[4 + l]) * xr.hi;
-      }
-    }
     const S* zg = sz + (g0 / gs) * n * 2;
-    const float xs = xr.sum[g0 / gs];
-    for (int64_t r = 0; r < 32; ++r) {
-      const float sc = qs::to_f(zg[2 * r]);
-      y[r] = (g0 == 0 ? 0.f : y[r]) + (sc * acc[r] + (qs::to_f(zg[2 * r + 1]) - sc * 8.0f) * xs);
+    const __m256 xs = _mm256_set1_ps(xr.sum[g0 / gs]), eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 8; ++i) {
+      __m256 s, z;
+      scales4(zg + 2 * (i < 4 ? 4 * i : 16 + 4 * (i - 4)), s, z);
+      sums[i] = _mm256_fmadd_ps(i < 4 ? lo[i] : hi[i - 4], s, sums[i]);
+      offs[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(s, eight, z), xs, offs[i]);
     }
+  }
+  for (int i = 0; i < 8; ++i) {
+    const __m128 both = _mm_add_ps(_mm256_castps256_ps128(sums[i]), _mm256_extractf128_ps(sums[i], 1));
+    const __m128 v = _mm_fmadd_ps(both, _mm_set1_ps(i < 4 ? xr.lo : xr.hi), _mm256_castps256_ps128(offs[i]));
+    _mm_storeu_ps(y + (i < 4 ? 4 * i : 16 + 4 * (i - 4)), v);
   }
 }
 #define QS_INT4_AVX2_PAIRS 1
@@ -627,6 +654,12 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
             } else {
               int4_block_rows<0>(xrow, blk, rows, sb, k, group_size, zb, n, y);
             }
+#if defined(QS_INT4_AVX2_PAIRS)
+            if (rows % 16 == 0) {  // c10's rounding, 16 lanes at a time
+              qs::gemm::store_rows(out.data_ptr<T>() + r * n + r0, y, bp ? bp + r0 : nullptr, rows);
+              continue;
+            }
+#endif
             for (int64_t j = 0; j < rows; ++j)
               o[r * n + r0 + j] = qs::Raw<T>::put(bp ? y[j] + bp[r0 + j] : y[j]);
           }

@@ -8,8 +8,8 @@ W8A8 (static scale); the paths of one shape and row count are called in turn, a 
 machine's speed falls on all alike; median µs. Weights are warm (one shape at a time): a served layer's are read
 from memory, which bench/cpu_paths.py measures end to end.
 
-    python bench/kernels.py [--rows 64,256,512] [--rounds 15]
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/kernels.py  # AVX2
+    python bench/linear_paths.py [--rows 64,256,512] [--rounds 15]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/linear_paths.py  # AVX2
 """
 
 from __future__ import annotations

@@ -1,0 +1,224 @@
+// int4 weights times int8 activations, for a few rows (batch-1 decode) on AVX2: llama.cpp's Q4 x Q8 trade, opt-in
+// (quant/runtime/int4.py; loaded with the rows ops by quant/runtime/kernels/rows.py, held to its PyTorch reference in
+// tests/test_rows.py).
+//
+// Why: the exact path (rows_ops.cpp int4_rows) turns every 4-bit code into an fp32 number and multiplies it by an
+// fp32 activation, 8 products an instruction plus one byte shuffle for every 8 codes; that is its floor on AVX2. Here
+// each x row is quantized first, symmetrically in blocks of 32 columns (d = max |x| / 127, q = x / d rounded half to
+// even), and a byte multiply-add (vpmaddubsw: unsigned codes times signed activations, pairs summed into 16 bits)
+// makes 32 products an instruction. The sums are exact integers; what changes the output is the activations'
+// rounding, whose cost is measured and stated (bench/RESULTS.md).
+//
+// Layout: the AVX2 int4pack blocks (32 rows, split nibbles: byte i of column c holds row i low and row 16 + i high,
+// 16 bytes a column). Two columns' 32 bytes become (column c, column c + 1) byte pairs per row by one cross-lane
+// permute and one byte shuffle; the nibbles then pair with (x[c], x[c + 1]). A pair's product sum is at most
+// 2 * 15 * 127 = 3810, so eight pairs (16 columns) add up in 16 bits without saturating before they are widened.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "elements.h"
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include "gemm_avx2.h"  // qs::gemm::store_rows
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // activation columns per scale; weight rows per layout block
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define QS_INT4_A8 1
+
+inline float hmax8(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+// One x row quantized as quant.runtime.primitives.quantize_act_blocks does: q (K,) int8, d (K / 32,) fp32 block
+// scales (max |x| / qmax, at least `min_scale`), gsum (G,) each weight group's sum of d q (the activations as the
+// product sees them). The same IEEE division and round-half-to-even as torch. false where the row is not finite.
+bool quantize_row(const float* x, int64_t k, int64_t gs, float qmax, float min_scale, int8_t* q, float* d,
+                  float* gsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    const float m = hmax8(mx);
+    if (_mm256_movemask_ps(bad) || !std::isfinite(m)) return false;
+    const float s = std::max(m / qmax, min_scale);
+    d[b] = s;
+    const __m256 sv = _mm256_set1_ps(s);
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      sum = _mm256_add_epi32(sum, c[i]);
+    }
+    // packs interleave 128-bit lanes: the permute restores the 32 codes' order
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
+    const int32_t total = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+    const int64_t g = b * kBlock / gs;
+    gsum[g] = (b * kBlock % gs == 0 ? 0.f : gsum[g]) + s * static_cast<float>(total);
+  }
+  return true;
+}
+
+// Eight consecutive rows' (scale, zero) pairs from the (N, 2) table at p, in fp32.
+template <typename S>
+inline void scales8(const S* p, __m256& s, __m256& z) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {  // a pair is one 32-bit lane: scale low, zero high
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<S, float>) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);  // s0 z0 .. s3 z3, s4 z4 .. s7 z7
+    // shuffle: s0 s1 s4 s5 | s2 s3 s6 s7; the permute puts the 64-bit quarters in row order
+    s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+  } else {
+    alignas(32) float a[8], b[8];
+    for (int i = 0; i < 8; ++i) a[i] = qs::to_f(p[2 * i]), b[i] = qs::to_f(p[2 * i + 1]);
+    s = _mm256_load_ps(a), z = _mm256_load_ps(b);
+  }
+}
+
+// y (32,) = one layout block (32 rows) times one quantized row: per group s sum_b d_b (q . xq) + (z - 8 s) gsum.
+template <typename S>
+void int4_block_a8(const int8_t* __restrict xq, const float* __restrict d, const float* __restrict gsum,
+                   const uint8_t* __restrict blk, int64_t k, int64_t gs, const S* __restrict sz, int64_t n,
+                   float* __restrict y) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F);
+  const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                         0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  __m256 acc[4], off[4];  // rows 8 i .. 8 i + 7
+  for (int i = 0; i < 4; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += gs) {
+    __m256 part[4];  // the group's sum_b d_b (q . xq)
+    for (int i = 0; i < 4; ++i) part[i] = _mm256_setzero_ps();
+    for (int64_t b0 = g0; b0 < g0 + gs; b0 += kBlock) {
+      __m256i whole[4];  // the block's int32 sums
+      for (int i = 0; i < 4; ++i) whole[i] = _mm256_setzero_si256();
+      for (int64_t c0 = b0; c0 < b0 + kBlock; c0 += 16) {
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // rows 0-15, 16-31: 16-bit sums
+        for (int64_t c = c0; c < c0 + 16; c += 2) {
+          int16_t pair;
+          std::memcpy(&pair, xq + c, sizeof(pair));
+          const __m256i xp = _mm256_set1_epi16(pair);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16));
+          const __m256i t = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(w, 0xD8), pairs);  // (c, c + 1) per row
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(t, m0f), xp));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 4), m0f), xp));
+        }
+        whole[0] = _mm256_add_epi32(whole[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)));
+        whole[1] = _mm256_add_epi32(whole[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)));
+        whole[2] = _mm256_add_epi32(whole[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)));
+        whole[3] = _mm256_add_epi32(whole[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1)));
+      }
+      const __m256 db = _mm256_set1_ps(d[b0 / kBlock]);
+      for (int i = 0; i < 4; ++i) part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole[i]), db, part[i]);
+    }
+    const S* zg = sz + (g0 / gs) * n * 2;
+    const __m256 xs = _mm256_set1_ps(gsum[g0 / gs]), eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 4; ++i) {
+      __m256 s, z;
+      scales8(zg + 16 * i, s, z);
+      acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
+      off[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(s, eight, z), xs, off[i]);
+    }
+  }
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(acc[i], off[i]));
+}
+#endif
+
+// out (M, N) = x (M, K, the kernel's column order), quantized per row in blocks of 32 columns, @ W^T (+ bias), W the
+// AVX2 int4pack layout (32-row blocks, split nibbles; N a multiple of 32) and its (G, N, 2) scale/zero table; in fp32,
+// rounded once to x's dtype. A row that is not finite gives NaN, as the reference does.
+at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+                        int64_t group_size, const at::Tensor& bias, double qmax, double min_scale) {
+#if defined(QS_INT4_A8)
+  TORCH_CHECK(qmax > 0 && qmax <= 127, "qmax must be in (0, 127]: a pair's sum must fit 16 bits eight times over");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
+              "x must be a contiguous CPU (M, K) tensor");
+  TORCH_CHECK(n % kBlock == 0 && k % kBlock == 0, "N and K must be multiples of 32");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == n * k / 2,
+              "packed must be a contiguous CPU uint8 tensor of N * K / 2 bytes");
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 dividing K");
+  const int64_t G = k / group_size, m = x.size(0);
+  TORCH_CHECK(sz.dim() == 3 && sz.size(0) == G && sz.size(1) == n && sz.size(2) == 2 && sz.is_contiguous(),
+              "scales_zeros must be a contiguous (K / group_size, N, 2) tensor");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n && bias.is_contiguous()),
+              "bias must be empty or a contiguous (N,) fp32 tensor");
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({m, n}, x.options());
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> d(m * (k / kBlock)), gsum(m * G), xf(k);
+  std::vector<char> finite(m);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_rows_a8", [&] {
+    using T = scalar_t;
+    const T* xr = x.data_ptr<T>();
+    const float qm = static_cast<float>(qmax), floor_ = static_cast<float>(min_scale);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < k; ++c) xf[c] = static_cast<float>(xr[r * k + c]);
+      finite[r] = quantize_row(xf.data(), k, group_size, qm, floor_, xq.data() + r * k,
+                               d.data() + r * (k / kBlock), gsum.data() + r * G);
+    }
+    T* o = out.data_ptr<T>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_a8_table", [&] {
+      const scalar_t* zp = sz.data_ptr<scalar_t>();
+      const uint8_t* pp = packed.data_ptr<uint8_t>();
+      const int64_t blocks = n / kBlock;
+      at::parallel_for(0, blocks, std::max<int64_t>(1, (1 << 16) / (kBlock * k * m)), [&](int64_t b, int64_t e) {
+        float y[kBlock];
+        for (int64_t i = b; i < e; ++i) {
+          const int64_t r0 = i * kBlock;
+          for (int64_t r = 0; r < m; ++r) {
+            if (!finite[r]) {
+              std::fill(y, y + kBlock, std::numeric_limits<float>::quiet_NaN());
+            } else {
+              int4_block_a8(xq.data() + r * k, d.data() + r * (k / kBlock), gsum.data() + r * G,
+                            pp + r0 * k / 2, k, group_size, zp + r0 * 2, n, y);
+            }
+            qs::gemm::store_rows(o + r * n + r0, y, bp ? bp + r0 : nullptr, kBlock);
+          }
+        }
+      });
+    });
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "int4_rows_a8 is built only for CPUs with AVX2 and without AVX-512");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quantserve_rows, m) {
+  m.def("int4_rows_a8(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias, "
+        "float qmax, float min_scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) { m.impl("int4_rows_a8", &int4_rows_a8); }
