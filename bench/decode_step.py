@@ -5,6 +5,7 @@ wrapping the engine's own calls (no profiler: its hooks cost more than these ops
 artifact, speculation off (every step one token's forward).
 
     python bench/decode_step.py [--artifact bench/out/quality/w4a16] [--rounds 3] [--threads 2]
+                                [--int4-activations float|int8]
 
 One process; a warm-up request, then ``--rounds`` greedy requests of 128 new tokens (EOS ignored); per round each
 wrapped call's time a step (its calls a step in brackets) and the request's tokens/s. Wrapping adds ~0.2 µs a call.
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--artifact", default=str(ROOT / "bench" / "out" / "quality" / "w4a16"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--int4-activations", default="float", choices=("float", "int8"))
     args = ap.parse_args()
 
     import server.step as st
@@ -54,7 +56,8 @@ def main() -> None:
         setattr(obj, name, timed)
 
     eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB",
-                                                       speculate="off"), default_cache_dir())
+                                                       speculate="off", int4_activations=args.int4_activations),
+                             default_cache_dir())
     try:
         wrap(eng.step, "launch", "step: launch (forward, sampling)")
         wrap(eng, "_read", "step: samples read, requests advanced")

@@ -92,6 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="instead: the quality cost of this KV cache format or dtype (int8, int8-rotk, int8-plain, fp8, "
                         "int4, int4-kres, int4-chan, int4-token, bfloat16, float16) on top of the artifact's weights, "
                         "against the same weights with a full-precision cache")
+    e.add_argument("--int4-activations", default=None, choices=("int8",),
+                   help="instead: the quality cost of serving the artifact's int4 projections on int8 activations "
+                        "(quant serve --int4-activations int8), against the same weights on float activations")
     e.add_argument("--json", action="store_true")
     e.add_argument("--no-progress", action="store_true")
 
@@ -250,7 +253,20 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
     if data is None:
         raise QuantError("--data is required: this artifact was built without --eval-data")
     windows = calibration.eval_windows(art.tokenizer, data, args.windows, args.seqlen)
-    if args.kv_dtype is not None:  # the same weights, attention reading K and V through the cache format
+    if args.kv_dtype is not None and args.int4_activations is not None:
+        raise QuantError("--kv-dtype and --int4-activations each measure one choice against the artifact: give one")
+    if args.int4_activations is not None:  # the same weights, their input quantized in blocks of 32 columns
+        from quant.runtime.int4 import int4_modules
+
+        candidate = loader.load(args.artifact, dtype=models.torch_dtype(args.dtype)).model
+        try:
+            mods = int4_modules(candidate)
+        except ValueError as e:
+            raise QuantError(str(e)) from None
+        for m in mods:
+            m.use_int8_activations()
+        base, what = art.model, f"int4 projections on int8 activations against {args.dtype} ones"
+    elif args.kv_dtype is not None:  # the same weights, attention reading K and V through the cache format
         try:
             view = evaluate.KVCacheView(art.model, args.kv_dtype)
         except ValueError as e:
@@ -263,7 +279,7 @@ def _cmd_eval(args, console: Console, cache_dir: Path) -> int:
         candidate, what = art.model, "against the base model"
     q = evaluate.compare(base, {"quantized": candidate}, windows, progress=not args.no_progress)["quantized"]
     result = {**q.to_dict(), "dtype": args.dtype, "data": windows.describe(), "artifact": str(args.artifact),
-              "kv_dtype": args.kv_dtype}
+              "kv_dtype": args.kv_dtype, "int4_activations": args.int4_activations}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

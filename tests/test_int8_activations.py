@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_cli
-from helpers import assert_same_completion, greedy_exact
+from helpers import assert_same_completion, gptq_linear, greedy_exact
 
 from quant.runtime import int4
 from quant.runtime.kernels import int4_layout
@@ -41,6 +41,27 @@ def _engine(path, cache_dir, **kw) -> Engine:
 
 
 PROMPT = [5, 9, 13, 17, 21, 25] * 6 + list(range(40, 60))
+
+
+@pytest.mark.parametrize("act_order", [False, True])  # act-order: blocks of the kernel's (permuted) column order
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_of_the_module_computes_its_reference(act_order, dtype):
+    """The module's paths (``rows``: the int8 product where it is built; the others on the dequantized blocks) and
+    its forward at every row count against ``reference_forward``, which quantizes the input as they do."""
+    m = gptq_linear(96, 256, True, act_order, sym=False)
+    m.prepare(dtype)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).to(dtype)
+    plain = m.reference_forward(x)
+    m.use_int8_activations()
+    ref = m.reference_forward(x)
+    assert float((ref - plain).abs().max() / plain.abs().max()) > 1e-4  # the activations' rounding shows
+    paths = m.paths(dtype)
+    assert ("rows" in paths) == (int4_layout.cpu_layout() == (32, True))
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    for name, call in paths.items():
+        y = call(x)
+        assert float((y.float() - ref).abs().max() / ref.abs().max()) < tol, name
+    assert "int8-activations" in m.plan_key(dtype)
 
 
 def _forward_logprobs(model, ids: list[int], prompt: int) -> list[float]:
@@ -92,3 +113,22 @@ def test_what_int8_activations_refuse(tmp_path, tiny_model_dir, cache_dir):
     with pytest.raises(ValueError, match="applies to int4 weights"):  # a float model has none
         Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
                                                            int4_activations="int8"), cache_dir)
+
+
+def test_quant_eval_reports_their_cost_on_the_same_weights(capsys, w4a16_dir, text_file):
+    """In float64 (eval's default: the reference arithmetic), so on any CPU: int8 activations against float ones."""
+    import json
+
+    assert run_cli("eval", w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32", "--int4-activations",
+                   "int8", "--json", "--no-progress") == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["int4_activations"] == "int8" and got["tokens"] == 2 * 31
+    assert 0 < got["mean_kl"] < 0.01 and abs(got["delta_ppl_pct"]) < 2
+
+
+def test_quant_eval_takes_one_choice_at_a_time(capsys, w4a16_dir, text_file):
+    assert run_cli("eval", w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32", "--int4-activations",
+                   "int8", "--kv-dtype", "int8", "--no-progress") == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == ["quant eval: error: --kv-dtype and --int4-activations each measure one choice against the "
+                   "artifact: give one"]

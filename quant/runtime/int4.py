@@ -255,12 +255,14 @@ class GPTQLinear(WeightOnlyLinear):
         """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's
         column order (``primitives.quantize_act_blocks``; an act-order checkpoint's blocks are of its permuted
         columns), llama.cpp's Q8 activations: on AVX2's layout the ``rows`` path is the int8 product itself
-        (``rows.int4_a8``, ~1.8x the exact one's speed), every other path computes on the dequantized blocks. The
-        reference (:meth:`reference_forward`) quantizes the same way, so every path still computes one function."""
-        if self.packed is None or self.packed.device.type != "cpu":
-            raise ValueError("int8 activations for int4 weights are served on the CPU's int4pack layout only")
+        (``rows.int4_a8``), every other path computes on the dequantized blocks, and a GPU's one-row epilogues are
+        not taken. The reference (:meth:`reference_forward`) quantizes the same way, so every path still computes
+        one function."""
         self.int8_activations = True
         self._plan = None
+
+    def _one_row_launch(self, dtype: torch.dtype) -> tuple[int, ...] | None:
+        return None if self.int8_activations else super()._one_row_launch(dtype)
 
     def plan_key(self, dtype: torch.dtype) -> str:
         return super().plan_key(dtype) + ("|int8-activations" if self.int8_activations else "")
@@ -344,13 +346,20 @@ def fp32_int4pack_on_cpu() -> bool:
     return rowops.available(torch.empty(0)) and dequant.load() and cpu_layout() is not None
 
 
-def use_int8_activations(model: nn.Module) -> str:
-    """Every GPTQLinear of ``model`` computes on int8 activations from now on (:meth:`GPTQLinear.use_int8_activations`),
-    before the server binds and fuses them; what ModelInfo.kernels says of it. ValueError, saying what is missing,
-    for a model without int4 weights or a CPU without the int8 product."""
+def int4_modules(model: nn.Module) -> list[GPTQLinear]:
+    """The model's int4 modules; ValueError where it has none (int8 activations apply to int4 weights only)."""
     mods = [m for m in model.modules() if isinstance(m, GPTQLinear)]
     if not mods:
         raise ValueError("--int4-activations int8 applies to int4 weights (a w4a16 artifact); this model has none")
+    return mods
+
+
+def use_int8_activations(model: nn.Module) -> str:
+    """Every GPTQLinear of a served ``model`` computes on int8 activations from now on
+    (:meth:`GPTQLinear.use_int8_activations`), set before the server binds and fuses them; what ModelInfo.kernels
+    says of it. ValueError, saying what is missing, for a model without int4 weights or where the int8 product is not
+    built (served for its speed: an AVX2 CPU's int4pack layout)."""
+    mods = int4_modules(model)
     if any(m.packed is None or m.packed.device.type != "cpu" for m in mods):
         raise ValueError("--int4-activations int8 is served on the CPU only (the int4 weights here are not in the "
                          "CPU's int4pack layout)")
