@@ -195,9 +195,10 @@ SETTINGS: tuple[Setting, ...] = (
       "where the C++ rows op is built); auto: int8 for a quantized artifact served in bfloat16, else float",
       "engine", choices=("auto", "float", "int8")),
     S("int4_activations", str, "float", "what int4 (w4a16) projections multiply: float, the activations as they are; "
-      "or int8, each input row quantized in blocks of 32 columns (llama.cpp's Q8 trade: an exact int8 product, about "
-      "1.8x the int4 projections' decode speed on AVX2 CPUs, for the perplexity cost bench/RESULTS.md states); int8 "
-      "needs an AVX2 CPU without AVX-512", "engine", choices=("float", "int8")),
+      "or int8, each input row quantized in blocks of 32 columns (llama.cpp's Q8 trade: an exact byte product, "
+      "1.2-1.5x a projection's one-row speed on an AVX2 CPU and more with speculation's few rows, for +0.11%% "
+      "perplexity on the default model's w4a16; bench/RESULTS.md); int8 needs an AVX2 CPU without AVX-512",
+      "engine", choices=("float", "int8")),
     S("kernels", str, "measure", "how each projection's kernel is chosen per row count: measure (the fastest on "
       "this device, timed once per CPU or GPU model and shape, cached; on a GPU also the one-row kernels' launch) "
       "or static (built-in rules)", "engine",
