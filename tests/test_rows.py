@@ -191,11 +191,12 @@ def _int4_a8(m: int4.GPTQLinear):
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows_", [1, 3])
+@pytest.mark.parametrize("rows_", [1, 3, 6])  # up to four rows share each decoded column pair: 6 is 4 + 2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_rows_with_int8_activations_match_their_reference(sym, bias, rows_, dtype):
     """The module's weights times its input quantized in blocks of 32 columns (P.quantize_act_blocks): the integer
-    sums are exact, so the product equals that reference to fp32 ordering; rows are independent."""
+    sums are exact, so the product equals that reference to fp32 ordering; each row is what it is alone, bit for
+    bit."""
     m = gptq_linear(96, 256, bias, False, sym=sym)
     m.prepare(dtype)
     op = _int4_a8(m)

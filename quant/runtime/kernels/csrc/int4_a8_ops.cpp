@@ -104,51 +104,67 @@ inline void scales8(const S* p, __m256& s, __m256& z) {
   }
 }
 
-// y (32,) = one layout block (32 rows) times one quantized row: per group s sum_b d_b (q . xq) + (z - 8 s) gsum.
-template <typename S>
-void int4_block_a8(const int8_t* __restrict xq, const float* __restrict d, const float* __restrict gsum,
+// y (MR, 32) = one layout block (32 rows) times MR quantized rows (xq, d, gsum: each row's, as quantize_row gives
+// them): per group s sum_b d_b (q . xq) + (z - 8 s) gsum. The rows share each decoded pair of columns.
+template <int MR, typename S>
+void int4_block_a8(const int8_t* const* xq, const float* const* d, const float* const* gsum,
                    const uint8_t* __restrict blk, int64_t k, int64_t gs, const S* __restrict sz, int64_t n,
                    float* __restrict y) {
   const __m256i m0f = _mm256_set1_epi8(0x0F);
   const __m256i pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  __m256 acc[4], off[4];  // rows 8 i .. 8 i + 7
-  for (int i = 0; i < 4; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  __m256 acc[MR][4], off[MR][4];  // row r's rows 8 i .. 8 i + 7
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = off[r][i] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < k; g0 += gs) {
-    __m256 part[4];  // the group's sum_b d_b (q . xq)
-    for (int i = 0; i < 4; ++i) part[i] = _mm256_setzero_ps();
+    __m256 part[MR][4];  // the group's sum_b d_b (q . xq)
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < 4; ++i) part[r][i] = _mm256_setzero_ps();
     for (int64_t b0 = g0; b0 < g0 + gs; b0 += kBlock) {
-      __m256i whole[4];  // the block's int32 sums
-      for (int i = 0; i < 4; ++i) whole[i] = _mm256_setzero_si256();
+      __m256i whole[MR][4];  // the block's int32 sums
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < 4; ++i) whole[r][i] = _mm256_setzero_si256();
       for (int64_t c0 = b0; c0 < b0 + kBlock; c0 += 16) {
-        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // rows 0-15, 16-31: 16-bit sums
+        __m256i lo[MR], hi[MR];  // rows 0-15, 16-31: 16-bit sums
+        for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
         for (int64_t c = c0; c < c0 + 16; c += 2) {
-          int16_t pair;
-          std::memcpy(&pair, xq + c, sizeof(pair));
-          const __m256i xp = _mm256_set1_epi16(pair);
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16));
           const __m256i t = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(w, 0xD8), pairs);  // (c, c + 1) per row
-          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(t, m0f), xp));
-          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 4), m0f), xp));
+          const __m256i wl = _mm256_and_si256(t, m0f), wh = _mm256_and_si256(_mm256_srli_epi16(t, 4), m0f);
+          for (int r = 0; r < MR; ++r) {
+            int16_t pair;
+            std::memcpy(&pair, xq[r] + c, sizeof(pair));
+            const __m256i xp = _mm256_set1_epi16(pair);
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xp));
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xp));
+          }
         }
-        whole[0] = _mm256_add_epi32(whole[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo)));
-        whole[1] = _mm256_add_epi32(whole[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1)));
-        whole[2] = _mm256_add_epi32(whole[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi)));
-        whole[3] = _mm256_add_epi32(whole[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1)));
+        for (int r = 0; r < MR; ++r) {
+          whole[r][0] = _mm256_add_epi32(whole[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[r])));
+          whole[r][1] = _mm256_add_epi32(whole[r][1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo[r], 1)));
+          whole[r][2] = _mm256_add_epi32(whole[r][2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[r])));
+          whole[r][3] = _mm256_add_epi32(whole[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi[r], 1)));
+        }
       }
-      const __m256 db = _mm256_set1_ps(d[b0 / kBlock]);
-      for (int i = 0; i < 4; ++i) part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole[i]), db, part[i]);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 db = _mm256_set1_ps(d[r][b0 / kBlock]);
+        for (int i = 0; i < 4; ++i) part[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole[r][i]), db, part[r][i]);
+      }
     }
     const S* zg = sz + (g0 / gs) * n * 2;
-    const __m256 xs = _mm256_set1_ps(gsum[g0 / gs]), eight = _mm256_set1_ps(8.f);
+    const __m256 eight = _mm256_set1_ps(8.f);
     for (int i = 0; i < 4; ++i) {
       __m256 s, z;
       scales8(zg + 16 * i, s, z);
-      acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
-      off[i] = _mm256_fmadd_ps(_mm256_fnmadd_ps(s, eight, z), xs, off[i]);
+      const __m256 o = _mm256_fnmadd_ps(s, eight, z);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
+        off[r][i] = _mm256_fmadd_ps(o, _mm256_set1_ps(gsum[r][g0 / gs]), off[r][i]);
+      }
     }
   }
-  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(acc[i], off[i]));
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 32 * r + 8 * i, _mm256_add_ps(acc[r][i], off[r][i]));
 }
 #endif
 
@@ -192,17 +208,27 @@ at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n
       const uint8_t* pp = packed.data_ptr<uint8_t>();
       const int64_t blocks = n / kBlock;
       at::parallel_for(0, blocks, std::max<int64_t>(1, (1 << 16) / (kBlock * k * m)), [&](int64_t b, int64_t e) {
-        float y[kBlock];
+        float y[4 * kBlock];
         for (int64_t i = b; i < e; ++i) {
           const int64_t r0 = i * kBlock;
-          for (int64_t r = 0; r < m; ++r) {
-            if (!finite[r]) {
-              std::fill(y, y + kBlock, std::numeric_limits<float>::quiet_NaN());
-            } else {
-              int4_block_a8(xq.data() + r * k, d.data() + r * (k / kBlock), gsum.data() + r * G,
-                            pp + r0 * k / 2, k, group_size, zp + r0 * 2, n, y);
+          const uint8_t* blk = pp + r0 * k / 2;
+          for (int64_t r = 0; r < m; r += 4) {  // up to four rows share each decoded pair of columns
+            const int64_t mr = std::min<int64_t>(4, m - r);
+            const int8_t* xs[4];
+            const float *ds[4], *gss[4];
+            for (int64_t j = 0; j < mr; ++j)
+              xs[j] = xq.data() + (r + j) * k, ds[j] = d.data() + (r + j) * (k / kBlock), gss[j] = gsum.data() + (r + j) * G;
+            switch (mr) {
+              case 4: int4_block_a8<4>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
+              case 3: int4_block_a8<3>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
+              case 2: int4_block_a8<2>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
+              default: int4_block_a8<1>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
             }
-            qs::gemm::store_rows(o + r * n + r0, y, bp ? bp + r0 : nullptr, kBlock);
+            for (int64_t j = 0; j < mr; ++j) {
+              float* yr = y + j * kBlock;
+              if (!finite[r + j]) std::fill(yr, yr + kBlock, std::numeric_limits<float>::quiet_NaN());
+              qs::gemm::store_rows(o + (r + j) * n + r0, yr, bp ? bp + r0 : nullptr, kBlock);
+            }
           }
         }
       });
