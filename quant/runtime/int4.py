@@ -248,16 +248,16 @@ class GPTQLinear(WeightOnlyLinear):
             layout = cpu_layout() if self.packed is not None and self.packed.device.type == "cpu" else None
             if int8_activations_supported(layout, self.out_features, self.in_features, self.group_size):
                 out["rows"] = _in_kernel_order(rowops.int4_a8(self.packed, self.out_features, self.in_features,
-                                                              self.scales_zeros, self.group_size, bias), perm)
+                                                              self.scales_zeros, self.group_size, bias), self.perm)
         return out
 
     def use_int8_activations(self) -> None:
         """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's
         column order (``primitives.quantize_act_blocks``; an act-order checkpoint's blocks are of its permuted
         columns), llama.cpp's Q8 activations: on AVX2's layout the ``rows`` path is the int8 product itself
-        (``rows.int4_a8``), every other path computes on the dequantized blocks, and a GPU's one-row epilogues are
-        not taken. The reference (:meth:`reference_forward`) quantizes the same way, so every path still computes
-        one function."""
+        (``rows.int4_a8``), every other path computes on the dequantized blocks (in the activation dtype: bf16 rounds
+        them), and a GPU's one-row epilogues are not taken. The reference (:meth:`reference_forward`) quantizes the
+        same way, so every path still computes one function, to the activation dtype's rounding."""
         self.int8_activations = True
         self._plan = None
 
