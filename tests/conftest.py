@@ -196,6 +196,15 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_w4a16_dir(tmp_path_factory, tiny_model_dir, text_file) -> Path:
+    """The tiny model's w4a16 artifact (4 x 64 calibration tokens), built once per session: tests read it only."""
+    out = tmp_path_factory.mktemp("tiny-w4a16") / "w4a16"
+    assert run_cli("build", "--model", tiny_model_dir, "--scheme", "w4a16", "--calib", text_file, "--calib-samples",
+                   "4", "--calib-seqlen", "64", "--no-progress", "--out", out) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def arch_dirs(tmp_path_factory, tokenizer):
     """name -> the dir of a tiny model of that architecture (tests/archs.py), made once per session."""
     from archs import make_tiny

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_cli
 from helpers import assert_same_completion as assert_same
 from helpers import greedy, greedy_exact
 
@@ -109,20 +108,12 @@ def _engine(model_dir, cache_dir, draft=None, **kw) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def w4_draft(tmp_path_factory, tiny_model_dir, text_file):
-    out = tmp_path_factory.mktemp("draft") / "w4a16"
-    assert run_cli("build", "--model", tiny_model_dir, "--scheme", "w4a16", "--calib", text_file, "--calib-samples",
-                   "4", "--calib-seqlen", "64", "--no-progress", "--out", out) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir, cache_dir, w4_draft):
+def engines(tiny_model_dir, cache_dir, tiny_w4a16_dir):
     """The tiny float32 model without speculation, drafted for by itself (in float32 too), and by its w4a16
     artifact (in bfloat16, the auto draft dtype of a float32 target)."""
     made = (_engine(tiny_model_dir, cache_dir), _engine(tiny_model_dir, cache_dir, tiny_model_dir,
                                                         draft_dtype="float32"),
-            _engine(tiny_model_dir, cache_dir, w4_draft))
+            _engine(tiny_model_dir, cache_dir, tiny_w4a16_dir))
     yield made
     for e in made:
         e.close()
@@ -243,12 +234,12 @@ def test_n_samples_the_prefix_cache_and_json_mode_with_a_draft_model(engines):
 
 @pytest.mark.reference
 def test_pools_too_small_for_every_request_preempt_and_give_draft_kv_to_those_drafting(tiny_model_dir, cache_dir,
-                                                                                      w4_draft):
+                                                                                      tiny_w4a16_dir):
     """A KV budget of 20 blocks of 16 (10 for the target, 10 for the draft) for eight requests of 90-token contexts:
     the target preempts and recomputes, requests not drafting give their draft KV up and catch up when they next
     draft; every output is still the plain one."""
     off = _engine(tiny_model_dir, cache_dir)
-    w4 = _engine(tiny_model_dir, cache_dir, w4_draft, memory_budget=str(20 * off.layout.bytes_per_block),
+    w4 = _engine(tiny_model_dir, cache_dir, tiny_w4a16_dir, memory_budget=str(20 * off.layout.bytes_per_block),
                  draft_dtype="float32")
     try:
         assert w4.pool.num_blocks == w4.draft.pool.num_blocks == 10
@@ -281,10 +272,10 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start_in_one_line(tiny_mod
 
 
 @pytest.mark.reference
-def test_a_failing_draft_model_turns_speculation_off_and_fails_no_request(tiny_model_dir, cache_dir, w4_draft,
+def test_a_failing_draft_model_turns_speculation_off_and_fails_no_request(tiny_model_dir, cache_dir, tiny_w4a16_dir,
                                                                           caplog):
     off = _engine(tiny_model_dir, cache_dir)
-    w4 = _engine(tiny_model_dir, cache_dir, w4_draft)
+    w4 = _engine(tiny_model_dir, cache_dir, tiny_w4a16_dir)
     try:
         params = SamplingParams(max_new_tokens=24, seed=2, **EVERY_CONTROL)
 

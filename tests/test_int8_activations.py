@@ -23,14 +23,6 @@ needs_avx2_layout = pytest.mark.skipif(int4_layout.cpu_layout() != (32, True),
                                        reason="int8 activations are built for AVX2's int4 layout only")
 
 
-@pytest.fixture(scope="module")
-def w4a16_dir(tmp_path_factory, tiny_model_dir, text_file):
-    out = tmp_path_factory.mktemp("int8act") / "w4a16"
-    assert run_cli("build", "--model", tiny_model_dir, "--scheme", "w4a16", "--calib", text_file, "--calib-samples",
-                   "4", "--calib-seqlen", "64", "--no-progress", "--out", out) == 0
-    return out
-
-
 def _engine(path, cache_dir, **kw) -> Engine:
     cfg = dict(memory_budget="2MiB", dtype="float32", max_prefill_tokens=64, int4_activations="int8")
     cfg.update(kw)
@@ -72,14 +64,14 @@ def _forward_logprobs(model, ids: list[int], prompt: int) -> list[float]:
 
 
 @needs_avx2_layout
-def test_served_logprobs_are_those_of_the_modules_own_forward(w4a16_dir, cache_dir):
+def test_served_logprobs_are_those_of_the_modules_own_forward(tiny_w4a16_dir, cache_dir):
     """Greedy in float32: each generated token's logprob as the engine computed it (fused projections, per row count
     the measured path, the int8 product at one row) against transformers' forward over the same modules, each
     quantizing its input; ~1e-5 apart, where the forward without int8 activations is ~2e-3 away."""
-    model = load(w4a16_dir, dtype=torch.float32).model
+    model = load(tiny_w4a16_dir, dtype=torch.float32).model
     assert f"({7 * model.config.num_hidden_layers} modules)" in int4.use_int8_activations(model)
-    plain = load(w4a16_dir, dtype=torch.float32).model
-    eng = _engine(w4a16_dir, cache_dir, speculate="off")
+    plain = load(tiny_w4a16_dir, dtype=torch.float32).model
+    eng = _engine(tiny_w4a16_dir, cache_dir, speculate="off")
     try:
         got = eng.complete(PROMPT, greedy_exact(24, logprobs=1))
         assert any("int8 activations" in k for k in eng.info.kernels)
@@ -93,13 +85,14 @@ def test_served_logprobs_are_those_of_the_modules_own_forward(w4a16_dir, cache_d
 
 
 @needs_avx2_layout
-def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(w4a16_dir, cache_dir):
+def test_speculation_gives_the_tokens_and_logprobs_of_plain_decoding(tiny_w4a16_dir, cache_dir):
     """Verification computes several rows per request where plain decoding computes one: both on int8 activations,
     the same tokens and logprobs (float32)."""
-    off = _engine(w4a16_dir, cache_dir, speculate="off")
-    on = _engine(w4a16_dir, cache_dir, speculate="ngram")
+    off = _engine(tiny_w4a16_dir, cache_dir, speculate="off")
+    on = _engine(tiny_w4a16_dir, cache_dir, speculate="ngram")
     try:
-        want, got = off.complete(PROMPT, greedy_exact(40, logprobs=2)), on.complete(PROMPT, greedy_exact(40, logprobs=2))
+        params = greedy_exact(40, logprobs=2)
+        want, got = off.complete(PROMPT, params), on.complete(PROMPT, params)
         assert_same_completion(got, want)
         assert got.accounting.speculated_tokens > 0
     finally:
@@ -115,20 +108,20 @@ def test_what_int8_activations_refuse(tmp_path, tiny_model_dir, cache_dir):
                                                            int4_activations="int8"), cache_dir)
 
 
-def test_quant_eval_reports_their_cost_on_the_same_weights(capsys, w4a16_dir, text_file):
+def test_quant_eval_reports_their_cost_on_the_same_weights(capsys, tiny_w4a16_dir, text_file):
     """In float64 (eval's default: the reference arithmetic), so on any CPU: int8 activations against float ones."""
     import json
 
-    assert run_cli("eval", w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32", "--int4-activations",
-                   "int8", "--json", "--no-progress") == 0
+    assert run_cli("eval", tiny_w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32",
+                   "--int4-activations", "int8", "--json", "--no-progress") == 0
     got = json.loads(capsys.readouterr().out)
     assert got["int4_activations"] == "int8" and got["tokens"] == 2 * 31
     assert 0 < got["mean_kl"] < 0.01 and abs(got["delta_ppl_pct"]) < 2
 
 
-def test_quant_eval_takes_one_choice_at_a_time(capsys, w4a16_dir, text_file):
-    assert run_cli("eval", w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32", "--int4-activations",
-                   "int8", "--kv-dtype", "int8", "--no-progress") == 1
+def test_quant_eval_takes_one_choice_at_a_time(capsys, tiny_w4a16_dir, text_file):
+    assert run_cli("eval", tiny_w4a16_dir, "--data", text_file, "--windows", "2", "--seqlen", "32",
+                   "--int4-activations", "int8", "--kv-dtype", "int8", "--no-progress") == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert err == ["quant eval: error: --kv-dtype and --int4-activations each measure one choice against the "
                    "artifact: give one"]
