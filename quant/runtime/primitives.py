@@ -91,9 +91,7 @@ def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     if k % ACT_BLOCK:
         raise ValueError(f"block-quantized activations need K a multiple of {ACT_BLOCK}, got {k}")
-    xb = _compute(x).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
-    scale = (xb.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(MIN_SCALE)  # (M, K / ACT_BLOCK, 1)
-    return (torch.round(xb / scale).clamp_(-QMAX, QMAX) * scale).reshape(m, k)
+    return fake_quant_act(x.reshape(-1, ACT_BLOCK), None).reshape(m, k)  # each block a token of its own
 
 
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
