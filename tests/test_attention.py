@@ -176,7 +176,7 @@ def test_triton_split_k_decode_matches_reference(spec):
     the window leaves empty must weigh nothing."""
     from server.attention.triton_paged import TritonBackend
 
-    got, want = _triton_case(SPECS[spec], decode=[200, 37, 0], chunks=[], seed=3, min_split_keys=16)
+    got, want = _triton_case(SPECS[spec], decode=[200, 37, 0], chunks=[], seed=3, min_split_keys=32)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert TritonBackend.MIN_SPLIT_KEYS == 256  # restored
 
@@ -205,12 +205,14 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
     from server.attention.triton_paged import TritonBackend
     from server.layers.norm import RMSNorm
 
-    spec, rot, split_keys = {"split+window": (AttentionSpec(8, 2, 32, 0.2, window=150), 32, 16),
-                             "partial rotary": (AttentionSpec(6, 3, 32, 0.2), 24, 256),
-                             "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256),
-                             "head norms": (AttentionSpec(8, 2, 24, 0.2), 16, 16),
-                             # q's and k's eps differ: the kernel has one, so the norms run first, apart
-                             "head norms, two eps": (AttentionSpec(8, 2, 24, 0.2), 16, 16)}[case]
+    # (spec, rotary dims, MIN_SPLIT_KEYS, the splits of the longest context's 201 keys: a power of two)
+    spec, rot, split_keys, want_splits = {
+        "split+window": (AttentionSpec(8, 2, 32, 0.2, window=150), 32, 32, 4),
+        "partial rotary": (AttentionSpec(6, 3, 32, 0.2), 24, 256, 1),
+        "one block": (AttentionSpec(4, 4, 16, 0.25, softcap=3.0), 16, 256, 1),
+        "head norms": (AttentionSpec(8, 2, 24, 0.2), 16, 64, 2),
+        # q's and k's eps differ: the kernel has one, so the norms run first, apart
+        "head norms, two eps": (AttentionSpec(8, 2, 24, 0.2), 16, 64, 2)}[case]
     g = torch.Generator().manual_seed(9)
     bs, blocks, pasts = 16, 64, [200, 37, 0, 90]
     storage = (torch.randn(TritonBackend.kv_shape(1, blocks, bs, spec.kv_heads, spec.head_dim), generator=g)
@@ -250,7 +252,7 @@ def test_triton_decode_fuses_the_rotary_and_cache_write_exactly(dtype, case):
         return out, backend.kv, meta.splits
 
     (got, got_kv, splits), (want, want_kv, _) = run(True), run(False)
-    assert splits == (1 if split_keys == 256 else 8)
+    assert splits == want_splits
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
     assert not torch.equal(got_kv, storage.view_as(got_kv))  # the three slots in the cache were written
 

@@ -68,3 +68,16 @@ def test_smooth_factors_balance_ranges():
     # alpha = 0.5: after smoothing, max|X|/s == max|W|*s on live channels.
     assert torch.allclose((act / s)[:2], (wmax * s)[:2], rtol=1e-5)
     assert torch.allclose(P.smooth_factors(act, wmax, 1.0)[:2], act[:2])
+
+
+@pytest.mark.parametrize("flags,probed", [("fpu sse2 avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                          ("avx2 amx_bf16 amx_tile", True), ("fp asimd sve bf16", True)])
+def test_a_cpu_without_a_bf16_dot_product_is_answered_without_the_probe(flags, probed, monkeypatch):
+    """bf16 products are emulated, and slower than fp32, on a CPU with none of the bf16 dot-product flags: no
+    products are timed there; where one is present the probe decides."""
+    timed = []
+    monkeypatch.setattr(P, "_BF16_FASTER", {})
+    monkeypatch.setattr(P, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(P, "_seconds", lambda f, calls=3: timed.append(f) or (1.0 if len(timed) % 2 else 2.0))
+    assert P.bf16_matmul_is_faster(torch.device("cpu")) is probed
+    assert len(timed) == (2 if probed else 0)

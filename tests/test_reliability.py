@@ -1,4 +1,4 @@
-"""Reliability of the service edge on the tiny model: fuzz (600 requests over both transports), 64 streaming
+"""Reliability of the service edge on the tiny model: fuzz (400 requests over both transports), 64 streaming
 clients with 20% cancelled over three rounds, SIGTERM under load, TLS end to end. Loopback only, bounded.
 
 The drivers are server/loadgen's; bench/reliability.py runs the long versions."""
@@ -61,22 +61,22 @@ def test_the_fuzzers_draw_extreme_values_for_every_numeric_sampling_field():
 
 def test_fuzz_http(server):
     hits = server.engine.totals().prefix_hit_tokens
-    seen = fuzz_http(server.http, 300, LIMIT_NEW)
+    seen = fuzz_http(server.http, 200, LIMIT_NEW)
     print(dict(seen))
-    assert sum(seen.values()) == 300, seen
+    assert sum(seen.values()) == 200, seen
     # The generator must reach both sides of the contract, or it tests nothing; and shared KV blocks, or the
     # pool's recount at the end (assert_idle) checks no sharing.
-    assert seen["http 400"] >= 50 and seen["http 200"] + seen["http 200 stream"] >= 15, seen
+    assert seen["http 400"] >= 35 and seen["http 200"] + seen["http 200 stream"] >= 10, seen
     assert server.engine.totals().prefix_hit_tokens > hits
     assert_idle_and_healthy(server)
 
 
 def test_fuzz_grpc(server):
     hits = server.engine.totals().prefix_hit_tokens
-    seen = fuzz_grpc(server.grpc_target, 300, LIMIT_NEW)
+    seen = fuzz_grpc(server.grpc_target, 200, LIMIT_NEW)
     print(dict(seen))
-    assert sum(seen.values()) == 300, seen
-    assert seen["grpc INVALID_ARGUMENT"] >= 50 and seen["grpc OK"] >= 15, seen
+    assert sum(seen.values()) == 200, seen
+    assert seen["grpc INVALID_ARGUMENT"] >= 35 and seen["grpc OK"] >= 10, seen
     assert server.engine.totals().prefix_hit_tokens > hits
     assert_idle_and_healthy(server)
 

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from quant.runtime.kernels.native import cpu_flags
+
 QMAX = 127
 # Scales are never zero: an all-zero channel gets this scale and quantizes to q = 0 exactly.
 MIN_SCALE = 1e-8
@@ -127,16 +129,20 @@ def _seconds(f, calls: int = 3) -> float:
 
 
 _BF16_FASTER: dict[str, bool] = {}
+BF16_DOT_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # /proc/cpuinfo's names (x86, and Arm's "Features")
 
 
 def bf16_matmul_is_faster(device: torch.device) -> bool:
     """Whether a bf16 matmul beats an fp32 one on `device`, measured once per device type on a calibration-sized
     product. With AVX512-BF16 or AMX oneDNN's bf16 GEMM is ~4x the fp32 rate; on AVX2-only CPUs bf16 is
-    emulated, ~8x slower; CUDA GPUs with bf16 support multiply it faster."""
+    emulated, ~8x slower; CUDA GPUs with bf16 support multiply it faster. A CPU without a bf16 dot-product
+    instruction (AVX512-BF16, AMX-BF16, Arm's BF16) is answered without the probe (~1 s of emulated products)."""
     key = torch.device(device).type
     if key not in _BF16_FASTER:
         if key == "cuda":
             _BF16_FASTER[key] = torch.cuda.is_bf16_supported()
+        elif not set(cpu_flags().split()) & BF16_DOT_FLAGS:
+            _BF16_FASTER[key] = False
         else:
             g = torch.Generator().manual_seed(0)
             a, b = torch.randn(512, 576, generator=g), torch.randn(576, 1536, generator=g)
