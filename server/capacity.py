@@ -342,7 +342,7 @@ def offline(spec: str | None, cache_dir, shapes: list[Shape], dtype: str | None 
     cfg = EngineConfig(**{k: v for k, v in given.items() if v is not None}).validate()
     limits = Limits(**{k: v for k, v in (("max_new_tokens", max_new_tokens_limit),
                                          ("max_prompt_tokens", max_prompt_tokens)) if v is not None}).validate()
-    source = models.resolve(spec, cache_dir)
+    source = models.resolve(spec, cache_dir, fingerprint=False)
     mcfg = AutoConfig.from_pretrained(source.path)
     models_shape = ModelShape.from_config(mcfg)
     torch_dtype = getattr(torch, cfg.dtype)

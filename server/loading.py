@@ -33,7 +33,7 @@ def load_for_serving(spec: str | None, dtype: torch.dtype, device: str, cache_di
         la = loader.load_for_engine(p, dtype=dtype, device=device, verify=False, cache_dir=cache_dir,
                                     check_config=check)
         return la.model, la.tokenizer, str(p), "gptq"
-    source = sources.resolve(spec, cache_dir)
+    source = sources.resolve(spec, cache_dir, fingerprint=False)
     local = Path(source.path)
     if local.is_dir() and ((local / shards.WEIGHTS).is_file() or (local / shards.INDEX).is_file()):
         la = loader.load_for_engine(local, dtype=dtype, device=device, verify=False, cache_dir=cache_dir,

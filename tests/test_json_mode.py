@@ -45,7 +45,7 @@ def server(cache_dir):
     assert s.rc == 0
 
 
-def test_thirty_seeded_samples_at_temperature_one_parse_and_validate(server):
+def test_twenty_seeded_samples_at_temperature_one_parse_and_validate(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
 
@@ -53,17 +53,17 @@ def test_thirty_seeded_samples_at_temperature_one_parse_and_validate(server):
         return client.chat.completions.create(model="m", messages=ASK, temperature=1.0, seed=seed, n=n,
                                               max_tokens=160, response_format=FORMAT)
 
-    with ThreadPoolExecutor(3) as pool:  # three requests at once
-        replies = list(pool.map(ask, range(0, 30, 10)))
+    with ThreadPoolExecutor(2) as pool:  # two requests at once
+        replies = list(pool.map(ask, range(0, 20, 10)))
     texts = [c.message.content for r in replies for c in r.choices]
-    assert len(texts) == 30
+    assert len(texts) == 20
     for r in replies:
         assert all(c.finish_reason == "stop" for c in r.choices), [c.message.content for c in r.choices]
     docs = [json.loads(t) for t in texts]
     for d in docs:
         jsonschema.validate(d, SCHEMA)
         assert list(d) == list(SCHEMA["properties"]), "the schema's property order"
-    assert len({json.dumps(d) for d in docs}) > 24  # seeded samples differ
+    assert len({json.dumps(d) for d in docs}) > 16  # seeded samples differ
     again = ask(10, n=3)  # seeded: the same seeds alone give the same documents (a sample's seed is seed + i)
     assert [c.message.content for c in again.choices] == texts[10:13]
     server.assert_idle()

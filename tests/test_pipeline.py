@@ -214,3 +214,15 @@ def test_cholesky_failure_falls_back_to_rtn_and_the_manifest_says_so(tmp_path, t
     assert [f["module"] for f in fallbacks] == ["model.layers.0.self_attn.v_proj"]
     assert "Cholesky failed" in fallbacks[0]["reason"]
     assert load(out) is not None
+
+
+def test_a_source_resolved_for_serving_reads_no_weight_file(tiny_model_dir, cache_dir, monkeypatch):
+    """A build records the source's digest; serving and planning resolve without it, so a server's start does not
+    hash the model's weights (tens of seconds for an 8B model)."""
+    from quant.format import sources
+
+    want = sources.dir_fingerprint(Path(tiny_model_dir))
+    assert sources.resolve(str(tiny_model_dir), cache_dir).fingerprint == want
+    monkeypatch.setattr(sources, "sha256_file", lambda p: pytest.fail(f"hashed {p}"))
+    served = sources.resolve(str(tiny_model_dir), cache_dir, fingerprint=False)
+    assert served.fingerprint is None and served.path == str(Path(tiny_model_dir).resolve())

@@ -295,8 +295,8 @@ def test_w4_gemv_of_a_symmetric_table_skips_its_zeros_and_computes_the_same(conf
 def test_one_row_products_of_gate_up_end_in_the_gated_activation_exactly(act, config, dtype):
     """At one row a [gate | up] projection's GEMV can end in act(gate) * up (the glue's act_mul) in the same launch:
     each program takes BLOCK_N/2 gate columns and the same of up. The result is bit for bit the plain product's
-    output put through the Triton act_mul, for both weight-only kernels, split or not (8 splits of 4 K tiles: some programs get
-    none), with and without zero-points."""
+    output put through the Triton act_mul, for both weight-only kernels, split or not (8 splits of 4 K tiles: some
+    programs get none), with and without zero-points."""
     from server import glue_triton as G
 
     inter, k, gs = 192, 128, 32

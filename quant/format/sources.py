@@ -36,7 +36,7 @@ class ModelSource:
     spec: str  # what the user asked for ("default", a path or a hub id)
     kind: str  # "default" | "dir" | "gguf" | "hub"
     path: str  # a local HF model dir, or the hub id for kind == "hub"
-    fingerprint: str  # sha256 over the weight files (or hub id@revision)
+    fingerprint: str | None  # sha256 over the weight files (or hub id@revision); None where not asked for
 
     def to_dict(self) -> dict:
         return {"spec": self.spec, "kind": self.kind, "path": self.path, "fingerprint": self.fingerprint}
@@ -115,12 +115,17 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def resolve(spec: str | None, cache_dir: Path) -> ModelSource:
-    """Turn what the user typed into a loadable local dir (or hub id), with a fingerprint."""
+def resolve(spec: str | None, cache_dir: Path, fingerprint: bool = True) -> ModelSource:
+    """Turn what the user typed into a loadable local dir (or hub id), with a fingerprint unless ``fingerprint`` is
+    False (serving and planning read the weights, not their digest: hashing a 16 GB model dir takes tens of
+    seconds)."""
+    def digest(path: Path) -> str | None:
+        return dir_fingerprint(path) if fingerprint else None
+
     if spec is None:
         gguf = default_gguf_path()
         path = convert_gguf(gguf, cache_dir)
-        return ModelSource("default", "default", str(path), dir_fingerprint(path))
+        return ModelSource("default", "default", str(path), digest(path))
     if not spec.strip():
         raise ModelSourceError("--model is empty: give a model dir, a .gguf file or a hub id")
     p = Path(spec).expanduser()
@@ -128,7 +133,7 @@ def resolve(spec: str | None, cache_dir: Path) -> ModelSource:
         if not p.is_file():
             raise ModelSourceError(f"GGUF file not found: {p}")
         path = convert_gguf(p.resolve(), cache_dir)
-        return ModelSource(spec, "gguf", str(path), dir_fingerprint(path))
+        return ModelSource(spec, "gguf", str(path), digest(path))
     if p.exists():
         if not p.is_dir():
             raise ModelSourceError(f"--model {p} is a file, not a model dir or .gguf file")
@@ -136,7 +141,7 @@ def resolve(spec: str | None, cache_dir: Path) -> ModelSource:
             raise ModelSourceError(f"model dir {p} has no config.json")
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise ModelSourceError(f"model dir {p} has no weight files (*.safetensors)")
-        return ModelSource(spec, "dir", str(p.resolve()), dir_fingerprint(p))
+        return ModelSource(spec, "dir", str(p.resolve()), digest(p))
     # Looks like a path the user meant but that is not there: say so rather than asking the hub.
     if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelSourceError(f"model path not found: {spec}")
