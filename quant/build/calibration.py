@@ -116,6 +116,17 @@ def eval_windows(tok, path: str | Path, windows: int, seqlen: int, flag: str = "
     return TokenWindows(out, str(path), _fingerprint(out, settings), n)
 
 
+GENERATION_BATCH = 128  # most sequences generated at once (memory permitting: generation_batch)
+
+
+def generation_batch(samples: int, seqlen: int, kv_bytes_per_token: int, logits_row_bytes: int,
+                     free_bytes: int) -> int:
+    """Sequences generated at once: as many as their fp32 KV (twice over: the cache grows by copying) and
+    logits rows fit in ``free_bytes``, at least 1, at most GENERATION_BATCH. The text does not depend on it."""
+    per_row = 2 * seqlen * kv_bytes_per_token + logits_row_bytes
+    return max(1, min(samples, GENERATION_BATCH, free_bytes // max(1, per_row)))
+
+
 @torch.inference_mode()
 def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int = 16,
                    progress: bool = False) -> TokenWindows:
@@ -123,30 +134,42 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
 
     Each sequence starts from a seeded random vocabulary token and is sampled at temperature 1 with
     the model's own distribution (the LLM-QAT recipe), so the windows follow what the model actually
-    produces. Generation uses its own forked RNG: the caller's global seed state is left untouched.
+    produces; end-of-sequence tokens are never drawn. Sequence i draws from a generator of its own,
+    seeded (seed, i): its text does not depend on ``batch`` (how many are generated at once, a matter
+    of memory and speed) beyond the rounding of batched products. The caller's RNG state is untouched.
     """
+    from transformers import DynamicCache
+
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     special = set(tok.all_special_ids)
-    firsts = [t for t in torch.randperm(vocab, generator=g).tolist() if t not in special][:samples]
+    perm = [t for t in torch.randperm(vocab, generator=g).tolist() if t not in special]
+    firsts = [perm[k % len(perm)] for k in range(samples)]  # a start each; repeated past a small vocabulary
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos = {*([] if eos is None else [eos] if isinstance(eos, int) else eos),
+           *([] if tok.eos_token_id is None else [tok.eos_token_id])}
+    eos_t = torch.tensor(sorted(eos), dtype=torch.long)
     rows = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        starts = range(0, samples, batch)
-        for i in track(starts, len(starts), "generating calibration text", "batches", progress):
-            start = torch.tensor(firsts[i : i + batch], dtype=torch.long, device=model.device)[:, None]  # (b, 1)
-            out = model.generate(
-                start,
-                attention_mask=torch.ones_like(start),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=seqlen - 1,
-                min_new_tokens=seqlen - 1,
-                pad_token_id=tok.eos_token_id,
-            )  # (b, T)
-            rows.append(out[:, :seqlen].cpu())
+    starts = range(0, samples, batch)
+    for i in track(starts, len(starts), "generating calibration text", "batches", progress):
+        n = len(firsts[i : i + batch])
+        gens = [torch.Generator().manual_seed(hash_seed(seed, i + r)) for r in range(n)]
+        ids = torch.tensor(firsts[i : i + batch], dtype=torch.long)[:, None]  # (b, 1)
+        out = [ids]
+        cache = DynamicCache(config=model.config)
+        for _ in range(seqlen - 1):
+            logits = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = logits.float().cpu()
+            logits[:, eos_t[eos_t < logits.shape[-1]]] = -float("inf")
+            probs = logits.softmax(-1)  # (b, V)
+            ids = torch.stack([torch.multinomial(probs[r], 1, generator=gens[r]) for r in range(n)])  # (b, 1)
+            out.append(ids)
+        rows.append(torch.cat(out, dim=1))
     ids = torch.cat(rows)  # (S, T)
     settings = {"source": "self", "samples": samples, "seqlen": seqlen, "seed": seed}
     return TokenWindows(ids, "self", _fingerprint(ids, settings), ids.numel())
+
+
+def hash_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index``'s generator: 63 bits of sha256 over (seed, index)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1

@@ -69,11 +69,15 @@ def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log, progress: bool
             f"{str(sm.dtype).replace('torch.', '')}, more than half of the {2 * budget / 2**30:.1f} GiB available); "
             "pass --calib FILE (text or JSONL)"
         )
-    log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed})")
+    batch = calibration.generation_batch(cfg.calib.samples, cfg.calib.seqlen,
+                                         shape_memory.kv_bytes_per_token(sm.model.config, torch.float32),
+                                         4 * sm.model.config.vocab_size, budget - need)
+    log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed}, "
+        f"{batch} at once)")
     sm.load()
     try:
         return calibration.self_generated(sm.model, sm.tokenizer, cfg.calib.samples, cfg.calib.seqlen, cfg.calib.seed,
-                                          progress=progress)
+                                          batch=batch, progress=progress)
     finally:
         if sm.streamed:
             sm.release()

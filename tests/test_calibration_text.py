@@ -1,0 +1,72 @@
+"""Model-generated calibration text (quant.build.calibration.self_generated): each sequence from a generator of its
+own, so the text does not depend on how many are generated at once; drawn from the model's distribution at
+temperature 1 with end-of-sequence tokens never drawn; the caller's random state untouched."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import hf_causal_lm
+from transformers import PretrainedConfig
+
+from quant.build import calibration
+
+pytestmark = pytest.mark.reference
+
+
+class FixedLM(torch.nn.Module):
+    """A stand-in language model whose next-token logits are always ``logits``, whatever the context."""
+
+    def __init__(self, logits: torch.Tensor, eos: int):
+        super().__init__()
+        self.logits = logits
+        self.config = PretrainedConfig(vocab_size=logits.numel(), num_hidden_layers=1)
+        self.generation_config = SimpleNamespace(eos_token_id=[eos])
+        self.device = torch.device("cpu")
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        return SimpleNamespace(logits=self.logits.expand(input_ids.shape[0], input_ids.shape[1], -1).clone())
+
+
+def fake_tok(eos: int):
+    return SimpleNamespace(all_special_ids=[eos], eos_token_id=eos)
+
+
+def test_the_text_does_not_depend_on_how_many_sequences_are_generated_at_once(tiny_model_dir, tokenizer):
+    model = hf_causal_lm(tiny_model_dir)
+    state = torch.get_rng_state()
+    runs = [calibration.self_generated(model, tokenizer, 5, 12, seed=3, batch=b) for b in (1, 2, 5)]
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's random state untouched
+    assert all(torch.equal(r.ids, runs[0].ids) for r in runs) and runs[0].ids.shape == (5, 12)
+    assert len({r.fingerprint for r in runs}) == 1
+    other = calibration.self_generated(model, tokenizer, 5, 12, seed=4, batch=5)
+    assert not torch.equal(other.ids, runs[0].ids)
+
+
+def test_tokens_are_drawn_from_the_models_distribution_without_end_of_sequence():
+    """Over 4,000 draws from fixed logits, end of sequence (the likeliest token) never comes and every other
+    token comes as often as softmax over the rest says (chi-square, 7 degrees of freedom, p > 0.001)."""
+    logits = torch.tensor([4.0, 0.0, 0.5, 1.0, -1.0, 0.2, 1.5, -0.5, 0.8])
+    eos = 0
+    model = FixedLM(logits, eos)
+    out = calibration.self_generated(model, fake_tok(eos), 40, 101, seed=0, batch=16)
+    drawn = out.ids[:, 1:].flatten()  # the first token of each is the seeded start
+    assert drawn.numel() == 4000 and not (drawn == eos).any()
+    want = logits.clone()
+    want[eos] = -math.inf
+    expected = want.softmax(-1)[1:] * drawn.numel()
+    counts = torch.bincount(drawn, minlength=logits.numel())[1:].double()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, (chi2, counts.tolist(), expected.tolist())  # the 0.999 quantile of chi-square(7)
+
+
+def test_the_batch_is_what_memory_holds_up_to_the_cap():
+    kv, row = 1000, 400  # bytes a token of KV, bytes of a logits row
+    assert calibration.generation_batch(128, 512, kv, row, 10**12) == calibration.GENERATION_BATCH
+    assert calibration.generation_batch(5, 512, kv, row, 10**12) == 5
+    per_row = 2 * 512 * kv + row
+    assert calibration.generation_batch(128, 512, kv, row, 7 * per_row + 1) == 7
+    assert calibration.generation_batch(128, 512, kv, row, 0) == 1
