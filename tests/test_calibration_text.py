@@ -27,8 +27,15 @@ class FixedLM(torch.nn.Module):
         self.generation_config = SimpleNamespace(eos_token_id=[eos])
         self.device = torch.device("cpu")
 
-    def forward(self, input_ids, past_key_values=None, use_cache=True):
+    def forward(self, input_ids, cache=None, use_cache=True):
         return SimpleNamespace(logits=self.logits.expand(input_ids.shape[0], input_ids.shape[1], -1).clone())
+
+
+class FixedLMOlderSignature(FixedLM):
+    """transformers before 5.25 names the forward's cache argument ``past_key_values``."""
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        return super().forward(input_ids, past_key_values, use_cache)
 
 
 def fake_tok(eos: int):
@@ -61,6 +68,16 @@ def test_tokens_are_drawn_from_the_models_distribution_without_end_of_sequence()
     counts = torch.bincount(drawn, minlength=logits.numel())[1:].double()
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 24.3, (chi2, counts.tolist(), expected.tolist())  # the 0.999 quantile of chi-square(7)
+    older = calibration.self_generated(FixedLMOlderSignature(logits, eos), fake_tok(eos), 40, 101, seed=0, batch=7)
+    assert torch.equal(older.ids, out.ids)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2-window", "phi3-partial-window"])
+def test_sliding_window_families_generate_past_their_window_alike_at_any_batch(arch, arch_dirs, tokenizer):
+    """The families whose caches keep a window (of 32 tokens here) generate 40-token sequences through it."""
+    model = hf_causal_lm(arch_dirs(arch))
+    one, three = (calibration.self_generated(model, tokenizer, 3, 40, seed=1, batch=b) for b in (1, 3))
+    assert torch.equal(one.ids, three.ids) and one.ids.shape == (3, 40)
 
 
 def test_the_batch_is_what_memory_holds_up_to_the_cap():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,10 +146,13 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
     special = set(tok.all_special_ids)
     perm = [t for t in torch.randperm(vocab, generator=g).tolist() if t not in special]
     firsts = [perm[k % len(perm)] for k in range(samples)]  # a start each; repeated past a small vocabulary
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = gen_cfg.eos_token_id if gen_cfg is not None else None
     eos = {*([] if eos is None else [eos] if isinstance(eos, int) else eos),
            *([] if tok.eos_token_id is None else [tok.eos_token_id])}
     eos_t = torch.tensor(sorted(eos), dtype=torch.long)
+    # transformers 5.25 names the forward's cache argument `cache` (`past_key_values` deprecated), 5.17 the latter
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     rows = []
     starts = range(0, samples, batch)
     for i in track(starts, len(starts), "generating calibration text", "batches", progress):
@@ -156,9 +160,9 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
         gens = [torch.Generator().manual_seed(hash_seed(seed, i + r)) for r in range(n)]
         ids = torch.tensor(firsts[i : i + batch], dtype=torch.long)[:, None]  # (b, 1)
         out = [ids]
-        cache = DynamicCache(config=model.config)
+        cache = {cache_arg: DynamicCache(config=model.config)}
         for _ in range(seqlen - 1):
-            logits = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=ids.to(model.device), use_cache=True, **cache).logits[:, -1]
             logits = logits.float().cpu()
             logits[:, eos_t[eos_t < logits.shape[-1]]] = -float("inf")
             probs = logits.softmax(-1)  # (b, V)
