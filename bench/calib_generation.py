@@ -23,7 +23,6 @@ from common import cpu_name
 from quant.build import calibration
 from quant.format import sources
 from quant.runtime import measure
-from quant.shape import memory as shape_memory
 
 
 @torch.inference_mode()
@@ -55,9 +54,7 @@ def main() -> None:
                                     device="cpu")
     model.eval()
     free = measure.available_bytes(torch.device("cpu")) // 2 - measure.float_model_bytes(model, torch.float32)
-    picked = calibration.generation_batch(args.samples, args.seqlen,
-                                          shape_memory.kv_bytes_per_token(model.config, torch.float32),
-                                          4 * model.config.vocab_size, free)
+    picked = calibration.generation_batch(model.config, args.samples, args.seqlen, free)
     runs = {"transformers generate, batch 16": lambda: transformers_generate(model, tok, args.samples, args.seqlen, 0),
             "ours, batch 16": lambda: calibration.self_generated(model, tok, args.samples, args.seqlen, 0, 16).ids,
             f"ours, batch {picked} (the build's)": lambda: calibration.self_generated(

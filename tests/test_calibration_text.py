@@ -81,9 +81,15 @@ def test_sliding_window_families_generate_past_their_window_alike_at_any_batch(a
 
 
 def test_the_batch_is_what_memory_holds_up_to_the_cap():
-    kv, row = 1000, 400  # bytes a token of KV, bytes of a logits row
-    assert calibration.generation_batch(128, 512, kv, row, 10**12) == calibration.GENERATION_BATCH
-    assert calibration.generation_batch(5, 512, kv, row, 10**12) == 5
-    per_row = 2 * 512 * kv + row
-    assert calibration.generation_batch(128, 512, kv, row, 7 * per_row + 1) == 7
-    assert calibration.generation_batch(128, 512, kv, row, 0) == 1
+    from transformers import LlamaConfig
+
+    from quant.shape import memory as shape_memory
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128)
+    per_row = 2 * 512 * shape_memory.kv_bytes_per_token(cfg, torch.float32) + 4 * 1000  # fp32 KV twice, logits
+    assert per_row == 2 * 512 * (2 * 2 * 2 * 16 * 4) + 4000
+    assert calibration.generation_batch(cfg, 128, 512, 10**12) == calibration.GENERATION_BATCH
+    assert calibration.generation_batch(cfg, 5, 512, 10**12) == 5
+    assert calibration.generation_batch(cfg, 128, 512, 7 * per_row + 1) == 7
+    assert calibration.generation_batch(cfg, 128, 512, 0) == 1

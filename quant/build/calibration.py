@@ -12,6 +12,7 @@ import torch
 
 from quant.build.progress import track
 from quant.errors import CalibrationError
+from quant.shape import memory as shape_memory
 
 
 def min_rows(k: int) -> int:
@@ -120,12 +121,12 @@ def eval_windows(tok, path: str | Path, windows: int, seqlen: int, flag: str = "
 GENERATION_BATCH = 128  # most sequences generated at once (memory permitting: generation_batch)
 
 
-def generation_batch(samples: int, seqlen: int, kv_bytes_per_token: int, logits_row_bytes: int,
-                     free_bytes: int) -> int:
-    """Sequences generated at once: as many as their fp32 KV (twice over: the cache grows by copying) and
-    logits rows fit in ``free_bytes``, at least 1, at most GENERATION_BATCH. The text does not depend on it."""
-    per_row = 2 * seqlen * kv_bytes_per_token + logits_row_bytes
-    return max(1, min(samples, GENERATION_BATCH, free_bytes // max(1, per_row)))
+def generation_batch(config, samples: int, seqlen: int, free_bytes: int) -> int:
+    """Sequences of model ``config`` generated at once: as many as their fp32 KV (twice over: the cache grows by
+    copying) and fp32 logits rows fit in ``free_bytes``, at least 1, at most GENERATION_BATCH. The text does not
+    depend on it."""
+    per_row = 2 * seqlen * shape_memory.kv_bytes_per_token(config, torch.float32) + 4 * config.vocab_size
+    return max(1, min(samples, GENERATION_BATCH, free_bytes // per_row))
 
 
 @torch.inference_mode()
@@ -156,9 +157,9 @@ def self_generated(model, tok, samples: int, seqlen: int, seed: int, batch: int 
     rows = []
     starts = range(0, samples, batch)
     for i in track(starts, len(starts), "generating calibration text", "batches", progress):
-        n = len(firsts[i : i + batch])
-        gens = [torch.Generator().manual_seed(hash_seed(seed, i + r)) for r in range(n)]
         ids = torch.tensor(firsts[i : i + batch], dtype=torch.long)[:, None]  # (b, 1)
+        n = ids.shape[0]
+        gens = [torch.Generator().manual_seed(hash_seed(seed, i + r)) for r in range(n)]
         out = [ids]
         cache = {cache_arg: DynamicCache(config=model.config)}
         for _ in range(seqlen - 1):

@@ -69,9 +69,7 @@ def _calibration(cfg: BuildConfig, sm: stream.StreamedModel, log, progress: bool
             f"{str(sm.dtype).replace('torch.', '')}, more than half of the {2 * budget / 2**30:.1f} GiB available); "
             "pass --calib FILE (text or JSONL)"
         )
-    batch = calibration.generation_batch(cfg.calib.samples, cfg.calib.seqlen,
-                                         shape_memory.kv_bytes_per_token(sm.model.config, torch.float32),
-                                         4 * sm.model.config.vocab_size, budget - need)
+    batch = calibration.generation_batch(sm.model.config, cfg.calib.samples, cfg.calib.seqlen, budget - need)
     log(f"generating {cfg.calib.samples} x {cfg.calib.seqlen} calibration tokens from the model (seed {cfg.calib.seed}, "
         f"{batch} at once)")
     sm.load()
