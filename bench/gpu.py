@@ -12,8 +12,9 @@ timings stop at PART_S seconds (what was cut is reported) so that each ends with
    attention (decode with split-K, prefill with past). Any mismatch past tolerance fails the run
    (bench/gpu_kernels.py).
 2. Kernel timings (CUDA graph replays, median of repeats), the peers in the same run: W4A16 Triton vs tinygemm
-   (``_weight_int4pack_mm``) vs bf16 cuBLAS; int8 Triton vs ``_weight_int8pack_mm`` vs bf16; paged decode
-   attention (Triton) vs the sdpa backend's gather path (bench/gpu_kernels.py).
+   (``_weight_int4pack_mm``) vs GemLite (its wheel from scripts/gpu_wheels.sh) vs bf16 cuBLAS; int8 Triton vs
+   ``_weight_int8pack_mm`` vs bf16; paged decode attention (Triton) vs the sdpa backend's gather path
+   (bench/gpu_kernels.py).
 3. The engine on the GPU over random-weight models of the default model's shape and an 8B shape, w4a16 (random
    codes: the speed does not depend on the values), and a bf16 8B beside it: batch-1 greedy decode tok/s and its
    share of the bandwidth limit (weight bytes / peak bandwidth), TTFT of a 512-token prompt, 64 streams' aggregate
@@ -87,6 +88,16 @@ def git_commit() -> str | None:
         return None
 
 
+def installed(package: str) -> str | None:
+    """The installed version of ``package`` (a peer's wheel), None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "gpu"))
@@ -123,7 +134,8 @@ def main(argv=None) -> int:
     from gpu_report import markdown
 
     results = {"env": {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit()}}
+                       "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
+                       "gemlite": installed("gemlite")}}
     failures: list[str] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

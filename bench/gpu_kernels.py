@@ -2,9 +2,10 @@
 GPU, timed beside its peers in the same run.
 
 - ``linear``: the Triton W4A16 and int8 products at the default model's and an 8B model's shapes, every row count,
-  beside tinygemm (``_weight_int4pack_mm``) / ``_weight_int8pack_mm``, dequantize + cuBLAS and bf16 cuBLAS;
-- ``gemv``: the one-row W4A16 and int8 kernels' launch sweeps at the 8B shapes, the server's launch search, the
-  fused epilogues (activation, residual add + RMSNorm) beside the launches they replace;
+  beside tinygemm (``_weight_int4pack_mm``) / ``_weight_int8pack_mm``, GemLite (W4A16, where its wheel is
+  installed: ``scripts/gpu_wheels.sh``), dequantize + cuBLAS and bf16 cuBLAS;
+- ``gemv``: the one-row W4A16 and int8 kernels' launch sweeps at the 8B shapes beside tinygemm and GemLite, the
+  server's launch search, the fused epilogues (activation, residual add + RMSNorm) beside the launches they replace;
 - ``attention``: the paged attention (decode with split-K, prefill with past) beside the sdpa backend's gather path.
 
 A mismatch past tolerance is a failure; a part's timings stop at PART_S seconds (what was cut is reported).
@@ -12,6 +13,7 @@ A mismatch past tolerance is a failure; a part's timings stop at PART_S seconds 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -39,13 +41,45 @@ def linear_shapes(name: str) -> list[tuple[str, int, int]]:
 
 
 def random_w4(n: int, k: int, gs: int, dtype, dev):
+    """Random codes (N, K) in groups of ``gs``: (the GPTQ words (K/8, N), the kernels' scale/zero table (G, N, 2),
+    the codes, their scales and zero-points (G, N) as a checkpoint holds them, which GemLite packs)."""
     from quant.runtime.kernels.int4_layout import pack_rows
 
     codes = torch.randint(0, 16, (n, k), device=dev)
     s = torch.rand(k // gs, n, device=dev) * 0.02 + 0.001
     zero = torch.randint(0, 16, (k // gs, n), device=dev).float()
     sz = torch.stack([s, s * (8 - zero)], dim=-1).to(dtype).contiguous()
-    return pack_rows(codes.t().contiguous()), sz, codes
+    return pack_rows(codes.t().contiguous()), sz, codes, s, zero
+
+
+def gemlite_w4(codes, s, zero, gs: int, dtype):
+    """GemLite's A16W4 Linear (the W4A16 peer: Triton kernels chosen per row count, autotuned at its first call of
+    a shape, from its per-GPU config where it ships one) over the same codes (N, K), scales and zero-points (G, N):
+    its HQQ convention W = (W_q - zeros) * scales is ours, W = s (code - zero). Returns (the Linear, None), or (None,
+    why) where gemlite is not installed or refuses the shape: a peer's failure is reported, not failed."""
+    try:
+        from gemlite import DType, GemLiteLinear
+
+        n, k = codes.shape
+        kind = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16}[dtype]
+        lin = GemLiteLinear(4, group_size=gs, in_features=k, out_features=n, input_dtype=kind, output_dtype=kind)
+        lin.pack(codes.to(torch.uint8), s.t().to(dtype).contiguous(), zero.t().to(dtype).contiguous(), None)
+        return lin, None
+    except Exception as e:  # noqa: BLE001 - ImportError where the wheel was not carried, else the peer's own
+        return None, f"gemlite {getattr(sys.modules.get('gemlite'), '__version__', '')}: {type(e).__name__}: {e}"[:200]
+
+
+def gemlite_row(row: dict, lin, x, want) -> None:
+    """GemLite's time and error on ``x`` into ``row`` (``gemlite_us``, ``gemlite_rel_err``), or why not
+    (``gemlite_error``): a call its CUDA graph capture refuses is timed eagerly (``gemlite_eager``)."""
+    try:
+        row["gemlite_rel_err"] = rel_err(lin(x), want)
+        try:
+            row["gemlite_us"] = cuda_time(lambda: lin(x)) * 1e6
+        except Exception:  # noqa: BLE001 - not capturable: host launch latency included, and said
+            row["gemlite_us"], row["gemlite_eager"] = cuda_time(lambda: lin(x), graph=False) * 1e6, True
+    except Exception as e:  # noqa: BLE001
+        row["gemlite_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
 def rel_err(got, want) -> float:
@@ -66,10 +100,13 @@ def kernel_checks(results: dict, failures: list, quick: bool, clock: Clock) -> N
         for name, n, k in linear_shapes(shape):
             gs = 64 if shape == "135M" else 128
             for dtype in (torch.bfloat16, torch.float16):
-                qw, sz, codes = random_w4(n, k, gs, dtype, dev)
+                qw, sz, codes, s, zero = random_w4(n, k, gs, dtype, dev)
                 if dtype == torch.bfloat16:  # the peers' weights, made once per shape
                     w_ref = torch.randn(n, k, device=dev, dtype=dtype)
                     packed = pack_for_kernel(codes.to(torch.int32)) if k % 32 == 0 else None
+                    gl, why = gemlite_w4(codes, s, zero, gs, dtype)
+                    if why and why not in results.setdefault("peers", []):
+                        results["peers"].append(why)
                 for m in (1, 16, 256) if quick else (1, 4, 16, 64, 256, 1024):
                     x = torch.randn(m, k, device=dev).to(dtype)
                     got = T.w4_matmul(x, qw, sz, gs)
@@ -99,6 +136,8 @@ def kernel_checks(results: dict, failures: list, quick: bool, clock: Clock) -> N
                                                               want)
                         row["bf16_us"] = cuda_time(lambda: x @ w_ref.t()) * 1e6
                         row["dequant_cublas_us"] = cuda_time(lambda: x @ T.w4_dequant(qw, sz, gs, dtype)) * 1e6
+                        if gl is not None:
+                            gemlite_row(row, gl, x, want)
                     rows.append(row)
             # int8 weight-only
             w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
@@ -214,13 +253,18 @@ def gemv_sweep(results: dict, failures: list, clock: Clock) -> None:
     sms = T.multiprocessors(torch.device(dev))
     rows = []
     for name, n, k in linear_shapes("8B"):
-        qw, sz, codes = random_w4(n, k, gs, dtype, dev)
+        qw, sz, codes, s, zero = random_w4(n, k, gs, dtype, dev)
         packed = pack_for_kernel(codes.to(torch.int32))
         x = torch.randn(1, k, device=dev, dtype=dtype)
         want = T.w4_reference(x, qw, sz, gs)
         row = {"op": "w4", "layer": name, "n": n, "k": k, "bytes": qw.nbytes + sz.nbytes,
                "rule": T.w4_gemv_config(n, k, gs, sms), "rule_us": cuda_time(lambda: T.w4_gemv(x, qw, sz, gs)) * 1e6,
                "tinygemm_us": cuda_time(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, gs, sz)) * 1e6}
+        gl, why = gemlite_w4(codes, s, zero, gs, dtype)
+        if gl is not None:
+            gemlite_row(row, gl, x, want)
+        elif why not in results.setdefault("peers", []):
+            results["peers"].append(why)
         sym = sz.clone()
         sym[..., 1] = 0  # a symmetric checkpoint's table: the rule's launch told its zeros are all 0
         if rel_err(T.w4_gemv(x, qw, sym, gs, None, True), T.w4_reference(x, qw, sym, gs)) > 2e-2:
@@ -232,7 +276,7 @@ def gemv_sweep(results: dict, failures: list, clock: Clock) -> None:
             row.update(_normed(lambda norm=None: T.w4_gemv(x, qw, sz, gs, None, False, None, norm), n, failures))
         _searched(row, T.w4_gemv_space(n, k, gs, sms), lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), x, want, k)
         rows.append(_sweep(row, lambda cfg: T.w4_gemv(x, qw, sz, gs, cfg), GEMV_SWEEP, want, failures,
-                           ("sym", "tinygemm"), bw, clock))
+                           ("sym", "tinygemm") + (("gemlite",) if "gemlite_us" in row else ()), bw, clock))
     for name, n, k in linear_shapes("8B"):  # int8 weight-only, one row: the GEMV's rule and sweep vs the tiled GEMM
         w8 = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)
         sc = torch.rand(n, device=dev) * 0.01

@@ -9,11 +9,22 @@ import json
 HEADING = "## GPU check (`bench/gpu.py`)"  # one section, replaced by each run (`bench/gpu.py --record`)
 
 
+def gemlite_cell(r: dict) -> str:
+    """GemLite's µs and its error against our reference (a flag where it is past the checks' 2e-2), "eager" where
+    its call was not capturable, "-" where it did not run."""
+    if "gemlite_us" not in r:
+        return "-"
+    err = r["gemlite_rel_err"]
+    return (f"{r['gemlite_us']:.1f}{' eager' if r.get('gemlite_eager') else ''} ({err:.0e}"
+            f"{', WRONG' if err > 2e-2 else ''})")
+
+
 def markdown(results: dict, failures: list) -> str:
     env = results["env"]
     commit = f", commit {env['commit']}" if env.get("commit") else ""
     out = [HEADING, "",
-           f"Run {env['date']} on {env['device']}{commit}, torch {env['torch']}, triton {env['triton']} "
+           f"Run {env['date']} on {env['device']}{commit}, torch {env['torch']}, triton {env['triton']}"
+           f"{', gemlite ' + env['gemlite'] if env.get('gemlite') else ''} "
            "(`scripts/gpu_check.sh` runs the CUDA tests, then bench/gpu.py's parts in a lease's order, and puts each "
            "run's report in place of this section). Correctness: "
            + ("every check that ran was within tolerance of its reference." if not failures else
@@ -26,7 +37,8 @@ def markdown(results: dict, failures: list) -> str:
         out += ["W4A16 rows of 2-32 with groups of 128 run the tiled kernel over code planes (2-64 on sm_90 with a symmetric table); beside it the kernel's "
                 "whole-weight path (what ran before) and the planes on a symmetric table (zeros skipped).", "",
                 "| op | shape | layer | N x K | M | triton us | whole-weight / symmetric us | tinygemm / int8pack us "
-                "| dequant + cuBLAS us | bf16 cuBLAS us | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| GemLite us (rel err) | dequant + cuBLAS us | bf16 cuBLAS us | triton / bf16 | rel err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["linear"]:
             if "triton_us" not in r:
                 continue
@@ -34,9 +46,13 @@ def markdown(results: dict, failures: list) -> str:
             planes = f"{r['whole_us']:.1f} / {r['sym_us']:.1f}" if "whole_us" in r else "-"
             out.append(f"| {r['op']} | {r['shape']} | {r['layer']} | {r['n']}x{r['k']} | {r['m']} | "
                        f"{r['triton_us']:.1f} | {planes} | {'-' if peer is None else f'{peer:.1f}'} | "
-                       f"{r['dequant_cublas_us']:.1f} | "
-                       f"{r['bf16_us']:.1f} | "
-                       f"{r['rel_err']:.1e} |")
+                       f"{gemlite_cell(r)} | {r['dequant_cublas_us']:.1f} | {r['bf16_us']:.1f} | "
+                       f"{r['triton_us'] / r['bf16_us']:.2f}x | {r['rel_err']:.1e} |")
+        out.append("")
+    out += [f"- W4A16 peer not run: {why}" for why in results.get("peers", [])]
+    out += [f"- GemLite {r['shape']} {r['layer']} M={r['m']}: {r['gemlite_error']}" for r in results.get("linear", [])
+            if "gemlite_error" in r]
+    if out[-1]:
         out.append("")
     if results.get("attention"):
         out += ["| attention | shape | batch | triton us | triton, one page per step us | decode with the rotary and "
@@ -51,9 +67,10 @@ def markdown(results: dict, failures: list) -> str:
                        f"{fused} | {peer:.1f} | {r['max_err']:.1e} |")
         out.append("")
     if results.get("gemv_sweep"):
-        tables = [("w4", ("sym", "tinygemm"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's config, the "
-                   "sweep's fastest (BLOCK_N, BLOCK_K, SPLIT_K, warps), the rule's on a symmetric table (zeros "
-                   "skipped), tinygemm; us and share of the bandwidth limit (codes + table read once)."),
+        tables = [("w4", ("sym", "tinygemm", "gemlite"), "One-row W4A16 at the 8B shapes (g128, bf16): the rule's "
+                   "config, the sweep's fastest (BLOCK_N, BLOCK_K, SPLIT_K, warps), the rule's on a symmetric table "
+                   "(zeros skipped), tinygemm, GemLite; us and share of the bandwidth limit (codes + table read "
+                   "once)."),
                   ("int8", ("gemm",), "One-row int8 weight-only at the 8B shapes (bf16 activations): the GEMV's rule "
                    "and fastest config, the tiled GEMM at one row (what ran before); us and share of the bandwidth "
                    "limit.")]
@@ -68,7 +85,8 @@ def markdown(results: dict, failures: list) -> str:
                                    for key in keys)
                 out.append(f"| {r['layer']} | {r['n']}x{r['k']} | {tuple(r['rule'])} | {tuple(r['best'])} | "
                            f"{tuple(r['searched'])} ({r['searched_measured']}, {r['search_s']:.1f} s) | "
-                           + " | ".join(f"{r[f'{key}_us']:.1f}" for key in keys) + f" | {share} |")
+                           + " | ".join(f"{r[f'{key}_us']:.1f}" if f"{key}_us" in r else "-" for key in keys)
+                           + f" | {share} |")
             out.append("")
             out += [f"- {r['op']} {r['layer']} at the rule's launch with SiLU in its epilogue: {r['gated_us']:.1f} us, "
                     f"against the product then the glue's silu_mul: {r['then_act_us']:.1f} us" for r in

@@ -47,10 +47,16 @@ def _run() -> dict:
     """A saved run (gpu.json) with a row of every kind each part writes."""
     return {
         "env": {"date": "2026-11-27", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
-                "commit": "629e7b3"},
+                "commit": "629e7b3", "gemlite": "0.6.0.post2"},
         "linear": [{"op": "w4", "shape": "8B", "layer": "qkv", "n": 6144, "k": 4096, "m": 1, "dtype": "bfloat16",
                     "rel_err": 1e-3, "triton_us": 11.8, "whole_us": 12.0, "sym_us": 11.0, "tinygemm_us": 11.0,
-                    "bf16_us": 20.0, "dequant_cublas_us": 40.0},
+                    "bf16_us": 20.0, "dequant_cublas_us": 40.0, "gemlite_us": 13.5, "gemlite_rel_err": 2e-3},
+                   {"op": "w4", "shape": "8B", "layer": "o", "n": 4096, "k": 4096, "m": 64, "dtype": "bfloat16",
+                    "rel_err": 1e-3, "triton_us": 19.7, "tinygemm_us": 30.0, "bf16_us": 14.7,
+                    "dequant_cublas_us": 40.0, "gemlite_us": 12.0, "gemlite_rel_err": 0.5, "gemlite_eager": True},
+                   {"op": "w4", "shape": "8B", "layer": "down", "n": 4096, "k": 14336, "m": 16, "dtype": "bfloat16",
+                    "rel_err": 1e-3, "triton_us": 30.0, "tinygemm_us": 30.0, "bf16_us": 40.0,
+                    "dequant_cublas_us": 60.0, "gemlite_error": "RuntimeError: no config"},
                    {"op": "w4", "shape": "8B", "layer": "o", "n": 4096, "k": 4096, "m": 1024, "dtype": "bfloat16",
                     "rel_err": 1e-3},  # checked, not timed: past the part's clock
                    {"op": "int8", "shape": "8B", "layer": "o", "n": 4096, "k": 4096, "m": 1, "rel_err": 1e-3,
@@ -65,13 +71,19 @@ def _run() -> dict:
                         "best": (128, 64, 2, 4), "searched": (128, 64, 2, 4), "searched_measured": 12,
                         "search_s": 3.0, **{f"{k}_us": 40.0 for k in ("rule", "best", "searched", "sym", "tinygemm")},
                         **{f"{k}_bw_share": 0.4 for k in ("rule", "best", "searched", "sym", "tinygemm")},
-                        "gated_us": 41.0, "then_act_us": 45.0},
+                        "gated_us": 41.0, "then_act_us": 45.0, "gemlite_us": 50.0, "gemlite_rel_err": 1e-3,
+                        "gemlite_bw_share": 0.32},
+                       {"op": "w4", "layer": "o", "n": 4096, "k": 4096, "rule": (128, 64, 1, 4),
+                        "best": (128, 64, 2, 4), "searched": (128, 64, 2, 4), "searched_measured": 12,
+                        "search_s": 3.0, **{f"{k}_us": 9.0 for k in ("rule", "best", "searched", "sym", "tinygemm")},
+                        **{f"{k}_bw_share": 0.6 for k in ("rule", "best", "searched", "sym", "tinygemm")}},
                        {"op": "int8", "layer": "down", "n": 4096, "k": 14336, "rule": (64, 128, 2, 4),
                         "best": (64, 128, 2, 4), "searched": (64, 128, 2, 4), "searched_measured": 8, "search_s": 2.0,
                         **{f"{k}_us": 30.0 for k in ("rule", "best", "searched", "gemm")}}],
         "engine": [_engine_row("w4a16", True), _engine_row("bf16", True), _engine_row("w4a16", False)],
         "skipped": ["default model"],
         "cut": ["linear: 12 rows checked but not timed (past 110 s)"],
+        "peers": ["gemlite : ModuleNotFoundError: No module named 'gemlite'"],
     }
 
 
@@ -79,7 +91,8 @@ def test_the_report_holds_every_parts_rows(tmp_path):
     saved = tmp_path / "gpu.json"
     saved.write_text(json.dumps({"results": _run(), "failures": ["linear: x"]}))  # as bench/gpu.py saves a run
     md = _gpu_py("--render", str(saved))
-    assert md.startswith(HEADING + "\n\nRun 2026-11-27 on NVIDIA H100 80GB HBM3, commit 629e7b3, torch 2.11.0")
+    assert md.startswith(HEADING + "\n\nRun 2026-11-27 on NVIDIA H100 80GB HBM3, commit 629e7b3, torch 2.11.0, "
+                                   "triton 3.6.0, gemlite 0.6.0.post2 ")
     assert "FAILED: linear: x" in md
     assert "random-weight bf16 8B (headline rows)" in md and "random-weight w4a16 8B (headline rows)" in md
     assert "streams64x256_triton+graphs_tok_s 8192" in md
@@ -87,7 +100,15 @@ def test_the_report_holds_every_parts_rows(tmp_path):
     assert "cut to the part's time: linear: 12 rows checked but not timed" in md
     assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line
     assert "measuring failed (RuntimeError: x), the built-in rule" in md
-    assert "| gate_up | 28672x4096 | (128, 64, 1, 4) |" in md and "40.0 | 40.0 | 40.0 | 40.0 | 40.0 | 40% /" in md
+    assert "| gate_up | 28672x4096 | (128, 64, 1, 4) |" in md
+    assert "40.0 | 40.0 | 40.0 | 40.0 | 40.0 | 50.0 | 40% / 40% / 40% / 40% / 40% / 32% |" in md
+    assert "9.0 | 9.0 | 9.0 | 9.0 | 9.0 | - | 60% / 60% / 60% / 60% / 60% / - |" in md  # GemLite did not run there
+    # the W4A16 table: GemLite beside ours with its error, flagged where past tolerance or timed eagerly
+    assert "| w4 | 8B | qkv | 6144x4096 | 1 | 11.8 | 12.0 / 11.0 | 11.0 | 13.5 (2e-03) | 40.0 | 20.0 | 0.59x |" in md
+    assert "| w4 | 8B | o | 4096x4096 | 64 | 19.7 | - | 30.0 | 12.0 eager (5e-01, WRONG) | 40.0 | 14.7 | 1.34x |" in md
+    assert "| w4 | 8B | down | 4096x14336 | 16 | 30.0 | - | 30.0 | - | 60.0 | 40.0 | 0.75x |" in md
+    assert "- GemLite 8B down M=16: RuntimeError: no config" in md
+    assert "- W4A16 peer not run: gemlite : ModuleNotFoundError: No module named 'gemlite'" in md
     headline, full = (line for line in md.splitlines() if line.startswith("- engine, random-weight w4a16"))
     assert "eager steps" not in headline and "serial steps instead of overlapped: 250.9" in headline  # not run: not shown
     assert "eager steps: 100.0" in full and "built-in rules instead of measured launches and plans: 288.9" in full
