@@ -70,7 +70,7 @@ def random_model(shape: str, dev: str, scheme: str = "w4a16", gs: int = 128):
 _PLANS: list[Path] = []  # one kernel-plan cache for this run's engines: a shape's kernels are measured once
 
 
-def make_engine(model, tok, budget: str, fused_ops: bool = True, kernels: str = "measure"):
+def make_engine(model, tok, budget: str, fused_ops: bool = True, kernels: str = "measure", embeddings: str = "auto"):
     import tempfile
 
     from server.config import EngineConfig
@@ -79,7 +79,8 @@ def make_engine(model, tok, budget: str, fused_ops: bool = True, kernels: str = 
     if not _PLANS:
         _PLANS.append(Path(tempfile.mkdtemp(prefix="quantserve-plans-")))
     return Engine(model, tok, EngineConfig(memory_budget=budget, dtype="bfloat16", device="cuda", max_batch=64,
-                                           max_prefill_tokens=4096, fused_ops=fused_ops, kernels=kernels),
+                                           max_prefill_tokens=4096, fused_ops=fused_ops, kernels=kernels,
+                                           embeddings=embeddings),
                   cache_dir=_PLANS[0]).start()
 
 
@@ -147,10 +148,13 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape]["vocab"]
     prompt = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()  # noqa: E731
-    row: dict = {"shape": shape + (" (headline rows)" if headline else ""), "scheme": scheme}
+    # the embedding and head as a w4a16 artifact is served by default (int8 rows: layers.embedding.resolve), which
+    # a random model passed as modules would not get from "auto"; a bf16 model's as they are
+    embeddings = "int8" if scheme == "w4a16" else "float"
+    row: dict = {"shape": shape + (" (headline rows)" if headline else ""), "scheme": scheme, "embeddings": embeddings}
     loaded = torch.cuda.memory_allocated()
     t = time.perf_counter()
-    eng = make_engine(model, tok, "16GiB")  # kernels measured (this shape's first engine): launches, plans
+    eng = make_engine(model, tok, "16GiB", embeddings=embeddings)  # kernels measured (this shape's first engine)
     row["engine_start_s"] = time.perf_counter() - t
     try:
         row["kernels"] = list(eng.info.kernels)
@@ -173,9 +177,11 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
         row["b1_serial_tok_s"] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
         eng.overlap = True
         row["b1_profile"] = decode_profile(lambda: run_requests(eng, [prompt(16)], 65), 64)
-        # bytes a decode step reads: every weight but an untied input embedding (one row of it is looked up)
+        # bytes a decode step reads: every weight but an untied input embedding (one row of it is looked up; in
+        # int8, the first two tensors the model holds for its embedding and head: the lookup's codes and scales)
         emb = model.model.embed_tokens.weight
-        row["read_bytes"] = eng.weight_bytes - (0 if model.lm_head.weight is emb else emb.nbytes)
+        lookup = emb.nbytes if embeddings == "float" else sum(t.nbytes for t in eng.runner.model.embedding_tensors[:2])
+        row["read_bytes"] = eng.weight_bytes - (0 if model.lm_head.weight is emb else lookup)
         if bw:
             row["b1_bandwidth_share"] = row["b1_tok_s"] * row["read_bytes"] / bw
         # TTFT of a 512-token prompt (1 new token), median of 3
@@ -233,7 +239,7 @@ def engine_bench(results: dict, failures: list, shape: str, quick: bool, headlin
     for key, kw in (("b1_eager_glue_tok_s", dict(fused_ops=False)),
                     ("b1_static_kernels_tok_s", dict(kernels="static"))):
         model = random_model(shape, dev, scheme)
-        eng = make_engine(model, tok, "4GiB", **kw)
+        eng = make_engine(model, tok, "4GiB", embeddings=embeddings, **kw)
         try:
             row[key] = statistics.median([128 / run_requests(eng, [prompt(16)], 128)[0] for _ in range(3)])
         finally:

@@ -116,7 +116,8 @@ def markdown(results: dict, failures: list) -> str:
                 ("b1_static_kernels_tok_s", "with the kernels' built-in rules instead of measured launches and plans"))
     for r in results.get("engine", []):
         ran = [f"{label}: {r[key]:.1f}" for key, label in variants if key in r]  # a part runs only some variants
-        out.append(f"- engine, random-weight {r.get('scheme', 'w4a16')} {r['shape']} ({r['attention']}, cuda graphs {r['cuda_graphs']}): "
+        out.append(f"- engine, random-weight {r.get('scheme', 'w4a16')} {r['shape']} ({r['attention']}, cuda graphs "
+                   f"{r['cuda_graphs']}{', embeddings and head ' + r['embeddings'] if 'embeddings' in r else ''}): "
                    f"batch-1 {r['b1_tok_s']:.1f} tok/s (glue {r.get('glue_ops')}; " + "; ".join(ran + [
                        f"engine start {r.get('engine_start_s', 0):.1f} s with the measuring"]) + ")"
                    + (f" = {100 * r['b1_bandwidth_share']:.1f}% of the bandwidth limit ({r['read_bytes'] / 2**20:.0f} MiB"

@@ -74,6 +74,27 @@ def test_int8_weight_linear_on_cuda_uses_triton(affine):
         torch.testing.assert_close(got.float(), want[:rows], atol=3e-2, rtol=3e-2)
 
 
+def test_an_int8_head_on_cuda_takes_the_triton_kernels_with_a_measured_launch(tmp_path):
+    """``--embeddings int8`` on CUDA: the head (a 128256 x 4096 matrix, Llama-3-8B's) through the Triton int8 GEMV
+    (its one-row launch measured and kept) and GEMM, equal to x @ (q * scale)^T at 1 to 64 rows."""
+    from quant.runtime.kernel_choice import Chooser
+    from server.layers.embedding import Int8Rows
+
+    w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    rows = Int8Rows(w, torch.bfloat16)
+    assert rows.triton and rows.rows is None
+    chooser = Chooser("measure", tmp_path, device="cuda")
+    rows.tune(chooser)
+    assert rows.gemv_config is not None and any("int8_rows[head]" in line for line in chooser.table())
+    ref = rows.dequantized()
+    for s in (1, 2, 17, 64):
+        x = torch.randn(s, 4096, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ ref.t()
+        got = rows.head(x)
+        assert got.shape == (s, 128256) and got.dtype == torch.bfloat16
+        assert float((got.float() - want).abs().max() / want.abs().max()) < 2e-2
+
+
 @pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
 def test_gated_one_row_products_equal_the_product_then_act_mul_in_bf16(act):
     """A [gate | up] projection's one-row launch ending in the activation gives the plain product put through the

@@ -26,6 +26,7 @@ def _gpu_py(*args: str) -> str:
 
 def _engine_row(scheme: str, headline: bool) -> dict:
     row = {"shape": "8B" + (" (headline rows)" if headline else ""), "scheme": scheme, "engine_start_s": 35.5,
+           "embeddings": "int8" if scheme == "w4a16" else "float",
            "kernels": ["w4 4096x4096 bfloat16: measuring failed (RuntimeError: x), the built-in rule"],
            "attention": "triton", "glue_ops": "triton", "cuda_graphs": "on", "weight_bytes": 5 << 30,
            "allocated_after_load": 5 << 30, "kv_pool_bytes": 16 << 30, "kv_pool_alloc": 16 << 30, "b1_tok_s": 284.4,
@@ -96,6 +97,7 @@ def test_the_report_holds_every_parts_rows(tmp_path):
     assert "FAILED: linear: x" in md
     assert "random-weight bf16 8B (headline rows)" in md and "random-weight w4a16 8B (headline rows)" in md
     assert "streams64x256_triton+graphs_tok_s 8192" in md
+    assert "random-weight w4a16 8B (headline rows) (triton, cuda graphs on, embeddings and head int8)" in md
     assert "TTFT of 1024 cached + 32 tokens 9.5 ms against 1056 uncached 52.0 ms" in md
     assert "cut to the part's time: linear: 12 rows checked but not timed" in md
     assert "| w4 | 8B | o | 4096x4096 | 1024 |" not in md  # an untimed row has no table line

@@ -202,6 +202,29 @@ def test_int8_rows_lookup_and_head_match_their_reference(dtype):
         assert float((got - want).abs().max() / want.abs().max()) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.reference
+def test_an_int8_head_whose_triton_kernel_fails_at_start_says_so_and_takes_the_built_in_one(monkeypatch, caplog):
+    """A GPU's int8 head launches its Triton kernels once at start; where they fail (here made to), one warning,
+    and the head computes the same product through the built-in kernels: the engine does not go down."""
+    from quant.runtime.kernels import triton_ops
+    from server.layers.embedding import Int8Rows
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory\nsecond line")
+
+    monkeypatch.setattr(triton_ops, "int8_matmul", broken)
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with caplog.at_level("WARNING", logger="server.layers.embedding"):
+        rows = Int8Rows(w, torch.bfloat16, triton=True)
+    assert not rows.triton
+    assert [r.getMessage() for r in caplog.records] == [
+        "the Triton int8 head (300 x 64) failed at start (RuntimeError: out of resources: shared memory): "
+        "aten._weight_int8pack_mm instead"]
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    want = h.float() @ rows.dequantized().t()
+    assert float((rows.head(h).float() - want).abs().max() / want.abs().max()) < 2e-2
+
+
 @pytest.mark.unit
 def test_int8_embeddings_need_bfloat16_or_float32_and_name_the_flag(monkeypatch):
     from server.config import EngineConfig

@@ -467,6 +467,40 @@ def test_a_w4triton_module_is_launched_as_its_device_measured_best(tmp_path, mon
     torch.testing.assert_close(y.float(), m.reference_forward(x), atol=2e-2, rtol=2e-2)
 
 
+def test_an_int8_head_takes_the_triton_kernels_and_its_measured_launch(tmp_path, monkeypatch):
+    """A GPU's int8 head (server.layers.embedding.Int8Rows with the Triton kernels, here on the interpreter's CPU
+    tensors): the GEMV at one row, the tiled GEMM at more, each equal to x @ (q * scale)^T; its one-row launch
+    searched by a measuring chooser (a small space: the interpreter is slow), kept, reported, and then taken."""
+    from quant.runtime import kernel_choice
+    from quant.runtime.kernel_choice import Chooser
+    from server.layers.embedding import Int8Rows
+
+    monkeypatch.setattr(kernel_choice, "time_paths_us", lambda paths, x, budget_s=0.05: {
+        name: float(i) for i, name in enumerate(paths)})  # one launch at a time: its order stands for its time
+    g = torch.Generator().manual_seed(3)
+    v, h = 200, 96
+    rows = Int8Rows(torch.randn(v, h, generator=g), torch.float16, triton=True)
+    assert rows.triton and rows.rows is None
+    ref = rows.dequantized()  # (V, H) fp32
+    for s in (1, 3, 70):
+        x = torch.randn(s, h, generator=g).half()
+        got = rows.head(x)
+        assert got.shape == (s, v) and got.dtype == torch.float16
+        torch.testing.assert_close(got.float(), x.float() @ ref.t(), atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(T, "int8_gemv_space", lambda n, k, sms: ((32, 64, 1, 4), ((16, 32), (64,), (1, 2), (4,))))
+    chooser = Chooser("measure", tmp_path)
+    rows.tune(chooser)
+    assert rows.gemv_config in {(16, 64, 1, 4), (32, 64, 1, 4), (16, 64, 2, 4), (32, 64, 2, 4)}
+    assert chooser.table() == [f"int8_rows[head] {v}x{h} float16: one row launched with BLOCK_N={rows.gemv_config[0]}, "
+                               f"BLOCK_K=64, SPLIT_K={rows.gemv_config[2]}, num_warps=4"]
+    launched = []
+    real = T.int8_gemv
+    monkeypatch.setattr(T, "int8_gemv", lambda *a, **kw: launched.append(a[4]) or real(*a, **kw))
+    x = torch.randn(1, h, generator=g).half()
+    torch.testing.assert_close(rows.head(x).float(), x.float() @ ref.t(), atol=2e-2, rtol=2e-2)
+    assert launched == [rows.gemv_config]
+
+
 def test_split_counters_reset_after_a_refused_launch():
     """quant.runtime.kernel_choice.search resets the split-K counters after a launch it refuses: a counter left mid-count
     would make the next split product reduce too early."""

@@ -211,7 +211,7 @@ class CausalLM:
         chooser = self.projections.chooser if planned else None
         head = bind_module(lm_head, self.dtype, chooser, upcast=False, max_rows=chooser and chooser.head_rows)
         self.lookup, self.head, self.embedding_tensors, self.replaced = embedding_and_head(
-            embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype)
+            embed, head, lm_head.weight.detach() if plain else None, embeddings, self.dtype, self.projections.chooser)
         self._embed_scale = self.embed_scale(config)
         self._residual = float(self.residual_scale(config))
 
