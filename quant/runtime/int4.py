@@ -241,10 +241,15 @@ class GPTQLinear(WeightOnlyLinear):
             if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
                 out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
                                                perm)
+            if dtype in (torch.bfloat16, torch.float16) and int8_activations_supported(layout, n, k, gs):
+                # rows16: the same pass on x held as int16 in blocks of 32 (power-of-two scales: a 16-bit x within
+                # 2^-7 of its block's max exactly), integer sums 16 products an instruction
+                out["rows16"] = _in_kernel_order(rowops.int4_a16(self.packed, n, k, self.scales_zeros, gs, bias),
+                                                 perm)
             if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
                 out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
         if self.int8_activations:
-            out = {name: _on_blocks(call, self.perm) for name, call in out.items() if name != "rows"}
+            out = {name: _on_blocks(call, self.perm) for name, call in out.items() if name not in ("rows", "rows16")}
             layout = cpu_layout() if self.packed is not None and self.packed.device.type == "cpu" else None
             if int8_activations_supported(layout, self.out_features, self.in_features, self.group_size):
                 out["rows"] = _in_kernel_order(rowops.int4_a8(self.packed, self.out_features, self.in_features,

@@ -96,6 +96,24 @@ def quantize_act_blocks(x: torch.Tensor) -> torch.Tensor:
     return fake_quant_act(x.reshape(-1, ACT_BLOCK), None).reshape(m, k)  # each block a token of its own
 
 
+ACT16_MAX = 32767  # int16 block activations: |q| at most
+
+
+def quantize_act_blocks16(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (M, K) fp32 (float64 for float64 x): each row as int16 in blocks of ACT_BLOCK columns, the block's
+    scale the power of two d = 2^(e - 15) for its max |x| in [2^(e-1), 2^e) (so |x| / d < 2^15), q = x / d rounded
+    half to even and held to ACT16_MAX, then q * d: the activations the int4 ``rows16`` path multiplies. x / d is
+    exact, so an element within 2^7 of its block's max (within 2^4 in fp16) comes back as it was; below that, what
+    lies under d / 2 <= 2^-15 of the block's max is rounded away. A row that is not finite comes back not finite."""
+    m, k = x.shape
+    if k % ACT_BLOCK:
+        raise ValueError(f"block-quantized activations need K a multiple of {ACT_BLOCK}, got {k}")
+    xb = _compute(x).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
+    e = torch.frexp(xb.abs().amax(-1, keepdim=True).float()).exponent.clamp_min(-100)  # max |x| = f 2^e, f in [.5, 1)
+    d = torch.ldexp(torch.ones((), dtype=xb.dtype), (e - 15).to(xb.dtype))
+    return (torch.round(xb / d).clamp_(-ACT16_MAX, ACT16_MAX) * d).reshape(m, k)
+
+
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Static (scale given) or dynamic (scale None) activation fake-quantization, in fp32 (float64 for float64
     x)."""

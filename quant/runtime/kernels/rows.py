@@ -83,6 +83,17 @@ def int4_a8(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, gr
     return lambda x2: op(x2, packed, n, k, sz, group_size, b, qmax, floor)
 
 
+def int4_a16(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, group_size: int,
+             bias: torch.Tensor | None) -> Rows:
+    """:func:`int4` with each x row first held as int16 in blocks of 32 columns with power-of-two scales
+    (``quant.runtime.primitives.quantize_act_blocks16``: a bf16 row exactly, but for elements under 2^-7 of their
+    block's max, which keep what lies above 2^-15 of it): exact integer sums of codes times int16 activations (16
+    products an instruction where the exact path makes 8), scaled in fp32, rounded once. AVX2 builds only
+    (``int4_a8_ops.cpp``), on AVX2's int4pack layout."""
+    op, sz, b = _op("int4_rows_a16"), scales_zeros.contiguous(), _opt(bias)
+    return lambda x2: op(x2, packed, n, k, sz, group_size, b)
+
+
 def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
     """x @ weight (N, K) ^T (+ the bias in fp32), x and the weight both bf16 or both fp32, in x's dtype: fp32 sums,
     rounded once; x rows two at a time against each weight vector, each row's sums those it has alone."""

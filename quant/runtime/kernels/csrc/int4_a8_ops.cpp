@@ -85,6 +85,49 @@ bool quantize_row(const float* x, int64_t k, int64_t gs, float qmax, float min_s
   return true;
 }
 
+// One x row as int16 in blocks of 32 columns, each block's scale the power of two d = 2^(e - 15) for its max |x| in
+// [2^(e-1), 2^e) (quant.runtime.primitives.quantize_act_blocks16): q = x / d rounded half to even, |q| <= 32767. x / d
+// is exact, so an element within 2^7 of its block's max in magnitude (every element of a bf16 block whose range spans
+// under 2^7; 2^4 for fp16) is held exactly; the rest lose what lies below d / 2 <= 2^-15 of the block's max. gsum as
+// quantize_row's. false where the row is not finite.
+bool quantize_row16(const float* x, int64_t k, int64_t gs, int16_t* q, float* d, float* gsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    const float m = hmax8(mx);
+    if (_mm256_movemask_ps(bad) || !std::isfinite(m)) return false;
+    int e = 0;
+    std::frexp(m, &e);  // m = f 2^e, f in [0.5, 1) (e = 0 for m = 0)
+    e = std::max(e, -100);  // 2^(15 - e) stays finite; such a block rounds to 0
+    const float s = std::ldexp(1.f, e - 15);
+    d[b] = s;
+    const __m256 inv = _mm256_set1_ps(std::ldexp(1.f, 15 - e));
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      sum = _mm256_add_epi32(sum, c[i]);
+    }
+    // packs interleave 128-bit lanes: the permute restores the order
+    const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+    const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock + 16), p1);
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
+    const int32_t total = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+    const int64_t g = b * kBlock / gs;
+    gsum[g] = (b * kBlock % gs == 0 ? 0.f : gsum[g]) + s * static_cast<float>(total);
+  }
+  return true;
+}
+
 // Eight consecutive rows' (scale, zero) pairs from the (N, 2) table at p, in fp32.
 template <typename S>
 inline void scales8(const S* p, __m256& s, __m256& z) {
@@ -101,6 +144,23 @@ inline void scales8(const S* p, __m256& s, __m256& z) {
     alignas(32) float a[8], b[8];
     for (int i = 0; i < 8; ++i) a[i] = qs::to_f(p[2 * i]), b[i] = qs::to_f(p[2 * i + 1]);
     s = _mm256_load_ps(a), z = _mm256_load_ps(b);
+  }
+}
+
+// Four consecutive rows' (scale, zero) pairs from the (N, 2) table at p, in fp32.
+template <typename S>
+inline void scales4(const S* p, __m128& s, __m128& z) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    s = _mm_castsi128_ps(_mm_slli_epi32(v, 16));
+    z = _mm_castsi128_ps(_mm_and_si128(v, _mm_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<S, float>) {
+    const __m128 a = _mm_loadu_ps(p), b = _mm_loadu_ps(p + 4);  // s0 z0 s1 z1, s2 z2 s3 z3
+    s = _mm_shuffle_ps(a, b, 0x88), z = _mm_shuffle_ps(a, b, 0xDD);
+  } else {
+    alignas(16) float a[4], b[4];
+    for (int i = 0; i < 4; ++i) a[i] = qs::to_f(p[2 * i]), b[i] = qs::to_f(p[2 * i + 1]);
+    s = _mm_load_ps(a), z = _mm_load_ps(b);
   }
 }
 
@@ -166,15 +226,89 @@ void int4_block_a8(const int8_t* const* xq, const float* const* d, const float* 
   for (int r = 0; r < MR; ++r)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 32 * r + 8 * i, _mm256_add_ps(acc[r][i], off[r][i]));
 }
+
+// int4_block_a8 on int16 activations (quantize_row16): each column pair's 32 rows of codes widened to 16-bit pairs
+// (row i, then row 16 + i from the high nibbles), times the (x[c], x[c + 1]) pair by vpmaddwd into exact 32-bit sums
+// (a block's at most 32 * 15 * 32767 < 2^24, so its conversion to fp32 is exact too, and d_b a power of two).
+template <int MR, typename S>
+void int4_block_a16(const int16_t* const* xq, const float* const* d, const float* const* gsum,
+                    const uint8_t* __restrict blk, int64_t k, int64_t gs, const S* __restrict sz, int64_t n,
+                    float* __restrict y) {
+  const __m256i m0f = _mm256_set1_epi32(0x000F000F);
+  // per 32-bit lane (column c's byte, 0, column c + 1's byte, 0) of one row: lane 0 rows 0-3, lane 1 rows 8-11 (a),
+  // rows 4-7 and 12-15 (b) of the permuted pair of columns
+  const __m256i ia = _mm256_setr_epi8(0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1,
+                                      0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1);
+  const __m256i ib = _mm256_setr_epi8(4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15, -1,
+                                      4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15, -1);
+  __m256 acc[MR][4], off[MR][4];  // row r's rows (0-3, 8-11), (4-7, 12-15), (16-19, 24-27), (20-23, 28-31)
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = off[r][i] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += gs) {
+    __m256 part[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < 4; ++i) part[r][i] = _mm256_setzero_ps();
+    for (int64_t b0 = g0; b0 < g0 + gs; b0 += kBlock) {
+      __m256i whole[MR][4];
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < 4; ++i) whole[r][i] = _mm256_setzero_si256();
+      for (int64_t c = b0; c < b0 + kBlock; c += 2) {
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16)),
+                                                   0xD8);
+        const __m256i ta = _mm256_shuffle_epi8(w, ia), tb = _mm256_shuffle_epi8(w, ib);
+        const __m256i q0 = _mm256_and_si256(ta, m0f), q1 = _mm256_and_si256(tb, m0f);
+        const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(ta, 4), m0f);
+        const __m256i q3 = _mm256_and_si256(_mm256_srli_epi16(tb, 4), m0f);
+        for (int r = 0; r < MR; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq[r] + c, sizeof(pair));
+          const __m256i xp = _mm256_set1_epi32(pair);
+          whole[r][0] = _mm256_add_epi32(whole[r][0], _mm256_madd_epi16(q0, xp));
+          whole[r][1] = _mm256_add_epi32(whole[r][1], _mm256_madd_epi16(q1, xp));
+          whole[r][2] = _mm256_add_epi32(whole[r][2], _mm256_madd_epi16(q2, xp));
+          whole[r][3] = _mm256_add_epi32(whole[r][3], _mm256_madd_epi16(q3, xp));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 db = _mm256_set1_ps(d[r][b0 / kBlock]);
+        for (int i = 0; i < 4; ++i) part[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole[r][i]), db, part[r][i]);
+      }
+    }
+    const S* zg = sz + (g0 / gs) * n * 2;
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 4; ++i) {  // the rows of accumulator i, in the table's order
+      static constexpr int first[4][2] = {{0, 8}, {4, 12}, {16, 24}, {20, 28}};
+      __m128 s0, z0, s1, z1;
+      scales4(zg + 2 * first[i][0], s0, z0);
+      scales4(zg + 2 * first[i][1], s1, z1);
+      const __m256 s = _mm256_set_m128(s1, s0), z = _mm256_set_m128(z1, z0);
+      const __m256 o = _mm256_fnmadd_ps(s, eight, z);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
+        off[r][i] = _mm256_fmadd_ps(o, _mm256_set1_ps(gsum[r][g0 / gs]), off[r][i]);
+      }
+    }
+  }
+  static constexpr int order[4][2] = {{0, 8}, {4, 12}, {16, 24}, {20, 28}};
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_add_ps(acc[r][i], off[r][i]);
+      _mm_storeu_ps(y + 32 * r + order[i][0], _mm256_castps256_ps128(v));
+      _mm_storeu_ps(y + 32 * r + order[i][1], _mm256_extractf128_ps(v, 1));
+    }
+}
 #endif
 
-// out (M, N) = x (M, K, the kernel's column order), quantized per row in blocks of 32 columns, @ W^T (+ bias), W the
-// AVX2 int4pack layout (32-row blocks, split nibbles; N a multiple of 32) and its (G, N, 2) scale/zero table; in fp32,
-// rounded once to x's dtype. A row that is not finite gives NaN, as the reference does.
-at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
-                        int64_t group_size, const at::Tensor& bias, double qmax, double min_scale) {
+// out (M, N) = x (M, K, the kernel's column order), quantized per row in blocks of 32 columns (A16: to int16 by
+// quantize_row16, else to int8 by quantize_row with qmax and min_scale), @ W^T (+ bias), W the AVX2 int4pack layout
+// (32-row blocks, split nibbles; N a multiple of 32) and its (G, N, 2) scale/zero table; in fp32, rounded once to x's
+// dtype. A row that is not finite gives NaN, as the reference does.
+template <bool A16>
+at::Tensor int4_rows_q(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+                       int64_t group_size, const at::Tensor& bias, double qmax, double min_scale) {
 #if defined(QS_INT4_A8)
-  TORCH_CHECK(qmax > 0 && qmax <= 127, "qmax must be in (0, 127]: a pair's sum must fit 16 bits eight times over");
+  TORCH_CHECK(A16 || (qmax > 0 && qmax <= 127),
+              "qmax must be in (0, 127]: a pair's sum must fit 16 bits eight times over");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
               "x must be a contiguous CPU (M, K) tensor");
   TORCH_CHECK(n % kBlock == 0 && k % kBlock == 0, "N and K must be multiples of 32");
@@ -188,22 +322,27 @@ at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n
               "scales_zeros must be a contiguous (K / group_size, N, 2) tensor");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == n && bias.is_contiguous()),
               "bias must be empty or a contiguous (N,) fp32 tensor");
+  using Q = std::conditional_t<A16, int16_t, int8_t>;
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
-  std::vector<int8_t> xq(m * k);
+  std::vector<Q> xq(m * k);
   std::vector<float> d(m * (k / kBlock)), gsum(m * G), xf(k);
   std::vector<char> finite(m);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_rows_a8", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int4_rows_q", [&] {
     using T = scalar_t;
     const T* xr = x.data_ptr<T>();
     const float qm = static_cast<float>(qmax), floor_ = static_cast<float>(min_scale);
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t c = 0; c < k; ++c) xf[c] = static_cast<float>(xr[r * k + c]);
-      finite[r] = quantize_row(xf.data(), k, group_size, qm, floor_, xq.data() + r * k,
-                               d.data() + r * (k / kBlock), gsum.data() + r * G);
+      Q* qr = xq.data() + r * k;
+      float *dr = d.data() + r * (k / kBlock), *gr = gsum.data() + r * G;
+      if constexpr (A16)
+        finite[r] = quantize_row16(xf.data(), k, group_size, qr, dr, gr);
+      else
+        finite[r] = quantize_row(xf.data(), k, group_size, qm, floor_, qr, dr, gr);
     }
     T* o = out.data_ptr<T>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_a8_table", [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_q_table", [&] {
       const scalar_t* zp = sz.data_ptr<scalar_t>();
       const uint8_t* pp = packed.data_ptr<uint8_t>();
       const int64_t blocks = n / kBlock;
@@ -214,15 +353,25 @@ at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n
           const uint8_t* blk = pp + r0 * k / 2;
           for (int64_t r = 0; r < m; r += 4) {  // up to four rows share each decoded pair of columns
             const int64_t mr = std::min<int64_t>(4, m - r);
-            const int8_t* xs[4];
+            const Q* xs[4];
             const float *ds[4], *gss[4];
             for (int64_t j = 0; j < mr; ++j)
               xs[j] = xq.data() + (r + j) * k, ds[j] = d.data() + (r + j) * (k / kBlock), gss[j] = gsum.data() + (r + j) * G;
-            switch (mr) {
-              case 4: int4_block_a8<4>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
-              case 3: int4_block_a8<3>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
-              case 2: int4_block_a8<2>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
-              default: int4_block_a8<1>(xs, ds, gss, blk, k, group_size, zp + r0 * 2, n, y); break;
+            const scalar_t* zr = zp + r0 * 2;
+            if constexpr (A16) {
+              switch (mr) {
+                case 4: int4_block_a16<4>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                case 3: int4_block_a16<3>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                case 2: int4_block_a16<2>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                default: int4_block_a16<1>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+              }
+            } else {
+              switch (mr) {
+                case 4: int4_block_a8<4>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                case 3: int4_block_a8<3>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                case 2: int4_block_a8<2>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+                default: int4_block_a8<1>(xs, ds, gss, blk, k, group_size, zr, n, y); break;
+              }
             }
             for (int64_t j = 0; j < mr; ++j) {
               float* yr = y + j * kBlock;
@@ -236,8 +385,18 @@ at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n
   });
   return out;
 #else
-  TORCH_CHECK(false, "int4_rows_a8 is built only for CPUs with AVX2 and without AVX-512");
+  TORCH_CHECK(false, "int4_rows_a8 and int4_rows_a16 are built only for CPUs with AVX2 and without AVX-512");
 #endif
+}
+
+at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+                        int64_t group_size, const at::Tensor& bias, double qmax, double min_scale) {
+  return int4_rows_q<false>(x, packed, n, k, sz, group_size, bias, qmax, min_scale);
+}
+
+at::Tensor int4_rows_a16(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+                         int64_t group_size, const at::Tensor& bias) {
+  return int4_rows_q<true>(x, packed, n, k, sz, group_size, bias, 0.0, 0.0);
 }
 
 }  // namespace
@@ -245,6 +404,11 @@ at::Tensor int4_rows_a8(const at::Tensor& x, const at::Tensor& packed, int64_t n
 TORCH_LIBRARY_FRAGMENT(quantserve_rows, m) {
   m.def("int4_rows_a8(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias, "
         "float qmax, float min_scale) -> Tensor");
+  m.def("int4_rows_a16(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) { m.impl("int4_rows_a8", &int4_rows_a8); }
+TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
+  m.impl("int4_rows_a8", &int4_rows_a8);
+  m.impl("int4_rows_a16", &int4_rows_a16);
+}
