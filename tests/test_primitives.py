@@ -81,3 +81,29 @@ def test_a_cpu_without_a_bf16_dot_product_is_answered_without_the_probe(flags, p
     monkeypatch.setattr(P, "_seconds", lambda f, calls=3: timed.append(f) or (1.0 if len(timed) % 2 else 2.0))
     assert P.bf16_matmul_is_faster(torch.device("cpu")) is probed
     assert len(timed) == (2 if probed else 0)
+
+
+def test_int16_block_activations_hold_a_16_bit_row_exactly_near_each_blocks_max():
+    """quantize_act_blocks16: a power-of-two scale per block of 32, so q * d is exact; a bf16 element within 2^7 of
+    its block's max magnitude comes back as it was, a smaller one within 2^-15 of that max; all-zero blocks stay
+    zero, q never past 32767, and a row that is not finite stays not finite."""
+    g = torch.Generator().manual_seed(0)
+    narrow = (torch.rand(4, 64, generator=g) + 0.02).bfloat16() * torch.sign(torch.randn(4, 64, generator=g))
+    assert torch.equal(P.quantize_act_blocks16(narrow), narrow.float())  # max / min < 2^7 in every block
+    wide = (torch.randn(4, 64, generator=g) * torch.logspace(-6, 2, 64)).bfloat16()
+    got = P.quantize_act_blocks16(wide)
+    top = wide.float().abs().reshape(4, 2, 32).amax(-1, keepdim=True).expand(4, 2, 32).reshape(4, 64)
+    assert bool(((got - wide.float()).abs() <= top * 2.0**-15).all())
+    assert not torch.equal(got, wide.float())  # the smallest elements were rounded
+    near = wide.float().abs() >= top * 2.0**-7
+    assert torch.equal(got[near], wide.float()[near])
+    edge = torch.zeros(2, 32)
+    edge[1] = 2.0**40 * (1 - 2.0**-24)  # q = f 2^15 rounds to 32768 past the 16 bits: held at 32767
+    out = P.quantize_act_blocks16(edge)
+    assert torch.equal(out[0], edge[0]) and float(out[1, 0]) == 32767 * 2.0**25
+    bad = torch.ones(2, 32)
+    bad[0, 3] = float("inf")
+    assert not bool(P.quantize_act_blocks16(bad)[0].isfinite().all()) and torch.equal(P.quantize_act_blocks16(bad)[1],
+                                                                                         bad[1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        P.quantize_act_blocks16(torch.randn(2, 40))

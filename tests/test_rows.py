@@ -240,6 +240,59 @@ def test_int4_rows_with_int8_activations_refuse_what_they_cannot_compute():
         P.quantize_act_blocks(torch.randn(2, 200))
 
 
+def _int4_a16(m: int4.GPTQLinear):
+    if int4_layout.cpu_layout() != (32, True) or m.packed is None:
+        pytest.skip("int16 activations are built for AVX2's int4pack layout (32-row split blocks) only")
+    bias = None if m.bias is None else m.bias.data.float()
+    return rows.int4_a16(m.packed, m.out_features, m.in_features, m.scales_zeros, m.group_size, bias)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 3, 6])  # up to four rows share each decoded column pair: 6 is 4 + 2
+@pytest.mark.parametrize("dtype,group", [(torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256)])
+def test_int4_rows_with_int16_activations_are_the_exact_product_to_16_bit_rounding(sym, bias, rows_, dtype, group):
+    """The rows16 path: the module's weights times its input held as int16 in blocks of 32 (P.quantize_act_blocks16),
+    the integer sums exact: equal, once rounded to x's dtype, to that product computed in float64 (every output
+    here), within 2^-14 of the exact product's largest output, and each row what it is alone, bit for bit."""
+    m = gptq_linear(96, 512, bias, False, group=group, sym=sym)
+    m.prepare(dtype)
+    op = _int4_a16(m)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(rows_, 512, generator=g) * torch.logspace(-4, 1, 512)).to(dtype)  # wide ranges in blocks too
+    w, b = m.dequantized(torch.float32).double(), None if m.bias is None else m.bias.double()
+    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x).double(), w, b)
+    exact = torch.nn.functional.linear(x.double(), w, b)
+    y = op(x)
+    assert y.dtype == dtype and y.shape == (rows_, 96)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    assert float((y == ref.to(dtype)).float().mean()) > 0.99
+    assert 0 < float((ref - exact).abs().max() / exact.abs().max()) < 2.0**-14  # rounded, far below 16-bit output
+    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
+
+
+def test_int4_rows_with_int16_activations_propagate_a_nan_row_and_leave_the_others():
+    m = gptq_linear(192, 256, True, False)
+    m.prepare(torch.bfloat16)
+    op = _int4_a16(m)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12)).bfloat16()
+    x[1, 7] = float("nan")
+    y = op(x)
+    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x), m.dequantized(torch.float32), m.bias.float())
+    assert bool(y[1].isnan().all()) and bool(ref[1].isnan().all())
+    assert float((y[[0, 2]].float() - ref[[0, 2]]).abs().max() / ref[[0, 2]].abs().max()) < 8e-3
+
+
+def test_the_rows16_path_is_offered_for_16_bit_activations_only():
+    m = gptq_linear(96, 256, False, False)
+    m.prepare(torch.bfloat16)
+    _int4_a16(m)
+    assert "rows16" in m.paths(torch.bfloat16) and "rows16" in m.paths(torch.float16)
+    assert "rows16" not in m.paths(torch.float32)  # fp32 x would lose bits past int16's: the exact paths only
+    m.use_int8_activations()
+    assert "rows16" not in m.paths(torch.bfloat16)  # int8 activations are another function
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_", [1, 2, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

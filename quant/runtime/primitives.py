@@ -109,9 +109,11 @@ def quantize_act_blocks16(x: torch.Tensor) -> torch.Tensor:
     if k % ACT_BLOCK:
         raise ValueError(f"block-quantized activations need K a multiple of {ACT_BLOCK}, got {k}")
     xb = _compute(x).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
-    e = torch.frexp(xb.abs().amax(-1, keepdim=True).float()).exponent.clamp_min(-100)  # max |x| = f 2^e, f in [.5, 1)
+    top = xb.abs().amax(-1, keepdim=True)
+    e = torch.frexp(top).exponent.clamp_min(-100)  # max |x| = f 2^e, f in [0.5, 1)
     d = torch.ldexp(torch.ones((), dtype=xb.dtype), (e - 15).to(xb.dtype))
-    return (torch.round(xb / d).clamp_(-ACT16_MAX, ACT16_MAX) * d).reshape(m, k)
+    q = torch.round(xb / d).clamp_(-ACT16_MAX, ACT16_MAX) * d
+    return torch.where(top.isfinite(), q, xb).reshape(m, k)  # a block that is not finite stays so
 
 
 def fake_quant_act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
