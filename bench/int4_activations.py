@@ -7,8 +7,10 @@ Quality: the w4a16 artifact (built under --artifacts where absent) evaluated in 
 its projections on their input as it is and on its input quantized in blocks of 32 columns (the served int8 path's
 function: quant.runtime.int4.GPTQLinear.use_int8_activations), each against the float model (Δppl %, mean KL,
 top-1 agreement) and the int8 one against the same weights on float activations.
-Speed: each projection of a layer as the server calls it (q/k/v and gate/up fused), one bf16 row, the exact ``rows``
-op against the int8 one (``rows.int4_a8``), called in turn, median µs of --rounds calls, on this process's threads.
+Speed: each projection of a layer as the server calls it (q/k/v and gate/up fused), one and four bf16 rows (a
+verification's), the exact ``rows`` op against ``rows16`` (``rows.int4_a16``: int16 block activations, the default
+plans' path for 16-bit rows) and the int8 one (``rows.int4_a8``), called in turn, median µs of --rounds calls, on this
+process's threads.
 """
 
 from __future__ import annotations
@@ -65,19 +67,22 @@ def speed(art_path: Path, rounds: int) -> list[dict]:
             continue
         bias = None if m.bias is None else m.bias.data.float()
         calls = {"float": rowops.int4(m.packed, n, k, layout, m.scales_zeros, m.group_size, bias),
+                 "int16": rowops.int4_a16(m.packed, n, k, m.scales_zeros, m.group_size, bias),
                  "int8": rowops.int4_a8(m.packed, n, k, m.scales_zeros, m.group_size, bias)}
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-        times = {name: [] for name in calls}
-        for name, call in calls.items():
-            for _ in range(20):
-                call(x)
-        for _ in range(rounds):
+        for rows in (1, 4):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+            times = {name: [] for name in calls}
             for name, call in calls.items():
-                t = time.perf_counter()
-                call(x)
-                times[name].append(time.perf_counter() - t)
-        us = {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
-        out.append({"n": n, "k": k, "float_us": us["float"], "int8_us": us["int8"], "speedup": us["float"] / us["int8"]})
+                for _ in range(20):
+                    call(x)
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    t = time.perf_counter()
+                    call(x)
+                    times[name].append(time.perf_counter() - t)
+            us = {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
+            out.append({"n": n, "k": k, "rows": rows, **{f"{name}_us": v for name, v in us.items()},
+                        "int16_speedup": us["float"] / us["int16"], "speedup": us["float"] / us["int8"]})
     return out
 
 
@@ -99,8 +104,9 @@ def main() -> None:
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "speed": speed(art, args.rounds)}
     if not args.json:
         for r in report["speed"]:
-            print(f"{r['n']:5d} x {r['k']:5d}: float {r['float_us']:7.1f} us, int8 {r['int8_us']:7.1f} us, "
-                  f"{r['speedup']:.2f}x", flush=True)
+            print(f"{r['n']:5d} x {r['k']:5d}, {r['rows']} row(s): float {r['float_us']:7.1f} us, int16 "
+                  f"{r['int16_us']:7.1f} us ({r['int16_speedup']:.2f}x), int8 {r['int8_us']:7.1f} us "
+                  f"({r['speedup']:.2f}x)", flush=True)
     if not args.skip_quality:
         report["windows"], report["seqlen"] = args.windows, args.seqlen
         report["quality"] = quality(art, args.windows, args.seqlen)
