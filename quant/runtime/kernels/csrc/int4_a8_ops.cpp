@@ -47,22 +47,39 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
+// A block of 32 columns of x into v and its largest magnitude into m; false where an element is not finite.
+inline bool load_block(const float* xb, __m256 v[4], float& m) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  m = hmax8(mx);
+  return !_mm256_movemask_ps(bad) && std::isfinite(m);
+}
+
+// Block b's codes' sum (eight lanes) times its scale s, added to its weight group's sum of the activations as the
+// product sees them (the group's first block starts it).
+inline void add_group_sum(__m256i sum, float s, int64_t b, int64_t gs, float* gsum) {
+  alignas(32) int32_t t[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
+  const int32_t total = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+  const int64_t g = b * kBlock / gs;
+  gsum[g] = (b * kBlock % gs == 0 ? 0.f : gsum[g]) + s * static_cast<float>(total);
+}
+
 // One x row quantized as quant.runtime.primitives.quantize_act_blocks does: q (K,) int8, d (K / 32,) fp32 block
 // scales (max |x| / qmax, at least `min_scale`), gsum (G,) each weight group's sum of d q (the activations as the
 // product sees them). The same IEEE division and round-half-to-even as torch. false where the row is not finite.
 bool quantize_row(const float* x, int64_t k, int64_t gs, float qmax, float min_scale, int8_t* q, float* d,
                   float* gsum) {
-  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  const __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-    }
-    const float m = hmax8(mx);
-    if (_mm256_movemask_ps(bad) || !std::isfinite(m)) return false;
+    __m256 v[4];
+    float m;
+    if (!load_block(x + b * kBlock, v, m)) return false;
     const float s = std::max(m / qmax, min_scale);
     d[b] = s;
     const __m256 sv = _mm256_set1_ps(s);
@@ -76,11 +93,7 @@ bool quantize_row(const float* x, int64_t k, int64_t gs, float qmax, float min_s
     const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
                         _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    alignas(32) int32_t t[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
-    const int32_t total = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    const int64_t g = b * kBlock / gs;
-    gsum[g] = (b * kBlock % gs == 0 ? 0.f : gsum[g]) + s * static_cast<float>(total);
+    add_group_sum(sum, s, b, gs, gsum);
   }
   return true;
 }
@@ -91,17 +104,11 @@ bool quantize_row(const float* x, int64_t k, int64_t gs, float qmax, float min_s
 // under 2^7; 2^4 for fp16) is held exactly; the rest lose what lies below d / 2 <= 2^-15 of the block's max. gsum as
 // quantize_row's. false where the row is not finite.
 bool quantize_row16(const float* x, int64_t k, int64_t gs, int16_t* q, float* d, float* gsum) {
-  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
+  const __m256 hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-    }
-    const float m = hmax8(mx);
-    if (_mm256_movemask_ps(bad) || !std::isfinite(m)) return false;
+    __m256 v[4];
+    float m;
+    if (!load_block(x + b * kBlock, v, m)) return false;
     int e = 0;
     std::frexp(m, &e);  // m = f 2^e, f in [0.5, 1) (e = 0 for m = 0)
     e = std::max(e, -100);  // 2^(15 - e) stays finite; such a block rounds to 0
@@ -119,11 +126,7 @@ bool quantize_row16(const float* x, int64_t k, int64_t gs, int16_t* q, float* d,
     const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock + 16), p1);
-    alignas(32) int32_t t[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
-    const int32_t total = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    const int64_t g = b * kBlock / gs;
-    gsum[g] = (b * kBlock % gs == 0 ? 0.f : gsum[g]) + s * static_cast<float>(total);
+    add_group_sum(sum, s, b, gs, gsum);
   }
   return true;
 }
