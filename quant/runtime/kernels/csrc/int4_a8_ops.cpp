@@ -1,6 +1,7 @@
 // int4 weights times int8 activations, for a few rows (batch-1 decode) on AVX2: llama.cpp's Q4 x Q8 trade, opt-in
 // (quant/runtime/int4.py; loaded with the rows ops by quant/runtime/kernels/rows.py, held to its PyTorch reference in
-// tests/test_rows.py).
+// tests/test_rows.py). And the same pass on int16 activations with power-of-two block scales (int4_rows_a16, the
+// `rows16` path of 16-bit rows: within 2^-14 of the exact product, see quantize_row16).
 //
 // Why: the exact path (rows_ops.cpp int4_rows) turns every 4-bit code into an fp32 number and multiplies it by an
 // fp32 activation, 8 products an instruction plus one byte shuffle for every 8 codes; that is its floor on AVX2. Here
