@@ -242,8 +242,8 @@ class GPTQLinear(WeightOnlyLinear):
                 out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
                                                perm)
             if dtype in (torch.bfloat16, torch.float16) and int8_activations_supported(layout, n, k, gs):
-                # rows16: the same pass on x held as int16 in blocks of 32 (power-of-two scales: a 16-bit x within
-                # 2^-7 of its block's max exactly), integer sums 16 products an instruction
+                # rows16: the same pass on x held as int16 in blocks of 32 (power-of-two scales: a bf16 element no
+                # smaller than 2^-7 of its block's largest is held exactly), integer sums 16 products an instruction
                 out["rows16"] = _in_kernel_order(rowops.int4_a16(self.packed, n, k, self.scales_zeros, gs, bias),
                                                  perm)
             if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
