@@ -182,11 +182,16 @@ def test_int4_rows_of_a_fused_module_are_its_parts_products():
     assert torch.equal(y, want)
 
 
-def _int4_a8(m: int4.GPTQLinear):
+def _int4_quantized(m: int4.GPTQLinear, op=rows.int4_a8):
+    """The module's int4 product on int8 (``rows.int4_a8``) or int16 (``rows.int4_a16``) block activations."""
     if int4_layout.cpu_layout() != (32, True) or m.packed is None:
-        pytest.skip("int8 activations are built for AVX2's int4pack layout (32-row split blocks) only")
+        pytest.skip("quantized activations are built for AVX2's int4pack layout (32-row split blocks) only")
     bias = None if m.bias is None else m.bias.data.float()
-    return rows.int4_a8(m.packed, m.out_features, m.in_features, m.scales_zeros, m.group_size, bias)
+    return op(m.packed, m.out_features, m.in_features, m.scales_zeros, m.group_size, bias)
+
+
+def _int4_a8(m: int4.GPTQLinear):
+    return _int4_quantized(m, rows.int4_a8)
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -230,21 +235,24 @@ def test_int4_rows_with_int8_activations_propagate_a_nan_row_and_leave_the_other
 
 def test_int4_rows_with_int8_activations_refuse_what_they_cannot_compute():
     m = _int4_fp32()
+    _int4_quantized(m)  # skips where the quantized-activation ops are not built (an AVX-512 CPU)
     x = torch.randn(1, 256)
     sz, op = m.scales_zeros, rows._op("int4_rows_a8")
     with pytest.raises(RuntimeError, match="qmax must be in"):
         op(x, m.packed, 192, 256, sz, 64, torch.empty(0), 128.0, 1e-8)  # 16-bit sums would saturate
     with pytest.raises(RuntimeError, match="multiples of 32"):
         op(x[:, :200], m.packed[: 192 * 200 // 2], 192, 200, sz, 64, torch.empty(0), 127.0, 1e-8)
+    a16 = rows._op("int4_rows_a16")  # the same checks before the int16 pass
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        a16(x[:, :200], m.packed[: 192 * 200 // 2], 192, 200, sz, 64, torch.empty(0))
+    with pytest.raises(RuntimeError, match="group_size must be a multiple of 32"):
+        a16(x, m.packed, 192, 256, sz, 48, torch.empty(0))
     with pytest.raises(ValueError, match="multiple of 32"):
         P.quantize_act_blocks(torch.randn(2, 200))
 
 
 def _int4_a16(m: int4.GPTQLinear):
-    if int4_layout.cpu_layout() != (32, True) or m.packed is None:
-        pytest.skip("int16 activations are built for AVX2's int4pack layout (32-row split blocks) only")
-    bias = None if m.bias is None else m.bias.data.float()
-    return rows.int4_a16(m.packed, m.out_features, m.in_features, m.scales_zeros, m.group_size, bias)
+    return _int4_quantized(m, rows.int4_a16)
 
 
 @pytest.mark.parametrize("sym", [True, False])
