@@ -391,10 +391,10 @@ def test_kernels_built_under_an_avx2_cap_leave_out_avx512():
     assert plain.stdout.strip() == "()"
 
 
-@pytest.mark.parametrize("path", ["rows", "gemm"])
+@pytest.mark.parametrize("path", ["rows", "rows16", "gemm"])
 def test_a_native_path_counts_its_staging_in_the_projection_transients(path):
-    """The rows and gemm ops stage x and their tiles in C++ vectors the allocator tracker cannot see; the engine's
-    transients add them."""
+    """The rows, rows16 and gemm ops stage x and their tiles in C++ vectors the allocator tracker cannot see; the
+    engine's transients add them."""
     from quant.runtime.kernel_choice import ROW_BUCKETS, RowPlan
     from quant.runtime.kernels import gemm
     from server.layers.linear import Projections
@@ -402,7 +402,7 @@ def test_a_native_path_counts_its_staging_in_the_projection_transients(path):
     m = gptq_linear(192, 128, False, False)
     if path not in m.paths(torch.bfloat16):
         pytest.skip(f"no {path} path on this CPU")
-    staging = {"rows": rows.staging_bytes, "gemm": gemm.staging_bytes}[path]
+    staging = {"rows": rows.staging_bytes, "rows16": rows.staging_bytes, "gemm": gemm.staging_bytes}[path]
 
     class Fixed:  # a chooser whose plan is the path at every row count
         chosen: dict = {}

@@ -24,7 +24,8 @@ from server.fuse import fuse_linears
 ROLES = ("qkv", "o", "gate_up", "down")  # quant.shape.memory.engine_prefill_bytes keys its transients by these
 
 # Bytes a path's C++ op holds inside the call on (rows, K) x, by path name: (rows, K) -> bytes
-_STAGING: dict[str, Callable[[int, int], int]] = {"rows": rowops.staging_bytes, "gemm": gemm.staging_bytes}
+_STAGING: dict[str, Callable[[int, int], int]] = {"rows": rowops.staging_bytes, "rows16": rowops.staging_bytes,
+                                                  "gemm": gemm.staging_bytes}
 
 
 def _plain_call(mod: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -157,7 +158,8 @@ class Projections:
         count dequantizes its weight (or upcasts it, or its input, to fp32) holds those copies while it runs. Each
         is measured once per computation and path with quant.shape.memory's MemoryTracker, on the path itself at this
         row count (every scheme and path allocates with its own arithmetic; tracking it is exact), plus, for the
-        ``rows`` and ``gemm`` paths, the staging their C++ ops hold where the tracker cannot see (:data:`_STAGING`)."""
+        ``rows``, ``rows16`` and ``gemm`` paths, the staging their C++ ops hold where the tracker cannot see
+        (:data:`_STAGING`)."""
         if rows not in self._transients:
             self._transients[rows] = {role: max((self._extra_bytes(m, rows) for m in mods), default=0)
                                       for role, mods in self.by_role.items()}

@@ -34,9 +34,11 @@ def available(t: torch.Tensor) -> bool:
 
 def staging_bytes(m: int, k: int) -> int:
     """What a rows op holds besides its output while it runs on (m, K) x, at most: x widened to fp32 (W8A8 holds
-    it as int16 instead), plus, for int4, per-group sums of x and one (m, 64) fp32 block per thread. C++ vectors,
-    which quant.shape.memory's MemoryTracker (it sees op outputs) cannot see: the engine adds this to what it tracks."""
-    return 4 * m * k + 4 * m * (k // 32 + 64 * torch.get_num_threads())
+    it as int16 instead; the int4 ops on int8 or int16 activations hold it quantized, under 2.25 bytes a value with
+    its block scales and group sums, and one row widened to fp32), plus, for int4, per-group sums of x and one
+    (m, 64) fp32 block per thread. C++ vectors, which quant.shape.memory's MemoryTracker (it sees op outputs) cannot
+    see: the engine adds this to what it tracks."""
+    return 4 * m * k + 4 * k + 4 * m * (k // 32 + 64 * torch.get_num_threads())
 
 
 def _op(name: str):
