@@ -69,6 +69,12 @@ def gemlite_w4(codes, s, zero, gs: int, dtype):
         return None, f"gemlite {getattr(sys.modules.get('gemlite'), '__version__', '')}: {type(e).__name__}: {e}"[:200]
 
 
+def note_peer(results: dict, why: str) -> None:
+    """Why a peer did not run, said once in the report however many rows it missed."""
+    if why not in results.setdefault("peers", []):
+        results["peers"].append(why)
+
+
 def gemlite_row(row: dict, lin, x, want) -> None:
     """GemLite's time and error on ``x`` into ``row`` (``gemlite_us``, ``gemlite_rel_err``), or why not
     (``gemlite_error``): a call its CUDA graph capture refuses is timed eagerly (``gemlite_eager``)."""
@@ -105,8 +111,8 @@ def kernel_checks(results: dict, failures: list, quick: bool, clock: Clock) -> N
                     w_ref = torch.randn(n, k, device=dev, dtype=dtype)
                     packed = pack_for_kernel(codes.to(torch.int32)) if k % 32 == 0 else None
                     gl, why = gemlite_w4(codes, s, zero, gs, dtype)
-                    if why and why not in results.setdefault("peers", []):
-                        results["peers"].append(why)
+                    if why:
+                        note_peer(results, why)
                 for m in (1, 16, 256) if quick else (1, 4, 16, 64, 256, 1024):
                     x = torch.randn(m, k, device=dev).to(dtype)
                     got = T.w4_matmul(x, qw, sz, gs)
@@ -263,8 +269,8 @@ def gemv_sweep(results: dict, failures: list, clock: Clock) -> None:
         gl, why = gemlite_w4(codes, s, zero, gs, dtype)
         if gl is not None:
             gemlite_row(row, gl, x, want)
-        elif why not in results.setdefault("peers", []):
-            results["peers"].append(why)
+        else:
+            note_peer(results, why)
         sym = sz.clone()
         sym[..., 1] = 0  # a symmetric checkpoint's table: the rule's launch told its zeros are all 0
         if rel_err(T.w4_gemv(x, qw, sym, gs, None, True), T.w4_reference(x, qw, sym, gs)) > 2e-2:

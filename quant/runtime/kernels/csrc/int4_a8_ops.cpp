@@ -231,6 +231,9 @@ void int4_block_a8(const int8_t* const* xq, const float* const* d, const float* 
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 32 * r + 8 * i, _mm256_add_ps(acc[r][i], off[r][i]));
 }
 
+// The layout rows in int4_block_a16's accumulator i: lanes 0-3 rows kLanes16[i][0].., lanes 4-7 rows kLanes16[i][1]..
+constexpr int kLanes16[4][2] = {{0, 8}, {4, 12}, {16, 24}, {20, 28}};
+
 // int4_block_a8 on int16 activations (quantize_row16): each column pair's 32 rows of codes widened to 16-bit pairs
 // (row i, then row 16 + i from the high nibbles), times the (x[c], x[c + 1]) pair by vpmaddwd into exact 32-bit sums
 // (a block's at most 32 * 15 * 32767 < 2^24, so its conversion to fp32 is exact too, and d_b a power of two).
@@ -281,10 +284,9 @@ void int4_block_a16(const int16_t* const* xq, const float* const* d, const float
     const S* zg = sz + (g0 / gs) * n * 2;
     const __m256 eight = _mm256_set1_ps(8.f);
     for (int i = 0; i < 4; ++i) {  // the rows of accumulator i, in the table's order
-      static constexpr int first[4][2] = {{0, 8}, {4, 12}, {16, 24}, {20, 28}};
       __m128 s0, z0, s1, z1;
-      scales4(zg + 2 * first[i][0], s0, z0);
-      scales4(zg + 2 * first[i][1], s1, z1);
+      scales4(zg + 2 * kLanes16[i][0], s0, z0);
+      scales4(zg + 2 * kLanes16[i][1], s1, z1);
       const __m256 s = _mm256_set_m128(s1, s0), z = _mm256_set_m128(z1, z0);
       const __m256 o = _mm256_fnmadd_ps(s, eight, z);
       for (int r = 0; r < MR; ++r) {
@@ -293,12 +295,11 @@ void int4_block_a16(const int16_t* const* xq, const float* const* d, const float
       }
     }
   }
-  static constexpr int order[4][2] = {{0, 8}, {4, 12}, {16, 24}, {20, 28}};
   for (int r = 0; r < MR; ++r)
     for (int i = 0; i < 4; ++i) {
       const __m256 v = _mm256_add_ps(acc[r][i], off[r][i]);
-      _mm_storeu_ps(y + 32 * r + order[i][0], _mm256_castps256_ps128(v));
-      _mm_storeu_ps(y + 32 * r + order[i][1], _mm256_extractf128_ps(v, 1));
+      _mm_storeu_ps(y + 32 * r + kLanes16[i][0], _mm256_castps256_ps128(v));
+      _mm_storeu_ps(y + 32 * r + kLanes16[i][1], _mm256_extractf128_ps(v, 1));
     }
 }
 #endif
