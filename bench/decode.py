@@ -18,9 +18,12 @@ Tables (all rows of a table in this one run, same prompt, same machine):
    process by process with llama.cpp for ``--rounds`` rounds, medians compared; and 16 concurrent requests
    through ``quant serve`` (with ``--baseline``: alternated with that commit's server).
 5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
-   ``--baseline`` commit (comma-separated), process by process in turn for ``--rounds`` rounds, medians compared;
-   each engine as users get it (n-gram speculation where its start-up timing says it pays) and with speculation
-   off (``--speculate off``: the decode step itself, as llama.cpp runs here, without a draft).
+   ``--baseline`` commit (comma-separated); each engine as users get it (n-gram speculation where its start-up
+   timing says it pays) and with speculation off (``--speculate off``: the decode step itself, as llama.cpp runs
+   here, without a draft). Every engine is a resident process of its own (loaded once, then idle but for its turn),
+   and the rounds go request by request: each round every engine serves one request in turn (the order rotating),
+   so a machine whose speed drifts over seconds (this VM's does) slows all of a round alike. Reported: each
+   engine's median over ``--rounds`` rounds, and against llama.cpp the median of the per-round ratios.
 
 6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32 (with
    its float head, and with ``--embeddings int8``), beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
@@ -59,6 +62,70 @@ def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512Mi
     return Engine.from_path(spec, cfg, cache).start()
 
 
+def one_request(case: str, spec: str, cache: Path, threads: int):
+    """A batch-1 case loaded and warmed up: a function serving one greedy request of NEW tokens, returning its
+    tokens/s."""
+    if case == "llama-b1":
+        _, tokens = llama_cpp(threads)
+
+        def run(n=NEW):
+            t = time.perf_counter()
+            assert len(tokens(n)) == n
+            return n / (time.perf_counter() - t)
+    else:
+        eng = engine_for(spec, cache, threads, speculate="off" if case.endswith("plain") else "auto",
+                         int4_activations="int8" if "-a8" in case else "float")
+
+        def run(n=NEW):
+            t = time.perf_counter()
+            c = eng.complete(PROMPT, greedy(n))
+            assert len(c.token_ids) == n, len(c.token_ids)
+            return n / (time.perf_counter() - t)
+    run(16)  # warm-up
+    return run
+
+
+def serve_requests(case: str, spec: str, cache: Path, threads: int) -> None:
+    """A resident worker (``--worker``): loads its case, says ``ready``, then serves one request per ``run`` line
+    read from stdin, printing its tokens/s, until stdin closes."""
+    torch.set_num_threads(threads)
+    run = one_request(case, spec, cache, threads)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            print(json.dumps({"tok_s": run()}), flush=True)
+    os._exit(0)  # the engine's and llama.cpp's threads need no orderly shutdown here
+
+
+class Worker:
+    """A resident process of :func:`serve_requests`, this script running the code of ``root``."""
+
+    def __init__(self, case: str, spec: str, cache: Path, threads: int, root: Path = ROOT):
+        self.p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "decode.py"), "--worker", case, spec,
+                                   "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, cwd=root, env={**os.environ, "QUANTSERVE_CACHE": str(cache),
+                                                            "PYTHONPATH": str(root)})
+        self.name = f"{case} {spec} ({root})"
+        self._read()
+
+    def _read(self) -> dict:
+        while True:  # its answer: the next line that is a JSON object (a library may print to stdout too)
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {self.name} exited (rc {self.p.wait()})")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self) -> float:
+        self.p.stdin.write("run\n")
+        self.p.stdin.flush()
+        return self._read()["tok_s"]
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
 def ours_batch1(engine, repeats: int) -> dict:
     engine.complete(PROMPT, greedy(16))  # warm-up
     best = None
@@ -93,7 +160,9 @@ def ensure_llama_cpp():
         subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"], check=True)
 
 
-def llama_cpp_batch1(threads: int, repeats: int) -> dict:
+def llama_cpp(threads: int):
+    """llama.cpp (llama-cpp-python) on the Q4_1 GGUF of the default model, and its greedy generation of n tokens
+    after PROMPT, EOS not ending it."""
     ensure_llama_cpp()
     from llama_cpp import Llama
 
@@ -113,6 +182,11 @@ def llama_cpp_batch1(threads: int, repeats: int) -> dict:
                 break
         return out
 
+    return llm, run
+
+
+def llama_cpp_batch1(threads: int, repeats: int) -> dict:
+    llm, run = llama_cpp(threads)
     run(8)
     best = None
     for _ in range(repeats):
@@ -301,13 +375,17 @@ def main(argv=None) -> int:
                          "commits, comma-separated")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --baseline: processes per engine and case, alternating; the median is kept (one "
-                         "process's speed varies by ~10%% on a 2-core machine)")
+                         "process's speed varies by ~10%% on a 2-core machine); for versus: requests per engine, "
+                         "one each in turn a round")
     ap.add_argument("--case", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=2, metavar=("CASE", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--server-root", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from quant.format.sources import default_cache_dir, resolve
 
     cache = Path(os.environ.get("QUANTSERVE_CACHE") or default_cache_dir())
+    if args.worker:
+        serve_requests(args.worker[0], args.worker[1], cache, args.threads)
     if args.case:
         print(json.dumps(run_case(args.case[0], args.case[1], cache, args.threads, args.repeats,
                                   Path(args.server_root))))
@@ -373,25 +451,33 @@ def main(argv=None) -> int:
         res["http_batch1"]["ours / llama.cpp (medians)"] = round(sorted(r)[len(r) // 2] / sorted(l)[len(l) // 2], 3)
         record("http_concurrent16", "ours w4a16 via quant serve (HTTP)", "serve-16", specs["w4a16"])
     if "versus" in only:
-        # Batch-1 engine decode of the w4a16 artifact against llama.cpp and the --baseline commits' engines,
-        # process by process in turn each round: where the step's time went between commits, on this CPU.
+        # Batch-1 engine decode of the w4a16 artifact against llama.cpp and the --baseline commits' engines, each a
+        # resident process, request by request in turn each round: where the step's time went, on this CPU.
         ensure_llama_cpp()
         trees = {"": ROOT, **{f" at {r}": baseline_worktree(r) for r in refs}}
         cases = {"ours-b1": "", "ours-b1-plain": ", speculation off"}
         # --int4-activations int8 (llama.cpp's own trade) where this checkout has it, not at the baselines
         here = {**cases, "ours-b1-a8": ", int8 activations", "ours-b1-a8-plain": ", int8 activations, speculation off"}
         per_tree = {at: here if at == "" else cases for at in trees}
-        runs = {"llama.cpp Q4_1": [], **{f"ours w4a16{at}{how}": [] for at in trees for how in per_tree[at].values()}}
-        for _ in range(args.rounds):
-            runs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats)["tok_s"])
-            for at, tree in trees.items():
-                for case, how in per_tree[at].items():
-                    runs[f"ours w4a16{at}{how}"].append(
-                        child(case, specs["w4a16"], cache, args.threads, args.repeats, tree)["tok_s"])
-            print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
-        llama = statistics.median(runs["llama.cpp Q4_1"])
+        workers = {"llama.cpp Q4_1": Worker("llama-b1", base, cache, args.threads)}
+        for at, tree in trees.items():
+            for case, how in per_tree[at].items():
+                workers[f"ours w4a16{at}{how}"] = Worker(case, specs["w4a16"], cache, args.threads, tree)
+        runs: dict[str, list[float]] = {k: [] for k in workers}
+        try:
+            names = list(workers)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:  # the order rotates
+                    time.sleep(0.3)  # the last one's threads asleep first
+                    runs[name].append(workers[name].run())
+                print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
+        finally:
+            for w in workers.values():
+                w.close()
+        llama = runs["llama.cpp Q4_1"]
         res["versus"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
-                             "vs_llama_cpp": round(statistics.median(v) / llama, 3)} for k, v in runs.items()}
+                             "vs_llama_cpp": round(statistics.median([a / b for a, b in zip(v, llama)]), 3)}
+                         for k, v in runs.items()}
     if "fp32" in only:
         # Batch-1 served in float32 (--dtype float32): the base model's dense fp32 against the w4a16 artifact in
         # fp32 (its head float, then int8) and in bf16, process by process in turn each round.

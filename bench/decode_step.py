@@ -2,7 +2,8 @@
 samples and the requests advanced), the model forward and inside it each layer's calls (projections, attention,
 activation, residual norms), the head, the embedding lookup, the rotary tables and the sampler, each timed by
 wrapping the engine's own calls (no profiler: its hooks cost more than these ops), on the default model's w4a16
-artifact, speculation off (every step one token's forward).
+artifact, speculation off (every step one token's forward), eagerly (``cpu_graphs=False``: a replayed step calls
+none of the Python it wraps; what replay gains is ``bench/decode.py --only versus``).
 
     python bench/decode_step.py [--artifact bench/out/quality/w4a16] [--rounds 3] [--threads 2]
                                 [--int4-activations float|int8]
@@ -56,7 +57,8 @@ def main() -> None:
         setattr(obj, name, timed)
 
     eng = Engine.from_path(args.artifact, EngineConfig(threads=args.threads, memory_budget="512MiB",
-                                                       speculate="off", int4_activations=args.int4_activations),
+                                                       speculate="off", int4_activations=args.int4_activations,
+                                                       cpu_graphs=False),
                              default_cache_dir())
     try:
         wrap(eng.step, "launch", "step: launch (forward, sampling)")

@@ -42,6 +42,7 @@ class EngineConfig:
     threads: int | None = setting("threads")  # None leaves torch's default
     fused_ops: bool = True  # the fused glue kernels: C++ on CPU (server/fastops.py), Triton on CUDA (False: eager)
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start (server/cuda_graphs.py)
+    cpu_graphs: bool = True  # CPU, fused ops: decode steps replay their recorded ops from C++ (server/cpu_graphs.py)
     # Launch each step before reading the previous one's samples back (decode rows take their tokens on the device),
     # so the host's per-token work overlaps the device's; None: on CUDA, where the device runs asynchronously.
     overlap: bool | None = None

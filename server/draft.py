@@ -78,7 +78,7 @@ class DraftModel:
         embeddings = resolve_embeddings(config.embeddings, config.draft_torch_dtype, self.scheme != "none")
         self.runner = ModelRunner(model, self.pool.storage, layout.block_size, fused_ops=config.fused_ops,
                                   embeddings=embeddings, chooser=chooser, kv_scales=self.pool.scales,
-                                  kv_rotation=layout.rotation, kv_format=layout.kv_format)
+                                  kv_rotation=layout.rotation, kv_format=layout.kv_format, cpu_graphs=config.cpu_graphs)
         self.vocab_size = vocab_size  # the target's: the draft's logits are cut or padded to it
         self.eos_ids = eos_ids  # a drafted end of sequence is its request's last draft
         self.max_catch_up = config.max_prefill_tokens  # tokens a step's first draft forward writes, all together

@@ -108,7 +108,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool.storage, self.layout.block_size, fused_ops=config.fused_ops,
                                   embeddings=self.embeddings, chooser=chooser, kv_scales=self.pool.scales,
                                   kv_rotation=self.layout.rotation, kv_format=self.layout.kv_format,
-                                  int4_activations=config.int4_activations)
+                                  int4_activations=config.int4_activations, cpu_graphs=config.cpu_graphs)
         if fraction:
             budget = share(accounting.fraction_budget(self.device, fraction, self.step_workspace(), config))
             self.pool = self._pool(budget[0])
@@ -164,12 +164,11 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         log.info(
-            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, cuda graphs %s, %s steps, embeddings %s, "
-            "weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
+            "engine: %s (%s) on %s, %s, attention=%s, glue ops %s, cuda graphs %s, cpu graphs %s, %s steps, "
+            "embeddings %s, weights %.1f MiB, KV pool %.1f MiB (%d tokens)",
             model_name, scheme, self.device, config.dtype, self.attention, self.runner.glue_ops, self.cuda_graphs,
-            "overlapped" if self.overlap else "serial", self.embeddings,
-            self.weight_bytes / 2**20,
-            self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
+            "on" if self.runner.cpu_graphs is not None else "off", "overlapped" if self.overlap else "serial",
+            self.embeddings, self.weight_bytes / 2**20, self.pool.capacity_bytes / 2**20, self.pool.capacity_tokens,
         )
 
     @property

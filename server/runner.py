@@ -19,6 +19,7 @@ from quant.errors import UnsupportedModelError
 from quant.runtime.int4 import use_int8_activations
 from server import attention, fastops, models
 from server.batch import StepInputs, stage
+from server.cpu_graphs import CpuGraphs
 from server.sampling import LOGPROB_FLOOR
 
 SCORE_ROWS = 32  # prompt rows whose logits are formed at once when scoring a prompt (Engine: its memory estimate)
@@ -98,12 +99,13 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_storage: Tensor, block_size: int, backend: str | None = None,
                  fused_ops: bool = True, embeddings: str = "float", chooser=None, glue: str | None = None,
                  kv_scales: Tensor | None = None, kv_rotation: tuple[int, int] = (0, 0),
-                 kv_format: str | None = None, int4_activations: str = "float"):
+                 kv_format: str | None = None, int4_activations: str = "float", cpu_graphs: bool = True):
         """glue: an Ops kind that overrides the choice (the tests run "triton" on a CPU under the interpreter).
         int4_activations: int8 puts every int4 projection on int8 activations (quant.runtime.int4), before binding.
         kv_format: the quantized format the pool holds (server.kv_pool.KVLayout.kv_format), or None; kv_scales: the
         pool's scales for int8 and fp8 (kv_storage then holds their codes); kv_rotation: their keys' and values'
-        rotation blocks (KVLayout.rotation). int4 (kv_storage: the pool's units) has its own backend."""
+        rotation blocks (KVLayout.rotation). int4 (kv_storage: the pool's units) has its own backend. cpu_graphs:
+        decode steps replay their recorded ops from C++ where the fused CPU ops are loaded (server/cpu_graphs.py)."""
         dtype = model.get_input_embeddings().weight.dtype
         cache_dtype = dtype if kv_format else kv_storage.dtype  # codes are read in the model's dtype
         self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
@@ -127,6 +129,8 @@ class ModelRunner:
         self.attention = cls.name
         self.block_size = block_size
         self.graphs = None  # server.cuda_graphs.DecodeGraphs once enable_cuda_graphs captured them
+        self._cpu_graphs = cpu_graphs and self.ops.fused and kv_storage.device.type == "cpu"
+        self.cpu_graphs = CpuGraphs(self.model, self.backend) if self._cpu_graphs else None
 
     def use_kv_storage(self, kv_storage: Tensor, kv_scales: Tensor | None = None) -> None:
         """Attend over another pool's storage (the engine sizes its pool after building the runner); before any
@@ -135,6 +139,7 @@ class ModelRunner:
             raise RuntimeError("use_kv_storage after the CUDA graphs were captured")
         self.backend = type(self.backend)(kv_storage, self.block_size, self.model.attention_specs, self.ops,
                                           kv_scales=kv_scales, kv_rotation=self.kv_rotation)
+        self.cpu_graphs = CpuGraphs(self.model, self.backend) if self._cpu_graphs else None  # programs hold the pool
 
     def enable_cuda_graphs(self, max_batch: int, max_blocks: int, pad_block: int) -> str:
         """Capture the decode step's CUDA graphs (the engine calls this on CUDA); returns what was done, for the
@@ -153,9 +158,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> Tensor:
         """Logits (S, V) fp32 for the tokens in ``step.sample_index``: a captured graph's replay for decode-only
-        steps that fit one, else the eager forward (the reference)."""
+        steps that fit one (CUDA graphs; on a CPU the recorded program of its row count), else the eager forward
+        (the reference)."""
         if self.graphs is not None and (b := self.graphs.bucket(step)) is not None:
             return self.graphs.run(step, b)
+        if self.cpu_graphs is not None:
+            return self.cpu_graphs.forward(step, self.backend.prepare(step))
         return self.model.forward(step, self.backend, self.backend.prepare(step))
 
     @torch.inference_mode()

@@ -407,7 +407,8 @@ class Scheduler:
             by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
             offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
         lengths = allocate([(s.spec.model_alpha if m else s.spec.alpha, len(d), s.spec.draw, m) for s, d, m in offers],
-                           base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs) if offers else []
+                           base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs,
+                           base_rows == len(decode)) if offers else []
         verify = []
         for (seq, drafts, _), k in zip(offers, lengths):
             drafts = drafts[:k]

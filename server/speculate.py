@@ -22,7 +22,8 @@ same tokens in every test). Greedy requests accept exactly the argmax.
 up to and including the first rejected one: the per-token rate's estimate, exponentially weighted). Each step the
 scheduler offers every decoding request's drafts to :func:`allocate`, which verifies those that pay: the j-th
 draft adds alpha^j expected tokens and one row to the step's forward, whose time by its rows was measured on this
-device when the engine started (:class:`DraftCosts`), with that row's draw where the request samples. A lone
+device when the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded
+program, measured apart), with that row's draw where the request samples. A lone
 request drafts while its rate pays for the rows; in a large batch, where a row costs nearly its share of the
 compute, only the likely drafts are verified; none where plain decoding does best. After :data:`PROBE_AFTER`
 steps without a verification the rate is moved back towards the prior, so a request whose text turns repetitive
@@ -51,7 +52,7 @@ def accepted(drafts: list[int], draws: list[int]) -> int:
 
 
 def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: int,
-             costs: DraftCosts, proposer: DraftCosts | None = None) -> list[int]:
+             costs: DraftCosts, proposer: DraftCosts | None = None, decode_only: bool = False) -> list[int]:
     """How many drafts each request verifies this step: ``offers`` (one per request that could: its acceptance rate
     alpha, the drafts it has, a drafted row's draw in seconds, and optionally whether the draft model proposes them:
     True when left out), on top of a step of ``base_rows`` forward rows that yields ``base_tokens`` tokens (its
@@ -64,13 +65,14 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
     forward (the first makes that forward) and the draft's own draw. Of all those prefixes the one with the most
     expected tokens per second is taken, none if plain decoding does best. So a lone request drafts as long as its
     rate pays for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute,
-    only drafts that are likely accepted are verified."""
+    only drafts that are likely accepted are verified. ``decode_only``: the step without drafts has decode rows
+    alone, so it costs :meth:`DraftCosts.plain` (a replayed program on a CPU) where any draft makes it a forward."""
     ks = [0] * len(offers)
     depth: list[int] = []  # a draft model's rows in its j-th forward
     heap = [(-o[0], i) for i, o in enumerate(offers) if o[1] > 0 and o[0] > 0]
     heapq.heapify(heap)
     rows, extra, tokens = base_rows, 0.0, base_tokens
-    best_rate, best = tokens / costs.forward(rows), list(ks)
+    best_rate, best = tokens / (costs.plain(rows) if decode_only else costs.forward(rows)), list(ks)
     while heap and rows - base_rows < budget:
         gain, i = heapq.heappop(heap)
         alpha, n, draw = offers[i][:3]
@@ -121,6 +123,14 @@ class NgramIndex:
         return []
 
 
+def _interpolate(rows: tuple[int, ...], secs: tuple[float, ...], n: int) -> float:
+    if n <= rows[0] or len(rows) == 1:
+        return secs[0]
+    hi = next((j for j, r in enumerate(rows) if r >= n), len(rows) - 1)
+    t = secs[hi - 1] + (secs[hi] - secs[hi - 1]) * (n - rows[hi - 1]) / (rows[hi] - rows[hi - 1])
+    return max(t, *secs[: hi + (rows[hi] < n)])
+
+
 @dataclass(frozen=True)
 class DraftCosts:
     """What a step costs on this device (``server.step.Stepper.draft_costs`` measures it when the engine starts):
@@ -132,16 +142,17 @@ class DraftCosts:
     seconds: tuple[float, ...] = (1.0,)
     draw: float = 0.0
     filtered: float = 0.0
+    decode: tuple[float, ...] | None = None  # a decode-only step of each of ``rows`` rows (None: as ``seconds``)
 
     def forward(self, n: int) -> float:
-        """Seconds of a forward over n rows: linear between the rows measured, and beyond the last along the last
-        two's slope; never less than a forward over fewer rows."""
-        rows, secs = self.rows, self.seconds
-        if n <= rows[0] or len(rows) == 1:
-            return secs[0]
-        hi = next((j for j, r in enumerate(rows) if r >= n), len(rows) - 1)
-        t = secs[hi - 1] + (secs[hi] - secs[hi - 1]) * (n - rows[hi - 1]) / (rows[hi] - rows[hi - 1])
-        return max(t, *secs[: hi + (rows[hi] < n)])
+        """Seconds of a forward over n rows that verify drafts or prefill: linear between the rows measured, and
+        beyond the last along the last two's slope; never less than a forward over fewer rows."""
+        return _interpolate(self.rows, self.seconds, n)
+
+    def plain(self, n: int) -> float:
+        """Seconds of a step of n decode rows and nothing else (on a CPU a replayed program, server/cpu_graphs.py,
+        where a step with drafts runs eagerly)."""
+        return _interpolate(self.rows, self.decode or self.seconds, n)
 
     def draw_of(self, params) -> float:
         """One drafted row's draw, in seconds, for a request of these sampling parameters (0 when greedy)."""

@@ -58,14 +58,17 @@ class Stepper:
         times, logits = probe_forwards(self.runner, self.pool, self.device, repeats)
         proposer = None
         if self.drafter is not None:
-            proposer = DraftCosts(*probe_forwards(self.drafter.runner, self.drafter.pool, self.device, repeats)[0])
+            drafter = self.drafter
+            p_rows, p_seconds, p_decode = probe_forwards(drafter.runner, drafter.pool, self.device, repeats)[0]
+            proposer = DraftCosts(p_rows, p_decode or p_seconds)  # it proposes by decode steps
+        rows, seconds, decode = times
         if logits is None:
-            return DraftCosts(*times), proposer
+            return DraftCosts(rows, seconds, decode=decode), proposer
         draws = []
         for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
             batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
             draws.append(_fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0]), repeats))
-        return DraftCosts(*times, *draws), proposer
+        return DraftCosts(rows, seconds, *draws, decode=decode), proposer
 
     def draw(self, logits, sampled: list[Sequence], ahead: list[tuple]):
         """Sample ``logits`` (one row per entry of ``sampled``, none with a sample in flight) as this step's sampler
@@ -174,23 +177,29 @@ def _fastest(fn, repeats: int) -> float:
 
 
 def probe_forwards(runner, pool, device, repeats: int):
-    """((rows, seconds), the last forward's last logits row or None): a runner's forwards over 1, 2, 4 ...
-    PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0, 2.0)), a row
-    as dear as a step), the fastest of ``repeats`` each."""
+    """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
+    1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
+    2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and as that many
+    decode rows (a plain step's, replayed where the runner records programs: the first two of a row count are
+    recordings, so those take two runs more), the fastest of ``repeats`` each."""
     n = PROBE_ROWS
     while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
         n //= 2
     if n == 1:
-        return ((1, 2), (1.0, 2.0)), None
-    times, logits = {}, []
+        return ((1, 2), (1.0, 2.0), None), None
+    times, plain, logits = {}, {}, []
+    bs = pool.layout.block_size
+    recorded = 2 if runner.cpu_graphs is not None else 0
     try:
         for rows in (2**i for i in range(n.bit_length())):
-            step = build_step([], [([0] * rows, 0, table, rows)], pool.layout.block_size, device)
+            step = build_step([], [([0] * rows, 0, table, rows)], bs, device)
             times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]),
                                    repeats)
+            step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
+            plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), repeats + recorded)
     finally:
         pool.release(PROBE_ID)
-    return (tuple(times), tuple(times.values())), logits[-1]  # (1, V), read back above: the work is done
+    return (tuple(times), tuple(times.values()), tuple(plain.values())), logits[-1]  # (1, V): the work is done
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:

@@ -200,6 +200,18 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
 
 
 @pytest.mark.unit
+def test_a_plain_decode_step_is_weighed_at_its_own_cost():
+    """A step of decode rows alone costs :meth:`DraftCosts.plain` (a CPU replays it as a recorded program); any draft
+    makes the step a forward, so the drafts must pay for that as well as for their rows."""
+    costs = DraftCosts((1, 2, 4), (1.0, 1.05, 1.1), decode=(0.7, 0.75, 0.8))
+    assert costs.plain(1) == 0.7 and costs.plain(3) == pytest.approx(0.775) and costs.forward(1) == 1.0
+    assert DraftCosts((1, 2), (1.0, 1.05)).plain(2) == 1.05  # not measured: as a forward
+    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs) == [2]  # weighed against a forward's one row: pays
+    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [0]  # against a replayed step: does not
+    assert allocate([(0.9, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [8]  # a likely run still pays
+
+
+@pytest.mark.unit
 def test_a_steps_time_by_its_rows_between_and_beyond_the_measured_ones():
     costs = DraftCosts((1, 2, 4, 8), (0.030, 0.031, 0.036, 0.066))
     assert costs.forward(1) == 0.030 and costs.forward(0) == 0.030 and costs.forward(4) == 0.036

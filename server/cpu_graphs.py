@@ -1,0 +1,308 @@
+"""CPU step graphs: a decode step's forward recorded as the ops it dispatches, then replayed by one C++ call.
+
+A batch-1 decode step of the default model dispatches ~300 ops (four projections, the attention, two norms and
+the activation per layer; the embedding, rotary tables and head); through Python each costs ~3 µs of binding and
+boxing on top of the Python between them, a fifth of the step on a 2-core CPU
+(bench/RESULTS.md#cpu-decode-step-benchdecode_steppy).
+The CUDA graphs' idea on a CPU: a decode-only step of n rows is recorded the first time such a step runs (a
+``TorchDispatchMode`` sees every op with its arguments while the step computes normally), recorded again on the
+next, and from the third on replayed by ``torch.classes.quantserve.StepProgram`` (server/csrc/graph_ops.cpp): the
+same ops, in the same order, on the same tensors, as boxed dispatcher calls from C++. So a replay computes exactly
+what the eager forward computes, bit for bit (tests/test_cpu_graphs.py holds the two to each other).
+
+What a step may vary is declared, not guessed: the step's tensors (token ids, positions, slots, sample rows) and
+the attention metadata's (block tables, key counts) are the program's inputs; every other tensor an op reads is a
+constant the program holds (the weights, the KV pool). The two recordings must agree op for op, argument for
+argument, each constant the very same tensor: a tensor made afresh each step that is not an input, a Python value
+that changed between the steps, or an op that reads a tensor's value into Python (``.item()``) means the forward
+is not a fixed program, and that row count runs eagerly from then on (one log line). Intermediates are freed after
+their last reader, as the eager forward frees them.
+
+Steps with prefill chunks, prompt scoring or the unfused attention paths run eagerly; so does everything when the
+C++ library is not loaded. ``EngineConfig(cpu_graphs=False)`` turns replay off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from server.batch import StepInputs
+
+log = logging.getLogger("quantserve.engine")
+
+MAX_ROWS = 64  # decode steps of at most this many rows are recorded (a program per row count)
+CONST, REG, LIST = 0, 1, 2  # argument kinds, as server/csrc/graph_ops.cpp numbers them
+_MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
+                   torch.channels_last_3d: 3}
+
+
+class NotAProgram(Exception):
+    """The forward is not a fixed sequence of ops on the declared inputs; the message says why."""
+
+
+def step_tensors(step: StepInputs, meta) -> list[Tensor]:
+    """The tensors a step declares (its own fields' and its attention metadata's), each once, in field order."""
+    out: dict[int, Tensor] = {}
+
+    def walk(v) -> None:
+        if isinstance(v, Tensor):
+            out.setdefault(id(v), v)
+        elif isinstance(v, (list, tuple)):
+            if v and isinstance(v[0], (int, float, str)):  # block ids, positions: no tensor in them
+                return
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name))
+
+    walk(step)
+    walk(meta)
+    return list(out.values())
+
+
+class _Recorder(TorchDispatchMode):
+    """Every op the forward dispatches, its arguments in schema order as (kind, value): ("in", i) an input, ("reg",
+    r) an earlier op's output, ("const", tensor), ("list", [...]) a list of tensors, ("val", v) anything else."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # else the mode's dispatch is wrapped to disable dynamo, which imports it (~50 MiB, unused here)
+
+    def __init__(self, inputs: list[Tensor]):
+        super().__init__()
+        self.where: dict[int, tuple[str, int]] = {id(t): ("in", i) for i, t in enumerate(inputs)}
+        self.keep: list[Tensor] = list(inputs)  # every tensor seen, alive, so that no id is reused meanwhile
+        self.ops: list[tuple] = []  # (op, args, output registers)
+        self.registers = 0
+
+    def ref(self, v):
+        if isinstance(v, Tensor):
+            self.keep.append(v)
+            return self.where.get(id(v), ("const", v))
+        if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):
+            return ("list", [None if x is None else self.ref(x) for x in v])
+        return ("val", v)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        full = []
+        for i, a in enumerate(schema.arguments):
+            if i < len(args) and not a.kwarg_only:
+                full.append(args[i])
+            elif a.name in kwargs:
+                full.append(kwargs[a.name])
+            elif a.has_default_value():
+                full.append(a.default_value)
+            else:
+                raise NotAProgram(f"{func}: argument {a.name} not given")
+        refs = [self.ref(v) for v in full]
+        out = func(*args, **kwargs)
+        tensors = []
+        for v in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(v, Tensor):
+                tensors.append(v)
+            elif isinstance(v, (tuple, list)) and all(isinstance(x, Tensor) for x in v):
+                tensors.extend(v)
+            elif v is not None:
+                raise NotAProgram(f"{func} returns a value the forward reads in Python")
+        regs = []
+        for t in tensors:
+            self.keep.append(t)
+            self.where[id(t)] = ("reg", self.registers)
+            regs.append(self.registers)
+            self.registers += 1
+        self.ops.append((func, refs, regs))
+        return out
+
+
+def record(forward, inputs: list[Tensor]) -> tuple[Tensor, _Recorder]:
+    """forward() run once with its ops recorded; its result and the recording."""
+    rec = _Recorder(inputs)
+    with rec:
+        out = forward()
+    if not isinstance(out, Tensor) or rec.where.get(id(out), ("const",))[0] != "reg":
+        raise NotAProgram("the forward's result is not an op's output")
+    rec.result = rec.where[id(out)][1]
+    return out, rec
+
+
+def _same(a, b) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "const":
+        return a[1] is b[1]
+    if a[0] == "list":
+        return len(a[1]) == len(b[1]) and all(
+            (x is None and y is None) or (x is not None and y is not None and _same(x, y)) for x, y in zip(a[1], b[1]))
+    if a[0] == "val":
+        return type(a[1]) is type(b[1]) and a[1] == b[1]
+    return a[1] == b[1]
+
+
+def agree(a: _Recorder, b: _Recorder) -> None:
+    """Raises NotAProgram where two recordings of a forward differ."""
+    if len(a.ops) != len(b.ops):
+        raise NotAProgram(f"the steps dispatched {len(a.ops)} and {len(b.ops)} ops")
+    for i, ((fa, ra, oa), (fb, rb, ob)) in enumerate(zip(a.ops, b.ops)):
+        if fa is not fb or len(oa) != len(ob):
+            raise NotAProgram(f"op {i}: {fa} then {fb}")
+        for j, (x, y) in enumerate(zip(ra, rb)):
+            if not _same(x, y):
+                what = "a tensor made afresh each step" if x[0] == "const" else "a value that changed"
+                raise NotAProgram(f"op {i} ({fa}), argument {fa._schema.arguments[j].name}: {what}")
+    if a.result != b.result:
+        raise NotAProgram("the result came from another op")
+
+
+def _tensor_typed(t) -> bool:
+    """Whether a schema argument's type is Tensor or Tensor?."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
+def build(rec: _Recorder, n_inputs: int):
+    """The C++ program of a recording: inputs are registers 0..n_inputs-1, op outputs follow."""
+    prog = torch.classes.quantserve.StepProgram()
+    reg = lambda r: n_inputs + r  # noqa: E731
+    last: dict[int, int] = {}  # register -> the last op reading it
+    for i, (_, refs, _) in enumerate(rec.ops):
+        for r in refs:
+            for x in (r[1] if r[0] == "list" else [r]):
+                if x is not None and x[0] in ("in", "reg"):
+                    last[x[1] if x[0] == "in" else reg(x[1])] = i
+    keep = reg(rec.result)
+    frees: dict[int, list[int]] = {}
+    for r, i in last.items():
+        if r != keep:
+            frees.setdefault(i, []).append(r)
+    prog.set_registers(n_inputs, n_inputs + rec.registers)
+    consts: dict[int, int] = {}
+
+    def const(v) -> int:
+        if isinstance(v, Tensor):
+            if id(v) not in consts:
+                consts[id(v)] = prog.const_tensor(v)
+            return consts[id(v)]
+        if v is None:
+            return prog.const_none()
+        if isinstance(v, bool):
+            return prog.const_bool(v)
+        if isinstance(v, int):
+            return prog.const_int(v)
+        if isinstance(v, float):
+            return prog.const_float(v)
+        if isinstance(v, str):
+            return prog.const_str(v)
+        if isinstance(v, torch.dtype):
+            return prog.const_dtype(torch.empty(0, dtype=v))
+        if isinstance(v, torch.device):
+            return prog.const_device(str(v))
+        if isinstance(v, torch.memory_format):
+            return prog.const_int(_MEMORY_FORMATS[v])
+        if v is torch.strided:
+            return prog.const_int(0)
+        if isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return prog.const_ints(list(v))
+        if isinstance(v, (list, tuple)) and all(isinstance(x, float) for x in v):
+            return prog.const_floats(list(v))
+        raise NotAProgram(f"an argument of type {type(v).__name__} the replay cannot pass")
+
+    def scalar(r, tensor_typed: bool = False) -> tuple[int, int]:  # (kind, index) of a non-list argument
+        if r[0] == "in":
+            return REG, r[1]
+        if r[0] == "reg":
+            return REG, reg(r[1])
+        v = r[1]
+        if tensor_typed and isinstance(v, (bool, int, float)):  # a Python number passed for a Tensor
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**53:
+                raise NotAProgram("an integer too large to pass as a number")
+            return CONST, prog.const_number(float(v), 2 if isinstance(v, bool) else 1 if isinstance(v, int) else 0)
+        return CONST, const(v)
+
+    for i, (func, refs, outs) in enumerate(rec.ops):
+        kinds, a, b, ek, ei = [], [], [], [], []
+        for r, arg in zip(refs, func._schema.arguments):
+            if r[0] == "list":
+                kinds.append(LIST), a.append(len(ek)), b.append(len(r[1]))
+                for x in r[1]:
+                    k, j = (-1, 0) if x is None else scalar(x)
+                    ek.append(k), ei.append(j)
+            else:
+                k, j = scalar(r, _tensor_typed(arg.type))
+                kinds.append(k), a.append(j), b.append(0)
+        name, overload = func._schema.name, func._schema.overload_name
+        prog.add(name, overload, kinds, a, b, ek, ei, [reg(o) for o in outs], sorted(frees.get(i, [])))
+    return prog, keep
+
+
+class CpuGraphs:
+    """Per decode row count: nothing yet, a first recording, the C++ program, or None (runs eagerly)."""
+
+    def __init__(self, model, backend):
+        self.model, self.backend = model, backend
+        self.programs: dict[int, object] = {}
+        self.replays = 0
+
+    def rows(self, step: StepInputs, meta) -> int | None:
+        """The program key of a step (its decode rows), or None where it runs eagerly."""
+        n = len(step.decode)
+        if (step.chunks or n == 0 or n > MAX_ROWS or step.score_index is not None
+                or getattr(meta, "decode_tables", None) is None or step.sample_index.numel() != n):
+            return None
+        return n
+
+    def forward(self, step: StepInputs, meta) -> Tensor:
+        n = self.rows(step, meta)
+        eager = lambda: self.model.forward(step, self.backend, meta)  # noqa: E731
+        if n is None:
+            return eager()
+        entry = self.programs.get(n, ())
+        if entry is None:
+            return eager()
+        inputs = step_tensors(step, meta)
+        if isinstance(entry, tuple) and len(entry) == 3:  # (program, input count, result register)
+            prog, count, out = entry
+            if len(inputs) == count:
+                self.replays += 1
+                return prog.run(inputs, [out])[0]
+            self.programs[n] = None
+            log.info("cpu graphs: %d-row steps declared %d tensors, recorded with %d; eager from now on", n,
+                     len(inputs), count)
+            return eager()
+        try:
+            logits, rec = record(eager, inputs)
+        except NotAProgram as e:  # raised inside the forward: run it again, unrecorded (it rewrites the same KV)
+            return self._refuse(n, e, eager())
+        try:
+            if entry == ():
+                self.programs[n] = (rec, len(inputs))
+            else:
+                first, count = entry
+                if count != len(inputs):
+                    raise NotAProgram(f"the steps declared {count} and {len(inputs)} tensors")
+                agree(first, rec)
+                prog, out = build(rec, len(inputs))
+                self.programs[n] = (prog, len(inputs), out)
+        except NotAProgram as e:
+            return self._refuse(n, e, logits)
+        return logits
+
+    def _refuse(self, n: int, why: Exception, logits: Tensor) -> Tensor:
+        self.programs[n] = None
+        log.info("cpu graphs: %d-row decode steps run eagerly (%s)", n, why)
+        return logits
+
+    def describe(self) -> str:
+        done = sorted(n for n, e in self.programs.items() if isinstance(e, tuple) and len(e) == 3)
+        return f"replayed for {','.join(map(str, done))} rows" if done else "none recorded yet"
