@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 from torch import Tensor
@@ -79,15 +80,18 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, inputs: list[Tensor]):
         super().__init__()
-        self.where: dict[int, tuple[str, int]] = {id(t): ("in", i) for i, t in enumerate(inputs)}
-        self.keep: list[Tensor] = list(inputs)  # every tensor seen, alive, so that no id is reused meanwhile
+        # id(tensor) -> (its reference, a weak reference to it): a tensor freed during the step holds nothing alive
+        # (the recording step's memory is the eager step's), and an id reused after it is not taken for it
+        self.where: dict[int, tuple[tuple[str, int], weakref.ref]] = {}
+        for i, t in enumerate(inputs):
+            self.where[id(t)] = (("in", i), weakref.ref(t))
         self.ops: list[tuple] = []  # (op, args, output registers)
         self.registers = 0
 
     def ref(self, v):
         if isinstance(v, Tensor):
-            self.keep.append(v)
-            return self.where.get(id(v), ("const", v))
+            seen = self.where.get(id(v))
+            return seen[0] if seen is not None and seen[1]() is v else ("const", v)
         if isinstance(v, (list, tuple)) and v and any(isinstance(x, Tensor) for x in v):
             return ("list", [None if x is None else self.ref(x) for x in v])
         return ("val", v)
@@ -117,8 +121,7 @@ class _Recorder(TorchDispatchMode):
                 raise NotAProgram(f"{func} returns a value the forward reads in Python")
         regs = []
         for t in tensors:
-            self.keep.append(t)
-            self.where[id(t)] = ("reg", self.registers)
+            self.where[id(t)] = (("reg", self.registers), weakref.ref(t))
             regs.append(self.registers)
             self.registers += 1
         self.ops.append((func, refs, regs))
@@ -130,9 +133,11 @@ def record(forward, inputs: list[Tensor]) -> tuple[Tensor, _Recorder]:
     rec = _Recorder(inputs)
     with rec:
         out = forward()
-    if not isinstance(out, Tensor) or rec.where.get(id(out), ("const",))[0] != "reg":
+    ref = rec.ref(out) if isinstance(out, Tensor) else ("val",)
+    if ref[0] != "reg":
         raise NotAProgram("the forward's result is not an op's output")
-    rec.result = rec.where[id(out)][1]
+    rec.result = ref[1]
+    rec.where.clear()  # (the recording keeps its ops and their constants, nothing of the step)
     return out, rec
 
 
