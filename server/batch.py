@@ -24,6 +24,19 @@ def stage(values: list, dtype: torch.dtype, device: torch.device | str | None) -
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+class StepInt(int):
+    """An integer of one step (a prefill chunk's first position) that an op takes as a plain int, with the (1,)
+    int64 tensor holding it: a recorded step program (server/cpu_graphs.py) reads it from that tensor, as it reads
+    the step's other inputs, where a plain int would be a constant of the program."""
+
+    tensor: Tensor
+
+    def __new__(cls, value: int, device: torch.device | str | None = None) -> "StepInt":
+        self = super().__new__(cls, value)
+        self.tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        return self
+
+
 @dataclass
 class StepInputs:
     input_ids: Tensor  # (T,) int64

@@ -1,24 +1,26 @@
-"""CPU step graphs: a decode step's forward recorded as the ops it dispatches, then replayed by one C++ call.
+"""CPU step graphs: a step's forward recorded as the ops it dispatches, then replayed by one C++ call.
 
 A batch-1 decode step of the default model dispatches ~300 ops (four projections, the attention, two norms and
 the activation per layer; the embedding, rotary tables and head); through Python each costs ~3 µs of binding and
-boxing on top of the Python between them, a fifth of the step on a 2-core CPU
+boxing on top of the Python between them, about a sixth of the step on a 2-core CPU
 (bench/RESULTS.md#cpu-decode-step-benchdecode_steppy).
-The CUDA graphs' idea on a CPU: a decode-only step of n rows is recorded the first time such a step runs (a
-``TorchDispatchMode`` sees every op with its arguments while the step computes normally), recorded again on the
-next, and from the third on replayed by ``torch.classes.quantserve.StepProgram`` (server/csrc/graph_ops.cpp): the
-same ops, in the same order, on the same tensors, as boxed dispatcher calls from C++. So a replay computes exactly
-what the eager forward computes, bit for bit (tests/test_cpu_graphs.py holds the two to each other).
+The CUDA graphs' idea on a CPU: a step of a given shape (its decode rows, its chunks' lengths, its sampled rows:
+a decode step of n rows, a verification of k drafts, a short prompt's chunk) is recorded the first time such a step
+runs (a ``TorchDispatchMode`` sees every op with its arguments while the step computes normally), recorded again
+on the next, and from the third on replayed by ``torch.classes.quantserve.StepProgram`` (server/csrc/graph_ops.cpp):
+the same ops, in the same order, on the same tensors, as boxed dispatcher calls from C++. So a replay computes
+exactly what the eager forward computes, bit for bit (tests/test_cpu_graphs.py holds the two to each other).
 
-What a step may vary is declared, not guessed: the step's tensors (token ids, positions, slots, sample rows) and
-the attention metadata's (block tables, key counts) are the program's inputs; every other tensor an op reads is a
+What a step may vary is declared, not guessed: the step's tensors (token ids, positions, slots, sample rows), the
+attention metadata's (block tables, key counts) and the tensors of its integers (a chunk's first position, a
+``server.batch.StepInt``, which the fused ops take as a tensor) are the program's inputs; every other tensor an op reads is a
 constant the program holds (the weights, the KV pool). The two recordings must agree op for op, argument for
 argument, each constant the very same tensor: a tensor made afresh each step that is not an input, a Python value
 that changed between the steps, or an op that reads a tensor's value into Python (``.item()``) means the forward
-is not a fixed program, and that row count runs eagerly from then on (one log line). Intermediates are freed after
+is not a fixed program, and that shape runs eagerly from then on (one log line). Intermediates are freed after
 their last reader, as the eager forward frees them.
 
-Steps with prefill chunks, prompt scoring or the unfused attention paths run eagerly; so does everything when the
+Steps over MAX_ROWS rows, prompt scoring and the unfused attention paths run eagerly; so does everything when the
 C++ library is not loaded. ``EngineConfig(cpu_graphs=False)`` turns replay off.
 """
 
@@ -27,16 +29,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from server.batch import StepInputs
+from server.batch import StepInputs, StepInt
 
 log = logging.getLogger("quantserve.engine")
 
-MAX_ROWS = 64  # decode steps of at most this many rows are recorded (a program per row count)
+MAX_ROWS = 64  # steps of at most this many rows are recorded (a program per shape, see CpuGraphs.key)
+MAX_PROGRAMS = 64  # shapes kept (recorded once, programs, refused), the least recently run dropped first
 CONST, REG, LIST = 0, 1, 2  # argument kinds, as server/csrc/graph_ops.cpp numbers them
 _MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
                    torch.channels_last_3d: 3}
@@ -53,6 +57,8 @@ def step_tensors(step: StepInputs, meta) -> list[Tensor]:
     def walk(v) -> None:
         if isinstance(v, Tensor):
             out.setdefault(id(v), v)
+        elif isinstance(v, StepInt):
+            out.setdefault(id(v.tensor), v.tensor)
         elif isinstance(v, (list, tuple)):
             if v and isinstance(v[0], (int, float, str)):  # block ids, positions: no tensor in them
                 return
@@ -185,7 +191,7 @@ def build(rec: _Recorder, n_inputs: int):
         for r in refs:
             for x in (r[1] if r[0] == "list" else [r]):
                 if x is not None and x[0] in ("in", "reg"):
-                    last[x[1] if x[0] == "in" else reg(x[1])] = i
+                    last[reg(x[1]) if x[0] == "reg" else x[1]] = i
     keep = reg(rec.result)
     frees: dict[int, list[int]] = {}
     for r, i in last.items():
@@ -252,62 +258,71 @@ def build(rec: _Recorder, n_inputs: int):
 
 
 class CpuGraphs:
-    """Per decode row count: nothing yet, a first recording, the C++ program, or None (runs eagerly)."""
+    """Per step shape (:meth:`key`): a first recording, the C++ program, or None (runs eagerly); at most
+    :data:`MAX_PROGRAMS` shapes, the least recently run dropped."""
 
     def __init__(self, model, backend):
         self.model, self.backend = model, backend
-        self.programs: dict[int, object] = {}
+        self.programs: OrderedDict[tuple, object] = OrderedDict()
         self.replays = 0
 
-    def rows(self, step: StepInputs, meta) -> int | None:
-        """The program key of a step (its decode rows), or None where it runs eagerly."""
-        n = len(step.decode)
-        if (step.chunks or n == 0 or n > MAX_ROWS or step.score_index is not None
-                or getattr(meta, "decode_tables", None) is None or step.sample_index.numel() != n):
+    @staticmethod
+    def key(step: StepInputs, meta) -> tuple | None:
+        """What fixes a step's sequence of ops: its decode rows, its chunks' lengths and its sampled rows; None where
+        it runs eagerly (prompt scoring, more than MAX_ROWS rows, the attention's unfused paths)."""
+        chunks = getattr(meta, "chunks", None)
+        if (step.score_index is not None or step.input_ids.numel() > MAX_ROWS or chunks is None
+                or (step.decode and getattr(meta, "decode_tables", None) is None)
+                or any(ch.table is None for ch in chunks)):
             return None
-        return n
+        return len(step.decode), tuple(c for _, c, _, _ in step.chunks), step.sample_index.numel()
 
     def forward(self, step: StepInputs, meta) -> Tensor:
-        n = self.rows(step, meta)
+        key = self.key(step, meta)
         eager = lambda: self.model.forward(step, self.backend, meta)  # noqa: E731
-        if n is None:
+        if key is None:
             return eager()
-        entry = self.programs.get(n, ())
+        entry = self.programs.get(key, ())
         if entry is None:
             return eager()
+        if entry != ():
+            self.programs.move_to_end(key)
         inputs = step_tensors(step, meta)
-        if isinstance(entry, tuple) and len(entry) == 3:  # (program, input count, result register)
+        if len(entry) == 3:  # (program, input count, result register)
             prog, count, out = entry
             if len(inputs) == count:
                 self.replays += 1
                 return prog.run(inputs, [out])[0]
-            self.programs[n] = None
-            log.info("cpu graphs: %d-row steps declared %d tensors, recorded with %d; eager from now on", n,
-                     len(inputs), count)
-            return eager()
+            return self._refuse(key, f"declared {len(inputs)} tensors, recorded with {count}", eager())
         try:
             logits, rec = record(eager, inputs)
         except NotAProgram as e:  # raised inside the forward: run it again, unrecorded (it rewrites the same KV)
-            return self._refuse(n, e, eager())
+            return self._refuse(key, e, eager())
         try:
             if entry == ():
-                self.programs[n] = (rec, len(inputs))
+                self._keep(key, (rec, len(inputs)))
             else:
                 first, count = entry
                 if count != len(inputs):
                     raise NotAProgram(f"the steps declared {count} and {len(inputs)} tensors")
                 agree(first, rec)
                 prog, out = build(rec, len(inputs))
-                self.programs[n] = (prog, len(inputs), out)
+                self._keep(key, (prog, len(inputs), out))
         except NotAProgram as e:
-            return self._refuse(n, e, logits)
+            return self._refuse(key, e, logits)
         return logits
 
-    def _refuse(self, n: int, why: Exception, logits: Tensor) -> Tensor:
-        self.programs[n] = None
-        log.info("cpu graphs: %d-row decode steps run eagerly (%s)", n, why)
+    def _keep(self, key: tuple, entry) -> None:
+        self.programs[key] = entry
+        self.programs.move_to_end(key)
+        while len(self.programs) > MAX_PROGRAMS:
+            self.programs.popitem(last=False)
+
+    def _refuse(self, key: tuple, why, logits: Tensor) -> Tensor:
+        self._keep(key, None)
+        log.info("cpu graphs: steps of %d decode rows and chunks %s run eagerly (%s)", key[0], list(key[1]), why)
         return logits
 
     def describe(self) -> str:
-        done = sorted(n for n, e in self.programs.items() if isinstance(e, tuple) and len(e) == 3)
-        return f"replayed for {','.join(map(str, done))} rows" if done else "none recorded yet"
+        done = [k for k, e in self.programs.items() if e is not None and len(e) == 3]
+        return f"{len(done)} step shapes replayed" if done else "none recorded yet"

@@ -27,6 +27,7 @@ from quant.runtime import kv_quant
 from quant.runtime.kernels.native import Extension
 from quant.shape.kv_formats import FORMATS
 from server import kv_int4
+from server.batch import StepInt
 from server.random_stream import random_uniform as ref_random_uniform
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -192,6 +193,18 @@ def kind_of(choice: str) -> str:
     return choice if choice in MEMORY_KIND else "eager"
 
 
+def _start_as_tensor(op, op_at, i: int):
+    """A prefill attention op taking the chunk's first position as its argument ``i`` (an int), that passes a
+    ``server.batch.StepInt``'s tensor to the op's ``_at`` form instead: a recorded step program (server/cpu_graphs.py)
+    then reads the position per step."""
+    def call(*args):
+        if isinstance(args[i], StepInt):
+            return op_at(*args[:i], args[i].tensor, *args[i + 1:])
+        return op(*args)
+
+    return call
+
+
 class Ops:
     """The glue ops: "fused" (the C++ CPU kernels above), "triton" (server/glue_triton.py, the CUDA kernels) or
     "eager" (the references); the layers and the attention backends call these and do not care which.
@@ -226,10 +239,12 @@ class Ops:
             self.silu_mul = ops.silu_mul.default
             self.gelu_tanh_mul = ops.gelu_tanh_mul.default
             self.decode_attention = ops.decode_attention.default
-            self.prefill_attention = ops.prefill_attention.default
+            self.prefill_attention = _start_as_tensor(ops.prefill_attention.default, ops.prefill_attention_at.default,
+                                                      3)
             self.store_kv_quant = ops.store_kv_quant.default
             self.decode_attention_quant = ops.decode_attention_quant.default
-            self.prefill_attention_quant = ops.prefill_attention_quant.default
+            self.prefill_attention_quant = _start_as_tensor(ops.prefill_attention_quant.default,
+                                                            ops.prefill_attention_quant_at.default, 4)
             self.rotary_decode_attention = ops.rotary_decode_attention.default
             self.store_blocks_int4 = ops.store_blocks_int4.default
             self.store_tail_int4 = ops.store_tail_int4.default

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, group_blocks, shared_blocks
 from server.sampling_params import SamplingParams
-from server.speculate import DraftCosts, Speculation, accepted, allocate
+from server.speculate import PROBE_DRAFTS, DraftCosts, Speculation, accepted, allocate
 
 ON_DEMAND, RESERVE = "on-demand", "reserve"
 MAX_DRAFT_ROWS = 64  # drafted tokens verified in one step, all requests together (each is a row of logits)
@@ -402,11 +402,12 @@ class Scheduler:
         for seq in decode:
             if seq.spec is None or seq.pending or seq.blocks is None:
                 continue
-            limit = min(budget, self.max_drafts, seq.params.max_new_tokens - len(seq.generated) - 1)
+            limit = min(budget, PROBE_DRAFTS if seq.spec.probing and seq.spec.steps else self.max_drafts,
+                        seq.params.max_new_tokens - len(seq.generated) - 1)
             drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
             by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
             offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
-        lengths = allocate([(s.spec.model_alpha if m else s.spec.alpha, len(d), s.spec.draw, m) for s, d, m in offers],
+        lengths = allocate([(s.spec.rate(m), len(d), s.spec.draw, m) for s, d, m in offers],
                            base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs,
                            base_rows == len(decode)) if offers else []
         verify = []

@@ -26,8 +26,10 @@ device when the engine started (:class:`DraftCosts`; a step of decode rows alone
 program, measured apart), with that row's draw where the request samples. A lone
 request drafts while its rate pays for the rows; in a large batch, where a row costs nearly its share of the
 compute, only the likely drafts are verified; none where plain decoding does best. After :data:`PROBE_AFTER`
-steps without a verification the rate is moved back towards the prior, so a request whose text turns repetitive
-drafts again.
+steps without a verification the rate is moved back towards the prior, and the request probes: a few drafts
+verified as if likely, whose outcome updates the rate (where a plain step costs far less than a verification, as
+with a CPU's replayed decode steps, a rate at the prior never pays, and a repetitive text would never be found);
+a probe that fails doubles the wait for the next, so open chat pays for few. A request probes at its first drafts.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ NGRAM_MAX = 4  # longest suffix matched
 NGRAM_MIN = 2  # shortest: a single token repeats too often in ordinary text to predict the next ones
 PRIOR = 0.5  # the acceptance rate a request starts with
 DECAY = 0.8  # weight of the past in the running rate, per verified step
-PROBE_AFTER = 16  # steps without a verification after which the rate is moved half way back to the prior
+PROBE_AFTER = 16  # steps without a verification after which the rate is moved half way back to the prior, and
+# after which (doubling after each probe that failed, up to MAX_PROBE_AFTER) a request probes: its drafts (at most
+# PROBE_DRAFTS but at its first verification) weighed at no less than PROBE_RATE, so that a rate too low to pay is
+# measured again
+MAX_PROBE_AFTER = 256
+PROBE_DRAFTS = 3
+PROBE_RATE = 0.9
 
 
 def accepted(drafts: list[int], draws: list[int]) -> int:
@@ -170,7 +178,8 @@ class Speculation:
     index: NgramIndex = field(default_factory=NgramIndex)
     alpha: float = PRIOR
     model_alpha: float = PRIOR  # the draft model's drafts' rate (server/draft.py), kept apart from the n-grams'
-    idle: int = 0  # steps since its last verification
+    idle: int = PROBE_AFTER  # steps since its last verification (a request probes at its first drafts)
+    probe_after: int = PROBE_AFTER  # idle steps after which it probes
     proposed: int = 0
     accepted: int = 0
     steps: int = 0  # verifications
@@ -186,17 +195,30 @@ class Speculation:
         self.index.extend(generated[max(0, seen - len(prompt)):])
         return self.index.propose(limit)
 
+    @property
+    def probing(self) -> bool:
+        """Whether its next drafts are a probe (:data:`PROBE_AFTER`)."""
+        return self.idle >= self.probe_after
+
+    def rate(self, model: bool = False) -> float:
+        """The acceptance rate its drafts are weighed at (the draft model's with ``model``): the running rate, no
+        less than :data:`PROBE_RATE` when it probes."""
+        alpha = self.model_alpha if model else self.alpha
+        return max(alpha, PROBE_RATE) if self.probing else alpha
+
     def skip(self) -> None:
-        """A step in which it verified nothing: after :data:`PROBE_AFTER` of them its rate moves half way back to
-        the prior, so a request whose text turns repetitive drafts again."""
+        """A step in which it verified nothing: every :data:`PROBE_AFTER` of them in a row its rate moves half way
+        back to the prior, so a request whose text turns repetitive drafts again."""
         self.idle += 1
-        if self.idle >= PROBE_AFTER:
+        if self.idle % PROBE_AFTER == 0:
             self.alpha = (self.alpha + PRIOR) / 2
             self.model_alpha = (self.model_alpha + PRIOR) / 2
-            self.idle = 0
 
     def record(self, proposed: int, accepted_: int, model: bool = False) -> None:
         """A verification's outcome: ``accepted_`` of ``proposed`` drafts accepted (``model``: the draft model's)."""
+        if self.probing:  # a probe: the next one as soon where it found drafts worth keeping, else twice as late
+            self.probe_after = PROBE_AFTER if 2 * accepted_ >= proposed else min(2 * self.probe_after,
+                                                                                  MAX_PROBE_AFTER)
         self.idle = 0
         self.steps += 1
         self.proposed += proposed

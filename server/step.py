@@ -180,8 +180,8 @@ def probe_forwards(runner, pool, device, repeats: int):
     """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
     1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
     2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and as that many
-    decode rows (a plain step's, replayed where the runner records programs: the first two of a row count are
-    recordings, so those take two runs more), the fastest of ``repeats`` each."""
+    decode rows (a plain step's), the fastest of ``repeats`` each (where the runner replays recorded programs, two
+    runs more: the first two of a step's shape are its recordings)."""
     n = PROBE_ROWS
     while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
         n //= 2
@@ -194,7 +194,7 @@ def probe_forwards(runner, pool, device, repeats: int):
         for rows in (2**i for i in range(n.bit_length())):
             step = build_step([], [([0] * rows, 0, table, rows)], bs, device)
             times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]),
-                                   repeats)
+                                   repeats + recorded)
             step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
             plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), repeats + recorded)
     finally:

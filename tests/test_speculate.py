@@ -23,8 +23,10 @@ from server.kv_pool import BlockPool, KVLayout
 from server.sampling_params import SamplingParams
 from server.scheduler import ON_DEMAND, RESERVE, Scheduler, Sequence
 from server.speculate import (
+    MAX_PROBE_AFTER,
     PRIOR,
     PROBE_AFTER,
+    PROBE_RATE,
     DraftCosts,
     NgramIndex,
     Speculation,
@@ -197,6 +199,27 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
     pool.release("a")
     pool.audit()
     assert pool.used_blocks == 0
+
+
+@pytest.mark.unit
+def test_a_request_probes_at_its_first_drafts_and_again_later_less_often_after_a_failed_probe():
+    spec = Speculation()
+    assert spec.probing and spec.rate() == PROBE_RATE and spec.alpha == PRIOR  # weighed as likely, not recorded so
+    spec.record(3, 0)  # the probe failed
+    assert not spec.probing and spec.rate() == spec.alpha < PRIOR
+    for _ in range(PROBE_AFTER):
+        assert not spec.probing
+        spec.skip()
+    assert not spec.probing and spec.probe_after == 2 * PROBE_AFTER  # a failed probe: the next twice as late
+    for _ in range(PROBE_AFTER):
+        spec.skip()
+    assert spec.probing and spec.rate() == PROBE_RATE
+    spec.record(3, 3)  # the text repeats now: probes come at the first wait again, and the rate says so
+    assert spec.probe_after == PROBE_AFTER and not spec.probing and spec.alpha > PRIOR / 2
+    for _ in range(20):
+        spec.idle = spec.probe_after
+        spec.record(3, 0)
+    assert spec.probe_after == MAX_PROBE_AFTER  # bounded
 
 
 @pytest.mark.unit

@@ -34,7 +34,7 @@ from torch import Tensor
 from quant.runtime.kv_quant import dequantize, rotate
 from server.attention.base import AttentionBackend, AttentionSpec
 from server.attention.reference import visible
-from server.batch import StepInputs
+from server.batch import StepInputs, StepInt
 
 
 def _slots(table: list[int], lo: int, end: int, bs: int) -> list[int]:
@@ -56,7 +56,7 @@ def _as_range(table: list[int], lo: int, end: int, bs: int) -> slice | None:
 class _Chunk:
     t0: int
     length: int
-    start: int  # the position of the chunk's first token
+    start: int  # the position of the chunk's first token (fused: a StepInt, which a recorded program reads per step)
     table: Tensor | None  # fused: (blocks,) the request's block table, through the chunk's last position
     keys: dict  # not fused: window -> (slots: slice | Tensor, mask: Tensor | None); mask None means square causal
 
@@ -126,7 +126,8 @@ class SdpaBackend(AttentionBackend):
                 meta.decode_mask[w] = m[:, None, None, :]  # (Bd, 1, 1, Lmax)
         for t0, c, start, table in step.chunks:
             if self.ops.fused and self.FUSED_PREFILL:
-                meta.chunks.append(_Chunk(t0, c, start, torch.tensor(table[: -(-(start + c) // bs)], **i64), {}))
+                meta.chunks.append(_Chunk(t0, c, StepInt(start), torch.tensor(table[: -(-(start + c) // bs)], **i64),
+                                          {}))
                 continue
             keys = {}
             for w in self.windows:

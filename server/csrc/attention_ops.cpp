@@ -746,6 +746,28 @@ at::Tensor prefill_attention_quant(const at::Tensor& q, const at::Tensor& kv, co
   return prefill_impl(q, kv, &scales, key_block, value_block, block_table, start, block_size, window, scale, softcap);
 }
 
+// The two above with the chunk's first position held by a (1,) int64 tensor (server.batch.StepInt's), so that a
+// recorded step program (server/cpu_graphs.py) reads it per step.
+int64_t start_of(const at::Tensor& start) {
+  TORCH_CHECK(start.device().is_cpu() && start.scalar_type() == at::kLong && start.numel() == 1,
+              "start must be a (1,) int64 CPU tensor");
+  return start.data_ptr<int64_t>()[0];
+}
+
+at::Tensor prefill_attention_at(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                                const at::Tensor& start, int64_t block_size, int64_t window, double scale,
+                                double softcap) {
+  return prefill_attention(q, kv, block_table, start_of(start), block_size, window, scale, softcap);
+}
+
+at::Tensor prefill_attention_quant_at(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& scales,
+                                      const at::Tensor& block_table, const at::Tensor& start, int64_t block_size,
+                                      int64_t window, double scale, double softcap, int64_t key_block,
+                                      int64_t value_block) {
+  return prefill_attention_quant(q, kv, scales, block_table, start_of(start), block_size, window, scale, softcap,
+                                 key_block, value_block);
+}
+
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor lens, int block_size, int window, "
         "float scale, float softcap) -> Tensor");
@@ -755,6 +777,10 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
         "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
   m.def("prefill_attention_quant(Tensor q, Tensor kv, Tensor scales, Tensor block_table, int start, int block_size, "
         "int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
+  m.def("prefill_attention_at(Tensor q, Tensor kv, Tensor block_table, Tensor start, int block_size, int window, "
+        "float scale, float softcap) -> Tensor");
+  m.def("prefill_attention_quant_at(Tensor q, Tensor kv, Tensor scales, Tensor block_table, Tensor start, "
+        "int block_size, int window, float scale, float softcap, int key_block, int value_block) -> Tensor");
   m.def("rotary_decode_attention(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) kv, Tensor(c!)? scales, "
         "Tensor slots, Tensor block_table, Tensor lens, int heads, int block_size, int window, float scale, "
         "float softcap, int key_block, int value_block) -> Tensor");
@@ -765,5 +791,7 @@ TORCH_LIBRARY_IMPL(quantserve, CPU, m) {
   m.impl("prefill_attention", &prefill_attention);
   m.impl("decode_attention_quant", &decode_attention_quant);
   m.impl("prefill_attention_quant", &prefill_attention_quant);
+  m.impl("prefill_attention_at", &prefill_attention_at);
+  m.impl("prefill_attention_quant_at", &prefill_attention_quant_at);
   m.impl("rotary_decode_attention", &rotary_decode_attention);
 }

@@ -7,7 +7,8 @@
 // tensor outputs, flattened) and constants (the weights, the KV pool, scalars): an instruction is an operator and
 // its arguments in schema order (kwargs and defaults filled in by the recorder), each a constant, a register or a
 // list of tensors (each a constant or a register), and the registers it frees when it is their last reader, so
-// intermediates live no longer than they did in the eager forward.
+// intermediates live no longer than they did in the eager forward. What changes from step to step reaches the ops
+// as tensors (a chunk's first position too: prefill_attention_at).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
