@@ -50,6 +50,10 @@ class NotAProgram(Exception):
     """The forward is not a fixed sequence of ops on the declared inputs; the message says why."""
 
 
+class _Eager(Exception):
+    """The eager forward itself failed (its cause): raised as it is, replay left on."""
+
+
 def step_tensors(step: StepInputs, meta) -> list[Tensor]:
     """The tensors a step declares (its own fields' and its attention metadata's), each once, in field order."""
     out: dict[int, Tensor] = {}
@@ -265,21 +269,41 @@ class CpuGraphs:
         self.model, self.backend = model, backend
         self.programs: OrderedDict[tuple, object] = OrderedDict()
         self.replays = 0
+        self.broken: str | None = None  # why replay is off, after a failure of its own
 
-    @staticmethod
-    def key(step: StepInputs, meta) -> tuple | None:
+    def key(self, step: StepInputs, meta) -> tuple | None:
         """What fixes a step's sequence of ops: its decode rows, its chunks' lengths and its sampled rows; None where
-        it runs eagerly (prompt scoring, more than MAX_ROWS rows, the attention's unfused paths)."""
-        chunks = getattr(meta, "chunks", None)
-        if (step.score_index is not None or step.input_ids.numel() > MAX_ROWS or chunks is None
-                or (step.decode and getattr(meta, "decode_tables", None) is None)
-                or any(ch.table is None for ch in chunks)):
+        it runs eagerly (prompt scoring, more than MAX_ROWS rows, attention paths that are not a fixed program:
+        ``AttentionBackend.programmable``)."""
+        if (step.score_index is not None or step.input_ids.numel() > MAX_ROWS
+                or not self.backend.programmable(meta)):
             return None
         return len(step.decode), tuple(c for _, c, _, _ in step.chunks), step.sample_index.numel()
 
     def forward(self, step: StepInputs, meta) -> Tensor:
+        """The step's logits: replayed, recorded, or eager (see the module's doc). A failure of the recording's or
+        the replay's own machinery turns replay off for good, in one log line, and the step runs eagerly."""
+        if self.broken is None:
+            try:
+                return self._forward(step, meta)
+            except _Eager as e:  # the eager forward's own failure: not ours to hide
+                raise e.__cause__ from None
+            except Exception as e:  # noqa: BLE001
+                self.broken = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("cpu graphs off (%s); steps run eagerly", self.broken)
+        return self.model.forward(step, self.backend, meta)
+
+    def _forward(self, step: StepInputs, meta) -> Tensor:
         key = self.key(step, meta)
-        eager = lambda: self.model.forward(step, self.backend, meta)  # noqa: E731
+
+        def eager():
+            try:
+                return self.model.forward(step, self.backend, meta)
+            except NotAProgram:
+                raise
+            except Exception as e:
+                raise _Eager() from e
+
         if key is None:
             return eager()
         entry = self.programs.get(key, ())

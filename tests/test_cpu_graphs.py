@@ -177,3 +177,23 @@ def test_concurrent_steps_and_speculation_replay_by_row_count(tiny_model_dir, ca
             eng.close()
     assert results[True] == results[False]
     assert "run eagerly" not in caplog.text
+
+
+@needs_ops
+@pytest.mark.reference
+def test_a_failure_of_the_replay_itself_turns_it_off_and_the_step_runs_eagerly(tiny_model_dir, cache_dir, caplog,
+                                                                             monkeypatch):
+    import server.cpu_graphs as cg
+
+    prompts = [prompt_ids(16, 3)]
+    want, _ = _serve(tiny_model_dir, cache_dir, False, prompts, greedy_exact(12), speculate="off")
+
+    def broken(rec, n_inputs):
+        raise RuntimeError("a program that cannot be built")
+
+    monkeypatch.setattr(cg, "build", broken)
+    with caplog.at_level(logging.WARNING, logger="quantserve.engine"):
+        got, replays = _serve(tiny_model_dir, cache_dir, True, prompts, greedy_exact(12), speculate="off")
+    assert got == want and replays == 0  # served, eagerly
+    assert [r.message for r in caplog.records if "cpu graphs off" in r.message] == [
+        "cpu graphs off (RuntimeError: a program that cannot be built); steps run eagerly"]

@@ -76,6 +76,12 @@ class AttentionBackend(ABC):
         has not (the caller splits qkv and calls :meth:`forward_rotary`)."""
         return None
 
+    def programmable(self, meta) -> bool:
+        """Whether a step with this metadata dispatches the same ops as every step of its shape (decode rows, chunk
+        lengths, sampled rows), whatever changes from step to step reaching them as tensors: a CPU step graph may
+        then replay it (server/cpu_graphs.py)."""
+        return False
+
     @classmethod
     def unsupported(cls, specs: list[AttentionSpec]) -> str | None:
         """Why this backend cannot run layers with these specs, or None."""

@@ -141,6 +141,12 @@ class SdpaBackend(AttentionBackend):
             meta.chunks.append(_Chunk(t0, c, start, None, keys))
         return meta
 
+    def programmable(self, meta: SdpaMeta) -> bool:
+        """The C++ kernels' paths: decode rows over the block tables, chunks through theirs (a chunk's first position
+        a StepInt); the SDPA paths' masks and views follow the positions in Python."""
+        return (self.ops.fused and (meta.num_decode == 0 or meta.decode_tables is not None)
+                and all(ch.table is not None for ch in meta.chunks))
+
     # ------------------------------------------------------------------------------------ per layer
 
     def decode_qkv(self, qkv: Tensor, heads: int, cos: Tensor, sin: Tensor, layer: int,
