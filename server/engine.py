@@ -43,14 +43,9 @@ from server.draft import DraftModel, draft_kv_layout, split_budget
 from server.kv_pool import BlockPool, KVLayout, budget_fraction, resolve_budget
 from server.layers.embedding import describe as describe_embeddings
 from server.layers.embedding import resolve as resolve_embeddings
-from server.loading import load_for_serving, release_freed_memory, share_one_heap
-from server.outputs import (
-    EngineClosedError,
-    EngineTotals,
-    Event,
-    OverloadedError,
-    RequestError,
-)
+from server.loading import (freeze_loaded_objects, load_for_serving, release_freed_memory, share_one_heap,
+                            thaw_frozen_objects)
+from server.outputs import EngineClosedError, EngineTotals, Event, OverloadedError, RequestError
 from server.runner import ModelRunner
 from server.sampling_params import SEED_LIMIT, SamplingParams, SamplingParamsError
 from server.scheduler import Group, Scheduler, Sequence
@@ -142,8 +137,7 @@ class Engine:
             self.step.drafter = self.draft
             costs, proposer = self.step.draft_costs()
             self.scheduler.speculate(costs, config.speculate_tokens, self.draft, proposer)
-        # Weights as held in memory: what a step reads (fused projections, int8 embeddings), each storage once.
-        self.weight_bytes = self.runner.weight_bytes()
+        self.weight_bytes = self.runner.weight_bytes()  # as held: what a step reads (fused, int8 embeddings), once each
         self.info = ModelInfo(
             model=model_name, scheme=scheme, dtype=config.dtype, device=str(self.device), attention=self.attention,
             context_length=self.context_length, vocab_size=self.vocab_size, weight_bytes=self.weight_bytes,
@@ -200,6 +194,7 @@ class Engine:
                     config.draft, config.draft_torch_dtype, config.device, cache_dir)
                 box["engine"] = cls(model, tok, config, name, scheme, cache_dir, draft)
                 release_freed_memory()
+                freeze_loaded_objects()
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box["error"] = e
                 return
@@ -223,6 +218,7 @@ class Engine:
     def start(self) -> "Engine":
         if self._thread is None:
             share_one_heap()
+            freeze_loaded_objects()  # (from_path's engines: on their thread, once built)
             self._thread = threading.Thread(target=self._loop, name="quantserve-engine", daemon=True)
             self._thread.start()
         return self
@@ -237,6 +233,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        thaw_frozen_objects()
 
     def __enter__(self) -> "Engine":
         return self.start()

@@ -4,6 +4,7 @@ back."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -56,6 +57,21 @@ def share_one_heap() -> None:
             libc.mallopt(-8, 1)  # M_ARENA_MAX
         except AttributeError:
             pass
+
+
+def freeze_loaded_objects() -> None:
+    """Collect, then move every object alive (the modules, the model, the tokenizer: ~10^5-10^6 of them) out of the
+    garbage collector's reach: its full collections, which a step's allocations trigger now and then, otherwise walk
+    them all (2.7% of the engine thread's samples in a batch-1 decode, perf, 2026-12-07). Called once the engine is
+    built, before its thread starts; what is frozen is what a process keeps anyway."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_frozen_objects() -> None:
+    """An engine closed: what :func:`freeze_loaded_objects` froze is the collector's again, so that a process that
+    goes on (a test session, a script that starts another engine) collects the closed engine's cycles."""
+    gc.unfreeze()
 
 
 def release_freed_memory() -> None:

@@ -151,6 +151,13 @@ inline void scales8(const S* p, __m256& s, __m256& z) {
   }
 }
 
+// Bytes ahead of the codes being read that the passes prefetch, a line per 64 bytes read: a thread walks its blocks
+// in one run of memory, and between decode steps every layer's codes have left the cache (~50 MB of them for the
+// default model against a 32 MB L3). Measured with cold weights (2026-12-07, Zen 3, 2 threads, the four projection
+// shapes of the default model, 30 layers' distinct weights in turn): 5-10% less time a call at 2-4 KiB, none past
+// 16 KiB.
+constexpr int64_t kPrefetch = 2048;
+
 // Four consecutive rows' (scale, zero) pairs from the (N, 2) table at p, in fp32.
 template <typename S>
 inline void scales4(const S* p, __m128& s, __m128& z) {
@@ -192,6 +199,7 @@ void int4_block_a8(const int8_t* const* xq, const float* const* d, const float* 
         __m256i lo[MR], hi[MR];  // rows 0-15, 16-31: 16-bit sums
         for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
         for (int64_t c = c0; c < c0 + 16; c += 2) {
+          if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + c * 16 + kPrefetch), _MM_HINT_T0);
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16));
           const __m256i t = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(w, 0xD8), pairs);  // (c, c + 1) per row
           const __m256i wl = _mm256_and_si256(t, m0f), wh = _mm256_and_si256(_mm256_srli_epi16(t, 4), m0f);
@@ -260,6 +268,7 @@ void int4_block_a16(const int16_t* const* xq, const float* const* d, const float
       for (int r = 0; r < MR; ++r)
         for (int i = 0; i < 4; ++i) whole[r][i] = _mm256_setzero_si256();
       for (int64_t c = b0; c < b0 + kBlock; c += 2) {
+        if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + c * 16 + kPrefetch), _MM_HINT_T0);
         const __m256i w = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16)),
                                                    0xD8);
         const __m256i ta = _mm256_shuffle_epi8(w, ia), tb = _mm256_shuffle_epi8(w, ib);
