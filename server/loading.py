@@ -60,11 +60,11 @@ def share_one_heap() -> None:
 
 
 def freeze_loaded_objects() -> None:
-    """Collect, then move every object alive (the modules, the model, the tokenizer: ~10^5-10^6 of them) out of the
-    garbage collector's reach: its full collections, which a step's allocations trigger now and then, otherwise walk
-    them all (2.7% of the engine thread's samples in a batch-1 decode, perf, 2026-12-07). Called once the engine is
-    built, before its thread starts; what is frozen is what a process keeps anyway."""
-    gc.collect()
+    """Move every object alive (the modules, the model, the tokenizer: ~10^5-10^6 of them) out of the garbage
+    collector's reach: its full collections, which a step's allocations trigger now and then, otherwise walk them
+    all (2.7% of the engine thread's samples in a batch-1 decode, perf, 2026-12-07). Called once the engine is built,
+    before its thread starts; what is frozen is what a process keeps anyway (no collection first: a full one costs
+    a test process ~0.1 s an engine, and loading leaves few cycles)."""
     gc.freeze()
 
 
