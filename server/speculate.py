@@ -150,7 +150,8 @@ class DraftCosts:
     seconds: tuple[float, ...] = (1.0,)
     draw: float = 0.0
     filtered: float = 0.0
-    decode: tuple[float, ...] | None = None  # a decode-only step of each of ``rows`` rows (None: as ``seconds``)
+    decode: tuple[float, ...] | None = None  # a decode-only step of the first len(decode) of ``rows`` (None: as
+    # ``seconds``)
 
     def forward(self, n: int) -> float:
         """Seconds of a forward over n rows that verify drafts or prefill: linear between the rows measured, and
@@ -158,9 +159,15 @@ class DraftCosts:
         return _interpolate(self.rows, self.seconds, n)
 
     def plain(self, n: int) -> float:
-        """Seconds of a step of n decode rows and nothing else (on a CPU a replayed program, server/cpu_graphs.py,
-        where a step with drafts runs eagerly)."""
-        return _interpolate(self.rows, self.decode or self.seconds, n)
+        """Seconds of a step of n decode rows and nothing else (not a verification's forward: on a CPU a replayed
+        program of the decode kernels, server/cpu_graphs.py). Beyond the rows measured so: a forward's time less
+        what the last of them saved against one (a step's fixed costs, not its rows')."""
+        if not self.decode:
+            return self.forward(n)
+        k = len(self.decode)
+        if n <= self.rows[k - 1]:
+            return _interpolate(self.rows[:k], self.decode, n)
+        return max(self.decode[-1], self.forward(n) - (self.seconds[k - 1] - self.decode[-1]))
 
     def draw_of(self, params) -> float:
         """One drafted row's draw, in seconds, for a request of these sampling parameters (0 when greedy)."""

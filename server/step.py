@@ -165,6 +165,7 @@ class Stepper:
 
 PROBE_ID = "\0draft-costs"  # the pool id of the blocks Stepper.draft_costs writes to
 PROBE_ROWS = 64  # the most rows it measures a forward over (a step's time beyond: extrapolated)
+PROBE_DECODE_ROWS = 16  # ... and a step of decode rows alone (beyond: DraftCosts.plain)
 
 
 def _fastest(fn, repeats: int) -> float:
@@ -179,9 +180,9 @@ def _fastest(fn, repeats: int) -> float:
 def probe_forwards(runner, pool, device, repeats: int):
     """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
     1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
-    2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and as that many
-    decode rows (a plain step's), the fastest of ``repeats`` each (where the runner replays recorded programs, two
-    runs more: the first two of a step's shape are its recordings)."""
+    2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and, up to
+    PROBE_DECODE_ROWS, as that many decode rows (a plain step's), the fastest of ``repeats`` each (at least three
+    where the runner replays recorded programs: the first two of a step's shape are its recordings)."""
     n = PROBE_ROWS
     while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
         n //= 2
@@ -189,14 +190,14 @@ def probe_forwards(runner, pool, device, repeats: int):
         return ((1, 2), (1.0, 2.0), None), None
     times, plain, logits = {}, {}, []
     bs = pool.layout.block_size
-    recorded = 2 if runner.cpu_graphs is not None else 0
+    runs = repeats if runner.cpu_graphs is None else max(repeats, 3)  # (replayed from the third on)
     try:
         for rows in (2**i for i in range(n.bit_length())):
             step = build_step([], [([0] * rows, 0, table, rows)], bs, device)
-            times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]),
-                                   repeats + recorded)
-            step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
-            plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), repeats + recorded)
+            times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]), runs)
+            if rows <= PROBE_DECODE_ROWS:
+                step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
+                plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), runs)
     finally:
         pool.release(PROBE_ID)
     return (tuple(times), tuple(times.values()), tuple(plain.values())), logits[-1]  # (1, V): the work is done

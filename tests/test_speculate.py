@@ -229,6 +229,8 @@ def test_a_plain_decode_step_is_weighed_at_its_own_cost():
     costs = DraftCosts((1, 2, 4), (1.0, 1.05, 1.1), decode=(0.7, 0.75, 0.8))
     assert costs.plain(1) == 0.7 and costs.plain(3) == pytest.approx(0.775) and costs.forward(1) == 1.0
     assert DraftCosts((1, 2), (1.0, 1.05)).plain(2) == 1.05  # not measured: as a forward
+    short = DraftCosts((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.5), decode=(0.7, 0.75))  # measured up to 2 rows
+    assert short.plain(2) == 0.75 and short.plain(4) == pytest.approx(0.8) and short.plain(8) == pytest.approx(1.2)
     assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs) == [2]  # weighed against a forward's one row: pays
     assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [0]  # against a replayed step: does not
     assert allocate([(0.9, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [8]  # a likely run still pays
