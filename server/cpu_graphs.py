@@ -5,9 +5,9 @@ the activation per layer; the embedding, rotary tables and head); through Python
 boxing on top of the Python between them, about a sixth of the step on a 2-core CPU
 (bench/RESULTS.md#cpu-decode-step-benchdecode_steppy).
 The CUDA graphs' idea on a CPU: a step of a given shape (its decode rows, its chunks' lengths, its sampled rows:
-a decode step of n rows, a verification of k drafts, a short prompt's chunk) is recorded the first time such a step
+a decode step of n rows, a verification of k drafts, a short prompt's chunk) is recorded the second time such a step
 runs (a ``TorchDispatchMode`` sees every op with its arguments while the step computes normally), recorded again
-on the next, and from the third on replayed by ``torch.classes.quantserve.StepProgram`` (server/csrc/graph_ops.cpp):
+on the next, and from the fourth on replayed by ``torch.classes.quantserve.StepProgram`` (server/csrc/graph_ops.cpp):
 the same ops, in the same order, on the same tensors, as boxed dispatcher calls from C++. So a replay computes
 exactly what the eager forward computes, bit for bit (tests/test_cpu_graphs.py holds the two to each other).
 
@@ -40,7 +40,11 @@ from server.batch import StepInputs, StepInt
 log = logging.getLogger("quantserve.engine")
 
 MAX_ROWS = 64  # steps of at most this many rows are recorded (a program per shape, see CpuGraphs.key)
-MAX_PROGRAMS = 64  # shapes kept (recorded once, programs, refused), the least recently run dropped first
+MAX_PROGRAMS = 64  # shapes kept (seen, recorded once, programs, refused), the least recently run dropped first
+# Steps of a shape that run eagerly before it is recorded: with many requests at once, verifications and prompt
+# chunks make shapes that seldom come again, and a recording step runs slower than an eager one
+SEEN_BEFORE_RECORDING = 1
+RUNS_BEFORE_REPLAY = SEEN_BEFORE_RECORDING + 2  # (then two recordings)
 CONST, REG, LIST = 0, 1, 2  # argument kinds, as server/csrc/graph_ops.cpp numbers them
 _MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
                    torch.channels_last_3d: 3}
@@ -262,8 +266,8 @@ def build(rec: _Recorder, n_inputs: int):
 
 
 class CpuGraphs:
-    """Per step shape (:meth:`key`): a first recording, the C++ program, or None (runs eagerly); at most
-    :data:`MAX_PROGRAMS` shapes, the least recently run dropped."""
+    """Per step shape (:meth:`key`): the steps seen so far (an int), a first recording, the C++ program, or None
+    (runs eagerly); at most :data:`MAX_PROGRAMS` shapes, the least recently run dropped."""
 
     def __init__(self, model, backend):
         self.model, self.backend = model, backend
@@ -306,13 +310,15 @@ class CpuGraphs:
 
         if key is None:
             return eager()
-        entry = self.programs.get(key, ())
+        entry = self.programs.get(key, 0)
         if entry is None:
             return eager()
-        if entry != ():
-            self.programs.move_to_end(key)
+        if isinstance(entry, int) and entry < SEEN_BEFORE_RECORDING:  # a shape that may not come again: not yet
+            self._keep(key, entry + 1)
+            return eager()
+        self.programs.move_to_end(key)
         inputs = step_tensors(step, meta)
-        if len(entry) == 3:  # (program, input count, result register)
+        if isinstance(entry, tuple) and len(entry) == 3:  # (program, input count, result register)
             prog, count, out = entry
             if len(inputs) == count:
                 self.replays += 1
@@ -323,7 +329,7 @@ class CpuGraphs:
         except NotAProgram as e:  # raised inside the forward: run it again, unrecorded (it rewrites the same KV)
             return self._refuse(key, e, eager())
         try:
-            if entry == ():
+            if isinstance(entry, int):
                 self._keep(key, (rec, len(inputs)))
             else:
                 first, count = entry
@@ -348,5 +354,5 @@ class CpuGraphs:
         return logits
 
     def describe(self) -> str:
-        done = [k for k, e in self.programs.items() if e is not None and len(e) == 3]
+        done = [k for k, e in self.programs.items() if isinstance(e, tuple) and len(e) == 3]
         return f"{len(done)} step shapes replayed" if done else "none recorded yet"

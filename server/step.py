@@ -13,6 +13,7 @@ import torch
 
 from server import outputs as out
 from server.batch import stage
+from server.cpu_graphs import RUNS_BEFORE_REPLAY
 from server.draft import draft_params
 from server.grammar import fill_bitmask
 from server.outputs import TokenLogprob, TraceStep
@@ -181,8 +182,8 @@ def probe_forwards(runner, pool, device, repeats: int):
     """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
     1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
     2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and, up to
-    PROBE_DECODE_ROWS, as that many decode rows (a plain step's), the fastest of ``repeats`` each (at least three
-    where the runner replays recorded programs: the first two of a step's shape are its recordings)."""
+    PROBE_DECODE_ROWS, as that many decode rows (a plain step's), the fastest of ``repeats`` each (where the runner
+    replays recorded programs, at least one replay: server.cpu_graphs.RUNS_BEFORE_REPLAY)."""
     n = PROBE_ROWS
     while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
         n //= 2
@@ -190,7 +191,7 @@ def probe_forwards(runner, pool, device, repeats: int):
         return ((1, 2), (1.0, 2.0), None), None
     times, plain, logits = {}, {}, []
     bs = pool.layout.block_size
-    runs = repeats if runner.cpu_graphs is None else max(repeats, 3)  # (replayed from the third on)
+    runs = repeats if runner.cpu_graphs is None else max(repeats, RUNS_BEFORE_REPLAY + 1)
     try:
         for rows in (2**i for i in range(n.bit_length())):
             step = build_step([], [([0] * rows, 0, table, rows)], bs, device)
