@@ -101,6 +101,7 @@ class _Recorder(TorchDispatchMode):
             self.where[id(t)] = (("in", i), weakref.ref(t))
         self.ops: list[tuple] = []  # (op, args, output registers)
         self.registers = 0
+        self.result = -1  # the register of the forward's result (record sets it)
 
     def ref(self, v):
         if isinstance(v, Tensor):
@@ -352,7 +353,3 @@ class CpuGraphs:
         self._keep(key, None)
         log.info("cpu graphs: steps of %d decode rows and chunks %s run eagerly (%s)", key[0], list(key[1]), why)
         return logits
-
-    def describe(self) -> str:
-        done = [k for k, e in self.programs.items() if isinstance(e, tuple) and len(e) == 3]
-        return f"{len(done)} step shapes replayed" if done else "none recorded yet"

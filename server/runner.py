@@ -105,7 +105,8 @@ class ModelRunner:
         kv_format: the quantized format the pool holds (server.kv_pool.KVLayout.kv_format), or None; kv_scales: the
         pool's scales for int8 and fp8 (kv_storage then holds their codes); kv_rotation: their keys' and values'
         rotation blocks (KVLayout.rotation). int4 (kv_storage: the pool's units) has its own backend. cpu_graphs:
-        decode steps replay their recorded ops from C++ where the fused CPU ops are loaded (server/cpu_graphs.py)."""
+        steps of up to 64 rows replay their recorded ops from C++ where the fused CPU ops are loaded
+        (server/cpu_graphs.py)."""
         dtype = model.get_input_embeddings().weight.dtype
         cache_dtype = dtype if kv_format else kv_storage.dtype  # codes are read in the model's dtype
         self.glue_ops = glue or glue_ops_choice(dtype, cache_dtype, kv_storage.device, fused_ops)
@@ -158,8 +159,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> Tensor:
         """Logits (S, V) fp32 for the tokens in ``step.sample_index``: a captured graph's replay for decode-only
-        steps that fit one (CUDA graphs; on a CPU the recorded program of its row count), else the eager forward
-        (the reference)."""
+        steps that fit one (CUDA graphs; on a CPU the recorded program of its shape), else the eager forward (the
+        reference)."""
         if self.graphs is not None and (b := self.graphs.bucket(step)) is not None:
             return self.graphs.run(step, b)
         if self.cpu_graphs is not None:

@@ -65,7 +65,8 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
     alpha, the drafts it has, a drafted row's draw in seconds, and optionally whether the draft model proposes them:
     True when left out), on top of a step of ``base_rows`` forward rows that yields ``base_tokens`` tokens (its
     decode rows and the prefills it completes), at most ``budget`` drafts in all. ``proposer``: the draft model's
-    forwards by their rows (server/draft.py), None without one (n-gram drafts cost nothing to propose).
+    steps by their rows (server/draft.py; it proposes by decode steps, :meth:`DraftCosts.plain`), None without one
+    (n-gram drafts cost nothing to propose).
 
     The j-th draft of a request with rate alpha adds alpha^j expected tokens (it counts only if every draft before
     it was accepted). Drafts are added best gain first, each growing the step's time by the forward of one more
@@ -91,7 +92,7 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
             if j == len(depth):
                 depth.append(0)
             depth[j] += 1
-            extra += draw + proposer.forward(depth[j]) - (proposer.forward(depth[j] - 1) if depth[j] > 1 else 0.0)
+            extra += draw + proposer.plain(depth[j]) - (proposer.plain(depth[j] - 1) if depth[j] > 1 else 0.0)
         if ks[i] < n:
             heapq.heappush(heap, (gain * alpha, i))
         rate = tokens / (costs.forward(rows) + extra)

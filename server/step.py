@@ -59,9 +59,9 @@ class Stepper:
         times, logits = probe_forwards(self.runner, self.pool, self.device, repeats)
         proposer = None
         if self.drafter is not None:
-            drafter = self.drafter
-            p_rows, p_seconds, p_decode = probe_forwards(drafter.runner, drafter.pool, self.device, repeats)[0]
-            proposer = DraftCosts(p_rows, p_decode or p_seconds)  # it proposes by decode steps
+            p_rows, p_seconds, p_decode = probe_forwards(self.drafter.runner, self.drafter.pool, self.device,
+                                                         repeats)[0]
+            proposer = DraftCosts(p_rows, p_seconds, decode=p_decode)  # it proposes by decode steps: its plain()
         rows, seconds, decode = times
         if logits is None:
             return DraftCosts(rows, seconds, decode=decode), proposer

@@ -88,6 +88,12 @@ def test_the_draft_models_forwards_are_counted_in_the_draft_length():
     alone = allocate([(0.8, 8, 0.0)], 2, 2, 64, LINEAR, dear)[0]
     both = allocate([(0.8, 8, 0.0), (0.8, 8, 0.0)], 2, 2, 64, LINEAR, dear)
     assert both[0] == both[1] >= alone
+    # it proposes by decode steps: weighed at their measured cost (here up to 2 rows), and beyond as a forward less
+    # what the last measured step saved; six requests' drafts take its forwards past the rows measured so
+    steps = DraftCosts((1, 2, 4, 8), (0.5, 0.55, 0.6, 0.8), decode=(0.1, 0.15))
+    six = allocate([(0.9, 8, 0.0)] * 6, 6, 6, 64, LINEAR, steps)
+    assert sum(six) > sum(allocate([(0.9, 8, 0.0)] * 6, 6, 6, 64, LINEAR, DraftCosts((1, 2, 4, 8), (0.5, 0.55, 0.6,
+                                                                                                        0.8))))
 
 
 # ------------------------------------------------------------------------------------- the engine, exactness
