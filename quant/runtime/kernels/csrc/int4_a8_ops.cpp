@@ -272,9 +272,9 @@ void int4_block_a16(const int16_t* const* xq, const float* const* d, const float
         const __m256i w = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 16)),
                                                    0xD8);
         const __m256i ta = _mm256_shuffle_epi8(w, ia), tb = _mm256_shuffle_epi8(w, ib);
+        // a 16-bit lane holds one code byte over a zero byte: its high nibble needs only the shift
         const __m256i q0 = _mm256_and_si256(ta, m0f), q1 = _mm256_and_si256(tb, m0f);
-        const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(ta, 4), m0f);
-        const __m256i q3 = _mm256_and_si256(_mm256_srli_epi16(tb, 4), m0f);
+        const __m256i q2 = _mm256_srli_epi16(ta, 4), q3 = _mm256_srli_epi16(tb, 4);
         for (int r = 0; r < MR; ++r) {
           int32_t pair;
           std::memcpy(&pair, xq[r] + c, sizeof(pair));
