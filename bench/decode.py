@@ -14,9 +14,10 @@ Tables (all rows of a table in this one run, same prompt, same machine):
    our engine vs ``model.generate_batch`` (transformers' continuous batching) on the bf16 base; ours also
    for w4a16.
 3. resident memory (RSS) of a process that loads each scheme into the engine and serves one request.
-4. (``--only http``) the same batch-1 request through ``quant serve`` over HTTP (/v1/completions), alternated
-   process by process with llama.cpp for ``--rounds`` rounds, medians compared; and 16 concurrent requests
-   through ``quant serve`` (with ``--baseline``: alternated with that commit's server).
+4. (``--only http``) the same batch-1 request through ``quant serve`` over HTTP (/v1/completions: whole, streamed,
+   and with ``--speculate off``) beside the same engine in-process and llama.cpp, each a resident process, request by
+   request as in 5; and 16 concurrent requests through ``quant serve`` (with ``--baseline``: alternated with that
+   commit's server).
 5. (``--only versus``) batch-1 engine decode of the w4a16 artifact against llama.cpp and against the engine of each
    ``--baseline`` commit (comma-separated); each engine as users get it (n-gram speculation where its start-up
    timing says it pays) and with speculation off (``--speculate off``: the decode step itself, as llama.cpp runs
@@ -49,6 +50,7 @@ import torch
 from common import NEW, PROMPT, ensure_artifact, greedy
 
 ROOT = Path(__file__).resolve().parents[1]
+AT_EXIT: list = []  # what a resident worker stops before it exits (os._exit runs no atexit hooks)
 
 
 def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512MiB", fused_ops: bool = True,
@@ -72,6 +74,8 @@ def one_request(case: str, spec: str, cache: Path, threads: int):
             t = time.perf_counter()
             assert len(tokens(n)) == n
             return n / (time.perf_counter() - t)
+    elif case.startswith("serve-b1"):
+        run = served_request(case, spec, threads)
     else:
         eng = engine_for(spec, cache, threads, speculate="off" if case.endswith("plain") else "auto",
                          int4_activations="int8" if "-a8" in case else "float")
@@ -81,7 +85,45 @@ def one_request(case: str, spec: str, cache: Path, threads: int):
             c = eng.complete(PROMPT, greedy(n))
             assert len(c.token_ids) == n, len(c.token_ids)
             return n / (time.perf_counter() - t)
-    run(16)  # warm-up
+    run(16)  # warm-up: the first request's costs (compilation, step recording), then two as measured
+    run()
+    run()
+    return run
+
+
+def served_request(case: str, spec: str, threads: int):
+    """``quant serve`` started on loopback (``serve-b1-plain``: ``--speculate off``) and a function sending it one
+    greedy /v1/completions request of n tokens (``serve-b1-stream``: streamed, tokens counted by the final usage
+    chunk), returning its tokens/s as the client sees them. :func:`serve_requests` stops the server as it exits."""
+    import httpx
+
+    from server.loadgen.drive import ServerProcess
+
+    extra = ("--speculate", "off") if case.endswith("-plain") else ()
+    srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", *extra)
+    AT_EXIT.append(srv.kill)
+    http = httpx.Client(base_url=srv.http, timeout=300)
+    stream = "-stream" in case
+
+    def run(n=NEW):
+        body = {"prompt": PROMPT, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
+        t = time.perf_counter()
+        if stream:
+            usage = None
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage
+        else:
+            r = http.post("/v1/completions", json=body)
+            r.raise_for_status()
+            usage = r.json()["usage"]
+        dt = time.perf_counter() - t
+        assert usage["completion_tokens"] == n, usage
+        return n / dt
+
     return run
 
 
@@ -94,6 +136,9 @@ def serve_requests(case: str, spec: str, cache: Path, threads: int) -> None:
     for line in sys.stdin:
         if line.strip() == "run":
             print(json.dumps({"tok_s": run()}), flush=True)
+    for stop in AT_EXIT:
+        stop()
+    sys.stdout.flush()
     os._exit(0)  # the engine's and llama.cpp's threads need no orderly shutdown here
 
 
@@ -223,36 +268,24 @@ def ours_concurrent(engine, prompts) -> dict:
             "ttft_max_s": ttft[-1], "tokens": total}
 
 
-def serve_case(case: str, spec: str, threads: int, repeats: int, server_root: Path = ROOT) -> dict:
-    """``quant serve`` in its own process, driven over HTTP (/v1/completions): ``serve-b1`` is batch-1 greedy
-    decode, ``serve-16`` 16 concurrent requests; same prompts and token counts as the engine-level cases, so the
-    difference is what the server adds (HTTP, tokenising and detokenising, the asyncio hop)."""
+def serve_case(spec: str, threads: int, server_root: Path = ROOT) -> dict:
+    """``quant serve`` in its own process, driven over HTTP (/v1/completions) by 16 concurrent requests; same prompts
+    and token counts as the engine-level case, so the difference is what the server adds (HTTP, tokenising and
+    detokenising, the asyncio hop)."""
     import httpx
 
     from server.loadgen.drive import ServerProcess
 
     srv = ServerProcess(spec, "--threads", str(threads), "--memory-budget", "512MiB", root=server_root)
     try:
-        def body(prompt, n):
-            return {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
-
         with httpx.Client(base_url=srv.http, timeout=300) as http:
             def one(prompt, n):
-                r = http.post("/v1/completions", json=body(prompt, n))
+                body = {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
+                r = http.post("/v1/completions", json=body)
                 r.raise_for_status()
                 return r.json()
 
             one(PROMPT, 16)  # warm-up
-            if case == "serve-b1":
-                best = None
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    out = one(PROMPT, NEW)
-                    dt = time.perf_counter() - t
-                    assert out["usage"]["completion_tokens"] == NEW, out["usage"]
-                    best = dt if best is None or dt < best else best
-                return {"tok_s": NEW / best, "ms_per_tok": 1000 * best / NEW, "text": out["choices"][0]["text"][:80],
-                        "server_rss": srv.rss_bytes()}
             prompts = prompts16()
             done = [None] * len(prompts)
             t0 = time.perf_counter()
@@ -320,8 +353,8 @@ def run_case(case: str, spec: str, cache: Path, threads: int, repeats: int, serv
             eng.close()
     if case == "llama-b1":
         return llama_cpp_batch1(threads, repeats)
-    if case in ("serve-b1", "serve-16"):
-        return serve_case(case, spec, threads, repeats, server_root)
+    if case == "serve-16":
+        return serve_case(spec, threads, server_root)
     tok = AutoTokenizer.from_pretrained(spec)
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     if case == "hf-b1":
@@ -364,8 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="batch1,concurrent,rss",
-                    help="comma-separated tables: batch1, concurrent, rss, http (batch-1 through quant serve vs "
-                         "llama.cpp, alternated --rounds times, and 16 streams through quant serve), versus (batch-1 "
+                    help="comma-separated tables: batch1, concurrent, rss, http (batch-1 through quant serve, "
+                         "and in-process, vs llama.cpp, request by request for --rounds rounds, and 16 streams through quant serve), versus (batch-1 "
                          "engine w4a16 against llama.cpp, and against each --baseline commit's engine, alternated "
                          "--rounds times), fp32 (batch-1 served in float32: the base model and w4a16, beside w4a16 "
                          "in bf16, alternated --rounds times)")
@@ -435,21 +468,37 @@ def main(argv=None) -> int:
         record("batch1", "HF generate bf16", "hf-b1", base)
         ensure_llama_cpp()
         record("batch1", "llama.cpp Q4_1", "llama-b1", base)
+    def interleaved(table: str, workers: dict) -> None:
+        """Each round every resident worker serves one request in turn (the order rotating); each one's median over
+        the rounds and, against llama.cpp, the median of the per-round ratios."""
+        runs: dict[str, list[float]] = {k: [] for k in workers}
+        try:
+            names = list(workers)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:  # the order rotates
+                    time.sleep(0.3)  # the last one's threads asleep first
+                    runs[name].append(workers[name].run())
+                print(table, {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
+        finally:
+            for w in workers.values():
+                w.close()
+        llama = runs["llama.cpp Q4_1"]
+        res[table] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
+                          "vs_llama_cpp": round(statistics.median([a / b for a, b in zip(v, llama)]), 3)}
+                      for k, v in runs.items()}
+
     if "http" in only:
-        # Batch-1 through `quant serve` against llama.cpp, alternated process by process.
+        # Batch-1 through `quant serve` (HTTP, plain and streamed) beside the same engine in-process and llama.cpp,
+        # each a resident process, request by request: what the server adds, and the served figure against llama.cpp.
         ensure_llama_cpp()
-        pairs = {"llama.cpp Q4_1": [], "ours w4a16 via quant serve (HTTP)": []}
-        for _ in range(args.rounds):
-            pairs["llama.cpp Q4_1"].append(child("llama-b1", base, cache, args.threads, args.repeats))
-            pairs["ours w4a16 via quant serve (HTTP)"].append(
-                child("serve-b1", specs["w4a16"], cache, args.threads, args.repeats))
-        for name, runs in pairs.items():
-            res.setdefault("http_batch1", {})[name] = median_run(runs)
-            print("http_batch1", name, res["http_batch1"][name], flush=True)
-        r = [x["tok_s"] for x in pairs["ours w4a16 via quant serve (HTTP)"]]
-        l = [x["tok_s"] for x in pairs["llama.cpp Q4_1"]]
-        res["http_batch1"]["ours / llama.cpp (medians)"] = round(sorted(r)[len(r) // 2] / sorted(l)[len(l) // 2], 3)
-        record("http_concurrent16", "ours w4a16 via quant serve (HTTP)", "serve-16", specs["w4a16"])
+        w4 = specs["w4a16"]
+        interleaved("http_batch1", {
+            "llama.cpp Q4_1": Worker("llama-b1", base, cache, args.threads),
+            "ours w4a16, engine in-process": Worker("ours-b1", w4, cache, args.threads),
+            "ours w4a16 via quant serve (HTTP)": Worker("serve-b1", w4, cache, args.threads),
+            "ours w4a16 via quant serve (HTTP, streamed)": Worker("serve-b1-stream", w4, cache, args.threads),
+            "ours w4a16 via quant serve (HTTP), speculation off": Worker("serve-b1-plain", w4, cache, args.threads)})
+        record("http_concurrent16", "ours w4a16 via quant serve (HTTP)", "serve-16", w4)
     if "versus" in only:
         # Batch-1 engine decode of the w4a16 artifact against llama.cpp and the --baseline commits' engines, each a
         # resident process, request by request in turn each round: where the step's time went, on this CPU.
@@ -463,21 +512,7 @@ def main(argv=None) -> int:
         for at, tree in trees.items():
             for case, how in per_tree[at].items():
                 workers[f"ours w4a16{at}{how}"] = Worker(case, specs["w4a16"], cache, args.threads, tree)
-        runs: dict[str, list[float]] = {k: [] for k in workers}
-        try:
-            names = list(workers)
-            for r in range(args.rounds):
-                for name in names[r % len(names):] + names[: r % len(names)]:  # the order rotates
-                    time.sleep(0.3)  # the last one's threads asleep first
-                    runs[name].append(workers[name].run())
-                print("versus", {k: round(v[-1], 1) for k, v in runs.items()}, flush=True)
-        finally:
-            for w in workers.values():
-                w.close()
-        llama = runs["llama.cpp Q4_1"]
-        res["versus"] = {k: {"median_tok_s": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v],
-                             "vs_llama_cpp": round(statistics.median([a / b for a, b in zip(v, llama)]), 3)}
-                         for k, v in runs.items()}
+        interleaved("versus", workers)
     if "fp32" in only:
         # Batch-1 served in float32 (--dtype float32): the base model's dense fp32 against the w4a16 artifact in
         # fp32 (its head float, then int8) and in bf16, process by process in turn each round.
