@@ -407,7 +407,7 @@ class Scheduler:
             drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
             by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
             offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
-        lengths = allocate([(s.spec.rate(m), len(d), s.spec.draw, m) for s, d, m in offers],
+        lengths = allocate([(s.spec.rates(len(d), m), s.spec.draw, m) for s, d, m in offers],
                            base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs,
                            base_rows == len(decode)) if offers else []
         verify = []

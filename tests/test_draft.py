@@ -22,7 +22,7 @@ from server.draft import check_tokenizer, split_budget
 from server.engine import Engine
 from server.kv_pool import KVLayout
 from server.sampling_params import SamplingParams
-from server.speculate import DraftCosts, allocate
+from server.speculate import DraftCosts, allocate, geometric
 
 LOOP = [11, 12, 13, 14, 15, 16, 17, 18]
 LINEAR = DraftCosts((1, 64), (1.0, 7.3))  # a forward over n rows: 1 + 0.1 (n - 1) one-row ones
@@ -77,22 +77,22 @@ def test_the_kv_budget_is_split_so_both_pools_hold_as_many_tokens():
 @pytest.mark.unit
 def test_the_draft_models_forwards_are_counted_in_the_draft_length():
     # a draft model as dear as the target never pays at a middling rate; nearly free, it drafts as n-grams would
-    assert allocate([(0.6, 8, 0.0)], 1, 1, 64, LINEAR, LINEAR) == [0]
-    free = allocate([(0.6, 8, 0.0)], 1, 1, 64, LINEAR, DraftCosts((1,), (0.0,)))
-    assert free == allocate([(0.6, 8, 0.0)], 1, 1, 64, LINEAR) and free[0] > 0
+    assert allocate([(geometric(0.6, 8), 0.0)], 1, 1, 64, LINEAR, LINEAR) == [0]
+    free = allocate([(geometric(0.6, 8), 0.0)], 1, 1, 64, LINEAR, DraftCosts((1,), (0.0,)))
+    assert free == allocate([(geometric(0.6, 8), 0.0)], 1, 1, 64, LINEAR) and free[0] > 0
     # a tenth of the target's forward: a likely draft pays, and fewer are drafted than for free
-    cheap = allocate([(0.9, 8, 0.0)], 1, 1, 64, LINEAR, DraftCosts((1, 64), (0.1, 0.73)))[0]
-    assert 0 < cheap <= allocate([(0.9, 8, 0.0)], 1, 1, 64, LINEAR)[0]
+    cheap = allocate([(geometric(0.9, 8), 0.0)], 1, 1, 64, LINEAR, DraftCosts((1, 64), (0.1, 0.73)))[0]
+    assert 0 < cheap <= allocate([(geometric(0.9, 8), 0.0)], 1, 1, 64, LINEAR)[0]
     # batched, the draft's j-th forward is shared: two requests draft more each than either alone would pay for
     dear = DraftCosts((1, 64), (0.5, 0.5 * 7.3))
-    alone = allocate([(0.8, 8, 0.0)], 2, 2, 64, LINEAR, dear)[0]
-    both = allocate([(0.8, 8, 0.0), (0.8, 8, 0.0)], 2, 2, 64, LINEAR, dear)
+    alone = allocate([(geometric(0.8, 8), 0.0)], 2, 2, 64, LINEAR, dear)[0]
+    both = allocate([(geometric(0.8, 8), 0.0), (geometric(0.8, 8), 0.0)], 2, 2, 64, LINEAR, dear)
     assert both[0] == both[1] >= alone
     # it proposes by decode steps: weighed at their measured cost (here up to 2 rows), and beyond as a forward less
     # what the last measured step saved; six requests' drafts take its forwards past the rows measured so
     steps = DraftCosts((1, 2, 4, 8), (0.5, 0.55, 0.6, 0.8), decode=(0.1, 0.15))
-    six = allocate([(0.9, 8, 0.0)] * 6, 6, 6, 64, LINEAR, steps)
-    assert sum(six) > sum(allocate([(0.9, 8, 0.0)] * 6, 6, 6, 64, LINEAR, DraftCosts((1, 2, 4, 8), (0.5, 0.55, 0.6,
+    six = allocate([(geometric(0.9, 8), 0.0)] * 6, 6, 6, 64, LINEAR, steps)
+    assert sum(six) > sum(allocate([(geometric(0.9, 8), 0.0)] * 6, 6, 6, 64, LINEAR, DraftCosts((1, 2, 4, 8), (0.5, 0.55, 0.6,
                                                                                                         0.8))))
 
 

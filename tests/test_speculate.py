@@ -23,8 +23,10 @@ from server.kv_pool import BlockPool, KVLayout
 from server.sampling_params import SamplingParams
 from server.scheduler import ON_DEMAND, RESERVE, Scheduler, Sequence
 from server.speculate import (
+    MATCH_CAP,
     MAX_PROBE_AFTER,
-    PRIOR,
+    MAX_RATE,
+    PRIOR_BETA,
     PROBE_AFTER,
     PROBE_RATE,
     DraftCosts,
@@ -32,6 +34,7 @@ from server.speculate import (
     Speculation,
     accepted,
     allocate,
+    geometric,
 )
 
 BS = 16
@@ -67,32 +70,67 @@ def test_the_ngram_index_proposes_what_followed_the_last_earlier_occurrence_of_t
 
 @pytest.mark.unit
 def test_the_draft_length_follows_the_acceptance_rate():
-    alone = [allocate([(a, 8, 0.0)], 1, 1, 64, LINEAR)[0] for a in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95)]
+    alone = [allocate([(geometric(a, 8), 0.0)], 1, 1, 64, LINEAR)[0] for a in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95)]
     assert alone[:2] == [0, 0] and alone[2] > 0 and alone == sorted(alone) and alone[-1] == 8  # 0.05: never pays
-    assert allocate([(0.99, 3, 0.0)], 1, 1, 64, LINEAR) == [3]  # no more than it has
-    assert allocate([(0.99, 8, 0.0)], 1, 1, 2, LINEAR) == [2]  # nor than the step leaves
-    assert allocate([(0.5, 8, 0.0)], 1, 1, 64, DraftCosts((1, 2), (1.0, 11.0))) == [0]  # rows too dear
-    assert allocate([(0.8, 8, 0.0)], 1, 1, 64, DraftCosts()) == [8]  # rows that cost nothing: every draft
-    assert allocate([(0.8, 8, 10.0)], 1, 1, 64, DraftCosts()) == [0]  # ... but their draws do
+    assert allocate([(geometric(0.99, 3), 0.0)], 1, 1, 64, LINEAR) == [3]  # no more than it has
+    assert allocate([(geometric(0.99, 8), 0.0)], 1, 1, 2, LINEAR) == [2]  # nor than the step leaves
+    assert allocate([(geometric(0.5, 8), 0.0)], 1, 1, 64, DraftCosts((1, 2), (1.0, 11.0))) == [0]  # rows too dear
+    assert allocate([(geometric(0.8, 8), 0.0)], 1, 1, 64, DraftCosts()) == [8]  # rows that cost nothing: every draft
+    assert allocate([(geometric(0.8, 8), 10.0)], 1, 1, 64, DraftCosts()) == [0]  # ... but their draws do
     # In a batch of 16 whose rows cost their share of the compute, only drafts likely to be kept pay, best first:
     # rate 0.9 drafts more than 0.6, and the 0.3 request none.
     share = DraftCosts((1, 16, 64), (1.0, 2.5, 5.5))
-    ks = allocate([(0.9, 8, 0.0), (0.6, 8, 0.0), (0.3, 8, 0.0)], 16, 16, 64, share)
+    ks = allocate([(geometric(0.9, 8), 0.0), (geometric(0.6, 8), 0.0), (geometric(0.3, 8), 0.0)], 16, 16, 64, share)
     assert ks[0] > ks[1] > 0 and ks[2] == 0
-    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, LINEAR)[0] > 0  # alone, 0.3 pays
-    assert allocate([(0.9, 8, 0.0)], 16, 16, 64, DraftCosts((1, 16, 64), (1.0, 2.5, 10.0))) == [0]  # nothing does
+    assert allocate([(geometric(0.3, 8), 0.0)], 1, 1, 64, LINEAR)[0] > 0  # alone, 0.3 pays
+    assert allocate([(geometric(0.9, 8), 0.0)], 16, 16, 64, DraftCosts((1, 16, 64), (1.0, 2.5, 10.0))) == [0]  # nothing does
 
     spec = Speculation()
+    assert spec.offer(LOOP * 3, [], 8) == LOOP
     for _ in range(20):
         spec.record(4, 0)
-    assert spec.alpha < 0.05 and allocate([(spec.alpha, 8, 0.0)], 1, 1, 64, LINEAR) == [0]  # nothing pays
+    dear = DraftCosts((1, 2, 64), (1.0, 1.25, 16.75))  # a row costs a quarter of a step
+    assert spec.rate_at(spec.match) < 0.2 and allocate([(spec.rates(8), 0.0)], 1, 1, 64, dear) == [0]  # none pays
     for _ in range(PROBE_AFTER):
         spec.skip()
-    assert spec.alpha > PRIOR / 2 - 0.05  # moved half way back: the next repetitive text is drafted again
-    assert allocate([(spec.alpha, 8, 0.0)], 1, 1, 64, LINEAR)[0] > 0
-    assert spec.offer(LOOP * 3, [], 8)[:1] == LOOP[:1]
+    assert spec.rate_at(spec.match) > 0.25  # its evidence halved: the next repetitive text is drafted again
+    assert allocate([(spec.rates(8), 0.0)], 1, 1, 64, dear)[0] > 0
     spec.record(3, 3)
     assert spec.proposed == 83 and spec.accepted == 3 and spec.steps == 21
+
+
+@pytest.mark.unit
+def test_a_drafts_rate_grows_with_the_match_it_extends():
+    """An n-gram draft extending a match of l tokens is weighed at l / (l + beta): the longer the text has copied its
+    source, the longer the drafts; beta is the request's own, by maximum likelihood from what it verified."""
+    idx = NgramIndex([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6])
+    assert idx.propose(3) == [7, 8, 9] and idx.match == 6  # (1..6) agrees: 6 tokens before the end
+    assert NgramIndex([9, 2, 3, 4, 5, 8, 2, 3, 4, 5]).propose(1) == [8] and NgramIndex([9, 2, 3, 4, 5, 8, 2, 3, 4, 5]).match == 0
+    short = NgramIndex([9, 2, 3, 5, 8, 2, 3])
+    assert short.propose(2) == [5, 8] and short.match == 2
+    assert NgramIndex(list(range(200)) * 2).propose(1) == [0] and NgramIndex(list(range(200)) * 2).match == 0
+    long = NgramIndex(list(range(100)) * 2 + [0, 1])
+    assert long.propose(1) == [2] and long.match == MATCH_CAP  # counted to the cap
+    spec = Speculation(idle=0)  # not probing
+    assert spec.beta == PRIOR_BETA
+    spec.match = 2
+    short_rates = spec.rates(8)
+    spec.match = 30
+    long_rates = spec.rates(8)
+    assert short_rates == sorted(short_rates) and short_rates[0] == pytest.approx(2 / (2 + PRIOR_BETA))
+    assert long_rates[0] > short_rates[-1] and max(long_rates) <= MAX_RATE
+    costs = DraftCosts((1, 2, 4, 8), (1.0, 1.25, 1.5, 2.4), decode=(0.9,))
+    spec.match = 2
+    short_k = allocate([(spec.rates(8), 0.0)], 1, 1, 64, costs, decode_only=True)[0]
+    spec.match = 30
+    assert allocate([(spec.rates(8), 0.0)], 1, 1, 64, costs, decode_only=True)[0] > short_k
+    # beta follows the request: runs that end early raise it, runs that go on lower it
+    fails, runs = Speculation(idle=0, match=4), Speculation(idle=0, match=4)
+    for _ in range(10):
+        fails.record(4, 0)
+        runs.record(4, 4)
+    assert fails.beta > PRIOR_BETA > runs.beta > 0
+    assert fails.rate_at(8) < 8 / (8 + PRIOR_BETA) < runs.rate_at(8)
 
 
 def _scheduler(blocks: int, admission: str = ON_DEMAND, prefill: int = 1024) -> Scheduler:
@@ -203,19 +241,20 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
 
 @pytest.mark.unit
 def test_a_request_probes_at_its_first_drafts_and_again_later_less_often_after_a_failed_probe():
-    spec = Speculation()
-    assert spec.probing and spec.rate() == PROBE_RATE and spec.alpha == PRIOR  # weighed as likely, not recorded so
+    spec = Speculation(match=2)
+    assert spec.probing and spec.rates(3) == [PROBE_RATE] * 3 and spec.beta == PRIOR_BETA  # weighed as likely
     spec.record(3, 0)  # the probe failed
-    assert not spec.probing and spec.rate() == spec.alpha < PRIOR
+    assert not spec.probing and spec.rates(1) == [spec.rate_at(2)] and spec.beta > PRIOR_BETA
     for _ in range(PROBE_AFTER):
         assert not spec.probing
         spec.skip()
     assert not spec.probing and spec.probe_after == 2 * PROBE_AFTER  # a failed probe: the next twice as late
     for _ in range(PROBE_AFTER):
         spec.skip()
-    assert spec.probing and spec.rate() == PROBE_RATE
+    assert spec.probing and spec.rates(1) == [PROBE_RATE]
+    beta = spec.beta
     spec.record(3, 3)  # the text repeats now: probes come at the first wait again, and the rate says so
-    assert spec.probe_after == PROBE_AFTER and not spec.probing and spec.alpha > PRIOR / 2
+    assert spec.probe_after == PROBE_AFTER and not spec.probing and spec.beta < beta
     for _ in range(20):
         spec.idle = spec.probe_after
         spec.record(3, 0)
@@ -231,9 +270,9 @@ def test_a_plain_decode_step_is_weighed_at_its_own_cost():
     assert DraftCosts((1, 2), (1.0, 1.05)).plain(2) == 1.05  # not measured: as a forward
     short = DraftCosts((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.5), decode=(0.7, 0.75))  # measured up to 2 rows
     assert short.plain(2) == 0.75 and short.plain(4) == pytest.approx(0.8) and short.plain(8) == pytest.approx(1.2)
-    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs) == [2]  # weighed against a forward's one row: pays
-    assert allocate([(0.3, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [0]  # against a replayed step: does not
-    assert allocate([(0.9, 8, 0.0)], 1, 1, 64, costs, decode_only=True) == [8]  # a likely run still pays
+    assert allocate([(geometric(0.3, 8), 0.0)], 1, 1, 64, costs) == [2]  # weighed against a forward's one row: pays
+    assert allocate([(geometric(0.3, 8), 0.0)], 1, 1, 64, costs, decode_only=True) == [0]  # against a replayed step: does not
+    assert allocate([(geometric(0.9, 8), 0.0)], 1, 1, 64, costs, decode_only=True) == [8]  # a likely run still pays
 
 
 @pytest.mark.unit
