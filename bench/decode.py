@@ -24,7 +24,8 @@ Tables (all rows of a table in this one run, same prompt, same machine):
    here, without a draft). Every engine is a resident process of its own (loaded once, then idle but for its turn),
    and the rounds go request by request: each round every engine serves one request in turn (the order rotating),
    so a machine whose speed drifts over seconds (this VM's does) slows all of a round alike. Reported: each
-   engine's median over ``--rounds`` rounds, and against llama.cpp the median of the per-round ratios.
+   engine's median over ``--rounds`` rounds, and against llama.cpp the median of the per-round ratios. llama.cpp also
+   with its own n-gram drafts (llama-cpp-python's prompt lookup), the peer of our engine as served.
 
 6. (``--only fp32``) batch-1 served in float32: the base model (dense fp32) and the w4a16 artifact in fp32 (with
    its float head, and with ``--embeddings int8``), beside w4a16 in bf16, process by process in turn for ``--rounds`` rounds, medians compared.
@@ -67,8 +68,8 @@ def engine_for(spec: str | None, cache: Path, threads: int, budget: str = "512Mi
 def one_request(case: str, spec: str, cache: Path, threads: int):
     """A batch-1 case loaded and warmed up: a function serving one greedy request of NEW tokens, returning its
     tokens/s."""
-    if case == "llama-b1":
-        _, tokens = llama_cpp(threads)
+    if case in ("llama-b1", "llama-b1-lookup"):
+        _, tokens = llama_cpp(threads, lookup=case.endswith("lookup"))
 
         def run(n=NEW):
             t = time.perf_counter()
@@ -205,16 +206,18 @@ def ensure_llama_cpp():
         subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"], check=True)
 
 
-def llama_cpp(threads: int):
+def llama_cpp(threads: int, lookup: bool = False):
     """llama.cpp (llama-cpp-python) on the Q4_1 GGUF of the default model, and its greedy generation of n tokens
-    after PROMPT, EOS not ending it."""
+    after PROMPT, EOS not ending it. ``lookup``: with its own n-gram drafts (``LlamaPromptLookupDecoding``, 2 tokens
+    a step: its documentation's setting for a CPU; 10, its default, is for a GPU)."""
     ensure_llama_cpp()
     from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from quant.format.sources import default_gguf_path
 
     llm = Llama(model_path=str(default_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=512,
-                verbose=False)
+                verbose=False, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2) if lookup else None)
     ids = llm.tokenize(PROMPT.encode(), add_bos=True)
 
     def run(n):
@@ -508,7 +511,8 @@ def main(argv=None) -> int:
         # --int4-activations int8 (llama.cpp's own trade) where this checkout has it, not at the baselines
         here = {**cases, "ours-b1-a8": ", int8 activations", "ours-b1-a8-plain": ", int8 activations, speculation off"}
         per_tree = {at: here if at == "" else cases for at in trees}
-        workers = {"llama.cpp Q4_1": Worker("llama-b1", base, cache, args.threads)}
+        workers = {"llama.cpp Q4_1": Worker("llama-b1", base, cache, args.threads),
+                   "llama.cpp Q4_1, prompt lookup": Worker("llama-b1-lookup", base, cache, args.threads)}
         for at, tree in trees.items():
             for case, how in per_tree[at].items():
                 workers[f"ours w4a16{at}{how}"] = Worker(case, specs["w4a16"], cache, args.threads, tree)

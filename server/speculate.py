@@ -22,22 +22,23 @@ same tokens in every test). Greedy requests accept exactly the argmax.
 n-gram proposer also reports its match, the tokens before the current end that agree with those before the earlier
 occurrence (at least the n-gram's n, counted to :data:`MATCH_CAP`), and a draft that would extend a match of l
 tokens is weighed as accepted with probability l / (l + beta) (the rule-of-succession shape; on input-grounded
-rewrites of the default model the rate at l = 2, 4, 8, 16, 32, 64 was 0.57, 0.66, 0.94, 0.96, 0.98, 0.98, and
-beta = 1.5 fits it). Each request estimates its own beta from its verifications by maximum likelihood (each draft
-examined is a trial at its match length, a rejection the failure that ends the run; the evidence exponentially
-weighted, with :data:`PRIOR_BETA` worth :data:`PRIOR_TRIALS` trials at :data:`PRIOR_MATCH`), so open chat, whose matches
-fail, learns a large beta and drafts little. The draft model's drafts have no match: they keep a running per-token
-rate alpha (accepted over examined, exponentially weighted). Each step the scheduler offers every decoding
-request's drafts to :func:`allocate` with each draft's conditional rate, and the j-th draft adds the product of the
-first j rates in expected tokens and one row to the step's forward, whose time by its rows was measured on this
-device when the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded
-program, measured apart), with that row's draw where the request samples. A lone request drafts while its rates
-pay for the rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are
-verified; none where plain decoding does best. After :data:`PROBE_AFTER` steps without a verification its evidence
-is halved (its estimates move towards the priors), and the request probes: a few drafts verified as if likely,
-whose outcome updates the estimates (where a plain step costs far less than a verification, as with a CPU's
-replayed decode steps, the priors alone may not pay, and a repetitive text would never be found); a probe that
-fails doubles the wait for the next, so open chat pays for few. A request probes at its first drafts.
+rewrites of the default model the rate at l = 2, 4, 8, 16, 32, 64 was 0.57, 0.66, 0.94, 0.96, 0.98, 0.98, and beta =
+1.5 fits it; on six other passages, three rewritten and three summarised, beta came out 1.1-2.2 along l). Each
+request estimates its own beta from its verifications by maximum likelihood (each draft examined is a trial at its
+match length, a rejection the failure that ends the run; the evidence exponentially weighted, with
+:data:`PRIOR_BETA` worth :data:`PRIOR_TRIALS` trials at :data:`PRIOR_MATCH`), so open chat, whose matches fail,
+learns a large beta and drafts little. The draft model's drafts have no match: they keep a running per-token rate
+alpha (accepted over examined, exponentially weighted). Each step the scheduler offers every decoding request's
+drafts to :func:`allocate` with each draft's conditional rate, and the j-th draft adds the product of the first j
+rates in expected tokens and one row to the step's forward, whose time by its rows was measured on this device when
+the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded program,
+measured apart), with that row's draw where the request samples. A lone request drafts while its rates pay for the
+rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are verified; none
+where plain decoding does best. After :data:`PROBE_AFTER` steps without a verification its evidence is halved (its
+estimates move towards the priors), and the request probes: a few drafts verified as if likely, whose outcome
+updates the estimates (where a plain step costs far less than a verification, as with a CPU's replayed decode steps,
+the priors alone may not pay, and a repetitive text would never be found); a probe that fails doubles the wait for
+the next, so open chat pays for few. A request probes at its first drafts.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ PRIOR_MATCH = 4  # at this match
 BETA_DECAY = 0.9  # weight of the past in beta's evidence, per verified step
 MATCH_CAP = 64  # the longest match counted
 MAX_RATE = 0.99  # no draft is weighed as certain
-PROBE_AFTER = 16  # steps without a verification after which the rate is moved half way back to the prior, and
+PROBE_AFTER = 16  # steps without a verification after which the estimates' evidence is halved, and
 # after which (doubling after each probe that failed, up to MAX_PROBE_AFTER) a request probes: its drafts (at most
 # PROBE_DRAFTS but at its first verification) weighed at no less than PROBE_RATE, so that a rate too low to pay is
 # measured again
@@ -280,7 +281,8 @@ class Speculation:
         failures = prior_f + sum(f for _, f in ev.values())
 
         def score(beta: float) -> float:  # d log L / d beta
-            return failures / beta - PRIOR_TRIALS / (PRIOR_MATCH + beta) - sum(t / (m + beta) for m, (t, _) in ev.items())
+            exposure = PRIOR_TRIALS / (PRIOR_MATCH + beta) + sum(t / (m + beta) for m, (t, _) in ev.items())
+            return failures / beta - exposure
 
         lo, hi = math.log(1e-3), math.log(1e4)  # the score falls through zero once in between (or beta is at a bound)
         for _ in range(14):  # to 0.2% of beta
