@@ -305,10 +305,10 @@ def test_the_rows16_path_is_offered_for_16_bit_activations_only():
 @pytest.mark.parametrize("rows_", [1, 2, 5, 8, 15])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dense_rows_match_the_fp32_product(bias, rows_, dtype):
-    """Within the dtype's rounding of the product; and each row is what it is alone, bit for bit (rows are taken up
-    to four at a time against three weight rows, each pair's sums formed as one row's are)."""
+    """Within the dtype's rounding of the product; and each row is what it is alone, bit for bit (rows are taken two
+    at a time, each row's sums formed as one row's are)."""
     g = torch.Generator().manual_seed(8)
-    w = torch.randn(98, 200, generator=g).to(dtype)  # N, K: tails of the three rows and of the vector width
+    w = torch.randn(98, 200, generator=g).to(dtype)  # N, K: tails of the four rows and of the vector width
     b = torch.randn(98, generator=g).to(dtype) if bias else None
     x = torch.randn(rows_, 200, generator=g).to(dtype)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())

@@ -98,8 +98,7 @@ def int4_a16(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, g
 
 def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
     """x @ weight (N, K) ^T (+ the bias in fp32), x and the weight both bf16 or both fp32, in x's dtype: fp32 sums,
-    rounded once; x rows four at a time against three weight rows (each weight vector widened once for them), each
-    row's sums those it has alone."""
+    rounded once; x rows two at a time against each weight vector, each row's sums those it has alone."""
     op, b = _op("bf16_rows"), _opt(bias)
     return lambda x2: op(x2, weight, b)
 

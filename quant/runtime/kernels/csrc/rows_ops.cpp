@@ -692,100 +692,84 @@ inline __m256 wide8(const float* p) { return _mm256_loadu_ps(p); }
 inline float wide1(uint16_t v) { return qs::Raw<c10::BFloat16>::get(v); }
 inline float wide1(float v) { return v; }
 
-// MR fp32 x rows (row stride k) against NR weight rows (bf16 bits or fp32, row stride k): out[r * NR + i] = x row r
-// . weight row i. Every (x row, weight row) pair is summed the same way whatever MR and NR: lane l of its accumulator
-// takes the columns j = l mod the vector width by fused multiply-adds in order, the lanes are then added up, and the
-// columns past the last whole vector one at a time; so a row's output does not depend on the rows taken with it.
-// Each weight vector is widened once for the MR rows (with MR = 4 and NR = 3, AVX2's 16 registers hold the 12
-// accumulators and the 3 weight vectors, x read from memory by the multiply-adds). With `prefetch` the next NR
-// weight rows are asked for as these are read.
-template <int MR, int NR, typename W>
-void dots(const float* __restrict x, const W* __restrict w, int64_t k, float* __restrict out, bool prefetch) {
-  const char* next = reinterpret_cast<const char*>(w + NR * k);
+// Four weight rows (bf16 bits or fp32) against one fp32 x row (rows == 1) or two (rows == 2: each weight vector
+// widened once for both), fused multiply-adds, the next four rows prefetched. Each row's sums are formed in the same
+// lanes and order whether it is taken alone or with another, so a row's output does not depend on its neighbour.
+template <int ROWS, typename W>
+void dot4_rows(const float* __restrict a0, const float* __restrict a1, const W* __restrict w, int64_t k,
+               float* __restrict out0, float* __restrict out1) {
+  const W* __restrict ws[4] = {w, w + k, w + 2 * k, w + 3 * k};
+  const char* next = reinterpret_cast<const char*>(w + 4 * k);
   int64_t j = 0;
 #if defined(__AVX512F__)
-  constexpr int64_t kV = 16;
-  __m512 s[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NR; ++i) s[r][i] = _mm512_setzero_ps();
-  for (; j + kV <= k; j += kV) {
-    if (prefetch)
-      for (int64_t b = 0; b < NR * kV * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + NR * sizeof(W) * j + b);
-    __m512 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = wide16(w + i * k + j);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * k + j);
-      for (int i = 0; i < NR; ++i) s[r][i] = _mm512_fmadd_ps(xv, wv[i], s[r][i]);
+  __m512 s0[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 s1[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (; j + 16 <= k; j += 16) {
+    for (int64_t b = 0; b < 4 * 16 * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + 4 * sizeof(W) * j + b);
+    const __m512 x0 = _mm512_loadu_ps(a0 + j);
+    const __m512 x1 = ROWS == 2 ? _mm512_loadu_ps(a1 + j) : x0;
+    for (int i = 0; i < 4; ++i) {
+      const __m512 wv = wide16(ws[i] + j);
+      s0[i] = _mm512_fmadd_ps(x0, wv, s0[i]);
+      if (ROWS == 2) s1[i] = _mm512_fmadd_ps(x1, wv, s1[i]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NR; ++i) out[r * NR + i] = _mm512_reduce_add_ps(s[r][i]);
+  for (int i = 0; i < 4; ++i) {
+    out0[i] = _mm512_reduce_add_ps(s0[i]);
+    if (ROWS == 2) out1[i] = _mm512_reduce_add_ps(s1[i]);
+  }
 #elif defined(__AVX2__) && defined(__FMA__)
-  constexpr int64_t kV = 8;
-  __m256 s[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NR; ++i) s[r][i] = _mm256_setzero_ps();
-  for (; j + kV <= k; j += kV) {
-    if (prefetch)
-      for (int64_t b = 0; b < NR * kV * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + NR * sizeof(W) * j + b);
-    __m256 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = wide8(w + i * k + j);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * k + j);
-      for (int i = 0; i < NR; ++i) s[r][i] = _mm256_fmadd_ps(xv, wv[i], s[r][i]);
+  __m256 s0[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 s1[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; j + 8 <= k; j += 8) {
+    for (int64_t b = 0; b < 4 * 8 * int64_t(sizeof(W)); b += 64) __builtin_prefetch(next + 4 * sizeof(W) * j + b);
+    const __m256 x0 = _mm256_loadu_ps(a0 + j);
+    const __m256 x1 = ROWS == 2 ? _mm256_loadu_ps(a1 + j) : x0;
+    for (int i = 0; i < 4; ++i) {
+      const __m256 wv = wide8(ws[i] + j);
+      s0[i] = _mm256_fmadd_ps(x0, wv, s0[i]);
+      if (ROWS == 2) s1[i] = _mm256_fmadd_ps(x1, wv, s1[i]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NR; ++i) out[r * NR + i] = hsum8(s[r][i]);
+  for (int i = 0; i < 4; ++i) {
+    out0[i] = hsum8(s0[i]);
+    if (ROWS == 2) out1[i] = hsum8(s1[i]);
+  }
 #else
-  for (int i = 0; i < MR * NR; ++i) out[i] = 0.f;
+  for (int i = 0; i < 4; ++i) out0[i] = 0.f, out1[i] = 0.f;
 #endif
   for (; j < k; ++j)
-    for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < NR; ++i) out[r * NR + i] = std::fma(x[r * k + j], wide1(w[i * k + j]), out[r * NR + i]);
-}
-
-// dots<MR, nr> for the nr (< NR) weight rows left at the end of W.
-template <int MR, int NR, typename W>
-void dots_tail(const float* x, const W* w, int64_t k, float* out, int64_t nr) {
-  if constexpr (NR > 1) {
-    if (nr == NR - 1) return dots<MR, NR - 1>(x, w, k, out, false);
-    return dots_tail<MR, NR - 1>(x, w, k, out, nr);
-  }
+    for (int i = 0; i < 4; ++i) {
+      const float wv = wide1(ws[i][j]);
+      out0[i] = std::fma(a0[j], wv, out0[i]);
+      if (ROWS == 2) out1[i] = std::fma(a1[j], wv, out1[i]);
+    }
 }
 
 // out (M, N) = x (M, K) @ w (N, K)^T (+ bias) for fp32 x rows `xf` and weights of element type W (bf16 bits or
-// fp32): kNR W rows at a time, parallel over W's rows; x rows four at a time against them (the last one to three
-// together), all of them while those W rows are in L1.
+// fp32): four W rows at a time, parallel over W's rows; x rows two at a time against them (the last alone when odd).
 template <typename W, typename Finish>
 void float_rows(const float* xf, const W* wp, int64_t m, int64_t n, int64_t k, const Finish& finish) {
-  constexpr int kNR = 3;
-  at::parallel_for(0, (n + kNR - 1) / kNR, grain_rows(kNR * m * k), [&](int64_t b, int64_t e) {
-    float acc[4 * kNR];
-    for (int64_t c = kNR * b; c < std::min(n, kNR * e); c += kNR) {
-      const int64_t nr = std::min<int64_t>(kNR, n - c);
-      const W* w = wp + c * k;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t mr = std::min<int64_t>(4, m - r);
-        const float* x = xf + r * k;
-        const bool first = r == 0;
-        if (nr == kNR) {
-          switch (mr) {
-            case 4: dots<4, kNR>(x, w, k, acc, first); break;
-            case 3: dots<3, kNR>(x, w, k, acc, first); break;
-            case 2: dots<2, kNR>(x, w, k, acc, first); break;
-            default: dots<1, kNR>(x, w, k, acc, first); break;
+  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+    float acc[8];
+    for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
+      if (c + 4 > n) {
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t i = c; i < n; ++i) {
+            float y = 0.f;
+            for (int64_t j = 0; j < k; ++j) y = std::fma(xf[r * k + j], wide1(wp[i * k + j]), y);
+            finish(r, i, y);
           }
-        } else {
-          switch (mr) {
-            case 4: dots_tail<4, kNR>(x, w, k, acc, nr); break;
-            case 3: dots_tail<3, kNR>(x, w, k, acc, nr); break;
-            case 2: dots_tail<2, kNR>(x, w, k, acc, nr); break;
-            default: dots_tail<1, kNR>(x, w, k, acc, nr); break;
-          }
-        }
-        for (int64_t i = 0; i < mr; ++i)
-          for (int64_t q = 0; q < nr; ++q) finish(r + i, c + q, acc[i * nr + q]);
+        continue;
+      }
+      int64_t r = 0;
+      for (; r + 2 <= m; r += 2) {
+        dot4_rows<2>(xf + r * k, xf + (r + 1) * k, wp + c * k, k, acc, acc + 4);
+        for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]), finish(r + 1, c + i, acc[4 + i]);
+      }
+      if (r < m) {
+        dot4_rows<1>(xf + r * k, nullptr, wp + c * k, k, acc, acc + 4);
+        for (int64_t i = 0; i < 4; ++i) finish(r, c + i, acc[i]);
       }
     }
   });
