@@ -57,6 +57,10 @@ PRIOR_MATCH = 4  # at this match
 BETA_DECAY = 0.9  # weight of the past in beta's evidence, per verified step
 MATCH_CAP = 64  # the longest match counted
 MAX_RATE = 0.99  # no draft is weighed as certain
+# Drafts are verified only where they promise this much more than the step without them: the step costs measured at
+# start moved by more than that between runs on a shared 2-core CPU (8 bf16 rows: 1.34-2.71 one-row forwards in four
+# runs of a day), so a draft that promises less is as likely to cost as to gain
+MARGIN = 0.05
 PROBE_AFTER = 16  # steps without a verification after which the estimates' evidence is halved, and
 # after which (doubling after each probe that failed, up to MAX_PROBE_AFTER) a request probes: its drafts (at most
 # PROBE_DRAFTS but at its first verification) weighed at no less than PROBE_RATE, so that a rate too low to pay is
@@ -94,7 +98,7 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
     draft before it was accepted). Drafts are added best gain first, each growing the step's time by the forward of
     one more row (:meth:`DraftCosts.forward`, measured) and its draw; a draft model's j-th draft also adds a row to
     its j-th forward (the first makes that forward) and the draft's own draw. Of all those prefixes the one with the
-    most expected tokens per second is taken, none if plain decoding does best. So a lone request drafts as long as
+    most expected tokens per second is taken, none if plain decoding does best or within :data:`MARGIN` of it. So a lone request drafts as long as
     its rates pay for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute,
     only drafts that are likely accepted are verified. ``decode_only``: the step without drafts has decode rows
     alone, so it costs :meth:`DraftCosts.plain` (a replayed program on a CPU) where any draft makes it a forward."""
@@ -103,7 +107,7 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
     heap = [(-o[0][0], i) for i, o in enumerate(offers) if len(o[0]) and o[0][0] > 0]
     heapq.heapify(heap)
     rows, extra, tokens = base_rows, 0.0, base_tokens
-    best_rate, best = tokens / (costs.plain(rows) if decode_only else costs.forward(rows)), list(ks)
+    best_rate, best = tokens / (costs.plain(rows) if decode_only else costs.forward(rows)) * (1 + MARGIN), list(ks)
     while heap and rows - base_rows < budget:
         gain, i = heapq.heappop(heap)
         rates, draw = offers[i][:2]
