@@ -92,6 +92,11 @@ def one_request(case: str, spec: str, cache: Path, threads: int):
     return run
 
 
+def completion_body(prompt: str, n: int) -> dict:
+    """A greedy /v1/completions request of exactly n tokens (EOS held off by min_tokens)."""
+    return {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
+
+
 def served_request(case: str, spec: str, threads: int):
     """``quant serve`` started on loopback (``serve-b1-plain``: ``--speculate off``) and a function sending it one
     greedy /v1/completions request of n tokens (``serve-b1-stream``: streamed, tokens counted by the final usage
@@ -107,7 +112,7 @@ def served_request(case: str, spec: str, threads: int):
     stream = "-stream" in case
 
     def run(n=NEW):
-        body = {"prompt": PROMPT, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
+        body = completion_body(PROMPT, n)
         t = time.perf_counter()
         if stream:
             usage = None
@@ -283,8 +288,7 @@ def serve_case(spec: str, threads: int, server_root: Path = ROOT) -> dict:
     try:
         with httpx.Client(base_url=srv.http, timeout=300) as http:
             def one(prompt, n):
-                body = {"prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 0.0, "seed": 0}
-                r = http.post("/v1/completions", json=body)
+                r = http.post("/v1/completions", json=completion_body(prompt, n))
                 r.raise_for_status()
                 return r.json()
 

@@ -250,8 +250,9 @@ class Speculation:
         return self.idle >= self.probe_after
 
     def rate_at(self, match: int) -> float:
-        """The chance that an n-gram draft extending a match of ``match`` tokens is accepted: match / (match +
-        beta), at most :data:`MAX_RATE`."""
+        """The chance that an n-gram draft extending a match of ``match`` tokens is accepted: l / (l + beta), l the
+        match counted to :data:`MATCH_CAP` as the evidence counts it, at most :data:`MAX_RATE`."""
+        match = min(match, MATCH_CAP)
         return min(match / (match + self.beta), MAX_RATE)
 
     def rates(self, n: int, model: bool = False) -> list[float]:
@@ -289,7 +290,7 @@ class Speculation:
             return failures / beta - exposure
 
         lo, hi = math.log(1e-3), math.log(1e4)  # the score falls through zero once in between (or beta is at a bound)
-        for _ in range(14):  # to 0.2% of beta
+        for _ in range(14):  # to 0.1% of beta
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if score(math.exp(mid)) > 0 else (lo, mid)
         self.beta = math.exp((lo + hi) / 2)
