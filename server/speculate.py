@@ -230,7 +230,6 @@ class Speculation:
     accepted: int = 0
     steps: int = 0  # verifications
     by_model: bool = False  # its verification in flight checks the draft model's drafts (else n-grams')
-    match: int = 0  # the match of the n-gram drafts it offered last
 
     def offer(self, prompt: list[int], generated: list[int], limit: int) -> list[int]:
         """The drafts it could verify next, at most ``limit`` (what its max_new_tokens and the step leave), from its
@@ -240,9 +239,12 @@ class Speculation:
         if seen < len(prompt):
             self.index.extend(prompt[seen:])
         self.index.extend(generated[max(0, seen - len(prompt)):])
-        drafts = self.index.propose(limit)
-        self.match = self.index.match
-        return drafts
+        return self.index.propose(limit)
+
+    @property
+    def match(self) -> int:
+        """The match of the n-gram drafts it offered last (:meth:`NgramIndex.propose`)."""
+        return self.index.match
 
     @property
     def probing(self) -> bool:

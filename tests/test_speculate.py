@@ -114,19 +114,20 @@ def test_a_drafts_rate_grows_with_the_match_it_extends():
     assert long.propose(1) == [2] and long.match == MATCH_CAP  # counted to the cap
     spec = Speculation(idle=0)  # not probing
     assert spec.beta == PRIOR_BETA
-    spec.match = 2
+    spec.index.match = 2
     short_rates = spec.rates(8)
-    spec.match = 30
+    spec.index.match = 30
     long_rates = spec.rates(8)
     assert short_rates == sorted(short_rates) and short_rates[0] == pytest.approx(2 / (2 + PRIOR_BETA))
     assert long_rates[0] > short_rates[-1] and max(long_rates) <= MAX_RATE
     costs = DraftCosts((1, 2, 4, 8), (1.0, 1.25, 1.5, 2.4), decode=(0.9,))
-    spec.match = 2
+    spec.index.match = 2
     short_k = allocate([(spec.rates(8), 0.0)], 1, 1, 64, costs, decode_only=True)[0]
-    spec.match = 30
+    spec.index.match = 30
     assert allocate([(spec.rates(8), 0.0)], 1, 1, 64, costs, decode_only=True)[0] > short_k
     # beta follows the request: runs that end early raise it, runs that go on lower it
-    fails, runs = Speculation(idle=0, match=4), Speculation(idle=0, match=4)
+    fails, runs = Speculation(idle=0), Speculation(idle=0)
+    fails.index.match = runs.index.match = 4
     for _ in range(10):
         fails.record(4, 0)
         runs.record(4, 4)
@@ -252,7 +253,8 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
 
 @pytest.mark.unit
 def test_a_request_probes_at_its_first_drafts_and_again_later_less_often_after_a_failed_probe():
-    spec = Speculation(match=2)
+    spec = Speculation()
+    spec.index.match = 2
     assert spec.probing and spec.rates(3) == [PROBE_RATE] * 3 and spec.beta == PRIOR_BETA  # weighed as likely
     spec.record(3, 0)  # the probe failed
     assert not spec.probing and spec.rates(1) == [spec.rate_at(2)] and spec.beta > PRIOR_BETA
