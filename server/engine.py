@@ -34,7 +34,7 @@ import torch
 from quant.format import artifact
 from quant.runtime.kernel_choice import Chooser
 from quant.shape.model import ModelShape
-from server import accounting, capacity, models, speculate
+from server import accounting, capacity, models, speculate, step_costs
 from server import outputs as out
 from server.config import EngineConfig, ModelInfo
 from server.detokenize import IncrementalDetokenizer, StopMatcher
@@ -135,7 +135,11 @@ class Engine:
                             self.activation_estimate)
         if config.speculates:
             self.step.drafter = self.draft
-            costs, proposer = self.step.draft_costs()
+            cache = cache_dir and step_costs.CostCache(cache_dir, self.device, config.threads, [
+                step_costs.describe(self.runner, self.pool, self.dtype), scheme, chooser.table(), config.embeddings,
+                config.int4_activations, config.cpu_graphs, config.max_batch, self.draft and [step_costs.describe(
+                    self.draft.runner, self.draft.pool, config.draft_torch_dtype), self.draft.scheme]])
+            costs, proposer = step_costs.costs(self.runner, self.pool, self.device, self.draft, cache)
             self.scheduler.speculate(costs, config.speculate_tokens, self.draft, proposer)
         self.weight_bytes = self.runner.weight_bytes()  # as held: what a step reads (fused, int8 embeddings), once each
         self.info = ModelInfo(

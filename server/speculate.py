@@ -177,7 +177,7 @@ def _interpolate(rows: tuple[int, ...], secs: tuple[float, ...], n: int) -> floa
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """What a step costs on this device (``server.step.Stepper.draft_costs`` measures it when the engine starts):
+    """What a step costs on this device (server/step_costs.py measures it when the engine starts, kept per device):
     a forward's seconds by its rows (``rows`` ascending from 1, ``seconds`` each), and one row's draw in seconds
     where the request samples: with the temperature alone (``draw``) or through min-p, top-k or top-p
     (``filtered``). A verification draws every one of its rows, a plain step one."""

@@ -6,22 +6,18 @@ stops), and the prompt-logprob helpers hand a scored prompt to its request's fir
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from server import outputs as out
 from server.batch import stage
-from server.cpu_graphs import RUNS_BEFORE_REPLAY
 from server.draft import draft_params
 from server.grammar import fill_bitmask
 from server.outputs import TokenLogprob, TraceStep
 from server.runner import build_step
 from server.sampling import TRACE_STAGES, TRACE_STATS, SamplingBatch, sample
 from server.scheduler import Sequence
-from server.sampling_params import SamplingParams
-from server.speculate import DraftCosts
 
 
 @dataclass(frozen=True)
@@ -49,27 +45,6 @@ class Stepper:
         self.vocab_size = vocab_size
         self.estimate = estimate  # (chunk tokens, past, scored rows) -> activation bytes, for each request's peak
         self.drafter = None  # a draft model (server/draft.py): it proposes the drafts of a plan's ``propose``
-
-    def draft_costs(self, repeats: int = 3) -> tuple[DraftCosts, DraftCosts | None]:
-        """What a step costs on this device by its rows (server/speculate.py's ``DraftCosts``): forwards over 1, 2,
-        4 ... :data:`PROBE_ROWS` rows of scratch blocks (as many as the pool has room for), and one row's draw at
-        temperature 0.7 without and with top-p over the model's logits of the last of those rows; the fastest of
-        ``repeats`` each. Where the pool has no room for even two rows, every row costs as much as a step (drafting
-        then seldom pays). With a draft model, its forwards' too (second; else None)."""
-        times, logits = probe_forwards(self.runner, self.pool, self.device, repeats)
-        proposer = None
-        if self.drafter is not None:
-            p_rows, p_seconds, p_decode = probe_forwards(self.drafter.runner, self.drafter.pool, self.device,
-                                                         repeats)[0]
-            proposer = DraftCosts(p_rows, p_seconds, decode=p_decode)  # it proposes by decode steps: its plain()
-        rows, seconds, decode = times
-        if logits is None:
-            return DraftCosts(rows, seconds, decode=decode), proposer
-        draws = []
-        for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
-            batch = SamplingBatch.build([params], [0], [0], None, device=self.device)
-            draws.append(_fastest(lambda: int(sample(logits, batch, self.runner.ops).tokens[0]), repeats))
-        return DraftCosts(rows, seconds, *draws, decode=decode), proposer
 
     def draw(self, logits, sampled: list[Sequence], ahead: list[tuple]):
         """Sample ``logits`` (one row per entry of ``sampled``, none with a sample in flight) as this step's sampler
@@ -162,46 +137,6 @@ class Stepper:
         for s, _, _ in units:
             s.pending += 1
         return Launched(units, res, any(p.logprobs is not None for p in params), scoring, scores, scored_only)
-
-
-PROBE_ID = "\0draft-costs"  # the pool id of the blocks Stepper.draft_costs writes to
-PROBE_ROWS = 64  # the most rows it measures a forward over (a step's time beyond: extrapolated)
-PROBE_DECODE_ROWS = 16  # ... and a step of decode rows alone (beyond: DraftCosts.plain)
-
-
-def _fastest(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def probe_forwards(runner, pool, device, repeats: int):
-    """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
-    1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
-    2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and, up to
-    PROBE_DECODE_ROWS, as that many decode rows (a plain step's), the fastest of ``repeats`` each (where the runner
-    replays recorded programs, at least one replay: server.cpu_graphs.RUNS_BEFORE_REPLAY)."""
-    n = PROBE_ROWS
-    while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
-        n //= 2
-    if n == 1:
-        return ((1, 2), (1.0, 2.0), None), None
-    times, plain, logits = {}, {}, []
-    bs = pool.layout.block_size
-    runs = repeats if runner.cpu_graphs is None else max(repeats, RUNS_BEFORE_REPLAY + 1)
-    try:
-        for rows in (2**i for i in range(n.bit_length())):
-            step = build_step([], [([0] * rows, 0, table, rows)], bs, device)
-            times[rows] = _fastest(lambda: logits.append(runner.forward(step)[-1:]) or float(logits[-1][0, 0]), runs)
-            if rows <= PROBE_DECODE_ROWS:
-                step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
-                plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), runs)
-    finally:
-        pool.release(PROBE_ID)
-    return (tuple(times), tuple(times.values()), tuple(plain.values())), logits[-1]  # (1, V): the work is done
 
 
 def add_prompt_logprobs(scoring, chosen, top_ids, top_lp) -> None:

@@ -323,22 +323,6 @@ def test_speculation_settings_are_checked_in_one_line():
     assert not EngineConfig(device="cuda").speculates and not EngineConfig(speculate="off").speculates
 
 
-@pytest.mark.reference
-def test_the_engine_measures_its_draft_costs_and_gives_the_probe_block_back(tiny_model_dir, cache_dir):
-    eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="2MiB", dtype="float32",
-                                                             speculate="ngram", speculate_tokens=5), cache_dir)
-    try:
-        costs = eng.scheduler.draft_costs
-        assert costs.rows[0] == 1 and len(costs.rows) >= 2 and list(costs.rows) == sorted(costs.rows)
-        assert all(t > 0 for t in costs.seconds) and eng.scheduler.max_drafts == 5
-        assert 0 < costs.draw and 0 < costs.filtered
-        assert_books(eng)
-        c = eng.complete(LOOP * 6, greedy_exact(8))
-        assert c.accounting.speculated_tokens <= 5 * 8
-    finally:
-        eng.close()
-
-
 # ------------------------------------------------------------------------------------- the engine, exactness
 
 
