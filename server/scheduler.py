@@ -372,8 +372,9 @@ class Scheduler:
                 prefill.append((seq, seq.prefilled, n))
                 budget -= n
         completing = sum(start + n == seq.fill_len for seq, start, n in prefill)  # prefills that sample a token
+        context = sum(s.next_position + 1 for s in decode) + sum(n * (start + (n + 1) // 2) for _, start, n in prefill)
         verify = self._drafts(decode, len(decode) + self.max_prefill_tokens - budget, len(decode) + completing,
-                              min(budget, MAX_DRAFT_ROWS))
+                              min(budget, MAX_DRAFT_ROWS), context)
         if not verify:
             return Plan(decode, prefill)
         drafting = {id(s) for s, _ in verify}
@@ -388,13 +389,14 @@ class Scheduler:
         self.draft_costs, self.max_drafts = costs, max_drafts
         self.drafter, self.proposer_costs = drafter, (proposer or DraftCosts()) if drafter is not None else None
 
-    def _drafts(self, decode: list[Sequence], base_rows: int, base_tokens: int,
-                budget: int) -> list[tuple[Sequence, list[int]]]:
+    def _drafts(self, decode: list[Sequence], base_rows: int, base_tokens: int, budget: int,
+                base_context: int) -> list[tuple[Sequence, list[int]]]:
         """The decode rows that verify drafts this step, with their drafts: every request that can offers its
         drafts (stopping short of its max_new_tokens): its n-grams', or where its text has none and there is a draft
         model, that model's (placeholders, -1, proposed once the plan is made: ``Plan.propose``), each at its own
         source's acceptance rate; :func:`server.speculate.allocate` keeps those that pay
-        on top of the step's ``base_rows`` rows (yielding ``base_tokens`` tokens), within what the prefill budget
+        on top of the step's ``base_rows`` rows (yielding ``base_tokens`` tokens; their attention over
+        ``base_context`` tokens of context in all), within what the prefill budget
         leaves; after every row has its own block and the prefill its chunks, they take only free (or evictable
         cached) blocks, never preempting."""
         offers = []
@@ -407,9 +409,10 @@ class Scheduler:
             drafts = seq.spec.offer(seq.prompt, seq.generated, limit) if limit > 0 else []
             by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
             offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
-        lengths = allocate([(s.spec.rates(len(d), m), s.spec.draw, m) for s, d, m in offers],
-                           base_rows, base_tokens, budget, self.draft_costs, self.proposer_costs,
-                           base_rows == len(decode)) if offers else []
+        costs = self.draft_costs  # a drafted row attends over its request's context, as its decode row does
+        lengths = allocate([(s.spec.rates(len(d), m), s.spec.draw + costs.attention(s.next_position), m)
+                            for s, d, m in offers], base_rows, base_tokens, budget, costs, self.proposer_costs,
+                           base_rows == len(decode), costs.attention(base_context)) if offers else []
         verify = []
         for (seq, drafts, _), k in zip(offers, lengths):
             drafts = drafts[:k]

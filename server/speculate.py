@@ -85,7 +85,8 @@ def geometric(alpha: float, n: int) -> list[float]:
 
 
 def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: int,
-             costs: DraftCosts, proposer: DraftCosts | None = None, decode_only: bool = False) -> list[int]:
+             costs: DraftCosts, proposer: DraftCosts | None = None, decode_only: bool = False,
+             base_extra: float = 0.0) -> list[int]:
     """How many drafts each request verifies this step: ``offers`` (one per request that could: its drafts'
     conditional acceptance rates, the j-th the chance the j-th draft is accepted if every one before it was, one per
     draft it has; a drafted row's draw in seconds; and optionally whether the draft model proposes them: True when
@@ -101,13 +102,16 @@ def allocate(offers: list[tuple], base_rows: int, base_tokens: float, budget: in
     most expected tokens per second is taken, none if plain decoding does best or within :data:`MARGIN` of it. So a lone request drafts as long as
     its rates pay for the rows, and in a large batch, whose extra rows cost nearly their share of the step's compute,
     only drafts that are likely accepted are verified. ``decode_only``: the step without drafts has decode rows
-    alone, so it costs :meth:`DraftCosts.plain` (a replayed program on a CPU) where any draft makes it a forward."""
+    alone, so it costs :meth:`DraftCosts.plain` (a replayed program on a CPU) where any draft makes it a forward.
+    ``base_extra``: seconds the step spends beyond its rows' forward either way (its rows' attention over their
+    contexts, :meth:`DraftCosts.attention`); a drafted row's own is in its offer's draw."""
     ks = [0] * len(offers)
     depth: list[int] = []  # a draft model's rows in its j-th forward
     heap = [(-o[0][0], i) for i, o in enumerate(offers) if len(o[0]) and o[0][0] > 0]
     heapq.heapify(heap)
-    rows, extra, tokens = base_rows, 0.0, base_tokens
-    best_rate, best = tokens / (costs.plain(rows) if decode_only else costs.forward(rows)) * (1 + MARGIN), list(ks)
+    rows, extra, tokens = base_rows, base_extra, base_tokens
+    best_rate, best = tokens / ((costs.plain(rows) if decode_only else costs.forward(rows)) + extra) * (1 + MARGIN), \
+        list(ks)
     while heap and rows - base_rows < budget:
         gain, i = heapq.heappop(heap)
         rates, draw = offers[i][:2]
@@ -188,6 +192,12 @@ class DraftCosts:
     filtered: float = 0.0
     decode: tuple[float, ...] | None = None  # a decode-only step of the first len(decode) of ``rows`` (None: as
     # ``seconds``)
+    attend: float = 0.0  # seconds a row's attention costs per token of its context, beyond what ``seconds`` and
+    # ``decode`` measured (rows at the first positions): a step's rows over 500-token contexts cost 1.6x those
+
+    def attention(self, tokens: float) -> float:
+        """Seconds the attention of rows over ``tokens`` tokens of context in all costs, beyond the forward's."""
+        return self.attend * tokens
 
     def forward(self, n: int) -> float:
         """Seconds of a forward over n rows that verify drafts or prefill: linear between the rows measured, and

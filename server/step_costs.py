@@ -36,7 +36,9 @@ log = logging.getLogger("quantserve.engine")
 PROBE_ID = "\0draft-costs"  # the pool id of the blocks measure writes to
 PROBE_ROWS = 64  # the most rows it measures a forward over (a step's time beyond: extrapolated)
 PROBE_DECODE_ROWS = 16  # ... and a step of decode rows alone (beyond: DraftCosts.plain)
-VERSION = 1  # of the file's layout
+PROBE_CONTEXTS = (512, 256, 128)  # the context of the rows that measure a row's attention (the first that fits)
+PROBE_ATTEND_ROWS = 8  # ... and how many
+VERSION = 2  # of the file's layout
 MAX_ENTRIES = 64
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu")
 
@@ -59,17 +61,31 @@ def probe_rows(pool) -> int:
     return n
 
 
-def probe_forwards(runner, pool, device, repeats: int):
-    """((rows, seconds, decode seconds), the last forward's last logits row or None): a runner's forwards over
-    1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
-    2.0), None), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and, up to
+def _reserve_rows(pool, rows: int, context: int) -> bool:
+    """Blocks of ``context`` positions for each of ``rows`` probe rows (their own: KV read from memory, as distinct
+    requests' is), all or none."""
+    for i in range(rows):
+        if pool.try_reserve(f"{PROBE_ID}{i}", context) is None:
+            for j in range(i):
+                pool.release(f"{PROBE_ID}{j}")
+            return False
+    return True
+
+
+def probe_forwards(runner, pool, device, repeats: int, attend: bool = False):
+    """((rows, seconds, decode seconds, attend), the last forward's last logits row or None): a runner's forwards
+    over 1, 2, 4 ... PROBE_ROWS rows of scratch blocks of its pool (as many as it has room for; none: ((1, 2), (1.0,
+    2.0), None, 0.0), a row as dear as a step), as one chunk (a verification's or a prefill's forward) and, up to
     PROBE_DECODE_ROWS, as that many decode rows (a plain step's), the fastest of ``repeats`` each (where the runner
-    replays recorded programs, at least one replay: server.cpu_graphs.RUNS_BEFORE_REPLAY)."""
+    replays recorded programs, at least one replay: server.cpu_graphs.RUNS_BEFORE_REPLAY). Those rows sit at the
+    first positions; with ``attend``, a step of PROBE_ATTEND_ROWS decode rows, each over a context of its own of
+    the first of PROBE_CONTEXTS tokens that the pool has room for, against the same rows at the first positions
+    gives ``attend``, the seconds a row's attention costs per token of context (0.0 where none fits)."""
     n = PROBE_ROWS
     while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
         n //= 2
     if n == 1:
-        return ((1, 2), (1.0, 2.0), None), None
+        return ((1, 2), (1.0, 2.0), None, 0.0), None
     times, plain, logits = {}, {}, []
     bs = pool.layout.block_size
     runs = repeats if runner.cpu_graphs is None else max(repeats, RUNS_BEFORE_REPLAY + 1)
@@ -80,9 +96,20 @@ def probe_forwards(runner, pool, device, repeats: int):
             if rows <= PROBE_DECODE_ROWS:
                 step = build_step([(0, i, table) for i in range(rows)], [], bs, device)
                 plain[rows] = _fastest(lambda: float(runner.forward(step)[-1, 0]), runs)
+        per_token, r = 0.0, min(PROBE_ATTEND_ROWS, PROBE_DECODE_ROWS, n)
+        context = next((c for c in PROBE_CONTEXTS if _reserve_rows(pool, r, c)), None) if attend else None
+        if context is not None:  # r rows at the last of their own context's positions: a decode step's program
+            steps = [build_step([(0, i, table) for i in range(r)], [], bs, device),
+                     build_step([(0, context - 1, pool.blocks_of(f"{PROBE_ID}{i}")) for i in range(r)], [], bs, device)]
+            best = [float("inf")] * 2
+            for _ in range(2 * runs):  # in turn, so that the machine's drift falls on both alike
+                for j, step in enumerate(steps):
+                    best[j] = min(best[j], _fastest(lambda: float(runner.forward(step)[-1, 0]), 1))
+            per_token = max(0.0, best[1] - best[0]) / (r * (context - (r + 1) / 2))
     finally:
-        pool.release(PROBE_ID)
-    return (tuple(times), tuple(times.values()), tuple(plain.values())), logits[-1]  # (1, V): the work is done
+        for i in [""] + list(range(PROBE_ATTEND_ROWS)):
+            pool.release(f"{PROBE_ID}{i}")
+    return (tuple(times), tuple(times.values()), tuple(plain.values()), per_token), logits[-1]  # (1, V)
 
 
 def measure(runner, pool, device, drafter=None, repeats: int = 3) -> tuple[DraftCosts, DraftCosts | None]:
@@ -90,19 +117,19 @@ def measure(runner, pool, device, drafter=None, repeats: int = 3) -> tuple[Draft
     with top-p over the model's logits of the last of those rows; the fastest of ``repeats`` each. Where the pool
     has no room for even two rows, every row costs as much as a step (drafting then seldom pays). With a draft model
     (server/draft.py), its forwards' too (second; else None)."""
-    times, logits = probe_forwards(runner, pool, device, repeats)
+    times, logits = probe_forwards(runner, pool, device, repeats, attend=True)
     proposer = None
     if drafter is not None:
-        p_rows, p_seconds, p_decode = probe_forwards(drafter.runner, drafter.pool, device, repeats)[0]
+        p_rows, p_seconds, p_decode, _ = probe_forwards(drafter.runner, drafter.pool, device, repeats)[0]
         proposer = DraftCosts(p_rows, p_seconds, decode=p_decode)  # it proposes by decode steps: its plain()
-    rows, seconds, decode = times
+    rows, seconds, decode, per_token = times
     if logits is None:
-        return DraftCosts(rows, seconds, decode=decode), proposer
+        return DraftCosts(rows, seconds, decode=decode, attend=per_token), proposer
     draws = []
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)):
         batch = SamplingBatch.build([params], [0], [0], None, device=device)
         draws.append(_fastest(lambda: int(sample(logits, batch, runner.ops).tokens[0]), repeats))
-    return DraftCosts(rows, seconds, *draws, decode=decode), proposer
+    return DraftCosts(rows, seconds, *draws, decode=decode, attend=per_token), proposer
 
 
 def source_digest() -> str:
@@ -132,7 +159,8 @@ def describe(runner, pool, dtype) -> dict:
 
 def _costs_json(c: DraftCosts | None):
     return None if c is None else {"rows": list(c.rows), "seconds": list(c.seconds), "draw": c.draw,
-                                   "filtered": c.filtered, "decode": None if c.decode is None else list(c.decode)}
+                                   "filtered": c.filtered, "decode": None if c.decode is None else list(c.decode),
+                                   "attend": c.attend}
 
 
 def _costs(d) -> DraftCosts | None:
@@ -141,9 +169,10 @@ def _costs(d) -> DraftCosts | None:
     rows, seconds = tuple(int(r) for r in d["rows"]), tuple(float(s) for s in d["seconds"])
     decode = None if d["decode"] is None else tuple(float(s) for s in d["decode"])
     if not rows or len(rows) != len(seconds) or rows[0] != 1 or list(rows) != sorted(set(rows)) or (
-            decode is not None and not 0 < len(decode) <= len(rows)) or min(seconds + (decode or ())) <= 0:
+            decode is not None and not 0 < len(decode) <= len(rows)) or min(seconds + (decode or ())) <= 0 or (
+            float(d["attend"]) < 0):
         raise ValueError("step costs out of shape")
-    return DraftCosts(rows, seconds, float(d["draw"]), float(d["filtered"]), decode)
+    return DraftCosts(rows, seconds, float(d["draw"]), float(d["filtered"]), decode, float(d["attend"]))
 
 
 class CostCache:
