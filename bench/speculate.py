@@ -160,6 +160,7 @@ def main() -> None:
                   + " ".join(f"{r}: {t / costs.seconds[0]:.2f}" for r, t in zip(pc.rows, pc.seconds)), flush=True)
         print(f"{dtype}: a forward's time by its rows, measured at start, over one row's: "
               + " ".join(f"{r}: {t / costs.seconds[0]:.2f}" for r, t in zip(costs.rows, costs.seconds))
+              + f"; a row's attention {costs.attend * 1e6:.2f} µs a token of its context"
               + f"; a row's draw {costs.draw / costs.seconds[0]:.3f} (temperature), "
               f"{costs.filtered / costs.seconds[0]:.3f} (top-p)", flush=True)
         n = args.tokens

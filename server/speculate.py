@@ -32,7 +32,8 @@ alpha (accepted over examined, exponentially weighted). Each step the scheduler 
 drafts to :func:`allocate` with each draft's conditional rate, and the j-th draft adds the product of the first j
 rates in expected tokens and one row to the step's forward, whose time by its rows was measured on this device when
 the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded program,
-measured apart), with that row's draw where the request samples. A lone request drafts while its rates pay for the
+measured apart), with that row's attention over its request's context (measured per token of context, as the
+step's own rows' is) and its draw where the request samples. A lone request drafts while its rates pay for the
 rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are verified; none
 where plain decoding does best. After :data:`PROBE_AFTER` steps without a verification its evidence is halved (its
 estimates move towards the priors), and the request probes: a few drafts verified as if likely, whose outcome
