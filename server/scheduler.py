@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from server.kv_pool import BlockPool, group_blocks, shared_blocks
 from server.sampling_params import SamplingParams
-from server.speculate import PROBE_DRAFTS, DraftCosts, Speculation, accepted, allocate
+from server.speculate import PROBE_DRAFTS, Calibration, DraftCosts, Speculation, accepted, allocate, expected
 
 ON_DEMAND, RESERVE = "on-demand", "reserve"
 MAX_DRAFT_ROWS = 64  # drafted tokens verified in one step, all requests together (each is a row of logits)
@@ -215,6 +215,7 @@ class Scheduler:
         self.accepted_tokens = 0  # of those, the drafts kept
         self.model_speculated_tokens = 0  # of the drafts verified, the draft model's (server/draft.py)
         self.model_accepted_tokens = 0  # and of those, the drafts kept
+        self.calibration = Calibration()  # the drafts accepted against those expected (server/speculate.py)
         self._order = itertools.count()
 
     @property
@@ -410,9 +411,11 @@ class Scheduler:
             by_model = not drafts and model  # where the text offers no n-gram, the draft model proposes
             offers.append((seq, [-1] * max(0, limit) if by_model else drafts, by_model))  # (placeholders)
         costs = self.draft_costs  # a drafted row attends over its request's context, as its decode row does
-        lengths = allocate([(s.spec.rates(len(d), m), s.spec.draw + costs.attention(s.next_position), m)
-                            for s, d, m in offers], base_rows, base_tokens, budget, costs, self.proposer_costs,
-                           base_rows == len(decode), costs.attention(base_context)) if offers else []
+        rates = [s.spec.rates(len(d), m) for s, d, m in offers]
+        lengths = allocate([(r, s.spec.draw + costs.attention(s.next_position), m) for r, (s, _, m) in
+                            zip(rates, offers)], base_rows, base_tokens, budget, costs, self.proposer_costs,
+                           base_rows == len(decode), costs.attention(base_context),
+                           self.calibration.scale) if offers else []
         verify = []
         for (seq, drafts, _), k in zip(offers, lengths):
             drafts = drafts[:k]
@@ -422,7 +425,9 @@ class Scheduler:
             if not drafts:
                 seq.spec.skip()
                 continue
-            if drafts[0] != -1:  # (the draft model's: counted once it has proposed)
+            seq.spec.expected = None  # (the draft model's: not calibrated, counted once it has proposed)
+            if drafts[0] != -1:
+                seq.spec.expected = expected(seq.spec.rates(len(drafts), probe=False))
                 self._peaks(seq, self.pool.held_blocks(seq.id) - held)
             verify.append((seq, drafts))
         return verify
@@ -453,6 +458,9 @@ class Scheduler:
         to the first its draws reject (server/speculate.py), counted; returns how many of its rows' tokens it
         emits: the kept drafts and the draw after them."""
         keep = accepted(drafts, draws)
+        if seq.spec.expected is not None:
+            self.calibration.record(seq.spec.expected, keep)
+            seq.spec.expected = None
         by_model, seq.spec.by_model = seq.spec.by_model, False
         seq.spec.record(len(drafts), keep, by_model)
         if by_model:

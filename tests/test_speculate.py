@@ -23,6 +23,8 @@ from server.kv_pool import BlockPool, KVLayout
 from server.sampling_params import SamplingParams
 from server.scheduler import ON_DEMAND, RESERVE, Scheduler, Sequence
 from server.speculate import (
+    CALIBRATION_DECAY,
+    CALIBRATION_PRIOR,
     MARGIN,
     MATCH_CAP,
     MAX_PROBE_AFTER,
@@ -30,11 +32,13 @@ from server.speculate import (
     PRIOR_BETA,
     PROBE_AFTER,
     PROBE_RATE,
+    Calibration,
     DraftCosts,
     NgramIndex,
     Speculation,
     accepted,
     allocate,
+    expected,
     geometric,
 )
 
@@ -307,6 +311,38 @@ def test_each_rows_attention_over_its_context_is_weighed_in_the_step_and_in_each
         s.admit()
         _prefill(s)
         assert bool(s.plan().verify) == verifies
+
+
+@pytest.mark.unit
+def test_the_calibration_weighs_every_draft_by_the_share_of_the_expected_drafts_accepted():
+    """Where allocate keeps the likeliest of many drafts, the estimates it picked by are the high ones: 16 grounded
+    requests at once accepted 0.91 of the drafts expected (float32), one at a time 1.00."""
+    assert expected([0.5, 0.5]) == pytest.approx(0.75) and expected([]) == 0.0
+    half, over = Calibration(), Calibration()
+    assert half.scale == 1.0
+    for _ in range(400):
+        half.record(2.0, 1)
+        over.record(1.0, 2)
+    assert half.scale == pytest.approx(0.5, abs=0.01) and over.scale == 1.0  # never above 1
+    costs = DraftCosts((1, 2), (1.0, 1.5))
+    assert allocate([([0.9], 0.0)], 1, 1, 64, costs) == [1]  # 1.9 tokens for 1.5: pays
+    assert allocate([([0.9], 0.0)], 1, 1, 64, costs, scale=0.5) == [0]  # 1.45 for 1.5: does not
+    # through the scheduler: a verification records what the request's estimates expected of it (a probe's too,
+    # by its estimates, not the rate it was weighed at) and what was accepted
+    s = _scheduler(64)
+    a = _seq("a", LOOP * 4, 16)
+    s.add(a)
+    s.admit()
+    _prefill(s)
+    assert a.spec.probing  # its first drafts
+    a.spec.beta = 50.0  # estimates below the probe's rate
+    ((seq, drafts),) = s.plan().verify
+    want = expected(seq.spec.rates(len(drafts), probe=False))
+    assert seq.spec.expected == pytest.approx(want) and want < expected(seq.spec.rates(len(drafts)))
+    s.verified(seq, drafts, [-5] * (len(drafts) + 1))  # every draft rejected
+    assert s.calibration.expected == pytest.approx(CALIBRATION_DECAY * CALIBRATION_PRIOR + want)
+    assert s.calibration.accepted == pytest.approx(CALIBRATION_DECAY * CALIBRATION_PRIOR)
+    assert seq.spec.expected is None
 
 
 @pytest.mark.unit
