@@ -32,8 +32,8 @@ alpha (accepted over examined, exponentially weighted). Each step the scheduler 
 drafts to :func:`allocate` with each draft's conditional rate, and the j-th draft adds the product of the first j
 rates in expected tokens and one row to the step's forward, whose time by its rows was measured on this device when
 the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded program,
-measured apart), with that row's attention over its request's context (measured per token of context, as the
-step's own rows' is) and its draw where the request samples; every draft's expected tokens are weighed by the engine's calibration,
+measured apart), with that row's attention over its request's context beside other requests' (measured per
+token of context, as the step's own rows' is; a lone request's drafted rows read its context from the cache) and its draw where the request samples; every draft's expected tokens are weighed by the engine's calibration,
 the share of the drafts its estimates expected that were accepted (:class:`Calibration`). A lone request drafts while its rates pay for the
 rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are verified; none
 where plain decoding does best. After :data:`PROBE_AFTER` steps without a verification its evidence is halved (its

@@ -303,14 +303,16 @@ def test_each_rows_attention_over_its_context_is_weighed_in_the_step_and_in_each
     assert allocate([([0.7], 0.0)] * 16, 16, 16, 64, costs) == [1] * 16  # at the first positions: 1.13x, pays
     long = [([0.7], costs.attention(500))] * 16  # over 500 tokens each: 27.2 / 4.6 against 16 / 2.8, 1.03x
     assert allocate(long, 16, 16, 64, costs, base_extra=costs.attention(16 * 500)) == [0] * 16
-    # through the scheduler: a request's context is its prompt and output
-    for attend, verifies in ((0.0, True), (1.0, False)):
+    # through the scheduler: a request's context is its prompt and output; a drafted row of a lone request reads
+    # the context its own row reads (in the cache), beside other requests' it is read again
+    for attend, requests, verifies in ((0.0, 2, True), (1.0, 2, False), (1.0, 1, True)):
         s = _scheduler(64)
         s.speculate(DraftCosts((1, 64), (1.0, 1.0), attend=attend), 8)
-        s.add(_seq("a", LOOP * 4, 16))
+        for i in range(requests):
+            s.add(_seq(f"r{i}", LOOP * 4, 16))
         s.admit()
         _prefill(s)
-        assert bool(s.plan().verify) == verifies
+        assert bool(s.plan().verify) == verifies, (attend, requests)
 
 
 @pytest.mark.unit
