@@ -17,6 +17,7 @@ taken while the machine was busy, they stay as busy as it was).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -132,8 +133,10 @@ def measure(runner, pool, device, drafter=None, repeats: int = 3) -> tuple[Draft
     return DraftCosts(rows, seconds, *draws, decode=decode, attend=per_token), proposer
 
 
+@functools.cache
 def source_digest() -> str:
-    """A digest of the sources a step's speed depends on: the server's and quant.runtime's Python and C++."""
+    """A digest of the sources a step's speed depends on: the server's and quant.runtime's Python and C++ (read once
+    a process: what it runs does not change under it)."""
     import quant.runtime
     import server
 
