@@ -417,8 +417,7 @@ class Scheduler:
         rates = [s.spec.rates(len(d), m) for s, d, m in offers]
         lengths = allocate([(r, s.spec.draw + (costs.attention(s.next_position) if crowded else 0.0), m)
                             for r, (s, _, m) in zip(rates, offers)], base_rows, base_tokens, budget, costs,
-                           self.proposer_costs,
-                           base_rows == len(decode), costs.attention(base_context),
+                           self.proposer_costs, base_rows == len(decode), costs.attention(base_context),
                            self.calibration.scale) if offers else []
         verify = []
         for (seq, drafts, _), k in zip(offers, lengths):

@@ -33,9 +33,10 @@ drafts to :func:`allocate` with each draft's conditional rate, and the j-th draf
 rates in expected tokens and one row to the step's forward, whose time by its rows was measured on this device when
 the engine started (:class:`DraftCosts`; a step of decode rows alone, which a CPU replays as a recorded program,
 measured apart), with that row's attention over its request's context beside other requests' (measured per
-token of context, as the step's own rows' is; a lone request's drafted rows read its context from the cache) and its draw where the request samples; every draft's expected tokens are weighed by the engine's calibration,
-the share of the drafts its estimates expected that were accepted (:class:`Calibration`). A lone request drafts while its rates pay for the
-rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are verified; none
+token of context, as the step's own rows' is; a lone request's drafted rows read its context from the cache) and
+its draw where the request samples; every draft's expected tokens are weighed by the engine's calibration, the
+share of the drafts its estimates expected that were accepted (:class:`Calibration`). A lone request drafts while
+its rates pay for the rows; in a large batch, where a row costs nearly its share of the compute, only the likely drafts are verified; none
 where plain decoding does best. After :data:`PROBE_AFTER` steps without a verification its evidence is halved (its
 estimates move towards the priors), and the request probes: a few drafts verified as if likely, whose outcome
 updates the estimates (where a plain step costs far less than a verification, as with a CPU's replayed decode steps,
@@ -102,8 +103,9 @@ def expected(rates: list[float]) -> float:
 class Calibration:
     """Of the drafts an engine's estimates expected to be accepted, the share that were, over its recent
     verifications (exponentially weighted, :data:`CALIBRATION_DECAY`; a probe's drafts by the request's estimates,
-    not the rate they were weighed at, so that the evidence goes on where drafting has stopped). Where :func:`allocate` keeps only the likeliest drafts of many, the estimates it picks by are the
-    high ones, and fewer are accepted than they say: 16 grounded requests at once (float32) accepted 0.91 of the
+    not the rate they were weighed at, so that the evidence goes on where drafting has stopped). Where
+    :func:`allocate` keeps only the likeliest drafts of many, the estimates it picks by are the high ones, and fewer
+    are accepted than they say: 16 grounded requests at once (float32) accepted 0.91 of the
     drafts expected, one at a time 1.00. ``scale`` (at most 1) weighs every draft's gain."""
 
     expected: float = CALIBRATION_PRIOR

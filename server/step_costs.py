@@ -8,8 +8,8 @@ on a 2-core CPU. :class:`CostCache` keeps the result in a JSON file per device u
 keyed by everything the step's speed depends on: the device (``quant.runtime.timing.device_key``: CPU model, vector
 capability, threads, torch version), the engine's sources (``server/`` and ``quant/runtime/``, C++ included: a
 changed kernel or step measures again), and what the engine describes of itself (the model's config, dtype and
-scheme, the kernels chosen per Linear, the attention backend, the KV layout, the pool's size, replay, the draft
-model's). An engine whose key is kept takes the costs from the file; a file that cannot be read is measured again,
+scheme, the kernels chosen per Linear, the attention backend, the KV layout, the rows its pool lets the probe
+measure, replay, the draft model's). An engine whose key is kept takes the costs from the file; a file that cannot be read is measured again,
 never trusted half-way, and one that cannot be written is said in one log line. The file keeps the
 :data:`MAX_ENTRIES` most recently measured keys. Delete ``step-costs/`` to measure again (the costs are timings:
 taken while the machine was busy, they stay as busy as it was).
