@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "balanced.h"
 #include "elements.h"
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include "gemm_avx2.h"  // qs::gemm::store_rows
@@ -360,7 +361,7 @@ at::Tensor int4_rows_q(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       const scalar_t* zp = sz.data_ptr<scalar_t>();
       const uint8_t* pp = packed.data_ptr<uint8_t>();
       const int64_t blocks = n / kBlock;
-      at::parallel_for(0, blocks, std::max<int64_t>(1, (1 << 16) / (kBlock * k * m)), [&](int64_t b, int64_t e) {
+      qs::balanced_for(blocks, std::max<int64_t>(1, (1 << 16) / (kBlock * k * m)), [&](int64_t b, int64_t e) {
         float y[4 * kBlock];
         for (int64_t i = b; i < e; ++i) {
           const int64_t r0 = i * kBlock;

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "balanced.h"
 #include "elements.h"
 #include "hadamard.h"
 #include "int4_vec.h"
@@ -212,7 +213,7 @@ std::vector<float> group_sums(const float* xf, int64_t m, int64_t k, int64_t gs)
 // four), and finish(r, c, sum) writes output (r, c).
 template <typename Acc, typename Dot4, typename Dot1, typename Finish>
 void four_rows(int64_t m, int64_t n, int64_t k, const Dot4& dot4, const Dot1& dot1, const Finish& finish) {
-  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+  qs::balanced_for((n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
     Acc acc[4];
     for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
       for (int64_t r = 0; r < m; ++r) {
@@ -619,7 +620,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
 #endif
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4_rows_table", [&] {
       const scalar_t* zp = sz.data_ptr<scalar_t>();
-      at::parallel_for(0, blocks, grain_rows(block * k * m), [&](int64_t b, int64_t e) {
+      qs::balanced_for(blocks, grain_rows(block * k * m), [&](int64_t b, int64_t e) {
         float y[64];
         std::vector<float> ym(pairs ? m * 64 : 0);
 #if defined(QS_INT4_AVX2_PAIRS)
@@ -750,7 +751,7 @@ void dot4_rows(const float* __restrict a0, const float* __restrict a1, const W* 
 // fp32): four W rows at a time, parallel over W's rows; x rows two at a time against them (the last alone when odd).
 template <typename W, typename Finish>
 void float_rows(const float* xf, const W* wp, int64_t m, int64_t n, int64_t k, const Finish& finish) {
-  at::parallel_for(0, (n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
+  qs::balanced_for((n + 3) / 4, grain_rows(4 * m * k), [&](int64_t b, int64_t e) {
     float acc[8];
     for (int64_t c = 4 * b; c < std::min(n, 4 * e); c += 4) {
       if (c + 4 > n) {
