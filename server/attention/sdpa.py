@@ -93,6 +93,9 @@ class SdpaBackend(AttentionBackend):
         assert (layers, two, bs) == (len(specs), 2, block_size), "KV storage does not match the model"
         self.kv = kv_storage.view(layers, 2, blocks * bs, kvh, d)  # (L, 2, slots, Hkv, D)
         self.scales = None if kv_scales is None else kv_scales.view(layers, 2, blocks * bs, kvh)  # (L, 2, slots, Hkv)
+        # each layer's view, made once (indexing self.kv in a step would add an op a layer to its program)
+        self.layer_kv = self.kv.unbind(0)
+        self.layer_scales = None if self.scales is None else self.scales.unbind(0)
         self.rotation = kv_rotation  # keys' and values' rotation blocks (int8), 0 where not rotated
         self.specs = specs
         self.windows = list(dict.fromkeys(s.window for s in specs))  # distinct, in layer order
@@ -158,15 +161,15 @@ class SdpaBackend(AttentionBackend):
             return None
         spec = self.specs[layer]
         tables, lens = meta.decode_tables
-        sc = None if self.scales is None else self.scales[layer]
-        return self.ops.rotary_decode_attention(qkv, cos, sin, self.kv[layer], sc, meta.slots, tables, lens, heads,
-                                                self.block_size, spec.window or 0, spec.scale, spec.softcap or 0.0,
-                                                *self.rotation)
+        sc = None if self.layer_scales is None else self.layer_scales[layer]
+        return self.ops.rotary_decode_attention(qkv, cos, sin, self.layer_kv[layer], sc, meta.slots, tables, lens,
+                                                heads, self.block_size, spec.window or 0, spec.scale,
+                                                spec.softcap or 0.0, *self.rotation)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: int, meta: SdpaMeta) -> Tensor:
         spec = self.specs[layer]
-        kv = self.kv[layer]  # (2, slots, Hkv, D)
-        sc = None if self.scales is None else self.scales[layer]  # (2, slots, Hkv)
+        kv = self.layer_kv[layer]  # (2, slots, Hkv, D)
+        sc = None if self.layer_scales is None else self.layer_scales[layer]  # (2, slots, Hkv)
         if sc is None:
             self.ops.store_kv(k, v, kv, meta.slots)
         else:
