@@ -1,11 +1,13 @@
 // A parallel loop whose threads share the work as they go: the rows passes' split of a weight over the threads.
 //
-// at::parallel_for gives each thread a fixed equal run; the step then waits for the slowest. On the 2-vCPU machines
-// the project runs on, one vCPU intermittently runs at about half the other's speed while both are busy (measured
-// 2026-12-07, Zen 3: the int4 rows pass on gate_up, one row, warm weights: thread 0 done with its half at 33 us,
-// thread 1 at 54; in other seconds both at 31-39), so half of every projection's time went to waiting. Here each
-// thread still walks its own contiguous run from the front (its stream through memory unbroken), claiming a few
-// items at a time, and a thread done with its run takes items from the back of the run with the most left.
+// at::parallel_for gives each thread a fixed equal run, and a call waits for the slowest. On the 2-vCPU machines the
+// project runs on, one vCPU intermittently runs at about half the other's speed while both are busy (2026-12-07, Zen
+// 3, the int4 rows pass on gate_up, one row, warm weights, in-call timers: thread 0 done with its half at 33 us,
+// thread 1 at 54; in other seconds both at 31-39). Here each thread still walks its own contiguous run from the
+// front (its stream through memory unbroken), claiming a few items at a time, and a thread done with its run takes
+// items from the back of the run with the most left. The default model's 120 int4 projections of a token (30
+// layers' distinct weights in turn, one row, 2 threads) took 0.88x, 0.93x and 0.92x the static split's time
+// (medians of 40 passes, three runs).
 // Each item is computed by one thread with the same code whichever thread takes it, so results do not change.
 #pragma once
 
