@@ -415,12 +415,12 @@ class Scheduler:
         # positions 25.4); beside other requests' it is read again (16 at once: ~1.8 ms a drafted row in float32).
         costs, crowded = self.draft_costs, len(decode) > 1
         rates = [s.spec.rates(len(d), m) for s, d, m in offers]
-        lengths = allocate([(r, s.spec.draw + (costs.attention(s.next_position) if crowded else 0.0), m)
+        lengths = allocate([(s.spec.weighed(r), s.spec.draw + (costs.attention(s.next_position) if crowded else 0.0), m)
                             for r, (s, _, m) in zip(rates, offers)], base_rows, base_tokens, budget, costs,
                            self.proposer_costs, base_rows == len(decode), costs.attention(base_context),
                            self.calibration.scale) if offers else []
         verify = []
-        for (seq, drafts, _), k in zip(offers, lengths):
+        for (seq, drafts, _), k, r in zip(offers, lengths, rates):
             drafts = drafts[:k]
             held = self.pool.held_blocks(seq.id)
             while drafts and not self.pool.grow(seq.id, seq.next_position + 1 + len(drafts)):
@@ -430,7 +430,7 @@ class Scheduler:
                 continue
             seq.spec.expected = None  # (the draft model's: not calibrated, counted once it has proposed)
             if drafts[0] != -1:
-                seq.spec.expected = expected(seq.spec.rates(len(drafts), probe=False))
+                seq.spec.expected = expected(r[:len(drafts)])
                 self._peaks(seq, self.pool.held_blocks(seq.id) - held)
             verify.append((seq, drafts))
         return verify

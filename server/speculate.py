@@ -306,11 +306,14 @@ class Speculation:
         match = min(match, MATCH_CAP)
         return min(match / (match + self.beta), MAX_RATE)
 
-    def rates(self, n: int, model: bool = False, probe: bool = True) -> list[float]:
-        """The conditional acceptance rates of the n drafts it offered (the draft model's with ``model``), each no
-        less than :data:`PROBE_RATE` when it probes (unless ``probe`` is False: its estimates as they are)."""
-        rates = geometric(self.model_alpha, n) if model else [self.rate_at(self.match + j) for j in range(n)]
-        return [max(r, PROBE_RATE) for r in rates] if self.probing and probe else rates
+    def rates(self, n: int, model: bool = False) -> list[float]:
+        """Its estimates of the conditional acceptance rates of the n drafts it offered (the draft model's with
+        ``model``)."""
+        return geometric(self.model_alpha, n) if model else [self.rate_at(self.match + j) for j in range(n)]
+
+    def weighed(self, rates: list[float]) -> list[float]:
+        """The rates its drafts are weighed at: each no less than :data:`PROBE_RATE` when it probes."""
+        return [max(r, PROBE_RATE) for r in rates] if self.probing else rates
 
     def skip(self) -> None:
         """A step in which it verified nothing: every :data:`PROBE_AFTER` of them in a row its evidence is halved

@@ -21,11 +21,10 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
-from quant.runtime.timing import device_key
+from quant.runtime.timing import DeviceRecord, device_key
 from server.cpu_graphs import RUNS_BEFORE_REPLAY
 from server.runner import build_step
 from server.sampling import SamplingBatch, sample
@@ -183,26 +182,15 @@ class CostCache:
     describes of itself (``engine``: any JSON-able value; the sources' digest is added)."""
 
     def __init__(self, cache_dir: Path | str, device, threads: int | None, engine):
-        self.device = device_key(device, threads)
-        digest = hashlib.sha256(self.device.encode()).hexdigest()[:16]
-        self.file = Path(cache_dir) / "step-costs" / f"{digest}.json"
+        self.record = DeviceRecord(cache_dir, "step-costs", device_key(device, threads), VERSION, "entries",
+                                   "step costs", log)
+        self.file = self.record.file
         self.key = hashlib.sha256(json.dumps([source_digest(), engine], sort_keys=True, default=str)
                                   .encode()).hexdigest()[:32]
 
-    def _entries(self) -> dict:
-        if not self.file.is_file():
-            return {}
-        try:
-            d = json.loads(self.file.read_text())
-            if d.get("version") == VERSION and d.get("device") == self.device and isinstance(d["entries"], dict):
-                return d["entries"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("step costs in %s unreadable (%s); measuring again", self.file, e)
-        return {}
-
     def get(self) -> tuple[DraftCosts, DraftCosts | None] | None:
         """The costs kept for this key, or None (none kept, or unreadable: said in one log line)."""
-        e = self._entries().get(self.key)
+        e = self.record.read().get(self.key)
         if e is None:
             return None
         try:
@@ -212,17 +200,10 @@ class CostCache:
             return None
 
     def put(self, costs: DraftCosts, proposer: DraftCosts | None) -> None:
-        entries = self._entries()
+        entries = self.record.read()
         entries.pop(self.key, None)
         entries[self.key] = {"target": _costs_json(costs), "proposer": _costs_json(proposer), "at": time.time()}
-        entries = dict(list(entries.items())[-MAX_ENTRIES:])  # kept in the order measured: the oldest go first
-        try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": VERSION, "device": self.device, "entries": entries}, indent=1))
-            tmp.replace(self.file)  # atomic: a concurrent reader sees the old file or the new one
-        except OSError as e:
-            log.warning("could not keep step costs in %s (%s)", self.file, e)
+        self.record.write(dict(list(entries.items())[-MAX_ENTRIES:]))  # in the order measured: the oldest go first
 
 
 def costs(runner, pool, device, drafter=None, cache: CostCache | None = None) -> tuple[DraftCosts, DraftCosts | None]:

@@ -95,11 +95,12 @@ def test_the_draft_length_follows_the_acceptance_rate():
     for _ in range(20):
         spec.record(4, 0)
     dear = DraftCosts((1, 2, 64), (1.0, 1.2, 13.6))  # a row costs a fifth of a step
-    assert spec.rate_at(spec.match) < 0.2 and allocate([(spec.rates(8), 0.0)], 1, 1, 64, dear) == [0]  # none pays
+    assert spec.rate_at(spec.match) < 0.2  # none pays
+    assert allocate([(spec.weighed(spec.rates(8)), 0.0)], 1, 1, 64, dear) == [0]
     for _ in range(PROBE_AFTER):
         spec.skip()
     assert spec.rate_at(spec.match) > 0.25  # its evidence halved: the next repetitive text is drafted again
-    assert allocate([(spec.rates(8), 0.0)], 1, 1, 64, dear)[0] > 0
+    assert allocate([(spec.weighed(spec.rates(8)), 0.0)], 1, 1, 64, dear)[0] > 0
     spec.record(3, 3)
     assert spec.proposed == 83 and spec.accepted == 3 and spec.steps == 21
 
@@ -259,7 +260,8 @@ def test_shrink_gives_back_only_the_blocks_past_the_positions_and_refuses_shared
 def test_a_request_probes_at_its_first_drafts_and_again_later_less_often_after_a_failed_probe():
     spec = Speculation()
     spec.index.match = 2
-    assert spec.probing and spec.rates(3) == [PROBE_RATE] * 3 and spec.beta == PRIOR_BETA  # weighed as likely
+    assert spec.probing and spec.beta == PRIOR_BETA
+    assert spec.weighed(spec.rates(3)) == [PROBE_RATE] * 3  # weighed as likely
     spec.record(3, 0)  # the probe failed
     assert not spec.probing and spec.rates(1) == [spec.rate_at(2)] and spec.beta > PRIOR_BETA
     for _ in range(PROBE_AFTER):
@@ -268,7 +270,7 @@ def test_a_request_probes_at_its_first_drafts_and_again_later_less_often_after_a
     assert not spec.probing and spec.probe_after == 2 * PROBE_AFTER  # a failed probe: the next twice as late
     for _ in range(PROBE_AFTER):
         spec.skip()
-    assert spec.probing and spec.rates(1) == [PROBE_RATE]
+    assert spec.probing and spec.weighed(spec.rates(1)) == [PROBE_RATE]
     beta = spec.beta
     spec.record(3, 3)  # the text repeats now: probes come at the first wait again, and the rate says so
     assert spec.probe_after == PROBE_AFTER and not spec.probing and spec.beta < beta
@@ -339,8 +341,8 @@ def test_the_calibration_weighs_every_draft_by_the_share_of_the_expected_drafts_
     assert a.spec.probing  # its first drafts
     a.spec.beta = 50.0  # estimates below the probe's rate
     ((seq, drafts),) = s.plan().verify
-    want = expected(seq.spec.rates(len(drafts), probe=False))
-    assert seq.spec.expected == pytest.approx(want) and want < expected(seq.spec.rates(len(drafts)))
+    want = expected(seq.spec.rates(len(drafts)))
+    assert seq.spec.expected == pytest.approx(want) and want < expected(seq.spec.weighed(seq.spec.rates(len(drafts))))
     s.verified(seq, drafts, [-5] * (len(drafts) + 1))  # every draft rejected
     assert s.calibration.expected == pytest.approx(CALIBRATION_DECAY * CALIBRATION_PRIOR + want)
     assert s.calibration.accepted == pytest.approx(CALIBRATION_DECAY * CALIBRATION_PRIOR)

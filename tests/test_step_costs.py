@@ -58,6 +58,19 @@ def test_a_damaged_file_or_entry_is_measured_again_in_one_log_line(tmp_path, cap
 
 
 @pytest.mark.unit
+def test_costs_that_cannot_be_kept_are_served_in_one_log_line(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the cache dir lies under a file: nothing can be written there
+    cache = CostCache(blocker, "cpu", 2, {"a": 1})
+    monkeypatch.setattr(step_costs, "measure", lambda *a, **kw: (COSTS, PROPOSER))
+    with caplog.at_level(logging.WARNING, logger="quantserve.engine"):
+        assert step_costs.costs(None, None, "cpu", cache=cache) == (COSTS, PROPOSER)
+        cache.put(COSTS, PROPOSER)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["could not keep step costs"]
+    assert cache.get() is None and not cache.file.exists()
+
+
+@pytest.mark.unit
 def test_the_file_keeps_the_most_recently_measured_engines(tmp_path, monkeypatch):
     monkeypatch.setattr(step_costs, "MAX_ENTRIES", 3)
     for i in range(5):

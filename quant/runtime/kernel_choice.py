@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +42,8 @@ import torch.nn.functional as F
 
 from quant.runtime.kernels import gemm
 from quant.runtime.kernels import rows as rowops
-from quant.runtime.timing import PathFn, cpu_key, device_key, time_paths_us  # noqa: F401 - cpu_key: for callers
+from quant.runtime.timing import (DeviceRecord, PathFn, cpu_key, device_key,  # noqa: F401 - cpu_key: for callers
+                                  time_paths_us)
 
 log = logging.getLogger("quantserve.kernels")
 
@@ -267,10 +265,8 @@ class Chooser:
         self.device = torch.device(device)
         self.measures = mode == "measure" and self.device.type in ("cpu", "cuda")
         self.key = device_key(self.device, threads) if self.measures else ""
-        self.file = None
-        if cache_dir is not None and self.measures:
-            digest = hashlib.sha256(self.key.encode()).hexdigest()[:16]
-            self.file = Path(cache_dir) / "kernel-plans" / f"{digest}.json"
+        self.record = (DeviceRecord(cache_dir, "kernel-plans", self.key, _CACHE_VERSION, "plans", "kernel plans", log)
+                       if cache_dir is not None and self.measures else None)
         self._plans: dict[str, dict] | None = None
         self.chosen: dict[str, RowPlan] = {}  # plan_key -> plan, for what the engine reports
         self.launches: dict[str, str] = {}  # plan_key -> its one-row launch, described
@@ -279,27 +275,12 @@ class Chooser:
 
     def _load(self) -> dict[str, dict]:
         if self._plans is None:
-            self._plans = {}
-            if self.file is not None and self.file.is_file():
-                try:
-                    d = json.loads(self.file.read_text())
-                    if d.get("version") == _CACHE_VERSION and d.get("device") == self.key:
-                        self._plans = dict(d["plans"])
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    log.warning("kernel plans in %s unreadable (%s); measuring again", self.file, e)
+            self._plans = self.record.read() if self.record is not None else {}
         return self._plans
 
     def _save(self) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "device": self.key, "plans": self._plans},
-                                      indent=1))
-            tmp.replace(self.file)  # atomic: a concurrent reader sees the old file or the new one
-        except OSError as e:
-            log.warning("could not keep kernel plans in %s (%s)", self.file, e)
+        if self.record is not None:
+            self.record.write(self._plans)
 
     def _here(self, device) -> bool:
         """Whether this chooser measures computations on ``device`` (its own device type, in measure mode)."""

@@ -8,13 +8,16 @@ key), for quant.runtime.kernel_choice's plans and the GPU benches.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,6 +57,48 @@ def gpu_key(device: torch.device) -> str:
 def device_key(device: torch.device | str, threads: int | None = None) -> str:
     device = torch.device(device)
     return gpu_key(device) if device.type == "cuda" else cpu_key(threads)
+
+
+
+class DeviceRecord:
+    """What was measured on one device, kept between processes: ``cache_dir/<kind>/<digest of the device key>.json``,
+    ``{"version", "device", <field>: {...}}``, read whole and written whole, atomically (a temporary file replaces
+    it: a concurrent reader sees the old file or the new one). A file of another version or device reads as empty
+    (measured again); one that cannot be read or written costs a line on ``logger`` (once a record) and nothing
+    else."""
+
+    def __init__(self, cache_dir: Path | str, kind: str, device: str, version: int, field: str, what: str,
+                 logger: logging.Logger):
+        self.file = Path(cache_dir) / kind / f"{hashlib.sha256(device.encode()).hexdigest()[:16]}.json"
+        self.device, self.version, self.field, self.what, self.log = device, version, field, what, logger
+        self._said: set[str] = set()
+
+    def _say(self, how: str, e: Exception) -> None:
+        if how not in self._said:
+            self._said.add(how)
+            self.log.warning(how, self.what, self.file, e)
+
+    def read(self) -> dict:
+        if not self.file.is_file():
+            return {}
+        try:
+            d = json.loads(self.file.read_text())
+            if d.get("version") == self.version and d.get("device") == self.device:
+                if not isinstance(d[self.field], dict):
+                    raise TypeError(f"{self.field} is not an object")
+                return dict(d[self.field])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._say("%s in %s unreadable (%s); measuring again", e)
+        return {}
+
+    def write(self, data: dict) -> None:
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": self.version, "device": self.device, self.field: data}, indent=1))
+            tmp.replace(self.file)
+        except OSError as e:
+            self._say("could not keep %s in %s (%s)", e)
 
 
 def time_paths_us(paths: dict[str, PathFn], x: torch.Tensor, budget_s: float = 0.05) -> dict[str, float]:
