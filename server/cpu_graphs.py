@@ -275,6 +275,7 @@ class CpuGraphs:
         self.programs: OrderedDict[tuple, object] = OrderedDict()
         self.replays = 0
         self.broken: str | None = None  # why replay is off, after a failure of its own
+        self.profiling = False
 
     def key(self, step: StepInputs, meta) -> tuple | None:
         """What fixes a step's sequence of ops: its decode rows, its chunks' lengths and its sampled rows; None where
@@ -338,10 +339,32 @@ class CpuGraphs:
                     raise NotAProgram(f"the steps declared {count} and {len(inputs)} tensors")
                 agree(first, rec)
                 prog, out = build(rec, len(inputs))
+                if self.profiling:
+                    prog.set_profile(True)
                 self._keep(key, (prog, len(inputs), out))
         except NotAProgram as e:
             return self._refuse(key, e, logits)
         return logits
+
+    def set_profile(self, on: bool) -> None:
+        """Whether replays time each op they call (:meth:`take_profile`; off, a replay checks one flag an op), for
+        the programs held and those built later."""
+        self.profiling = on
+        for prog in self._built():
+            prog.set_profile(on)
+
+    def take_profile(self) -> dict[str, tuple[int, float]]:
+        """Per operator, its calls and seconds in the steps replayed since profiling was set or last taken (a program
+        dropped meanwhile takes its own with it)."""
+        out: dict[str, tuple[int, float]] = {}
+        for prog in self._built():
+            for name, (n, sec) in zip(prog.op_names(), prog.take_profile().tolist()):
+                calls, total = out.get(name, (0, 0.0))
+                out[name] = (calls + int(n), total + sec)
+        return out
+
+    def _built(self) -> list:
+        return [e[0] for e in self.programs.values() if isinstance(e, tuple) and len(e) == 3]
 
     def _keep(self, key: tuple, entry) -> None:
         self.programs[key] = entry

@@ -94,6 +94,32 @@ def test_a_forward_that_is_not_a_fixed_program_is_refused():
 
 @needs_ops
 @pytest.mark.unit
+def test_a_profiled_program_counts_and_times_each_op_and_computes_the_same():
+    def fn(x, idx):
+        a, b = (x * 2.0).split([4, 4], dim=-1)
+        return (a[idx] + b[idx]).softmax(-1)
+
+    inputs, other = [torch.randn(3, 8), torch.tensor([2, 0])], [torch.randn(3, 8), torch.tensor([1, 1])]
+    _, a = record(lambda: fn(*inputs), list(inputs))
+    _, b = record(lambda: fn(*other), list(other))
+    agree(a, b)
+    prog, out = build(b, 2)
+    names = prog.op_names()
+    assert len(names) == prog.size() and names[:2] == ["aten::mul.Tensor", "aten::split_with_sizes"]
+    want = prog.run(other, [out])[0]
+    prog.set_profile(True)
+    for _ in range(3):
+        assert torch.equal(prog.run(other, [out])[0], want)
+    took = prog.take_profile()
+    assert took.shape == (prog.size(), 2) and took[:, 0].tolist() == [3.0] * prog.size() and (took[:, 1] > 0).all()
+    assert not prog.take_profile().any()  # taken: counted afresh
+    prog.set_profile(False)
+    prog.run(other, [out])
+    assert not prog.take_profile().any()
+
+
+@needs_ops
+@pytest.mark.unit
 def test_program_refuses_bad_arguments_with_one_line():
     prog = torch.classes.quantserve.StepProgram()
     prog.set_registers(1, 2)
@@ -129,6 +155,34 @@ def test_engine_replays_and_serves_what_the_eager_forward_serves(arch, arch_dirs
     replayed, n = _serve(arch_dirs(arch), cache_dir, True, prompts, params, speculate="off")
     assert none == 0 and n >= 2 * 20  # all but each request's first two decode steps replayed
     assert replayed == eager  # the same tokens and logprobs, bit for bit
+
+
+@needs_ops
+@pytest.mark.reference
+def test_profiled_replays_serve_the_same_and_say_where_the_step_went(tiny_model_dir, cache_dir):
+    prompts = [prompt_ids(12, 6)] * 4
+    params = SamplingParams(max_new_tokens=12, min_tokens=12, temperature=0.8, seed=3, logprobs=2)
+    plain, _ = _serve(tiny_model_dir, cache_dir, True, prompts, params, speculate="off")
+    eng = Engine.from_path(str(tiny_model_dir), EngineConfig(memory_budget="8MiB", dtype="float32",
+                                                              speculate="off"), cache_dir)
+    try:
+        graphs, layers = eng.runner.cpu_graphs, len(eng.runner.model.layers)
+        graphs.set_profile(True)  # before any program is built: each is built profiling
+        got, took = [], []
+        for p in prompts:
+            before = graphs.replays
+            c = eng.complete(p, params)
+            got.append((list(c.token_ids), [(t.logprob, t.top) for t in c.logprobs]))
+            took.append((graphs.replays - before, graphs.take_profile()))
+    finally:
+        eng.close()
+    assert got == plain  # bit for bit
+    replayed, prof = took[-1]
+    assert replayed == 12 and all(n > 0 and sec > 0 for n, sec in prof.values())  # 11 decode steps and the prompt
+    calls = {name: n for name, (n, _) in prof.items()}
+    assert calls["aten::embedding"] == calls["quantserve::rms_norm"] == replayed  # once a step
+    attention = calls["quantserve::rotary_decode_attention"] + calls["quantserve::prefill_attention_at"]
+    assert attention == layers * replayed  # once a layer
 
 
 @needs_ops

@@ -9,12 +9,16 @@
 // list of tensors (each a constant or a register), and the registers it frees when it is their last reader, so
 // intermediates live no longer than they did in the eager forward. What changes from step to step reaches the ops
 // as tensors (a chunk's first position too: prefill_attention_at).
+//
+// set_profile(true) times each instruction's call (take_profile gives calls and seconds per instruction, op_names
+// their operators): where a replayed step goes, as bench/decode_step.py --replayed reports it.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +44,10 @@ struct Program : torch::CustomClassHolder {
   std::vector<std::pair<int64_t, int64_t>> elems;  // list elements: (kConst | kReg | -1 for None, index)
   std::vector<Instr> code;
   int64_t inputs = 0, registers = 0;
+  // With profiling on (set_profile), each instruction's calls and seconds since the last take_profile.
+  bool profiling = false;
+  std::vector<double> spent;
+  std::vector<int64_t> calls;
 
   int64_t push(c10::IValue v) {
     consts.push_back(std::move(v));
@@ -148,7 +156,15 @@ struct Program : torch::CustomClassHolder {
           stack.emplace_back(std::move(list));
         }
       }
-      ins.op.callBoxed(stack);
+      if (profiling) {
+        const auto t0 = std::chrono::steady_clock::now();
+        ins.op.callBoxed(stack);
+        const size_t i = &ins - code.data();
+        spent[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        calls[i] += 1;
+      } else {
+        ins.op.callBoxed(stack);
+      }
       size_t o = 0;
       for (c10::IValue& v : stack) {
         if (v.isTensor()) {
@@ -177,6 +193,30 @@ struct Program : torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(code.size()); }
+
+  void set_profile(bool on) {
+    profiling = on;
+    spent.assign(code.size(), 0.0);
+    calls.assign(code.size(), 0);
+  }
+  // Each instruction's operator ("ns::name.overload"), in program order.
+  std::vector<std::string> op_names() const {
+    std::vector<std::string> out;
+    for (const Instr& ins : code) {
+      const auto& n = ins.op.schema().operator_name();
+      out.push_back(n.overload_name.empty() ? n.name : n.name + "." + n.overload_name);
+    }
+    return out;
+  }
+  // (instructions, 2) float64: each instruction's calls and seconds since profiling was set or last taken.
+  at::Tensor take_profile() {
+    at::Tensor t = at::zeros({static_cast<int64_t>(code.size()), 2}, at::kDouble);
+    auto a = t.accessor<double, 2>();
+    for (size_t i = 0; i < spent.size(); ++i) a[i][0] = static_cast<double>(calls[i]), a[i][1] = spent[i];
+    std::fill(spent.begin(), spent.end(), 0.0);
+    std::fill(calls.begin(), calls.end(), 0);
+    return t;
+  }
 
  private:
   void check_index(int64_t kind, int64_t i) const {
@@ -209,5 +249,8 @@ TORCH_LIBRARY_FRAGMENT(quantserve, m) {
       .def("set_registers", &Program::set_registers)
       .def("add", &Program::add)
       .def("run", &Program::run)
-      .def("size", &Program::size);
+      .def("size", &Program::size)
+      .def("set_profile", &Program::set_profile)
+      .def("op_names", &Program::op_names)
+      .def("take_profile", &Program::take_profile);
 }
