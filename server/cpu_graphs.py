@@ -348,7 +348,7 @@ class CpuGraphs:
 
     def set_profile(self, on: bool) -> None:
         """Whether replays time each op they call (:meth:`take_profile`; off, a replay checks one flag an op), for
-        the programs held and those built later."""
+        the programs held and those built later. Called between steps, as :meth:`take_profile` is."""
         self.profiling = on
         for prog in self._built():
             prog.set_profile(on)

@@ -194,10 +194,11 @@ struct Program : torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(code.size()); }
 
+  // Between replays (the counters are not shared safely with a run in progress).
   void set_profile(bool on) {
-    profiling = on;
     spent.assign(code.size(), 0.0);
     calls.assign(code.size(), 0);
+    profiling = on;
   }
   // Each instruction's operator ("ns::name.overload"), in program order.
   std::vector<std::string> op_names() const {
