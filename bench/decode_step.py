@@ -72,18 +72,18 @@ def main() -> None:
         wrap(eng, "_read", "step: samples read, requests advanced")
         wrap(eng.runner, "forward", "model forward")
         wrap(st, "sample", "sampling")
-        wrap(eng.runner.backend, "decode_qkv", "attention: rotary, cache write, decode attention")
         model = eng.runner.model
-        for layer in model.layers if not args.replayed else ():
-            for name in ("qkv", "o"):
-                wrap(layer, name, f"{name} projection")
-            wrap(layer.mlp, "gate_up", "gate_up projection")
-            wrap(layer.mlp, "down", "down projection")
-            wrap(layer.mlp, "act_mul", "activation")
-            for norm in (layer.attn_in, layer.mlp_in):
-                if norm is not None:
-                    wrap(norm, "add", "residual add + norm")
-        if not args.replayed:
+        if not args.replayed:  # (a replayed step calls none of these)
+            wrap(eng.runner.backend, "decode_qkv", "attention: rotary, cache write, decode attention")
+            for layer in model.layers:
+                for name in ("qkv", "o"):
+                    wrap(layer, name, f"{name} projection")
+                wrap(layer.mlp, "gate_up", "gate_up projection")
+                wrap(layer.mlp, "down", "down projection")
+                wrap(layer.mlp, "act_mul", "activation")
+                for norm in (layer.attn_in, layer.mlp_in):
+                    if norm is not None:
+                        wrap(norm, "add", "residual add + norm")
             wrap(model, "head", "head")
             wrap(model, "lookup", "embedding lookup")
             for rotary in model.rotaries:
