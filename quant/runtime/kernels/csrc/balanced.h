@@ -7,7 +7,7 @@
 // front (its stream through memory unbroken), claiming a few items at a time, and a thread done with its run takes
 // items from the back of the run with the most left. The default model's 120 int4 projections of a token (30
 // layers' distinct weights in turn, one row, 2 threads) took 0.88x, 0.93x and 0.92x the static split's time
-// (medians of 40 passes, three runs).
+// (an ad hoc harness with both splits built side by side; medians of 40 passes, three runs).
 // Each item is computed by one thread with the same code whichever thread takes it, so results do not change.
 #pragma once
 
