@@ -81,10 +81,9 @@ def probe_forwards(runner, pool, device, repeats: int, attend: bool = False):
     first positions; with ``attend``, a step of PROBE_ATTEND_ROWS decode rows, each over a context of its own of
     the first of PROBE_CONTEXTS tokens that the pool has room for, against the same rows at the first positions
     gives ``attend``, the seconds a row's attention costs per token of context (0.0 where none fits)."""
-    n = PROBE_ROWS
-    while n > 1 and (table := pool.try_reserve(PROBE_ID, n)) is None:
-        n //= 2
-    if n == 1:
+    n = probe_rows(pool)
+    table = pool.try_reserve(PROBE_ID, n) if n > 1 else None
+    if table is None:
         return ((1, 2), (1.0, 2.0), None, 0.0), None
     times, plain, logits = {}, {}, []
     bs = pool.layout.block_size
