@@ -202,6 +202,77 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("arch,path", [("llama", "rows16"), ("gemma2", "rows"), ("olmo2", "rows16"),
+                                       ("granite", "rows")])
+def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch, path, arch_dirs, text_file,
+                                                                          tmp_path, cache_dir, monkeypatch):
+    """On a CPU whose one-row path is a C++ rows pass (``rows``, or ``rows16`` where the CPU has it), gate_up ends in
+    the activation and o and down in the norms and residual add around them inside that pass's own call
+    (quant.runtime.kernels.rows.Product; Llama's input norms, Gemma 2's output norms besides, OLMo 2's output norms
+    alone, Granite's residual multiplier): a decode step calls no glue op but the first input norm, and its logits
+    are bit for bit those of the same model with the glue ops called apart."""
+    from collections import Counter
+
+    from conftest import run_cli
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from quant.runtime import int4
+    from quant.runtime.int4 import GPTQLinear
+    from quant.runtime.loader import load_for_engine
+
+    if path == "rows16" and not int4.int8_activations_supported(int4.cpu_layout(), 32, 32, 32):
+        pytest.skip("this CPU has no rows16 pass (AVX2 builds only)")
+    out = tmp_path / "w4"
+    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", "w4a16", "--calib", text_file,
+                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
+    static = GPTQLinear.static_path
+    monkeypatch.setattr(GPTQLinear, "static_path", lambda self, rows, dtype: path if rows == 1 else
+                        static(self, rows, dtype))
+    model = load_for_engine(out, dtype=torch.bfloat16, cache_dir=cache_dir).model
+    lay = KVLayout.from_config(model.config, torch.bfloat16, block_size=16)
+    pool = BlockPool(lay, lay.bytes_per_block * 16)
+    runner = ModelRunner(model, pool.storage, 16, "sdpa", cpu_graphs=False)
+    mlps = [layer.mlp for layer in runner.model.layers]
+    assert runner.model._one_row and all(m.gated is not None for m in mlps)
+    act = "gelu_tanh_mul" if arch == "gemma2" else "silu_mul"
+    assert runner.kernel_notes()[-2:] == [
+        f"gate_up of 2 layer(s): one-row launches end in {act}, no activation kernel at batch 1",
+        "o and down: 4 one-row launches end in the residual add and the norms around it, no norm kernel between the "
+        "layers at batch 1"]
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called[func.name()] += 1
+            return func(*args, **(kwargs or {}))
+
+    a = prompt_ids(20, 6)
+    ta = pool.try_reserve("a", 32)
+    runner.forward(build_step([], [(a, 0, ta, True)], 16, CPU))
+    logits, gated, layers = {}, [m.gated for m in mlps], len(mlps)
+    for fused in (True, False):  # the same decode step twice: its K/V write is the same both times
+        for m, g in zip(mlps, gated):
+            m.gated = g if fused else None
+        runner.model._one_row = fused
+        with Ops() as ops:
+            logits[fused] = runner.forward(build_step([(7, 20, ta)], [], 16, CPU))
+        called = {k.split("::")[1]: n for k, n in ops.called.items() if k.startswith("quantserve")}
+        product = "int4_rows_a16" if path == "rows16" else "int4_rows"
+        if fused:
+            first = runner.model.layers[0].attn_in is not None  # the first layer's input norm
+            qk = 2 * layers if runner.model.qk_norm == "proj" else 0  # OLMo 2's q and k norms over all heads
+            assert {k: called.get(k, 0) for k in (product, f"{product}_gated", f"{product}_normed", "rms_norm")} == {
+                product: layers, f"{product}_gated": layers, f"{product}_normed": 2 * layers, "rms_norm": first + qk}
+            assert "add_rms_norm" not in called and act not in called
+        else:
+            assert called[product] == 4 * layers and called[act] == layers
+    assert torch.equal(logits[True], logits[False])
+    assert logits[True].abs().max() > 1.0  # not vacuous
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,

@@ -301,6 +301,94 @@ def test_the_rows16_path_is_offered_for_16_bit_activations_only():
     assert "rows16" not in m.paths(torch.bfloat16)  # int8 activations are another function
 
 
+def _products(m: int4.GPTQLinear, dtype: torch.dtype) -> dict:
+    """The module's C++ rows passes for ``dtype`` and their epilogues, by path name (rows16 where it is built)."""
+    m.prepare(dtype)
+    return m._rows_products(dtype)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "granite", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows_", [1, 3])
+def test_a_rows_pass_ends_in_the_glue_ops_bit_for_bit(family, dtype, rows_):
+    """Each int4 rows pass (rows; rows16 and the int8-activation pass where built) ends in the gated activation or
+    in the norm epilogue inside its call (csrc/epilogue.h): the sub-layer's output norm, the residual multiplier
+    (the eager product by a Python float), the residual add and the next norm (or none), each family's steps in
+    the model's order. Both are the product then the glue ops (server/fastops.py's C++ ops), bit for bit."""
+    from server import fastops
+
+    if not fastops.load():
+        pytest.skip(f"the glue ops are not built: {fastops.unavailable_reason()}")
+    ops = fastops.Ops("fused")
+    g = torch.Generator().manual_seed(61)
+    n, k = 192, 256
+    m = gptq_linear(n, k, True, False, seed=62)
+    x = torch.randn(rows_, k, generator=g).to(dtype)
+    res = (torch.randn(rows_, n, generator=g) * 3).to(dtype)
+    w, pw = ((torch.rand(n, generator=g) + 0.5).to(dtype) for _ in range(2))
+    weight = None if family == "olmo2" else w
+    post = None if family in ("llama", "granite") else (pw, 0.5)  # an eps that shows (the two norms' not mixed up)
+    scale = 0.7 if family in ("granite", "all") else 1.0
+    products = _products(m, dtype)
+    if int4_layout.cpu_layout() == (32, True):
+        assert set(products) == ({"rows"} if dtype == torch.float32 else {"rows", "rows16"})
+        m.use_int8_activations()
+        products["rows on int8 activations"] = m._rows_products(dtype)["rows"]
+    for name, product in products.items():
+        y = product(x)
+        gu = product.gated("gelu_tanh_mul" if family == "gemma2" else "silu_mul")(x)
+        want_gu = (ops.gelu_tanh_mul if family == "gemma2" else ops.silu_mul)(y)
+        assert torch.equal(gu, want_gu), name
+        if post is not None:
+            y = ops.rms_norm(y, *post)
+        if scale != 1.0:
+            y = y * scale
+        want = (res + y, res + y) if weight is None else ops.add_rms_norm(res, y, weight, 1e-5)
+        got = product.normed(weight, 1e-5, post, scale)(x, res)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name
+        if weight is None:
+            assert got[1] is got[0]
+
+
+def test_a_module_takes_the_epilogues_of_its_one_row_pass(monkeypatch):
+    """GPTQLinear's gated and normed calls on a CPU are its one-row path's rows pass with the epilogue (in an
+    act-order checkpoint's column order too); on any other one-row path none (the glue ops run apart)."""
+    m = gptq_linear(192, 256, False, True, seed=63)  # act order: x is permuted into the kernel's order first
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(64)).bfloat16()
+    res, w = torch.randn(1, 192).bfloat16(), torch.rand(192).bfloat16()
+    monkeypatch.setattr(int4.GPTQLinear, "static_path", lambda self, rows, dtype: "kernel")
+    assert m.gated_call("silu_mul", torch.bfloat16) is None and m.normed_call(w, 1e-5, torch.bfloat16) is None
+    monkeypatch.setattr(int4.GPTQLinear, "static_path", lambda self, rows, dtype: "rows")
+    y = m.call2d(x)
+    assert torch.equal(m.gated_call("silu_mul", torch.bfloat16)(x), torch.ops.quantserve_rows.int4_rows_gated.default(
+        x.index_select(1, m.perm), *m._rows_products(torch.bfloat16)["rows"].args, "silu_mul"))
+    from server import fastops
+
+    if fastops.load():
+        want = fastops.Ops("fused").add_rms_norm(res, y, w, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(m.normed_call(w, 1e-5, torch.bfloat16)(x, res), want))
+    assert m.gated_call("relu", torch.bfloat16) is None  # an activation without an epilogue
+    assert m.normed_call(w[:-1], 1e-5, torch.bfloat16) is None  # weights that are not (N,) in the dtype
+    assert m.normed_call(w.float(), 1e-5, torch.bfloat16) is None
+
+
+def test_an_epilogue_refuses_what_it_cannot_compute_in_one_line():
+    m = gptq_linear(192, 256, False, False, seed=65)
+    product = _products(m, torch.bfloat16)["rows"]
+    x, res, w = torch.randn(1, 256).bfloat16(), torch.randn(1, 192).bfloat16(), torch.rand(192).bfloat16()
+    with pytest.raises(RuntimeError, match="no gated activation relu"):
+        product.gated("relu")(x)
+    with pytest.raises(RuntimeError, match="residual must be \\(1, 192\\)"):
+        product.normed(w, 1e-5)(x, res[:, :-1])
+    with pytest.raises(RuntimeError, match="residual must be"):
+        product.normed(w, 1e-5)(x, res.float())
+    with pytest.raises(RuntimeError, match="w must be a contiguous"):
+        product.normed(w[:-1], 1e-5)(x, res)
+    with pytest.raises(RuntimeError, match="w must be a contiguous"):
+        product.normed(w, 1e-5, (w.float(), 1e-6))(x, res)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_", [1, 2, 5, 8, 15])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -233,28 +233,65 @@ class GPTQLinear(WeightOnlyLinear):
         with ``rows`` (``quant.runtime.kernels.rows.int4``, few rows) and ``gemm`` (``quant.runtime.kernels.gemm.int4``, many) where they can."""
         out = super().paths(dtype)
         bias = None if self.bias is None else self.bias.data.float()
+        products = self._rows_products(dtype)
         if self.packed is not None and self.packed.device.type == "cpu":
             layout = cpu_layout()
             if layout is None:
                 return {"kernel": out["kernel"]}
-            n, k, gs, perm = self.out_features, self.in_features, self.group_size, self.perm
-            if rowops.available(self.packed):  # rows: the whole product straight from the layout, one C++ call
-                out["rows"] = _in_kernel_order(rowops.int4(self.packed, n, k, layout, self.scales_zeros, gs, bias),
-                                               perm)
-            if dtype in (torch.bfloat16, torch.float16) and int8_activations_supported(layout, n, k, gs):
-                # rows16: the same pass on x held as int16 in blocks of 32 (power-of-two scales: a bf16 element no
-                # smaller than 2^-7 of its block's largest is held exactly), integer sums 16 products an instruction
-                out["rows16"] = _in_kernel_order(rowops.int4_a16(self.packed, n, k, self.scales_zeros, gs, bias),
-                                                 perm)
+            n, k, gs = self.out_features, self.in_features, self.group_size
+            if not self.int8_activations:
+                out.update({name: _in_kernel_order(p, self.perm) for name, p in products.items()})
             if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
-                out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), perm)
+                out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), self.perm)
         if self.int8_activations:
             out = {name: _on_blocks(call, self.perm) for name, call in out.items() if name not in ("rows", "rows16")}
-            layout = cpu_layout() if self.packed is not None and self.packed.device.type == "cpu" else None
-            if int8_activations_supported(layout, self.out_features, self.in_features, self.group_size):
-                out["rows"] = _in_kernel_order(rowops.int4_a8(self.packed, self.out_features, self.in_features,
-                                                              self.scales_zeros, self.group_size, bias), self.perm)
+            out.update({name: _in_kernel_order(p, self.perm) for name, p in products.items()})
         return out
+
+    def _rows_products(self, dtype: torch.dtype) -> dict[str, rowops.Product]:
+        """The C++ rows passes this module computes inputs of ``dtype`` with, by path name: ``rows`` (the whole
+        product straight from the CPU int4pack layout, one call; with int8 activations the int8 product itself) and
+        ``rows16`` (the same pass on x held as int16 in blocks of 32: power-of-two scales, so a bf16 element no
+        smaller than 2^-7 of its block's largest is held exactly; integer sums, 16 products an instruction)."""
+        if self.packed is None or self.packed.device.type != "cpu" or not rowops.available(self.packed):
+            return {}
+        layout = cpu_layout()
+        n, k, gs, sz = self.out_features, self.in_features, self.group_size, self.scales_zeros
+        bias = None if self.bias is None else self.bias.data.float()
+        if self.int8_activations:
+            supported = int8_activations_supported(layout, n, k, gs)
+            return {"rows": rowops.int4_a8(self.packed, n, k, sz, gs, bias)} if supported else {}
+        if layout is None:
+            return {}
+        out = {"rows": rowops.int4(self.packed, n, k, layout, sz, gs, bias)}
+        if dtype in (torch.bfloat16, torch.float16) and int8_activations_supported(layout, n, k, gs):
+            out["rows16"] = rowops.int4_a16(self.packed, n, k, sz, gs, bias)
+        return out
+
+    def _one_row_product(self, dtype: torch.dtype) -> rowops.Product | None:
+        """The C++ rows pass one row of ``dtype`` takes here by the plan, or None (another path, a GPU, a part of a
+        fused module): the product whose epilogues a one-row step may use instead of glue ops of its own."""
+        if self._whole is not None:
+            return None
+        return self._rows_products(dtype).get(self.path_for(1, dtype))
+
+    def gated_call(self, act: str, dtype: torch.dtype):
+        """As every weight-only module's; on a CPU whose one-row path is a rows pass, that pass ending in the
+        activation (``rows.Product.gated``)."""
+        product = self._one_row_product(dtype)
+        if product is None or act not in triton_ops.GATED_ACTS:
+            return super().gated_call(act, dtype)
+        return _in_kernel_order(product.gated(act), self.perm)
+
+    def normed_call(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype,
+                    post: tuple[torch.Tensor, float] | None = None, scale: float = 1.0):
+        """As every weight-only module's; on a CPU whose one-row path is a rows pass, that pass ending in the norms
+        and residual add (``rows.Product.normed``)."""
+        product = self._one_row_product(dtype)
+        if product is None or not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
+            return super().normed_call(weight, eps, dtype, post, scale)
+        call = product.normed(weight, eps, post, scale)
+        return call if self.perm is None else (lambda x, residual: call(x.index_select(1, self.perm), residual))
 
     def use_int8_activations(self) -> None:
         """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's

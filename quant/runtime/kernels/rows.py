@@ -65,35 +65,61 @@ def w8a8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Te
     return lambda x2: op(x2, weight, weight_scale, s, sm, b, qmax, floor, rotate)
 
 
+class Product:
+    """A rows op bound to a module's tensors: ``(M, K) -> (M, N)``, and the same product ending in an epilogue inside
+    its one call (``csrc/epilogue.h``, the glue ops' own row kernels, so the glue ops' bits): :meth:`gated` and
+    :meth:`normed`, what a decode step's MLP and residual glue become where every projection has them
+    (server/models/base.py's one-row forward)."""
+
+    def __init__(self, name: str, *args):
+        self.name, self.args = name, args
+        self._op = _op(name)
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._op(x2, *self.args)
+
+    def gated(self, act: str) -> Rows:
+        """For a [gate | up] product (M, 2I): act(gate) * up (M, I), ``act`` a glue op's name ("silu_mul",
+        "gelu_tanh_mul"; the op refuses any other)."""
+        op, args = _op(self.name + "_gated"), self.args
+        return lambda x2: op(x2, *args, act)
+
+    def normed(self, weight: torch.Tensor | None, eps: float, post: tuple[torch.Tensor, float] | None = None,
+               scale: float = 1.0) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``(x2, residual) -> (residual + y', rms_norm(residual + y') * weight)``, y' the product put through the
+        output norm ``post`` (weight, eps) and times ``scale``; with no ``weight`` the second result is the first
+        (quant.runtime.kernels.triton_ops.AddNorm's steps, the GPU's)."""
+        op, args = _op(self.name + "_normed"), self.args
+        pw, pe = (None, 0.0) if post is None else (post[0], float(post[1]))
+        return lambda x2, residual: op(x2, *args, residual, weight, float(eps), pw, pe, float(scale))
+
+
 def int4(packed: torch.Tensor, n: int, k: int, layout: tuple[int, bool], scales_zeros: torch.Tensor,
-         group_size: int, bias: torch.Tensor | None) -> Rows:
+         group_size: int, bias: torch.Tensor | None) -> Product:
     """In x's dtype, x in the kernel's column order, read straight from the CPU int4pack layout (``layout``: block
     rows, split nibbles; see ``quant.runtime.kernels.int4_layout.cpu_layout``) and its (G, N, 2) scale/zero table: per group
     s * (x . codes) + (z - 8 s) * sum(x), in fp32, plus the fp32 bias, rounded once."""
-    op, sz, b = _op("int4_rows"), scales_zeros.contiguous(), _opt(bias)
     block, split = layout
-    return lambda x2: op(x2, packed, n, k, block, split, sz, group_size, b)
+    return Product("int4_rows", packed, n, k, block, split, scales_zeros.contiguous(), group_size, _opt(bias))
 
 
 def int4_a8(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, group_size: int,
-            bias: torch.Tensor | None) -> Rows:
+            bias: torch.Tensor | None) -> Product:
     """:func:`int4` with each x row first quantized to int8 in blocks of 32 columns
     (``quant.runtime.primitives.quantize_act_blocks``): exact integer sums of codes times int8 activations, scaled in
     fp32, rounded once. AVX2 builds only (``int4_a8_ops.cpp``), on AVX2's int4pack layout (32-row split blocks)."""
-    op, sz, b = _op("int4_rows_a8"), scales_zeros.contiguous(), _opt(bias)
-    qmax, floor = float(P.QMAX), float(P.MIN_SCALE)
-    return lambda x2: op(x2, packed, n, k, sz, group_size, b, qmax, floor)
+    return Product("int4_rows_a8", packed, n, k, scales_zeros.contiguous(), group_size, _opt(bias), float(P.QMAX),
+                   float(P.MIN_SCALE))
 
 
 def int4_a16(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, group_size: int,
-             bias: torch.Tensor | None) -> Rows:
+             bias: torch.Tensor | None) -> Product:
     """:func:`int4` with each x row first held as int16 in blocks of 32 columns with power-of-two scales
     (``quant.runtime.primitives.quantize_act_blocks16``: a bf16 row exactly, but for elements under 2^-7 of their
     block's max, which keep what lies above 2^-15 of it): exact integer sums of codes times int16 activations (16
     products an instruction where the exact path makes 8), scaled in fp32, rounded once. AVX2 builds only
     (``int4_a8_ops.cpp``), on AVX2's int4pack layout."""
-    op, sz, b = _op("int4_rows_a16"), scales_zeros.contiguous(), _opt(bias)
-    return lambda x2: op(x2, packed, n, k, sz, group_size, b)
+    return Product("int4_rows_a16", packed, n, k, scales_zeros.contiguous(), group_size, _opt(bias))
 
 
 def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:

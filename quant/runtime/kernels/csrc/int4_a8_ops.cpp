@@ -21,6 +21,7 @@
 
 #include "balanced.h"
 #include "elements.h"
+#include "epilogue.h"
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include "gemm_avx2.h"  // qs::gemm::store_rows
 #endif
@@ -414,16 +415,34 @@ at::Tensor int4_rows_a16(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return int4_rows_q<true>(x, packed, n, k, sz, group_size, bias, 0.0, 0.0);
 }
 
+QS_EPILOGUES(int4_rows_a8,
+             (const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+              int64_t group_size, const at::Tensor& bias, double qmax, double min_scale),
+             (x, packed, n, k, sz, group_size, bias, qmax, min_scale))
+QS_EPILOGUES(int4_rows_a16,
+             (const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, const at::Tensor& sz,
+              int64_t group_size, const at::Tensor& bias),
+             (x, packed, n, k, sz, group_size, bias))
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quantserve_rows, m) {
-  m.def("int4_rows_a8(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias, "
-        "float qmax, float min_scale) -> Tensor");
-  m.def("int4_rows_a16(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, Tensor bias) "
-        "-> Tensor");
+  for (const std::string& product :
+       {std::string("int4_rows_a8(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, "
+                    "Tensor bias, float qmax, float min_scale) -> Tensor"),
+        std::string("int4_rows_a16(Tensor x, Tensor packed, int n, int k, Tensor scales_zeros, int group_size, "
+                    "Tensor bias) -> Tensor")}) {
+    m.def(product.c_str());
+    m.def(qs::epilogue_schema(product, "gated").c_str());
+    m.def(qs::epilogue_schema(product, "normed").c_str());
+  }
 }
 
 TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("int4_rows_a8", &int4_rows_a8);
   m.impl("int4_rows_a16", &int4_rows_a16);
+  m.impl("int4_rows_a8_gated", &int4_rows_a8_gated);
+  m.impl("int4_rows_a8_normed", &int4_rows_a8_normed);
+  m.impl("int4_rows_a16_gated", &int4_rows_a16_gated);
+  m.impl("int4_rows_a16_normed", &int4_rows_a16_normed);
 }

@@ -22,6 +22,7 @@
 
 #include "balanced.h"
 #include "elements.h"
+#include "epilogue.h"
 #include "hadamard.h"
 #include "int4_vec.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -671,6 +672,11 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n, i
   return out;
 }
 
+QS_EPILOGUES(int4_rows,
+             (const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t block, bool split,
+              const at::Tensor& sz, int64_t group_size, const at::Tensor& bias),
+             (x, packed, n, k, block, split, sz, group_size, bias))
+
 // ---- 16-bit dense: an unquantized bf16 Linear's few-row product ----
 // oneDNN takes a 1-row bf16 product at ~half the bandwidth this does (3072x576, cold: 0.138 ms with AVX-512, where
 // ATen's own GEMV, which it uses under an AVX2 cap, takes 0.083 ms).
@@ -825,8 +831,11 @@ TORCH_LIBRARY(quantserve_rows, m) {
   m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
         "float qmax, float min_scale, int rotate) -> Tensor");
   m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias) -> Tensor");
-  m.def("int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, Tensor scales_zeros, "
-        "int group_size, Tensor bias) -> Tensor");
+  const std::string int4 = "int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, "
+                           "Tensor scales_zeros, int group_size, Tensor bias) -> Tensor";
+  m.def(int4.c_str());
+  m.def(qs::epilogue_schema(int4, "gated").c_str());
+  m.def(qs::epilogue_schema(int4, "normed").c_str());
   m.def("bf16_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor");
   m.def("hadamard_(Tensor(a!) x, int block) -> Tensor(a!)");
 }
@@ -835,6 +844,8 @@ TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("w8a8_rows", &w8a8_rows);
   m.impl("int8_weight_rows", &int8_weight_rows);
   m.impl("int4_rows", &int4_rows);
+  m.impl("int4_rows_gated", &int4_rows_gated);
+  m.impl("int4_rows_normed", &int4_rows_normed);
   m.impl("bf16_rows", &bf16_rows);
   m.impl("hadamard_", &hadamard_);
 }
