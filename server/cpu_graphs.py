@@ -1,8 +1,8 @@
 """CPU step graphs: a step's forward recorded as the ops it dispatches, then replayed by one C++ call.
 
-A batch-1 decode step of the default model dispatches ~300 ops (four projections, the attention, two norms and
-the activation per layer; the embedding, rotary tables and head); through Python each costs ~3 µs of binding and
-boxing on top of the Python between them, about a sixth of the step on a 2-core CPU
+A batch-1 decode step of the default model dispatches ~160 ops (four projections and the attention per layer, the
+norms and activation inside the projections' calls; the embedding, rotary tables and head); through Python each costs
+~3 µs of binding and boxing on top of the Python between them, about a sixth of the step on a 2-core CPU
 (bench/RESULTS.md#cpu-decode-step-benchdecode_steppy).
 The CUDA graphs' idea on a CPU: a step of a given shape (its decode rows, its chunks' lengths, its sampled rows:
 a decode step of n rows, a verification of k drafts, a short prompt's chunk) is recorded the second time such a step
