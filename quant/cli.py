@@ -1,4 +1,5 @@
-"""`quant`: build, eval, inspect and verify artifacts; `quant serve` is handed to the server (server/cli.py).
+"""`quant`: build, eval, inspect and verify artifacts; `quant serve` and `quant kernels` are handed to the server
+(server/cli.py, server/native_build.py).
 
 Errors in the input (`QuantError`) print one line and exit 1; argparse usage errors exit 2.
 """
@@ -30,7 +31,8 @@ EVAL_DTYPE_HELP = (f"{', '.join(EVAL_DTYPES)}: float64 (default) is the referenc
 
 # Commands that belong to a higher layer: `quant` lists them and hands them their arguments, importing the owner
 # only when one runs, so the pipeline never depends on it. `quant serve` is the server's (server/cli.py).
-DELEGATED = {"serve": ("server.cli", "serve an artifact (or a plain model) over gRPC and HTTP")}
+DELEGATED = {"serve": ("server.cli", "serve an artifact (or a plain model) over gRPC and HTTP"),
+             "kernels": ("server.native_build", "build this CPU's C++ kernels now (else at their first use)")}
 PLAN_OWNER = "server.capacity"  # `quant estimate --requests`: what an idle server would plan (its own code)
 
 

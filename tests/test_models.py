@@ -136,8 +136,7 @@ def test_a_cuda_decode_layer_launches_its_attention_once(arch, arch_dirs, monkey
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "olmo2", "granite"])
-def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch_dirs, text_file, tmp_path,
-                                                                      cache_dir, monkeypatch):
+def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch_artifacts, cache_dir, monkeypatch):
     """A w4a16 artifact held in the layout CUDA takes (the Triton GEMVs; on this CPU through Triton's interpreter,
     fp16), the triton attention backend and glue: a decode step launches four one-row products per layer, no
     activation kernel (the gate_up launch ends in it) and at most one norm in all (o and down end in the norms and
@@ -146,15 +145,12 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
     apart, and near the artifact's own through transformers in fp32."""
     from collections import Counter
 
-    from conftest import run_cli
     from triton.runtime.interpreter import InterpretedFunction
 
     from quant.runtime.int4 import GPTQLinear
     from quant.runtime.loader import load_for_engine
 
-    out = tmp_path / "w4"
-    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", "w4a16", "--calib", text_file,
-                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
+    out = arch_artifacts(arch, "w4a16")
     monkeypatch.setattr(GPTQLinear, "runtime_layout",
                         lambda self, dtype: "w4triton" if dtype in (torch.float16, torch.bfloat16) else "gptq")
     model = load_for_engine(out, dtype=torch.float16, cache_dir=cache_dir).model
@@ -204,8 +200,8 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
 
 @pytest.mark.parametrize("arch,path", [("llama", "rows16"), ("gemma2", "rows"), ("olmo2", "rows16"),
                                        ("granite", "rows")])
-def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch, path, arch_dirs, text_file,
-                                                                          tmp_path, cache_dir, monkeypatch):
+def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch, path, arch_artifacts, cache_dir,
+                                                                          monkeypatch):
     """On a CPU whose one-row path is a C++ rows pass (``rows``, or ``rows16`` where the CPU has it), gate_up ends in
     the activation and o and down in the norms and residual add around them inside that pass's own call
     (quant.runtime.kernels.rows.Product; Llama's input norms, Gemma 2's output norms besides, OLMo 2's output norms
@@ -213,7 +209,6 @@ def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch,
     are bit for bit those of the same model with the glue ops called apart."""
     from collections import Counter
 
-    from conftest import run_cli
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from quant.runtime import int4
@@ -222,9 +217,7 @@ def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch,
 
     if path == "rows16" and not int4.int8_activations_supported(int4.cpu_layout(), 32, 32, 32):
         pytest.skip("this CPU has no rows16 pass (AVX2 builds only)")
-    out = tmp_path / "w4"
-    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", "w4a16", "--calib", text_file,
-                   "--calib-samples", "2", "--calib-seqlen", "32", "--no-progress", "--out", out) == 0
+    out = arch_artifacts(arch, "w4a16")
     static = GPTQLinear.static_path
     monkeypatch.setattr(GPTQLinear, "static_path", lambda self, rows, dtype: path if rows == 1 else
                         static(self, rows, dtype))
@@ -360,16 +353,10 @@ def artifact_cases():
 
 
 @pytest.mark.parametrize("arch,scheme", artifact_cases())
-def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme, arch_dirs, text_file, tmp_path,
-                                                                   cache_dir):
-    from conftest import run_cli
-
+def test_quantized_artifact_is_served_equal_to_quant_load_generate(arch, scheme, arch_artifacts, cache_dir):
     from quant.runtime.loader import load
 
-    out = tmp_path / f"{arch}-{scheme}"
-    extra = ["--calib-method", "minmax"] if scheme == "w8a8" else []
-    assert run_cli("build", "--model", arch_dirs(arch), "--scheme", scheme, "--calib", text_file, "--calib-samples",
-                   "2", "--calib-seqlen", "32", "--no-progress", "--out", out, *extra) == 0
+    out = arch_artifacts(arch, scheme)
     ref_model = load(out, dtype=torch.float32).model
     main, other = prompt_ids(20, 9), prompt_ids(31, 10)
     want = hf_greedy(ref_model, main, 40)

@@ -50,3 +50,33 @@ def test_checkouts_of_the_same_sources_share_one_build_and_changed_sources_get_t
     assert {p.name: p.stat().st_mtime_ns for p in (lib, where / "build.ninja")} == built, "rebuilt"
 
     assert native.Extension(_checkout(tmp_path / "c", 2), "qs_native_test").build_directory() != where  # changed
+
+
+def test_quant_kernels_builds_each_library_or_says_why_it_holds_none(capsys, monkeypatch):
+    """`quant kernels` (scripts/setup.sh runs it) loads every C++ library the engine uses, building what is not built
+    for this CPU yet, and names where each is; a library that cannot be built, or would hold no kernel here, is named
+    with the reason, and that is no failure (the engine then uses the PyTorch references)."""
+    from conftest import run_cli
+
+    from quant.runtime.kernels import gemm
+    from server import native_build
+
+    assert run_cli("kernels") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(native_build.LIBRARIES) == 4
+    for (name, ext, _), line in zip(native_build.LIBRARIES, lines):
+        assert line.startswith(f"{name}: ")
+        if ext.load():
+            assert f": built in {ext.build_directory()} (" in line
+        else:
+            assert line.endswith(f"not built ({ext.unavailable_reason()}); the engine uses the PyTorch references")
+    _, ext, _ = native_build.LIBRARIES[0]
+    monkeypatch.setattr(ext, "load", lambda: False)
+    monkeypatch.setattr(ext, "unavailable_reason", lambda: "RuntimeError: no compiler")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert gemm.no_kernel_reason() is not None
+    assert run_cli("kernels") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(": not built (RuntimeError: no compiler); the engine uses the PyTorch references")
+    assert lines[2] == ("tiled products (quant/runtime/kernels/csrc: gemm_ops): not built (PyTorch dispatches to "
+                        "DEFAULT here; the tiled products have AVX2 and AVX-512 kernels only)")

@@ -28,12 +28,21 @@ TILE_BYTES = (32 << 10) + 32 * 128  # the largest K-tile of a block's expanded w
 MAX_BLOCK = 64  # the most rows of W per block either kernel uses
 
 
+def no_kernel_reason() -> str | None:
+    """Why a build here would hold no kernel (the tiles are written for AVX2 and AVX-512), or None."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        return None
+    return f"PyTorch dispatches to {cap} here; the tiled products have AVX2 and AVX-512 kernels only"
+
+
 @functools.cache
 def _build() -> tuple[int, int, bool, int]:
     """(rows per block of W, 0 without a kernel; the int4pack block rows the int4 op reads; whether bf16 weights
     have an op; the K multiple for which W8A8's sums are exact int32 ones, 0 for never), as the extension was
-    compiled for this CPU (AVX512-BF16 and VNNI: 64, 64, no, 4; AVX2: 16, 32, yes, 2)."""
-    if not _EXT.load():
+    compiled for this CPU (AVX512-BF16 and VNNI: 64, 64, no, 4; AVX2: 16, 32, yes, 2); nothing is built where it
+    would hold no kernel (:func:`no_kernel_reason`)."""
+    if no_kernel_reason() is not None or not _EXT.load():
         return 0, 0, False, 0
     block, int4_block, dense, exact = torch.ops.quantserve_gemm.gemm_build()
     return block, int4_block, bool(dense), exact
