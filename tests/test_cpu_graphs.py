@@ -159,6 +159,33 @@ def test_engine_replays_and_serves_what_the_eager_forward_serves(arch, arch_dirs
 
 @needs_ops
 @pytest.mark.reference
+@pytest.mark.parametrize("arch", ["llama", "olmo2"])  # OLMo 2's norm epilogue returns the sum twice (no input norm)
+def test_one_row_steps_through_the_rows_epilogues_replay_what_they_serve_eagerly(arch, arch_artifacts, cache_dir,
+                                                                                 monkeypatch):
+    """A w4a16 engine in bf16 whose one-row path is the int4 rows pass, so its decode steps run the model's one-row
+    forward with the glue inside the projections' calls (quant.runtime.kernels.rows.Product): replayed, it serves the
+    eager tokens and logprobs bit for bit."""
+    from quant.runtime.int4 import GPTQLinear
+
+    static = GPTQLinear.static_path
+    monkeypatch.setattr(GPTQLinear, "static_path", lambda self, rows, dtype: "rows" if rows == 1 else
+                        static(self, rows, dtype))
+    prompts = [prompt_ids(20, 4), prompt_ids(9, 5)]
+    params = SamplingParams(max_new_tokens=24, min_tokens=24, temperature=0.8, seed=7, logprobs=2)
+    path = arch_artifacts(arch, "w4a16")
+    eager, _ = _serve(path, cache_dir, False, prompts, params, speculate="off", dtype="bfloat16", kernels="static")
+    eng = Engine.from_path(str(path), EngineConfig(memory_budget="8MiB", dtype="bfloat16", kernels="static"),
+                           cache_dir)
+    try:
+        assert eng.runner.model._one_row  # the epilogues are what these steps run
+    finally:
+        eng.close()
+    replayed, n = _serve(path, cache_dir, True, prompts, params, speculate="off", dtype="bfloat16", kernels="static")
+    assert n >= 2 * 20 and replayed == eager
+
+
+@needs_ops
+@pytest.mark.reference
 def test_profiled_replays_serve_the_same_and_say_where_the_step_went(tiny_model_dir, cache_dir):
     prompts = [prompt_ids(12, 6)] * 4
     params = SamplingParams(max_new_tokens=12, min_tokens=12, temperature=0.8, seed=3, logprobs=2)
