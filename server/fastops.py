@@ -31,12 +31,12 @@ from server.batch import StepInt
 from server.random_stream import random_uniform as ref_random_uniform
 
 _CSRC = Path(__file__).with_name("csrc")
-_EXT = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp",
+EXTENSION = Extension([_CSRC / "decode_ops.cpp", _CSRC / "attention_ops.cpp", _CSRC / "kv_cache_ops.cpp",
                   _CSRC / "kv_int4_ops.cpp", _CSRC / "sampling_ops.cpp", _CSRC / "graph_ops.cpp"],
                  "quantserve_decode_ops")
-load = _EXT.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
-unavailable_reason = _EXT.unavailable_reason
-build_directory = _EXT.build_directory
+load = EXTENSION.load  # compile (once per machine) and register torch.ops.quantserve; False where that fails
+unavailable_reason = EXTENSION.unavailable_reason
+build_directory = EXTENSION.build_directory
 
 
 # ---------------------------------------------------------------------------------------- references

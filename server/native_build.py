@@ -19,10 +19,10 @@ from server import fastops
 
 # (name, the library, what says why it holds no kernel here without building it, if anything)
 LIBRARIES: list[tuple[str, Extension, Callable[[], str | None] | None]] = [
-    ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops)", rows._EXT, None),
-    ("dequantizers (quant/runtime/kernels/csrc: dequant_ops)", dequant._EXT, None),
-    ("tiled products (quant/runtime/kernels/csrc: gemm_ops)", gemm._EXT, gemm.no_kernel_reason),
-    ("engine glue and attention (server/csrc)", fastops._EXT, None),
+    ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops)", rows.EXTENSION, None),
+    ("dequantizers (quant/runtime/kernels/csrc: dequant_ops)", dequant.EXTENSION, None),
+    ("tiled products (quant/runtime/kernels/csrc: gemm_ops)", gemm.EXTENSION, gemm.no_kernel_reason),
+    ("engine glue and attention (server/csrc)", fastops.EXTENSION, None),
 ]
 
 

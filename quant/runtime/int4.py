@@ -290,8 +290,7 @@ class GPTQLinear(WeightOnlyLinear):
         product = self._one_row_product(dtype)
         if product is None or not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
             return super().normed_call(weight, eps, dtype, post, scale)
-        call = product.normed(weight, eps, post, scale)
-        return call if self.perm is None else (lambda x, residual: call(x.index_select(1, self.perm), residual))
+        return _in_kernel_order(product.normed(weight, eps, post, scale), self.perm)
 
     def use_int8_activations(self) -> None:
         """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's
@@ -436,8 +435,9 @@ def _on_blocks(call, perm: torch.Tensor | None):
 
 
 def _in_kernel_order(call, perm: torch.Tensor | None):
-    """A call on x in the kernel's column order, taking x in W's (act-order checkpoints permute K at load)."""
-    return call if perm is None else lambda x: call(x.index_select(1, perm))
+    """A call on x (then any other arguments) in the kernel's column order, taking x in W's (act-order checkpoints
+    permute K at load)."""
+    return call if perm is None else lambda x, *rest: call(x.index_select(1, perm), *rest)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -15,13 +15,13 @@ import torch
 from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 
-_EXT = Extension(Path(__file__).with_name("csrc") / "dequant_ops.cpp", "quantserve_dequant_ops")
-load = _EXT.load
-unavailable_reason = _EXT.unavailable_reason
+EXTENSION = Extension(Path(__file__).with_name("csrc") / "dequant_ops.cpp", "quantserve_dequant_ops")
+load = EXTENSION.load
+unavailable_reason = EXTENSION.unavailable_reason
 
 
 def _fast(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and _EXT.load()
+    return t.device.type == "cpu" and EXTENSION.load()
 
 
 def int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

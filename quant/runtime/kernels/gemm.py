@@ -21,8 +21,8 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 from quant.runtime.kernels.rows import Rows
 
-_EXT = Extension(Path(__file__).with_name("csrc") / "gemm_ops.cpp", "quantserve_gemm_ops")
-unavailable_reason = _EXT.unavailable_reason
+EXTENSION = Extension(Path(__file__).with_name("csrc") / "gemm_ops.cpp", "quantserve_gemm_ops")
+unavailable_reason = EXTENSION.unavailable_reason
 TILE_BYTES = (32 << 10) + 32 * 128  # the largest K-tile of a block's expanded weights (gemm_avx512.h kTileBytes,
 # rounded up to the int8 expander's 32-column steps, 128 bytes a column; AVX2's tiles are smaller)
 MAX_BLOCK = 64  # the most rows of W per block either kernel uses
@@ -42,7 +42,7 @@ def _build() -> tuple[int, int, bool, int]:
     have an op; the K multiple for which W8A8's sums are exact int32 ones, 0 for never), as the extension was
     compiled for this CPU (AVX512-BF16 and VNNI: 64, 64, no, 4; AVX2: 16, 32, yes, 2); nothing is built where it
     would hold no kernel (:func:`no_kernel_reason`)."""
-    if no_kernel_reason() is not None or not _EXT.load():
+    if no_kernel_reason() is not None or not EXTENSION.load():
         return 0, 0, False, 0
     block, int4_block, dense, exact = torch.ops.quantserve_gemm.gemm_build()
     return block, int4_block, bool(dense), exact

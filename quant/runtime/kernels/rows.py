@@ -22,14 +22,14 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 
 _CSRC = Path(__file__).with_name("csrc")
-_EXT = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp"], "quantserve_rows_ops")
-unavailable_reason = _EXT.unavailable_reason
+EXTENSION = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp"], "quantserve_rows_ops")
+unavailable_reason = EXTENSION.unavailable_reason
 Rows = Callable[[torch.Tensor], torch.Tensor]
 
 
 def available(t: torch.Tensor) -> bool:
     """Whether the C++ ops can compute a module whose weight is ``t`` (a CPU tensor, the extension built)."""
-    return t.device.type == "cpu" and _EXT.load()
+    return t.device.type == "cpu" and EXTENSION.load()
 
 
 def staging_bytes(m: int, k: int) -> int:
@@ -43,8 +43,8 @@ def staging_bytes(m: int, k: int) -> int:
 
 def _op(name: str):
     """The op's one overload (called directly: the overload packet's resolution costs ~a microsecond a call)."""
-    if not _EXT.load():
-        raise RuntimeError(f"quant.runtime.kernels.rows needs its C++ ops: {_EXT.unavailable_reason()}")
+    if not EXTENSION.load():
+        raise RuntimeError(f"quant.runtime.kernels.rows needs its C++ ops: {EXTENSION.unavailable_reason()}")
     return getattr(torch.ops.quantserve_rows, name).default
 
 
