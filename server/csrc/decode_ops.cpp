@@ -6,7 +6,8 @@
 // a few microseconds of dispatch whatever its size, as much as the int4 matmuls' arithmetic. These kernels do
 // the same arithmetic as the eager ops they replace, rounding to the model dtype at the same points
 // (products and sums of 16-bit tensors are computed in fp32 and rounded, as PyTorch's CPU kernels do), so
-// results match the eager path up to the order of a sum and the last bit of exp/rsqrt.
+// results match the eager path up to the order of a sum and the last bit of exp/rsqrt. The norms' and the gated
+// activations' row kernels are quant/runtime/kernels/csrc/epilogue.h's, which the rows ops' one-call epilogues share.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
