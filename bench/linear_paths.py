@@ -2,13 +2,14 @@
 path (quant/runtime/kernels/gemm.py) gains over the dequantize + dense product it stands in for, against the unquantized Linear.
 
 For each projection of SmolLM2-135M as the server fuses them (q/k/v 960x576, o 576x576, gate/up 3072x576, down
-576x1536) and each row count, every path the runtime modules offer for bf16 activations (``paths(bf16)``: the same
-call the kernel plans time) for the unquantized bf16 Linear, int8-sym, int4 (GPTQ layout, RTN codes, group 64) and
+576x1536; with ``--head`` also the tied 49152x576 head, which int8 embeddings serve as int8-sym rows) and each row
+count, every path the runtime modules offer for bf16 activations (``paths(bf16)``: the same call the kernel plans
+time) for the unquantized bf16 Linear, int8-sym, int4 (GPTQ layout, RTN codes, group 64) and
 W8A8 (static scale); the paths of one shape and row count are called in turn, a round at a time, so a change in the
 machine's speed falls on all alike; median µs. Weights are warm (one shape at a time): a served layer's are read
 from memory, which bench/cpu_paths.py measures end to end.
 
-    python bench/linear_paths.py [--rows 64,256,512] [--rounds 15]
+    python bench/linear_paths.py [--rows 64,256,512] [--rounds 15] [--head]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/linear_paths.py  # AVX2
 """
 
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate/up 3072x576": (3072, 576),
           "down 576x1536": (576, 1536)}
+HEAD = {"head 49152x576": (49152, 576)}
 
 
 def main() -> None:
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,256,512")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", action="store_true", help="also the default model's head shape")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "kernels.json"))
     a = ap.parse_args()
 
@@ -48,7 +51,7 @@ def main() -> None:
     dt = torch.bfloat16
     results = []
     with torch.inference_mode():
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in (SHAPES | (HEAD if a.head else {})).items():
             lin = nn.Linear(k, n, bias=False)
             w8 = Int8WeightLinear.from_float(lin, affine=False)
             w4 = int4.GPTQLinear.from_quantized(gptq.rtn(lin.weight.data, 4, 64), None, v2=False)

@@ -258,8 +258,9 @@ def test_engine_reports_its_measured_plans_and_refuses_an_unknown_mode(tiny_mode
     cfg = dict(memory_budget="2MiB", dtype="bfloat16", max_prefill_tokens=64)
     eng = Engine.from_path(str(art), EngineConfig(kernels="measure", **cfg), tmp_path)
     try:
-        kernels = eng.info.kernels
-        assert kernels and all(k.startswith("int8_weight[affine=False] ") for k in kernels), kernels
+        # the plans, then (where the one-row path is a rows pass with epilogues) what the projections fuse
+        kernels = [k for k in eng.info.kernels if not k.startswith(("gate_up of ", "o and down: "))]
+        assert kernels and all(k.startswith("int8_weight[affine=False] ") for k in kernels), eng.info.kernels
         shapes = {k.split()[1] for k in kernels}
         assert shapes == {"128x64", "64x64", "256x64", "64x128"}, shapes  # fused q/k/v and gate/up, o, down
         assert len(list((tmp_path / "kernel-plans").glob("*.json"))) == 1

@@ -99,6 +99,73 @@ def test_int8_weight_rows_of_a_fused_module_are_its_parts_products():
     assert torch.equal(y, want)
 
 
+def _int8_rows16(m: Int8WeightLinear, dtype: torch.dtype):
+    if not rows.rows16_built():
+        pytest.skip("the passes on 16-bit block activations are built for AVX2 CPUs without AVX-512 only")
+    return m.paths(dtype)["rows16"]
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows_", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_weight_rows16_is_the_exact_product_to_16_bit_rounding(affine, bias, rows_, dtype):
+    """The int8 rows16 path: the module's weights times its input held as int16 in blocks of 32
+    (P.quantize_act_blocks16), each block's sum exact: within 2^-14 of the exact product's largest output before
+    rounding, equal to that product computed in float64 once rounded to x's dtype almost everywhere (a block sum
+    past 2^24 rounds to fp32, so an output on a rounding boundary may fall to its other side), and each row what it
+    is alone, bit for bit. N = 98: four weight rows at a time and a tail of two."""
+    m = Int8WeightLinear.from_float(_linear(256, 98, bias, seed=5), affine)
+    m.prepare(dtype)
+    op = _int8_rows16(m, dtype)
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(rows_, 256, generator=g) * torch.logspace(-4, 1, 256)).to(dtype)  # wide ranges in blocks too
+    w, b = m.dequantized(torch.float64), None if m.bias is None else m.bias.double()
+    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x).double(), w, b)
+    exact = torch.nn.functional.linear(x.double(), w, b)
+    y = op(x)
+    assert y.dtype == dtype and y.shape == (rows_, 98)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
+    assert float((y == ref.to(dtype)).float().mean()) > 0.98
+    assert 0 < float((ref - exact).abs().max() / exact.abs().max()) < 2.0**-14
+    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
+
+
+def test_int8_weight_rows16_sums_blocks_past_2_to_the_24_and_keep_a_nan_row_nan():
+    """Weights and activations at full scale (a block's sum near 32 * 127 * 32767, past fp32's exact integers) give
+    the exact product to fp32 rounding; a row with a NaN gives NaN and leaves the others as they are alone."""
+    m = Int8WeightLinear.from_float(_linear(64, 8, False, seed=6), False)
+    m.weight = torch.full((8, 64), 127, dtype=torch.int8)
+    m.weight[1::2] = -127
+    m.prepare(torch.bfloat16)
+    op = _int8_rows16(m, torch.bfloat16)
+    x = torch.full((3, 64), 3.0).bfloat16()
+    x[1, 5] = float("nan")
+    y = op(x)
+    want = (64 * 3.0 * 127 * m.weight_scale.double() * torch.tensor([1.0, -1.0] * 4, dtype=torch.float64))
+    assert torch.equal(y[[0, 2]], want.to(torch.bfloat16).expand(2, 8))
+    assert bool(y[1].isnan().all())
+    assert torch.equal(y[[0, 2]], op(x[[0, 2]]))
+
+
+def test_int8_rows16_is_offered_for_16_bit_inputs_with_k_a_multiple_of_32():
+    if not rows.rows16_built():
+        pytest.skip("the passes on 16-bit block activations are built for AVX2 CPUs without AVX-512 only")
+    m = Int8WeightLinear.from_float(_linear(64, 16, False), True)
+    m.prepare(torch.bfloat16)
+    assert "rows16" in m.paths(torch.bfloat16) and "rows16" in m.paths(torch.float16)
+    assert "rows16" not in m.paths(torch.float32)  # fp32 x would lose bits past int16's: the exact paths only
+    odd = Int8WeightLinear.from_float(_linear(200, 16, False), True)
+    odd.prepare(torch.bfloat16)
+    assert "rows16" not in odd.paths(torch.bfloat16) and "rows" in odd.paths(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        rows.int8_weight16(odd.weight, odd.weight_scale, None, None)(torch.zeros(1, 200).bfloat16())
+    with pytest.raises(RuntimeError, match="offset must be a contiguous \\(16,\\) fp32 tensor, or empty"):
+        rows.int8_weight16(m.weight, m.weight_scale, torch.ones(15), None)(torch.zeros(1, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 or bf16 tensor"):
+        rows.int8_weight16(m.weight, m.weight_scale.half(), None, None)(torch.zeros(1, 64).bfloat16())
+
+
 # N = 80: one full block of the AVX-512 layout (64 rows) and a partial, interleaved one; 2 and a half of AVX2's.
 @pytest.mark.parametrize("n", [80, 192])
 @pytest.mark.parametrize("bias", [False, True])
@@ -311,7 +378,8 @@ def _products(m: int4.GPTQLinear, dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows_", [1, 3])
 def test_a_rows_pass_ends_in_the_glue_ops_bit_for_bit(family, dtype, rows_):
-    """Each int4 rows pass (rows; rows16 and the int8-activation pass where built) ends in the gated activation or
+    """Each int4 rows pass (rows; rows16 and the int8-activation pass where built) and each int8-weight one (rows;
+    rows16 where built) ends in the gated activation or
     in the norm epilogue inside its call (csrc/epilogue.h): the sub-layer's output norm, the residual multiplier
     (the eager product by a Python float), the residual add and the next norm (or none), each family's steps in
     the model's order. Both are the product then the glue ops (server/fastops.py's C++ ops), bit for bit."""
@@ -334,6 +402,9 @@ def test_a_rows_pass_ends_in_the_glue_ops_bit_for_bit(family, dtype, rows_):
         assert set(products) == ({"rows"} if dtype == torch.float32 else {"rows", "rows16"})
         m.use_int8_activations()
         products["rows on int8 activations"] = m._rows_products(dtype)["rows"]
+    int8 = Int8WeightLinear.from_float(_linear(k, n, True, seed=66), True)
+    int8.prepare(dtype)
+    products.update({f"int8 weights, {name}": p for name, p in int8._rows_products(dtype).items()})
     for name, product in products.items():
         y = product(x)
         gu = product.gated("gelu_tanh_mul" if family == "gemma2" else "silu_mul")(x)
@@ -371,6 +442,24 @@ def test_a_module_takes_the_epilogues_of_its_one_row_pass(monkeypatch):
     assert m.gated_call("relu", torch.bfloat16) is None  # an activation without an epilogue
     assert m.normed_call(w[:-1], 1e-5, torch.bfloat16) is None  # weights that are not (N,) in the dtype
     assert m.normed_call(w.float(), 1e-5, torch.bfloat16) is None
+
+
+def test_an_int8_module_takes_the_epilogues_of_its_one_row_pass(monkeypatch):
+    """Int8WeightLinear's gated and normed calls on a CPU are its one-row path's rows pass with the epilogue; on any
+    other one-row path none (the glue ops run apart)."""
+    m = Int8WeightLinear.from_float(_linear(256, 192, True, seed=67), True)
+    m.prepare(torch.bfloat16)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(68)).bfloat16()
+    res, w = torch.randn(1, 192).bfloat16(), torch.rand(192).bfloat16()
+    monkeypatch.setattr(Int8WeightLinear, "static_path", lambda self, rows, dtype: "kernel")
+    assert m.gated_call("silu_mul", torch.bfloat16) is None and m.normed_call(w, 1e-5, torch.bfloat16) is None
+    for path in m._rows_products(torch.bfloat16):
+        monkeypatch.setattr(Int8WeightLinear, "static_path", lambda self, rows, dtype, path=path: path)
+        product = m._rows_products(torch.bfloat16)[path]
+        assert torch.equal(m.gated_call("silu_mul", torch.bfloat16)(x), product.gated("silu_mul")(x)), path
+        got, want = m.normed_call(w, 1e-5, torch.bfloat16)(x, res), product.normed(w, 1e-5)(x, res)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), path
+        assert m.gated_call("relu", torch.bfloat16) is None and m.normed_call(w[:-1], 1e-5, torch.bfloat16) is None
 
 
 def test_an_epilogue_refuses_what_it_cannot_compute_in_one_line():

@@ -268,29 +268,8 @@ class GPTQLinear(WeightOnlyLinear):
             out["rows16"] = rowops.int4_a16(self.packed, n, k, sz, gs, bias)
         return out
 
-    def _one_row_product(self, dtype: torch.dtype) -> rowops.Product | None:
-        """The C++ rows pass one row of ``dtype`` takes here by the plan, or None (another path, a GPU, a part of a
-        fused module): the product whose epilogues a one-row step may use instead of glue ops of its own."""
-        if self._whole is not None:
-            return None
-        return self._rows_products(dtype).get(self.path_for(1, dtype))
-
-    def gated_call(self, act: str, dtype: torch.dtype):
-        """As every weight-only module's; on a CPU whose one-row path is a rows pass, that pass ending in the
-        activation (``rows.Product.gated``)."""
-        product = self._one_row_product(dtype)
-        if product is None or act not in triton_ops.GATED_ACTS:
-            return super().gated_call(act, dtype)
-        return _in_kernel_order(product.gated(act), self.perm)
-
-    def normed_call(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype,
-                    post: tuple[torch.Tensor, float] | None = None, scale: float = 1.0):
-        """As every weight-only module's; on a CPU whose one-row path is a rows pass, that pass ending in the norms
-        and residual add (``rows.Product.normed``)."""
-        product = self._one_row_product(dtype)
-        if product is None or not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
-            return super().normed_call(weight, eps, dtype, post, scale)
-        return _in_kernel_order(product.normed(weight, eps, post, scale), self.perm)
+    def _in_order(self, call):
+        return _in_kernel_order(call, self.perm)
 
     def use_int8_activations(self) -> None:
         """From now on this module computes its input quantized to int8 in blocks of 32 columns of the kernel's

@@ -120,18 +120,30 @@ class Int8WeightLinear(WeightOnlyLinear):
         return dequant.int8(self.weight, self.weight_scale, self.weight_zero_point, dtype)
 
     def paths(self, dtype: torch.dtype) -> dict:
-        """As every weight-only module's, and on CPU ``rows``: the whole Linear in one C++ pass over the int8
-        weight, in fp32, rounded once (``quant.runtime.kernels.rows``; at a few rows a dozen small ops cost more than the
-        bytes); ``gemm`` for many bf16 rows where the CPU has AVX512-BF16 (``quant.runtime.kernels.gemm``)."""
+        """As every weight-only module's, and on CPU the rows passes (:meth:`_rows_products`; at a few rows a dozen
+        small ops cost more than the bytes); ``gemm`` for many bf16 rows where the CPU has AVX512-BF16
+        (``quant.runtime.kernels.gemm``)."""
         out = super().paths(dtype)
-        bias = None if self.bias is None else self.bias.data
-        if rowops.available(self.weight):
-            off = self.kernel_offset
-            if self.affine and off is None:
-                off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
-            out["rows"] = rowops.int8_weight(self.weight, self.weight_scale, off, bias)
+        out.update(self._rows_products(dtype))
         if gemm.available(self.weight, self.out_features, self.in_features, dtype):
+            bias = None if self.bias is None else self.bias.data
             out["gemm"] = gemm.int8(self.weight, self.weight_scale, self.weight_zero_point, bias)
+        return out
+
+    def _rows_products(self, dtype: torch.dtype) -> dict[str, rowops.Product]:
+        """The C++ rows passes over the int8 weight (``quant.runtime.kernels.rows``), by path name: ``rows`` (the
+        whole Linear in one pass, in fp32, rounded once) and, for 16-bit inputs where the build has it, ``rows16``
+        (the same pass on x held as int16 in blocks of 32 with power-of-two scales: exact integer sums, 16 products
+        an instruction, within 2^-14 of the exact product's largest output)."""
+        if not rowops.available(self.weight):
+            return {}
+        bias = None if self.bias is None else self.bias.data
+        off = self.kernel_offset
+        if self.affine and off is None:
+            off = self.weight_scale * self.weight_zero_point.float()  # (N,) s * z, once per plan
+        out = {"rows": rowops.int8_weight(self.weight, self.weight_scale, off, bias)}
+        if dtype in (torch.bfloat16, torch.float16) and self.in_features % 32 == 0 and rowops.rows16_built():
+            out["rows16"] = rowops.int8_weight16(self.weight, self.weight_scale, off, bias)
         return out
 
     def _gemv_space(self, dtype: torch.dtype):

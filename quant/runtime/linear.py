@@ -18,6 +18,7 @@ from torch import nn
 
 from quant.runtime import primitives as P
 from quant.runtime.kernel_choice import LaunchSpace, computation_key
+from quant.runtime.kernels import rows as rowops
 from quant.runtime.kernels import triton_ops
 
 
@@ -199,26 +200,54 @@ class WeightOnlyLinear(QuantizedLinear):
             return None
         return self.gemv_config or space.start  # (start: the kernel's own rule)
 
+    def _rows_products(self, dtype: torch.dtype) -> dict[str, rowops.Product]:
+        """The C++ rows passes (``quant.runtime.kernels.rows.Product``) this module computes inputs of ``dtype`` with on a
+        CPU, by path name: those that can end in the glue's epilogues. None here; the int8 and int4 modules have them."""
+        return {}
+
+    def _in_order(self, call):
+        """A product's call taking x in this module's input order (the int4 module's act order permutes K)."""
+        return call
+
+    def _one_row_product(self, dtype: torch.dtype) -> rowops.Product | None:
+        """The C++ rows pass one row of ``dtype`` takes here by the plan, or None (another path, a GPU): the product
+        whose epilogues a one-row step may use instead of glue ops of its own."""
+        products = self._rows_products(dtype)
+        return products.get(self.path_for(1, dtype)) if products else None
+
     def gated_call(self, act: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """For a [gate | up] projection: a call of one-row inputs of ``dtype`` that gives act(gate) * up (1, N/2)
-        from the one-row kernel's own launch (its gated epilogue, quant.runtime.kernels.triton_ops; ``act`` the glue op's name,
-        "silu_mul" or "gelu_tanh_mul"), so that a decode step's MLP launches no activation kernel. None where one row
-        takes no such kernel here (:meth:`_one_row_launch`) or its tiles do not split into the gate's."""
+        in the one-row product's own call, so that a decode step's MLP runs no activation op (``act`` the glue op's
+        name, "silu_mul" or "gelu_tanh_mul"): on a CPU whose one-row path is a rows pass, that pass ending in the
+        activation (``rows.Product.gated``); on a GPU the one-row kernel's gated epilogue
+        (quant.runtime.kernels.triton_ops). None where one row takes no such kernel here (:meth:`_one_row_launch`)
+        or its tiles do not split into the gate's."""
+        if act not in triton_ops.GATED_ACTS:
+            return None
+        product = self._one_row_product(dtype)
+        if product is not None:
+            return self._in_order(product.gated(act))
         cfg = self._one_row_launch(dtype)
-        if act not in triton_ops.GATED_ACTS or cfg is None or not triton_ops.gated_fits(self.out_features, cfg[0]):
+        if cfg is None or not triton_ops.gated_fits(self.out_features, cfg[0]):
             return None
         return lambda x: self._kernel_matmul(x, cfg, gated=act)
 
     def normed_call(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype,
                     post: tuple[torch.Tensor, float] | None = None, scale: float = 1.0):
         """For a projection that a residual add and norms follow (o, down): a call of one-row inputs ``(x, residual)``
-        that gives ``(residual + y', rms_norm(residual + y') * weight)`` from the one-row kernel's own launch (its norm
-        epilogue, quant.runtime.kernels.triton_ops.AddNorm), so that a decode step launches no norm between the layers. y' is y put
-        through the output norm ``post`` (weight, eps) and times ``scale`` where the family has them; with no
+        that gives ``(residual + y', rms_norm(residual + y') * weight)`` in the one-row product's own call (a CPU's
+        rows pass ending in them, ``rows.Product.normed``; a GPU kernel's norm epilogue,
+        quant.runtime.kernels.triton_ops.AddNorm), so that a decode step runs no norm between the layers. y' is y
+        put through the output norm ``post`` (weight, eps) and times ``scale`` where the family has them; with no
         ``weight`` the second result is the sum itself. None where one row takes no such kernel here
         (:meth:`_one_row_launch`) or a weight is not (out_features,) in ``dtype``."""
+        if not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
+            return None
+        product = self._one_row_product(dtype)
+        if product is not None:
+            return self._in_order(product.normed(weight, eps, post, scale))
         cfg = self._one_row_launch(dtype)
-        if cfg is None or not triton_ops.norm_weights_fit(self.out_features, dtype, weight, post):
+        if cfg is None:
             return None
         return lambda x, residual: self._kernel_matmul(
             x, cfg, norm=triton_ops.AddNorm(residual, weight, eps, post, scale))

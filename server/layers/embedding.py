@@ -6,9 +6,12 @@ is half that, and PyTorch's weight-only int8 kernel multiplies it in 0.8 ms (ben
 
 int8: every row of the (V, hidden) matrix is quantized symmetrically with its own scale (max |w| / 127), as
 ``quant.runtime.primitives.quantize_weight_sym`` does for int8 weight-only Linears. The lookup dequantizes only the rows
-it looks up; the head runs on the sampled rows alone (``server.models.base``: only they reach the head): in bf16 one
-row through the one-call C++ product (``quant.runtime.kernels.rows.int8_weight``) and more through
-``aten._weight_int8pack_mm``, 64 rows per call at most (beyond that the kernel loses to a dense matmul, and
+it looks up; the head runs on the sampled rows alone (``server.models.base``: only they reach the head): in bf16,
+where the C++ ops have the pass on 16-bit block activations (AVX2), every row count through it
+(``quant.runtime.kernels.rows.int8_weight16``: x held as int16 in blocks of 32 with power-of-two scales, exact
+integer sums, within 2^-14 of the exact product's largest logit, far inside the bf16 logits' own rounding),
+elsewhere one row through the one-call fp32 product (``rows.int8_weight``) and more through
+``aten._weight_int8pack_mm``; 64 rows per call at most (beyond that the kernel loses to a dense matmul, and
 dequantizing the whole matrix would cost a transient of its float size); in fp32 every row count through the C++
 product (PyTorch's kernel takes ~15x longer there: 49 against 3.0 ms for two rows of the default model's matrix, as
 fast as its bf16 kernel at 1 to 64 rows; 1.6 against the dense fp32 head's 4.8 ms for one row on an AVX2 EPYC). A
@@ -93,9 +96,13 @@ class Int8Rows:
         self.triton = (triton and dtype in (torch.bfloat16, torch.float16) and triton_ops.available() is None
                        and self._triton_runs())
         # One row (batch-1 decode) goes through the one-call C++ product: at 49152 x 576 it reads the matrix in
-        # ~0.6x the int8pack kernel's time (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy).
+        # ~0.6x the int8pack kernel's time (bench/RESULTS.md#int8-embeddings-and-head-quality-benchembeddings_qualitypy);
+        # where the build has the pass on int16 block activations, bf16 rows up to INT8PACK_MAX_ROWS take that one,
+        # ahead of both at every row count measured (1 to 64: bench/RESULTS.md#the-int8-head-on-int16-activations).
         use = not self.triton and dtype in (torch.bfloat16, torch.float32) and rowops.available(self.q)
         self.rows = rowops.int8_weight(self.q, self.scale, None, None) if use else None
+        use16 = use and dtype == torch.bfloat16 and self.q.shape[1] % 32 == 0 and rowops.rows16_built()
+        self.rows16 = rowops.int8_weight16(self.q, self.scale, None, None) if use16 else None
 
     def _triton_runs(self) -> bool:
         """The Triton head launched once at one row and at two (the GEMV and the GEMM) before any step runs: where
@@ -136,12 +143,16 @@ class Int8Rows:
         """(S, H) -> (S, V) logits in the activation dtype."""
         if self.triton:
             return self._triton_head(h.contiguous())
-        # fp32: every row count (no fast fp32 int8pack kernel: check_mode)
-        if self.rows is not None and (h.shape[0] == 1 or self.dtype == torch.float32):
-            return self.rows(h.contiguous())
-        if h.shape[0] <= INT8PACK_MAX_ROWS:
-            return torch.ops.aten._weight_int8pack_mm(h.contiguous(), self.q, self.scale)
-        return torch.cat([self.head(part) for part in h.split(INT8PACK_MAX_ROWS)])
+        h = h.contiguous()
+        if self.rows is not None and self.dtype == torch.float32:  # every row count (no fast fp32 int8pack kernel)
+            return self.rows(h)
+        if h.shape[0] > INT8PACK_MAX_ROWS:
+            return torch.cat([self.head(part) for part in h.split(INT8PACK_MAX_ROWS)])
+        if self.rows16 is not None:
+            return self.rows16(h)
+        if self.rows is not None and h.shape[0] == 1:
+            return self.rows(h)
+        return torch.ops.aten._weight_int8pack_mm(h, self.q, self.scale)
 
     def dequantized(self) -> Tensor:
         """(V, H) fp32: the values this matrix stands for (the reference the kernels are held to)."""

@@ -22,7 +22,8 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 
 _CSRC = Path(__file__).with_name("csrc")
-EXTENSION = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp"], "quantserve_rows_ops")
+EXTENSION = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp", _CSRC / "int8_a16_ops.cpp"],
+                      "quantserve_rows_ops")
 unavailable_reason = EXTENSION.unavailable_reason
 Rows = Callable[[torch.Tensor], torch.Tensor]
 
@@ -130,11 +131,25 @@ def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
 
 
 def int8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,
-                bias: torch.Tensor | None) -> Rows:
+                bias: torch.Tensor | None) -> Product:
     """In x's dtype: (x . q) * s - rowsum(x) * offset (+ bias), offset = s * z (None when symmetric), all in fp32,
     rounded once."""
-    op, off, b = _op("int8_weight_rows"), _opt(offset), _opt(bias)
-    return lambda x2: op(x2, weight, weight_scale, off, b)
+    return Product("int8_weight_rows", weight, weight_scale, _opt(offset), _opt(bias))
+
+
+def rows16_built() -> bool:
+    """Whether the passes on 16-bit block activations (:func:`int4_a16`, :func:`int8_weight16`) are built here: AVX2
+    builds without AVX-512, the C++ ops loaded."""
+    return EXTENSION.load() and bool(_op("rows16_built")())
+
+
+def int8_weight16(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> Product:
+    """:func:`int8_weight` with each x row first held as int16 in blocks of 32 columns with power-of-two scales
+    (``quant.runtime.primitives.quantize_act_blocks16``, as :func:`int4_a16`; K a multiple of 32): exact integer
+    sums per block, 16 products an instruction, scaled in fp32, rounded once; within 2^-14 of the exact product's
+    largest output. Where :func:`rows16_built`."""
+    return Product("int8_weight_rows16", weight, weight_scale, _opt(offset), _opt(bias))
 
 
 def hadamard_(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -322,6 +322,11 @@ at::Tensor int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::
   return out;
 }
 
+QS_EPILOGUES(int8_weight_rows,
+             (const at::Tensor& x, const at::Tensor& q, const at::Tensor& w_scale, const at::Tensor& offset,
+              const at::Tensor& bias),
+             (x, q, w_scale, offset, bias))
+
 // ---- 4-bit: W4A16's few-row product straight from the CPU int4pack layout ----
 
 namespace {
@@ -830,7 +835,10 @@ at::Tensor& hadamard_(at::Tensor& x, int64_t block) {
 TORCH_LIBRARY(quantserve_rows, m) {
   m.def("w8a8_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor input_scale, Tensor smooth, Tensor bias, "
         "float qmax, float min_scale, int rotate) -> Tensor");
-  m.def("int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias) -> Tensor");
+  const std::string int8 = "int8_weight_rows(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, Tensor bias) -> Tensor";
+  m.def(int8.c_str());
+  m.def(qs::epilogue_schema(int8, "gated").c_str());
+  m.def(qs::epilogue_schema(int8, "normed").c_str());
   const std::string int4 = "int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, "
                            "Tensor scales_zeros, int group_size, Tensor bias) -> Tensor";
   m.def(int4.c_str());
@@ -843,6 +851,8 @@ TORCH_LIBRARY(quantserve_rows, m) {
 TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("w8a8_rows", &w8a8_rows);
   m.impl("int8_weight_rows", &int8_weight_rows);
+  m.impl("int8_weight_rows_gated", &int8_weight_rows_gated);
+  m.impl("int8_weight_rows_normed", &int8_weight_rows_normed);
   m.impl("int4_rows", &int4_rows);
   m.impl("int4_rows_gated", &int4_rows_gated);
   m.impl("int4_rows_normed", &int4_rows_normed);
