@@ -198,28 +198,31 @@ def test_a_w4a16_artifact_in_the_cuda_layout_decodes_with_gated_gemvs(arch, arch
     assert err < 2e-2, err
 
 
-@pytest.mark.parametrize("arch,path", [("llama", "rows16"), ("gemma2", "rows"), ("olmo2", "rows16"),
-                                       ("granite", "rows")])
-def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch, path, arch_artifacts, cache_dir,
-                                                                          monkeypatch):
-    """On a CPU whose one-row path is a C++ rows pass (``rows``, or ``rows16`` where the CPU has it), gate_up ends in
-    the activation and o and down in the norms and residual add around them inside that pass's own call
-    (quant.runtime.kernels.rows.Product; Llama's input norms, Gemma 2's output norms besides, OLMo 2's output norms
-    alone, Granite's residual multiplier): a decode step calls no glue op but the first input norm, and its logits
-    are bit for bit those of the same model with the glue ops called apart."""
+@pytest.mark.parametrize("arch,scheme,path", [("llama", "w4a16", "rows16"), ("gemma2", "w4a16", "rows"),
+                                              ("olmo2", "w4a16", "rows16"), ("granite", "w4a16", "rows"),
+                                              ("llama", "int8-sym", "rows16"), ("gemma2", "int8-affine", "rows")])
+def test_an_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch, scheme, path, arch_artifacts, cache_dir,
+                                                                      monkeypatch):
+    """On a CPU whose one-row path is a C++ rows pass (int4 or int8 weights; ``rows``, or ``rows16`` where the CPU
+    has it), gate_up ends in the activation and o and down in the norms and residual add around them inside that
+    pass's own call (quant.runtime.kernels.rows.Product; Llama's input norms, Gemma 2's output norms besides, OLMo
+    2's output norms alone, Granite's residual multiplier): a decode step calls no glue op but the first input norm,
+    and its logits are bit for bit those of the same model with the glue ops called apart."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from quant.runtime import int4
     from quant.runtime.int4 import GPTQLinear
+    from quant.runtime.int8 import Int8WeightLinear
+    from quant.runtime.kernels import rows
     from quant.runtime.loader import load_for_engine
 
-    if path == "rows16" and not int4.int8_activations_supported(int4.cpu_layout(), 32, 32, 32):
+    if path == "rows16" and not rows.rows16_built():
         pytest.skip("this CPU has no rows16 pass (AVX2 builds only)")
-    out = arch_artifacts(arch, "w4a16")
-    static = GPTQLinear.static_path
-    monkeypatch.setattr(GPTQLinear, "static_path", lambda self, rows, dtype: path if rows == 1 else
+    out = arch_artifacts(arch, scheme)
+    module = GPTQLinear if scheme == "w4a16" else Int8WeightLinear
+    static = module.static_path
+    monkeypatch.setattr(module, "static_path", lambda self, rows, dtype: path if rows == 1 else
                         static(self, rows, dtype))
     model = load_for_engine(out, dtype=torch.bfloat16, cache_dir=cache_dir).model
     lay = KVLayout.from_config(model.config, torch.bfloat16, block_size=16)
@@ -253,7 +256,8 @@ def test_a_w4a16_artifact_decodes_one_row_steps_through_the_rows_epilogues(arch,
         with Ops() as ops:
             logits[fused] = runner.forward(build_step([(7, 20, ta)], [], 16, CPU))
         called = {k.split("::")[1]: n for k, n in ops.called.items() if k.startswith("quantserve")}
-        product = "int4_rows_a16" if path == "rows16" else "int4_rows"
+        product = {("w4a16", "rows"): "int4_rows", ("w4a16", "rows16"): "int4_rows_a16"}.get(
+            (scheme, path), "int8_weight_" + path)
         if fused:
             first = runner.model.layers[0].attn_in is not None  # the first layer's input norm
             qk = 2 * layers if runner.model.qk_norm == "proj" else 0  # OLMo 2's q and k norms over all heads

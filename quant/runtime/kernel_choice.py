@@ -53,7 +53,7 @@ ROW_BUCKETS = (1, 4, 8, 16, 64, 256, 512)
 DROP_FACTOR = 3.0  # a path this much slower than the best at a bucket, and slower than DROP_US, is not
 DROP_US = 5000.0  # measured at larger buckets
 MODES = ("measure", "static")
-_CACHE_VERSION = 18  # bumped when a path gets faster or slower, so that every device measures again
+_CACHE_VERSION = 19  # bumped when a path gets faster or slower, so that every device measures again
 
 
 def bucket_index(rows: int) -> int:

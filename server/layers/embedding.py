@@ -76,8 +76,8 @@ def describe(mode: str) -> str:
     """What ModelInfo reports."""
     if mode == "float":
         return "float"
-    return ("int8 per row (lookup dequantizes its rows; head: the C++ rows product, aten._weight_int8pack_mm; on a "
-            "GPU the Triton int8 GEMV and GEMM)")
+    return ("int8 per row (lookup dequantizes its rows; head: the C++ rows product on int16 block activations where "
+            "built, else the C++ rows product and aten._weight_int8pack_mm; on a GPU the Triton int8 GEMV and GEMM)")
 
 
 class Int8Rows:
