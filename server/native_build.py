@@ -12,32 +12,41 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from quant.runtime.kernels import dequant, gemm, rows
 from quant.runtime.kernels.native import Extension
 from server import fastops
 
-# (name, the library, what says why it holds no kernel here without building it, if anything)
+# (what it is, the library, what says why it holds no kernel here without building it, if anything)
 LIBRARIES: list[tuple[str, Extension, Callable[[], str | None] | None]] = [
-    ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops)", rows.EXTENSION, None),
-    ("dequantizers (quant/runtime/kernels/csrc: dequant_ops)", dequant.EXTENSION, None),
-    ("tiled products (quant/runtime/kernels/csrc: gemm_ops)", gemm.EXTENSION, gemm.no_kernel_reason),
-    ("engine glue and attention (server/csrc)", fastops.EXTENSION, None),
+    ("weight rows", rows.EXTENSION, None),
+    ("dequantizers", dequant.EXTENSION, None),
+    ("tiled products", gemm.EXTENSION, gemm.no_kernel_reason),
+    ("engine glue and attention", fastops.EXTENSION, None),
 ]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def label(what: str, ext: Extension) -> str:
+    """A library as the command names it: what it is, then its sources (``what (dir: file, file)``)."""
+    dirs = sorted({str(s.parent.relative_to(ROOT)) for s in ext.sources})
+    return f"{what} ({', '.join(dirs)}: {', '.join(s.stem for s in ext.sources)})"
 
 
 def main(argv: list[str] | None = None, prog: str = "quant kernels") -> int:
     argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]).parse_args(argv)
-    for name, ext, skip in LIBRARIES:
+    for what, ext, skip in LIBRARIES:
+        named = label(what, ext)
         why = None if skip is None else skip()
         if why is not None:
-            print(f"{name}: not built ({why})")
+            print(f"{named}: not built ({why})")
             continue
         t = time.perf_counter()
         if ext.load():
-            print(f"{name}: built in {ext.build_directory()} ({time.perf_counter() - t:.1f} s)")
+            print(f"{named}: built in {ext.build_directory()} ({time.perf_counter() - t:.1f} s)")
         else:
-            print(f"{name}: not built ({ext.unavailable_reason()}); the engine uses the PyTorch references")
+            print(f"{named}: not built ({ext.unavailable_reason()}); the engine uses the PyTorch references")
     return 0
 
 

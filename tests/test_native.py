@@ -64,8 +64,9 @@ def test_quant_kernels_builds_each_library_or_says_why_it_holds_none(capsys, mon
     assert run_cli("kernels") == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(native_build.LIBRARIES) == 4
-    for (name, ext, skip), line in zip(native_build.LIBRARIES, lines):
-        assert line.startswith(f"{name}: ")
+    for (what, ext, skip), line in zip(native_build.LIBRARIES, lines):
+        name = native_build.label(what, ext)
+        assert line.startswith(f"{name}: ") and all(f"{s.stem}" in name for s in ext.sources)
         why = None if skip is None else skip()
         if why is not None:  # no kernel for this CPU: not built
             assert line == f"{name}: not built ({why})"
@@ -80,6 +81,7 @@ def test_quant_kernels_builds_each_library_or_says_why_it_holds_none(capsys, mon
     assert gemm.no_kernel_reason() is not None
     assert run_cli("kernels") == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith(": not built (RuntimeError: no compiler); the engine uses the PyTorch references")
+    assert lines[0] == ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops, int8_a16_ops): not built "
+                        "(RuntimeError: no compiler); the engine uses the PyTorch references")
     assert lines[2] == ("tiled products (quant/runtime/kernels/csrc: gemm_ops): not built (PyTorch dispatches to "
                         "DEFAULT here; the tiled products have AVX2 and AVX-512 kernels only)")

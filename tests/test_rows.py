@@ -378,8 +378,8 @@ def _products(m: int4.GPTQLinear, dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows_", [1, 3])
 def test_a_rows_pass_ends_in_the_glue_ops_bit_for_bit(family, dtype, rows_):
-    """Each int4 rows pass (rows; rows16 and the int8-activation pass where built) and each int8-weight one (rows;
-    rows16 where built) ends in the gated activation or
+    """Each int4 rows pass (rows; rows16 and the int8-activation pass where built), each int8-weight one (rows;
+    rows16 where built) and a float Linear's ends in the gated activation or
     in the norm epilogue inside its call (csrc/epilogue.h): the sub-layer's output norm, the residual multiplier
     (the eager product by a Python float), the residual add and the next norm (or none), each family's steps in
     the model's order. Both are the product then the glue ops (server/fastops.py's C++ ops), bit for bit."""
@@ -405,6 +405,9 @@ def test_a_rows_pass_ends_in_the_glue_ops_bit_for_bit(family, dtype, rows_):
     int8 = Int8WeightLinear.from_float(_linear(k, n, True, seed=66), True)
     int8.prepare(dtype)
     products.update({f"int8 weights, {name}": p for name, p in int8._rows_products(dtype).items()})
+    if dtype != torch.float16:  # a float Linear's pass: bf16 or fp32 weights
+        dense = _linear(k, n, True, seed=69)
+        products["float weights, rows"] = rows.dense(dense.weight.data.to(dtype), dense.bias.data.float())
     for name, product in products.items():
         y = product(x)
         gu = product.gated("gelu_tanh_mul" if family == "gemma2" else "silu_mul")(x)
@@ -460,6 +463,47 @@ def test_an_int8_module_takes_the_epilogues_of_its_one_row_pass(monkeypatch):
         got, want = m.normed_call(w, 1e-5, torch.bfloat16)(x, res), product.normed(w, 1e-5)(x, res)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), path
         assert m.gated_call("relu", torch.bfloat16) is None and m.normed_call(w[:-1], 1e-5, torch.bfloat16) is None
+
+
+def test_a_float_projection_takes_the_epilogues_of_its_planned_one_row_pass():
+    """A float Linear (the unquantized model's) has no module of its own: where its plan takes the C++ ``rows`` pass
+    at one row, ``Projections`` gives its gated and normed calls from that pass (the glue ops' bits); where the plan
+    takes PyTorch's product there, or nothing was measured, none."""
+    from types import SimpleNamespace
+
+    from quant.runtime.kernel_choice import ROW_BUCKETS, RowPlan
+    from server.layers.linear import Projections
+
+    class Planned:  # a chooser whose plans take `path` at every row count
+        def __init__(self, path):
+            self.path, self.chosen = path, {}
+
+        def plan(self, key, paths, in_features, dtype, device, max_rows=None):
+            self.chosen[key] = RowPlan((self.path,) * len(ROW_BUCKETS), {})
+            return self.chosen[key]
+
+    dt = torch.bfloat16
+    gate, up, o = (_linear(128, n, False, seed=70 + n).to(dt) for n in (96, 96, 128))
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(71)).to(dt)
+    res = torch.randn(1, 128, generator=torch.Generator().manual_seed(72)).to(dt)
+    norm = SimpleNamespace(weight=(torch.rand(128) + 0.5).to(dt), eps=1e-5)
+    proj = Projections(dt, Planned("rows"))
+    call, gated = proj.bind_gated("gate_up", [gate, up], "silu_mul")
+    o_call = proj.bind("o", [o])
+    from server import fastops
+
+    if fastops.load():
+        ops = fastops.Ops("fused")
+        assert torch.equal(gated(x), ops.silu_mul(call(x)))
+        got, want = proj.normed(o, norm)(x, res), ops.add_rms_norm(res, o_call(x), norm.weight, 1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert proj.describe()[0].startswith("gate_up of 1 layer(s): one-row launches end in silu_mul")
+    assert proj.normed(o, SimpleNamespace(weight=norm.weight.float(), eps=1e-5)) is None  # not in the dtype
+    for chooser in (Planned("dense"), None):
+        other = Projections(dt, chooser)
+        assert other.bind_gated("gate_up", [gate, up], "silu_mul")[1] is None
+        other.bind("o", [o])
+        assert other.normed(o, norm) is None
 
 
 def test_an_epilogue_refuses_what_it_cannot_compute_in_one_line():

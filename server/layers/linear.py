@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from quant.runtime.kernel_choice import Chooser, dense_key, dense_paths
 from quant.runtime.kernels import gemm
 from quant.runtime.kernels import rows as rowops
+from quant.runtime.kernels import triton_ops
 from quant.runtime.linear import QuantizedLinear, module_device
 from server.fuse import fuse_linears
 
@@ -102,7 +103,10 @@ class Projections:
         name) inside the projection's launch where its module has one (``WeightOnlyLinear.gated_call``), else None."""
         call, mod = self.bind_group(role, mods)
         gated = getattr(mod, "gated_call", None)
-        gated = None if gated is None else gated(act, self.dtype)
+        if gated is not None:
+            gated = gated(act, self.dtype)
+        elif (product := self._dense_one_row(mod)) is not None and act in triton_ops.GATED_ACTS:
+            gated = product.gated(act)
         if gated is not None:
             self.gated[act] = self.gated.get(act, 0) + 1
         return call, gated
@@ -111,11 +115,27 @@ class Projections:
         """The one-row call ``(x, residual) -> (x', norm(x'))``, x' = residual + post(mod(x)) * scale, inside ``mod``'s
         launch (``WeightOnlyLinear.normed_call``; ``norm``, ``post``: server.layers.norm.RMSNorm or None, where the
         layer has no such norm), or None where it has none."""
+        weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        post = None if post is None else (post.weight, post.eps)
         make = getattr(mod, "normed_call", None)
-        if make is None:
+        if make is not None:
+            return make(weight, eps, self.dtype, post, scale)
+        product = self._dense_one_row(mod)
+        if product is None or not triton_ops.norm_weights_fit(mod.out_features, self.dtype, weight, post):
             return None
-        return make(None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, self.dtype,
-                    None if post is None else (post.weight, post.eps), scale)
+        return product.normed(weight, eps, post, scale)
+
+    def _dense_one_row(self, mod: nn.Module | None) -> rowops.Product | None:
+        """The C++ rows pass a float Linear's plan takes at one row (``kernel_choice.dense_paths``' ``rows``), whose
+        epilogues the one-row step may use as the quantized modules' (``WeightOnlyLinear.gated_call``); None
+        where its plan takes another path there, or none was measured (the static rule: PyTorch's product)."""
+        if type(mod) is not nn.Linear or self.chooser is None:
+            return None
+        plan = self.chooser.chosen.get(computation(mod, self.dtype))
+        if plan is None or plan.pick(1) != "rows":
+            return None
+        product = dense_paths(mod.weight, mod.bias, self.dtype).get("rows")
+        return product if isinstance(product, rowops.Product) else None
 
     def bind_group(self, role: str, mods: list[nn.Module]) -> tuple[Callable[[Tensor], Tensor], nn.Module | None]:
         """(the group's call, the one module computing it, None where its parts run apart)."""

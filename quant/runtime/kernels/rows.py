@@ -123,11 +123,10 @@ def int4_a16(packed: torch.Tensor, n: int, k: int, scales_zeros: torch.Tensor, g
     return Product("int4_rows_a16", packed, n, k, scales_zeros.contiguous(), group_size, _opt(bias))
 
 
-def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Rows:
+def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
     """x @ weight (N, K) ^T (+ the bias in fp32), x and the weight both bf16 or both fp32, in x's dtype: fp32 sums,
     rounded once; x rows two at a time against each weight vector, each row's sums those it has alone."""
-    op, b = _op("bf16_rows"), _opt(bias)
-    return lambda x2: op(x2, weight, b)
+    return Product("bf16_rows", weight, _opt(bias))
 
 
 def int8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, offset: torch.Tensor | None,

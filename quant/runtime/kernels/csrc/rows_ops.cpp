@@ -817,6 +817,8 @@ at::Tensor bf16_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+QS_EPILOGUES(bf16_rows, (const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias), (x, w, bias))
+
 // x (M, K) fp32 or fp64 rotated in place in blocks of `block` (quant.runtime.hadamard on the CPU), parallel over the rows.
 at::Tensor& hadamard_(at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "hadamard_: x must be a contiguous (M, K) tensor");
@@ -844,7 +846,10 @@ TORCH_LIBRARY(quantserve_rows, m) {
   m.def(int4.c_str());
   m.def(qs::epilogue_schema(int4, "gated").c_str());
   m.def(qs::epilogue_schema(int4, "normed").c_str());
-  m.def("bf16_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor");
+  const std::string dense = "bf16_rows(Tensor x, Tensor weight, Tensor bias) -> Tensor";
+  m.def(dense.c_str());
+  m.def(qs::epilogue_schema(dense, "gated").c_str());
+  m.def(qs::epilogue_schema(dense, "normed").c_str());
   m.def("hadamard_(Tensor(a!) x, int block) -> Tensor(a!)");
 }
 
@@ -857,5 +862,7 @@ TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("int4_rows_gated", &int4_rows_gated);
   m.impl("int4_rows_normed", &int4_rows_normed);
   m.impl("bf16_rows", &bf16_rows);
+  m.impl("bf16_rows_gated", &bf16_rows_gated);
+  m.impl("bf16_rows_normed", &bf16_rows_normed);
   m.impl("hadamard_", &hadamard_);
 }
