@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def label(what: str, ext: Extension) -> str:
     """A library as the command names it: what it is, then its sources (``what (dir: file, file)``)."""
-    dirs = sorted({str(s.parent.relative_to(ROOT)) for s in ext.sources})
+    dirs = sorted({str(s.parent.relative_to(ROOT)) if s.parent.is_relative_to(ROOT) else str(s.parent)
+                   for s in ext.sources})
     return f"{what} ({', '.join(dirs)}: {', '.join(s.stem for s in ext.sources)})"
 
 

@@ -66,7 +66,7 @@ def test_quant_kernels_builds_each_library_or_says_why_it_holds_none(capsys, mon
     assert len(lines) == len(native_build.LIBRARIES) == 4
     for (what, ext, skip), line in zip(native_build.LIBRARIES, lines):
         name = native_build.label(what, ext)
-        assert line.startswith(f"{name}: ") and all(f"{s.stem}" in name for s in ext.sources)
+        assert line.startswith(f"{name}: ")
         why = None if skip is None else skip()
         if why is not None:  # no kernel for this CPU: not built
             assert line == f"{name}: not built ({why})"

@@ -111,10 +111,10 @@ def _int8_rows16(m: Int8WeightLinear, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int8_weight_rows16_is_the_exact_product_to_16_bit_rounding(affine, bias, rows_, dtype):
     """The int8 rows16 path: the module's weights times its input held as int16 in blocks of 32
-    (P.quantize_act_blocks16), each block's sum exact: within 2^-14 of the exact product's largest output before
-    rounding, equal to that product computed in float64 once rounded to x's dtype almost everywhere (a block sum
-    past 2^24 rounds to fp32, so an output on a rounding boundary may fall to its other side), and each row what it
-    is alone, bit for bit. N = 98: four weight rows at a time and a tail of two."""
+    (P.quantize_act_blocks16), each block's sums exact: within 2^-14 of the exact product's largest output before
+    rounding, equal to that product computed in float64 once rounded to x's dtype almost everywhere (the blocks' sum
+    is an fp32 one, so an output on a rounding boundary may fall to its other side), and each row what it is alone,
+    bit for bit. N = 98: four weight rows at a time and a tail of two."""
     m = Int8WeightLinear.from_float(_linear(256, 98, bias, seed=5), affine)
     m.prepare(dtype)
     op = _int8_rows16(m, dtype)
@@ -131,9 +131,10 @@ def test_int8_weight_rows16_is_the_exact_product_to_16_bit_rounding(affine, bias
     assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
 
 
-def test_int8_weight_rows16_sums_blocks_past_2_to_the_24_and_keep_a_nan_row_nan():
-    """Weights and activations at full scale (a block's sum near 32 * 127 * 32767, past fp32's exact integers) give
-    the exact product to fp32 rounding; a row with a NaN gives NaN and leaves the others as they are alone."""
+def test_int8_weight_rows16_at_full_scale_and_with_a_nan_row_and_no_rows():
+    """Weights and activations at full scale (a block's integer sums at their largest) give the exact product; a
+    row with a NaN gives NaN and leaves the others as they are alone; no rows give an empty result (the head of a
+    step that samples nothing)."""
     m = Int8WeightLinear.from_float(_linear(64, 8, False, seed=6), False)
     m.weight = torch.full((8, 64), 127, dtype=torch.int8)
     m.weight[1::2] = -127
@@ -146,6 +147,7 @@ def test_int8_weight_rows16_sums_blocks_past_2_to_the_24_and_keep_a_nan_row_nan(
     assert torch.equal(y[[0, 2]], want.to(torch.bfloat16).expand(2, 8))
     assert bool(y[1].isnan().all())
     assert torch.equal(y[[0, 2]], op(x[[0, 2]]))
+    assert op(x[:0]).shape == (0, 8)
 
 
 def test_int8_rows16_is_offered_for_16_bit_inputs_with_k_a_multiple_of_32():
@@ -356,6 +358,7 @@ def test_int4_rows_with_int16_activations_propagate_a_nan_row_and_leave_the_othe
     ref = torch.nn.functional.linear(P.quantize_act_blocks16(x), m.dequantized(torch.float32), m.bias.float())
     assert bool(y[1].isnan().all()) and bool(ref[1].isnan().all())
     assert float((y[[0, 2]].float() - ref[[0, 2]]).abs().max() / ref[[0, 2]].abs().max()) < 8e-3
+    assert op(x[:0]).shape == (0, 192)  # no rows: an empty result
 
 
 def test_the_rows16_path_is_offered_for_16_bit_activations_only():
@@ -492,11 +495,12 @@ def test_a_float_projection_takes_the_epilogues_of_its_planned_one_row_pass():
     o_call = proj.bind("o", [o])
     from server import fastops
 
-    if fastops.load():
-        ops = fastops.Ops("fused")
-        assert torch.equal(gated(x), ops.silu_mul(call(x)))
-        got, want = proj.normed(o, norm)(x, res), ops.add_rms_norm(res, o_call(x), norm.weight, 1e-5)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if not fastops.load():
+        pytest.skip(f"the glue ops are not built: {fastops.unavailable_reason()}")
+    ops = fastops.Ops("fused")
+    assert torch.equal(gated(x), ops.silu_mul(call(x)))
+    got, want = proj.normed(o, norm)(x, res), ops.add_rms_norm(res, o_call(x), norm.weight, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert proj.describe()[0].startswith("gate_up of 1 layer(s): one-row launches end in silu_mul")
     assert proj.normed(o, SimpleNamespace(weight=norm.weight.float(), eps=1e-5)) is None  # not in the dtype
     for chooser in (Planned("dense"), None):

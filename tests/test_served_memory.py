@@ -196,6 +196,7 @@ def test_int8_rows_lookup_and_head_match_their_reference(dtype):
     ids = torch.tensor([3, 999, 3, 0])
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(rows.lookup(ids).float(), ref[ids], atol=tol, rtol=tol)
+    assert rows.head(torch.zeros(0, 64).to(dtype)).shape == (0, 1000)  # a step that samples nothing
     for s in (1, 5, 64, 130):  # one kernel call, and 64-row pieces beyond it (bf16)
         h = torch.randn(s, 64, generator=g).to(dtype)
         got = rows.head(h).float()  # (S, V)

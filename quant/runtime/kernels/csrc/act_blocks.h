@@ -90,7 +90,7 @@ inline bool quantize_row16(const float* x, int64_t k, int64_t gs, int16_t* q, fl
     if (!load_block(x + b * kBlock, v, m)) return false;
     int e = 0;
     std::frexp(m, &e);  // m = f 2^e, f in [0.5, 1) (e = 0 for m = 0)
-    e = std::max(e, -100);  // 2^(15 - e) stays finite; such a block rounds to 0
+    e = std::max(e, -100);  // 2^(15 - e) stays finite (the reference clamps e the same)
     const float s = std::ldexp(1.f, e - 15);
     d[b] = s;
     const __m256 inv = _mm256_set1_ps(std::ldexp(1.f, 15 - e));

@@ -254,6 +254,7 @@ at::Tensor int4_rows_q(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   using Q = std::conditional_t<A16, int16_t, int8_t>;
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
   std::vector<Q> xq(m * k);
   std::vector<float> d(m * (k / kBlock)), gsum(m * G), xf(k);
   std::vector<char> finite(m);

@@ -6,9 +6,10 @@
 // products an instruction plus a widening and a conversion for each eight weights. Here each x row is first held as
 // int16 in blocks of 32 columns with power-of-two scales (act_blocks.h quantize_row16, the int4 rows16 pass's
 // activations: a bf16 element within 2^7 of its block's largest exactly), and each weight row widened to 16 bits is
-// multiplied by vpmaddwd into 32-bit sums, sixteen products an instruction. A block's sum is exact in int32 (at
-// most 32 * 127 * 32767 < 2^31) and is converted to fp32 (rounded to 24 bits where it exceeds 2^24) and scaled by
-// the block's power of two, so the result is the exact product to within 2^-14 of its largest output, as rows16's.
+// multiplied by vpmaddwd into 32-bit sums, sixteen products an instruction. Each lane of a block's sums holds four
+// products, at most 4 * 128 * 32767 < 2^24, so it converts to fp32 exactly and is scaled exactly by the block's
+// power of two: what rounds is the fp32 sum over the blocks, so the result is the exact product of x as held to
+// within 2^-14 of its largest output, as rows16's.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -35,7 +36,7 @@ inline float hsum8(__m256 v) {
 }
 
 // R consecutive weight rows (int8, row stride k) times one x row held as int16 blocks (xq, d): out[i] = sum over
-// blocks of d_b * (the block's exact int32 sum), in fp32. The next R rows are fetched while these are summed (as
+// blocks of d_b * (the block's exact lane sums), in fp32. The next R rows are fetched while these are summed (as
 // rows_ops.cpp's dot4_i8: short row streams alone leave the hardware prefetchers behind).
 template <int R>
 inline void dot_a16(const int16_t* __restrict xq, const float* __restrict d, const int8_t* __restrict w, int64_t k,
@@ -84,6 +85,7 @@ at::Tensor int8_weight_rows16(const at::Tensor& x, const at::Tensor& q, const at
   const float* off = offset.numel() ? offset.data_ptr<float>() : nullptr;
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;  // a step that samples nothing calls the head on no rows
   std::vector<int16_t> xq(m * k);
   std::vector<float> d(m * (k / kBlock)), rowsum(m), xf(k);
   std::vector<char> finite(m);
