@@ -19,6 +19,7 @@
 #include "balanced.h"
 #include "elements.h"
 #include "epilogue.h"
+#include "int8_rescale.h"
 
 #include <algorithm>
 #include <limits>
@@ -74,9 +75,8 @@ at::Tensor int8_weight_rows16(const at::Tensor& x, const at::Tensor& q, const at
               "weight must be a contiguous CPU (N, K) int8 tensor with x's K");
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
-  const bool s32 = scale.scalar_type() == at::kFloat;  // else bf16 (an int8 head's scales, as int8pack takes them)
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() &&
-                  (s32 || scale.scalar_type() == at::kBFloat16),
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
               "weight_scale must be a contiguous (N,) fp32 or bf16 tensor");
   for (const auto& [t, what] : {std::pair{&offset, "offset"}, std::pair{&bias, "bias"}})
     TORCH_CHECK(t->numel() == 0 || (t->dim() == 1 && t->size(0) == n && t->is_contiguous() &&
@@ -97,15 +97,11 @@ at::Tensor int8_weight_rows16(const at::Tensor& x, const at::Tensor& q, const at
       finite[r] = qs::act::quantize_row16(xf.data(), k, k, xq.data() + r * k, d.data() + r * (k / kBlock),
                                           rowsum.data() + r);
     }
-    const float* sp = s32 ? scale.data_ptr<float>() : nullptr;
-    const uint16_t* sb = s32 ? nullptr : qs::raw(scale.data_ptr<c10::BFloat16>());
+    const qs::Int8Rescale rescale(scale, off, bp);
     const int8_t* qp = q.data_ptr<int8_t>();
     auto* op = qs::raw(out.data_ptr<T>());
     const auto finish = [&](int64_t r, int64_t c, float dot) {
-      float y = dot * (s32 ? sp[c] : qs::Raw<c10::BFloat16>::get(sb[c]));
-      if (off) y = y - rowsum[r] * off[c];
-      if (bp) y = y + bp[c];
-      op[r * n + c] = qs::Raw<T>::put(finite[r] ? y : std::numeric_limits<float>::quiet_NaN());
+      op[r * n + c] = qs::Raw<T>::put(finite[r] ? rescale(c, dot, rowsum[r]) : std::numeric_limits<float>::quiet_NaN());
     };
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / (4 * m * k));
     qs::balanced_for((n + 3) / 4, grain, [&](int64_t b, int64_t e) {

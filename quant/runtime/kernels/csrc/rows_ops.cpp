@@ -25,6 +25,7 @@
 #include "epilogue.h"
 #include "hadamard.h"
 #include "int4_vec.h"
+#include "int8_rescale.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include "gemm_avx2.h"  // qs::gemm::store_rows
 #endif
@@ -304,16 +305,11 @@ at::Tensor int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::
       row_f32<scalar_t>(xp + r * k, nullptr, xf.data() + r * k, k);
       if (off) rows[r] = sum_f32(xf.data() + r * k, k);
     }
-    const bool s32 = scale.scalar_type() == at::kFloat;  // else bf16 (an int8 head's scales, as int8pack takes them)
-    const float* sp = s32 ? scale.data_ptr<float>() : nullptr;
-    const uint16_t* sb = s32 ? nullptr : qs::raw(scale.data_ptr<c10::BFloat16>());
+    const qs::Int8Rescale rescale(scale, off, bp);
     const int8_t* qp = q.data_ptr<int8_t>();
     auto* op = qs::raw(out.data_ptr<scalar_t>());
     const auto finish = [&](int64_t r, int64_t c, float dot) {
-      float y = dot * (s32 ? sp[c] : qs::Raw<c10::BFloat16>::get(sb[c]));
-      if (off) y = y - rows[r] * off[c];
-      if (bp) y = y + bp[c];
-      op[r * n + c] = qs::Raw<scalar_t>::put(y);
+      op[r * n + c] = qs::Raw<scalar_t>::put(rescale(c, dot, rows[r]));
     };
     four_rows<float>(
         m, n, k, [&](int64_t r, int64_t c, float* acc) { dot4_f32_i8(xf.data() + r * k, qp + c * k, k, acc); },
