@@ -81,7 +81,7 @@ def test_quant_kernels_builds_each_library_or_says_why_it_holds_none(capsys, mon
     assert gemm.no_kernel_reason() is not None
     assert run_cli("kernels") == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops, int8_a16_ops): not built "
+    assert lines[0] == ("weight rows (quant/runtime/kernels/csrc: rows_ops, int4_a8_ops): not built "
                         "(RuntimeError: no compiler); the engine uses the PyTorch references")
     assert lines[2] == ("tiled products (quant/runtime/kernels/csrc: gemm_ops): not built (PyTorch dispatches to "
                         "DEFAULT here; the tiled products have AVX2 and AVX-512 kernels only)")

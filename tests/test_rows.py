@@ -105,6 +105,21 @@ def _int8_rows16(m: Int8WeightLinear, dtype: torch.dtype):
     return m.paths(dtype)["rows16"]
 
 
+def _assert_rows16_product(op, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, equal: float) -> None:
+    """A rows16 pass ``op`` on x, W (N, K) and the bias in float64: within its dtype's rounding of the product of x as
+    P.quantize_act_blocks16 holds it, equal to that product once rounded on more than ``equal`` of the outputs, that
+    product within 2^-14 of the exact one's largest output (rounded, far below the 16-bit output's), and each row
+    what it is alone, bit for bit."""
+    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x).double(), w, b)
+    exact = torch.nn.functional.linear(x.double(), w, b)
+    y = op(x)
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], w.shape[0])
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < (8e-3 if x.dtype == torch.bfloat16 else 1e-3)
+    assert float((y == ref.to(x.dtype)).float().mean()) > equal
+    assert 0 < float((ref - exact).abs().max() / exact.abs().max()) < 2.0**-14
+    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(x.shape[0])]))
+
+
 @pytest.mark.parametrize("affine", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows_", [1, 3])
@@ -120,15 +135,7 @@ def test_int8_weight_rows16_is_the_exact_product_to_16_bit_rounding(affine, bias
     op = _int8_rows16(m, dtype)
     g = torch.Generator().manual_seed(13)
     x = (torch.randn(rows_, 256, generator=g) * torch.logspace(-4, 1, 256)).to(dtype)  # wide ranges in blocks too
-    w, b = m.dequantized(torch.float64), None if m.bias is None else m.bias.double()
-    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x).double(), w, b)
-    exact = torch.nn.functional.linear(x.double(), w, b)
-    y = op(x)
-    assert y.dtype == dtype and y.shape == (rows_, 98)
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
-    assert float((y == ref.to(dtype)).float().mean()) > 0.98
-    assert 0 < float((ref - exact).abs().max() / exact.abs().max()) < 2.0**-14
-    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
+    _assert_rows16_product(op, x, m.dequantized(torch.float64), None if m.bias is None else m.bias.double(), 0.98)
 
 
 def test_int8_weight_rows16_at_full_scale_and_with_a_nan_row_and_no_rows():
@@ -164,7 +171,7 @@ def test_int8_rows16_is_offered_for_16_bit_inputs_with_k_a_multiple_of_32():
         rows.int8_weight16(odd.weight, odd.weight_scale, None, None)(torch.zeros(1, 200).bfloat16())
     with pytest.raises(RuntimeError, match="offset must be a contiguous \\(16,\\) fp32 tensor, or empty"):
         rows.int8_weight16(m.weight, m.weight_scale, torch.ones(15), None)(torch.zeros(1, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 or bf16 tensor"):
+    with pytest.raises(RuntimeError, match="weight_scale must be a contiguous \\(N,\\) fp32 tensor \\(or bf16\\)"):
         rows.int8_weight16(m.weight, m.weight_scale.half(), None, None)(torch.zeros(1, 64).bfloat16())
 
 
@@ -337,15 +344,8 @@ def test_int4_rows_with_int16_activations_are_the_exact_product_to_16_bit_roundi
     op = _int4_a16(m)
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(rows_, 512, generator=g) * torch.logspace(-4, 1, 512)).to(dtype)  # wide ranges in blocks too
-    w, b = m.dequantized(torch.float32).double(), None if m.bias is None else m.bias.double()
-    ref = torch.nn.functional.linear(P.quantize_act_blocks16(x).double(), w, b)
-    exact = torch.nn.functional.linear(x.double(), w, b)
-    y = op(x)
-    assert y.dtype == dtype and y.shape == (rows_, 96)
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < (8e-3 if dtype == torch.bfloat16 else 1e-3)
-    assert float((y == ref.to(dtype)).float().mean()) > 0.99
-    assert 0 < float((ref - exact).abs().max() / exact.abs().max()) < 2.0**-14  # rounded, far below 16-bit output
-    assert torch.equal(y, torch.cat([op(x[i:i + 1]) for i in range(rows_)]))
+    _assert_rows16_product(op, x, m.dequantized(torch.float32).double(), None if m.bias is None else m.bias.double(),
+                           0.99)
 
 
 def test_int4_rows_with_int16_activations_propagate_a_nan_row_and_leave_the_others():

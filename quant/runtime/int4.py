@@ -240,12 +240,12 @@ class GPTQLinear(WeightOnlyLinear):
                 return {"kernel": out["kernel"]}
             n, k, gs = self.out_features, self.in_features, self.group_size
             if not self.int8_activations:
-                out.update({name: _in_kernel_order(p, self.perm) for name, p in products.items()})
+                out.update({name: self._in_order(p) for name, p in products.items()})
             if gemm.available(self.packed, n, k, dtype, int4_layout=layout):  # gemm: in L1 tiles, for many rows
-                out["gemm"] = _in_kernel_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias), self.perm)
+                out["gemm"] = self._in_order(gemm.int4(self.packed, n, k, self.scales_zeros, gs, bias))
         if self.int8_activations:
             out = {name: _on_blocks(call, self.perm) for name, call in out.items() if name not in ("rows", "rows16")}
-            out.update({name: _in_kernel_order(p, self.perm) for name, p in products.items()})
+            out.update({name: self._in_order(p) for name, p in products.items()})
         return out
 
     def _rows_products(self, dtype: torch.dtype) -> dict[str, rowops.Product]:

@@ -22,8 +22,7 @@ from quant.runtime import primitives as P
 from quant.runtime.kernels.native import Extension
 
 _CSRC = Path(__file__).with_name("csrc")
-EXTENSION = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp", _CSRC / "int8_a16_ops.cpp"],
-                      "quantserve_rows_ops")
+EXTENSION = Extension([_CSRC / "rows_ops.cpp", _CSRC / "int4_a8_ops.cpp"], "quantserve_rows_ops")
 unavailable_reason = EXTENSION.unavailable_reason
 Rows = Callable[[torch.Tensor], torch.Tensor]
 

@@ -1,5 +1,5 @@
 // One activation row quantized in blocks of 32 columns, as the rows passes on quantized activations read it
-// (int4_a8_ops.cpp, int8_a16_ops.cpp): to int8 with a scale per block (quantize_row, llama.cpp's Q8 blocks) or to
+// (int4_a8_ops.cpp, rows_ops.cpp's int8_weight_rows16): to int8 with a scale per block (quantize_row, llama.cpp's Q8 blocks) or to
 // int16 with a power-of-two scale per block (quantize_row16), the same values as their PyTorch references
 // (quant.runtime.primitives.quantize_act_blocks, quantize_act_blocks16). AVX2 builds without AVX-512 only
 // (QS_ACT_BLOCKS), the width the int4 layout these passes read has.

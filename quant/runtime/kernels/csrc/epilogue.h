@@ -30,6 +30,13 @@ inline void check_glue_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
 }
 
+// o = a + b, n elements, the sum rounded once to the dtype (the residual add).
+template <typename T>
+inline void add_row(const typename Raw<T>::type* __restrict a, const typename Raw<T>::type* __restrict b,
+                    typename Raw<T>::type* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) o[j] = Raw<T>::put(Raw<T>::get(a[j]) + Raw<T>::get(b[j]));
+}
+
 // Llama RMSNorm of one row: normalise in fp32, round to the dtype, then multiply by the weight (rounded).
 // With a delta, the row is x + delta (rounded once, written to xo) first.
 template <typename T>
@@ -37,9 +44,7 @@ __attribute__((noinline)) void rms_row(const typename Raw<T>::type* __restrict x
                                        const typename Raw<T>::type* __restrict delta, typename Raw<T>::type* xo,
                                        const typename Raw<T>::type* __restrict w, typename Raw<T>::type* __restrict h,
                                        int64_t n, float eps) {
-  if (delta != nullptr) {
-    for (int64_t j = 0; j < n; ++j) xo[j] = Raw<T>::put(Raw<T>::get(x[j]) + Raw<T>::get(delta[j]));
-  }
+  if (delta != nullptr) add_row<T>(x, delta, xo, n);
   const typename Raw<T>::type* src = delta != nullptr ? xo : x;
   float ss = 0.f;
   _Pragma("omp simd reduction(+ : ss)")
@@ -164,10 +169,8 @@ inline std::tuple<at::Tensor, at::Tensor> add_norm(at::Tensor y, const at::Tenso
   at::Tensor x = at::empty_like(residual);
   if (!weight.has_value()) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "add_norm_add", [&] {
-      const auto* a = raw(residual.data_ptr<scalar_t>());
-      const auto* b = raw(y.data_ptr<scalar_t>());
-      auto* o = raw(x.data_ptr<scalar_t>());
-      for (int64_t i = 0, n = y.numel(); i < n; ++i) o[i] = Raw<scalar_t>::put(Raw<scalar_t>::get(a[i]) + Raw<scalar_t>::get(b[i]));
+      add_row<scalar_t>(raw(residual.data_ptr<scalar_t>()), raw(y.data_ptr<scalar_t>()), raw(x.data_ptr<scalar_t>()),
+                        y.numel());
     });
     return {x, x};
   }

@@ -13,19 +13,20 @@
 // order. A rotated module's input (quant.runtime.hadamard) is transformed here by the fast Walsh-Hadamard butterfly, the
 // same sums in the same order as the module's other paths (the hadamard_ op below), so still bit for bit. int8_weight_rows computes x @ (s (q - z))^T as (x . q) s - rowsum(x) s z in fp32, rounded once; its sums
 // are in another order than ATen's int8pack kernel (which rounds to the activation dtype before the correction),
-// so it is held to the module's fp32 reference, as that kernel is. int4_rows reads the CPU int4pack layout
+// so it is held to the module's fp32 reference, as that kernel is; int8_weight_rows16 computes the same on x held as
+// int16 blocks (act_blocks.h), the integer products sixteen an instruction. int4_rows reads the CPU int4pack layout
 // itself (no dequantized W), also in fp32 and rounded once, and is held to the reference the same way.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "act_blocks.h"
 #include "balanced.h"
 #include "elements.h"
 #include "epilogue.h"
 #include "hadamard.h"
 #include "int4_vec.h"
-#include "int8_rescale.h"
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include "gemm_avx2.h"  // qs::gemm::store_rows
 #endif
@@ -210,6 +211,60 @@ std::vector<float> group_sums(const float* xf, int64_t m, int64_t k, int64_t gs)
   return out;
 }
 
+// The int8 weight-only passes' rescale of one output (int8_weight_rows, int8_weight_rows16): dot * s - rowsum(x) *
+// offset (+ bias), in fp32, in that order; s fp32 or bf16 (an int8 head's scales, as int8pack takes them), offset
+// (s * z) and bias fp32 or absent.
+struct Int8Rescale {
+  const float* s32 = nullptr;
+  const uint16_t* s16 = nullptr;
+  const float* offset;
+  const float* bias;
+
+  Int8Rescale(const at::Tensor& scale, const float* offset_, const float* bias_) : offset(offset_), bias(bias_) {
+    if (scale.scalar_type() == at::kFloat)
+      s32 = scale.data_ptr<float>();
+    else
+      s16 = qs::raw(scale.data_ptr<c10::BFloat16>());
+  }
+
+  float operator()(int64_t c, float dot, float rowsum) const {
+    float y = dot * (s32 != nullptr ? s32[c] : qs::Raw<c10::BFloat16>::get(s16[c]));
+    if (offset != nullptr) y = y - rowsum * offset[c];
+    if (bias != nullptr) y = y + bias[c];
+    return y;
+  }
+};
+
+#if defined(QS_ACT_BLOCKS)
+using qs::act::kBlock;
+
+// R consecutive weight rows (int8, row stride k) times one x row held as int16 blocks (xq, d): out[i] = sum over
+// blocks of d_b * (the block's exact lane sums), in fp32. The next R rows are fetched while these are summed (as
+// dot4_i8: short row streams alone leave the hardware prefetchers behind).
+template <int R>
+inline void dot_a16(const int16_t* __restrict xq, const float* __restrict d, const int8_t* __restrict w, int64_t k,
+                    float* __restrict out) {
+  const int8_t* next = w + R * k;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < k; b0 += kBlock) {
+    _mm_prefetch(reinterpret_cast<const char*>(next + R * b0), _MM_HINT_T0);
+    if (R > 2) _mm_prefetch(reinterpret_cast<const char*>(next + R * b0 + 64), _MM_HINT_T0);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b0));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b0 + 16));
+    const __m256 db = _mm256_set1_ps(d[b0 / kBlock]);
+    for (int i = 0; i < R; ++i) {
+      const int8_t* wr = w + i * k + b0;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + 16)));
+      const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(x0, w0), _mm256_madd_epi16(x1, w1));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), db, acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum8(acc[i]);
+}
+#endif
+
 // Every (x row, W row) pair of an (M, K) x (N, K)^T product, four W rows at a time, parallel over W's rows:
 // dot4(r, c, acc) sums x row r against W rows c .. c + 3, dot1(r, c) against the one row c (the last, fewer than
 // four), and finish(r, c, sum) writes output (r, c).
@@ -305,7 +360,7 @@ at::Tensor int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::
       row_f32<scalar_t>(xp + r * k, nullptr, xf.data() + r * k, k);
       if (off) rows[r] = sum_f32(xf.data() + r * k, k);
     }
-    const qs::Int8Rescale rescale(scale, off, bp);
+    const Int8Rescale rescale(scale, off, bp);
     const int8_t* qp = q.data_ptr<int8_t>();
     auto* op = qs::raw(out.data_ptr<scalar_t>());
     const auto finish = [&](int64_t r, int64_t c, float dot) {
@@ -319,6 +374,67 @@ at::Tensor int8_weight_rows(const at::Tensor& x, const at::Tensor& q, const at::
 }
 
 QS_EPILOGUES(int8_weight_rows,
+             (const at::Tensor& x, const at::Tensor& q, const at::Tensor& w_scale, const at::Tensor& offset,
+              const at::Tensor& bias),
+             (x, q, w_scale, offset, bias))
+
+// out (M, N) = x (M, K) @ (s (q - z))^T + bias as int8_weight_rows computes it, (x . q) * s - rowsum(x) * offset
+// in fp32, rounded once to x's dtype, with x held as quantize_row16 holds it (act_blocks.h; rowsum: the row as the
+// product sees it): each weight row widened to 16 bits and multiplied by vpmaddwd, sixteen products an instruction
+// against int8_weight_rows' eight. Each lane of a block's sums holds four products, at most 4 * 128 * 32767 < 2^24,
+// so it converts to fp32 exactly and is scaled exactly by the block's power of two: what rounds is the fp32 sum over
+// the blocks, so the result is the exact product of x as held to within 2^-14 of its largest output, as int4's
+// rows16. K a multiple of 32; x bf16, fp16 or fp32. A row that is not finite gives NaN, as the reference does.
+at::Tensor int8_weight_rows16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                              const at::Tensor& offset, const at::Tensor& bias) {
+#if defined(QS_ACT_BLOCKS)
+  check_rows(x, q, scale, /*bf16_scale=*/true);
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
+  const Int8Rescale rescale(scale, optional_f32(offset, n, "offset"), optional_f32(bias, n, "bias"));
+  at::Tensor out = at::empty({m, n}, x.options());
+  std::vector<int16_t> xq(m * k);
+  std::vector<float> d(m * (k / kBlock)), rowsum(m), xf(k);
+  std::vector<char> finite(m);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_weight_rows16", [&] {
+    const auto* xp = qs::raw(x.data_ptr<scalar_t>());
+    for (int64_t r = 0; r < m; ++r) {
+      row_f32<scalar_t>(xp + r * k, nullptr, xf.data(), k);
+      finite[r] = qs::act::quantize_row16(xf.data(), k, k, xq.data() + r * k, d.data() + r * (k / kBlock),
+                                          rowsum.data() + r);
+    }
+    const int8_t* qp = q.data_ptr<int8_t>();
+    auto* op = qs::raw(out.data_ptr<scalar_t>());
+    const auto xs = [&](int64_t r) { return xq.data() + r * k; };
+    const auto ds = [&](int64_t r) { return d.data() + r * (k / kBlock); };
+    four_rows<float>(
+        m, n, k, [&](int64_t r, int64_t c, float* acc) { dot_a16<4>(xs(r), ds(r), qp + c * k, k, acc); },
+        [&](int64_t r, int64_t c) {
+          float acc;
+          dot_a16<1>(xs(r), ds(r), qp + c * k, k, &acc);
+          return acc;
+        },
+        [&](int64_t r, int64_t c, float y) {
+          op[r * n + c] = qs::Raw<scalar_t>::put(finite[r] ? rescale(c, y, rowsum[r])
+                                                           : std::numeric_limits<float>::quiet_NaN());
+        });
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "int8_weight_rows16 is built only for CPUs with AVX2 and without AVX-512");
+#endif
+}
+
+// Whether this build holds the passes on 16-bit block activations (int8_weight_rows16, int4_rows_a16).
+bool rows16_built() {
+#if defined(QS_ACT_BLOCKS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+QS_EPILOGUES(int8_weight_rows16,
              (const at::Tensor& x, const at::Tensor& q, const at::Tensor& w_scale, const at::Tensor& offset,
               const at::Tensor& bias),
              (x, q, w_scale, offset, bias))
@@ -837,6 +953,12 @@ TORCH_LIBRARY(quantserve_rows, m) {
   m.def(int8.c_str());
   m.def(qs::epilogue_schema(int8, "gated").c_str());
   m.def(qs::epilogue_schema(int8, "normed").c_str());
+  const std::string int8_16 = "int8_weight_rows16(Tensor x, Tensor weight, Tensor weight_scale, Tensor offset, "
+                              "Tensor bias) -> Tensor";
+  m.def(int8_16.c_str());
+  m.def(qs::epilogue_schema(int8_16, "gated").c_str());
+  m.def(qs::epilogue_schema(int8_16, "normed").c_str());
+  m.def("rows16_built() -> bool", &rows16_built);
   const std::string int4 = "int4_rows(Tensor x, Tensor packed, int n, int k, int block, bool split, "
                            "Tensor scales_zeros, int group_size, Tensor bias) -> Tensor";
   m.def(int4.c_str());
@@ -854,6 +976,9 @@ TORCH_LIBRARY_IMPL(quantserve_rows, CPU, m) {
   m.impl("int8_weight_rows", &int8_weight_rows);
   m.impl("int8_weight_rows_gated", &int8_weight_rows_gated);
   m.impl("int8_weight_rows_normed", &int8_weight_rows_normed);
+  m.impl("int8_weight_rows16", &int8_weight_rows16);
+  m.impl("int8_weight_rows16_gated", &int8_weight_rows16_gated);
+  m.impl("int8_weight_rows16_normed", &int8_weight_rows16_normed);
   m.impl("int4_rows", &int4_rows);
   m.impl("int4_rows_gated", &int4_rows_gated);
   m.impl("int4_rows_normed", &int4_rows_normed);
