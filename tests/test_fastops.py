@@ -69,6 +69,44 @@ def test_decode_attention_matches_reference(dtype, window, softcap, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 300])
+def test_decode_attention_of_long_contexts_merges_its_chunks(dtype, window):
+    """Rows of 1,000 and 640 keys: each KV head's keys in chunks of up to 64, one work item each, their parts merged
+    by maxima and sums; a window of 300 chunks only the keys it sees."""
+    q, kv, tables, lens, bs = paged_case(dtype, B=2, blocks=160)
+    lens = torch.tensor([1000, 640])
+    nb = -(-1000 // bs)
+    order = torch.randperm(160, generator=torch.Generator().manual_seed(1))
+    tables = torch.stack([order[:nb], order[nb : 2 * nb]])
+    got = FUSED.decode_attention(q, kv, tables, lens, bs, window, 0.125, 0.0)
+    want = REF.decode_attention(q, kv, tables, lens, bs, window, 0.125, 0.0)
+    tol = dict(atol=2e-6, rtol=2e-5) if dtype == torch.float32 else dict(atol=torch.finfo(dtype).eps, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_decode_attention_row_is_the_same_in_any_batch_on_any_threads():
+    """A row's keys are cut into chunks by its own length alone and each part is computed the same wherever it
+    runs: its output is the same bits alone or beside other rows, on one thread or two."""
+    q, kv, tables, lens, bs = paged_case(torch.bfloat16, B=3, blocks=80)
+    lens = torch.tensor([1, 150, 600])
+    nb = -(-600 // bs)
+    order = torch.randperm(80, generator=torch.Generator().manual_seed(2))
+    tables = torch.stack([order[:nb], order[nb : 2 * nb], order[:nb]])
+    args = (bs, 0, 0.125, 0.0)
+    full = FUSED.decode_attention(q, kv, tables, lens, *args)
+    for b in range(3):
+        assert torch.equal(FUSED.decode_attention(q[b : b + 1], kv, tables[b : b + 1], lens[b : b + 1], *args),
+                           full[b : b + 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = FUSED.decode_attention(q, kv, tables, lens, *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache,rotation", [("float", (0, 0)), ("int8", (64, 0)), ("fp8", (0, 0))])
 def test_rotary_decode_attention_is_the_calls_it_replaces(dtype, cache, rotation):
     """One call from the fused qkv output (the rotary, the cache write, the decode attention) leaves the bits the

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "balanced.h"
 #include "elements.h"
 #include "kv_rows.h"
 #include "vec_math.h"
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -31,8 +33,9 @@ using qs::to_f;
 
 namespace {
 
-constexpr int64_t kAhead = 8;  // keys ahead that attend_group prefetches
-constexpr int64_t kTile = 8;   // keys whose scores attend_group computes together
+constexpr int64_t kAhead = 8;   // keys ahead that attend_keys prefetches
+constexpr int64_t kTile = 8;    // keys whose scores attend_keys computes together
+constexpr int64_t kChunk = 64;  // keys a decode work item covers at most (attend_keys)
 
 using qs::V8;
 using qs::load8;
@@ -47,11 +50,24 @@ inline V8 v8fma(V8 a, V8 b, V8 c) {  // a * b + c in one rounding (the library i
 inline float v8sum(V8 v) {  // lanes l and l + 4 first, then a fixed tree
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
+// Lane t = the sum of a[t]'s eight lanes, in a fixed tree (AVX: pairwise horizontal adds, then the two halves).
+inline V8 sum8x8(const V8* a) {
+#if defined(__AVX__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return (V8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  V8 r;
+  for (int t = 0; t < 8; ++t) r[t] = v8sum(a[t]);
+  return r;
+#endif
+}
 
 // The scores of the g query heads qf (g, D) against kTile staged key rows kt (kTile, D), D a multiple of 8, into
-// s[i * n] for head i: a key's dot product in eight lanes, the tile's keys in independent accumulators (one chain of
-// D / 8 FMAs per key instead of one latency-bound chain per dot product), each summed by v8sum. `nt` keys are real;
-// the rest of the tile is padding whose scores are not written.
+// s[i * n + t] for head i: a key's dot product in eight lanes, the tile's keys in independent accumulators (one chain
+// of D / 8 FMAs per key instead of one latency-bound chain per dot product), the tile's eight sums reduced together
+// (sum8x8). `nt` keys are real; the rest of the tile is padding whose scores are not written.
 inline void tile_scores(const float* __restrict qf, const float* __restrict kt, int64_t g, int64_t D, int64_t nt,
                         float scale, float cap, float* __restrict s, int64_t n) {
   for (int64_t i = 0; i < g; ++i) {
@@ -61,103 +77,112 @@ inline void tile_scores(const float* __restrict qf, const float* __restrict kt, 
       const V8 qv = load8(qf + i * D + d);
       for (int64_t t = 0; t < kTile; ++t) acc[t] = v8fma(qv, load8(kt + t * D + d), acc[t]);
     }
-    for (int64_t t = 0; t < nt; ++t) {
-      float x = v8sum(acc[t]) * scale;
-      if (cap > 0.f) x = qs::softcap(x, cap);
-      s[i * n + t] = x;
+    V8 x = sum8x8(acc) * scale;
+    if (cap > 0.f)
+      for (int64_t t = 0; t < nt; ++t) x[t] = qs::softcap(x[t], cap);
+    if (nt == kTile) {
+      store8(s + i * n, x);
+    } else {
+      for (int64_t t = 0; t < nt; ++t) s[i * n + t] = x[t];
     }
   }
 }
 
-// One KV head of one decode row: its g query heads q (g, D) against keys/values at positions [lo, L) of the
-// paged cache (rows: this head's K and V, read as qs::FloatRows or dequantized as qs::QuantRows), output o (g, D).
-// Out of the dispatch lambda and with raw element pointers so that its D-long loops vectorise. Where D is a multiple
-// of 8 (every head size served), keys are staged kTile at a time for tile_scores and each weighted-sum row is added
-// eight lanes at a time; otherwise one key and one dot product at a time.
-template <typename T, typename Rows>
-__attribute__((noinline)) void attend_group(const typename Raw<T>::type* __restrict q, const Rows& rows,
-                                            const int64_t* table, int64_t bs, int64_t lo, int64_t L, int64_t g,
-                                            int64_t D, float scale, float cap, typename Raw<T>::type* __restrict o,
-                                            std::vector<float>& work) {
-  const int64_t n = L - lo;
+// The part of one decode row's attention that keys [j0, j1) of one KV head give its g query heads qf (g, D) fp32
+// (rotated where the keys are stored rotated): per head i the scores' maximum m[i], the sum l[i] of exp(score -
+// m[i]) and the weighted sum acc (g, D) of the values by those exponentials, unnormalised (merge_parts joins a
+// row's parts). Keys are read through the block table, rows: this head's K and V, read as qs::FloatRows or
+// dequantized as qs::QuantRows. Each K and V row is read once: K rows staged kTile at a time for tile_scores (where
+// D is a multiple of 8; otherwise one key and one dot product at a time), V rows staged as fp32 for the weighted
+// sums, which hold 64 channels in registers over all the keys (qs::weighted_sum). Out of the dispatch lambda and
+// with raw pointers so that its loops vectorise.
+template <typename Rows>
+__attribute__((noinline)) void attend_keys(const float* __restrict qf, const Rows& rows, const int64_t* table,
+                                           int64_t bs, int64_t j0, int64_t j1, int64_t g, int64_t D, float scale,
+                                           float cap, float* __restrict acc, float* __restrict m,
+                                           float* __restrict l, std::vector<float>& work) {
+  const int64_t n = j1 - j0;
   const bool tiled = D % 8 == 0;
-  work.resize(g * D * 2 + kTile * D + g * n);
-  float* __restrict qf = work.data();  // (g, D)
-  float* __restrict acc = qf + g * D;  // (g, D)
-  float* __restrict row = acc + g * D;  // (kTile, D): staged key rows (the first: a K or V row)
-  float* __restrict s = row + kTile * D;  // (g, n) scores, then softmax numerators
-  for (int64_t i = 0; i < g * D; ++i) qf[i] = Raw<T>::get(q[i]);
-  if (rows.key_block > 0)  // keys are stored rotated: rotate q to match
-    for (int64_t i = 0; i < g; ++i) qs::hadamard_blocks(qf + i * D, D, rows.key_block);
+  work.resize(kTile * D + g * n + n * D);
+  float* __restrict row = work.data();    // (kTile, D): staged key rows
+  float* __restrict s = row + kTile * D;  // (g, n) scores, then exponentials
+  float* __restrict V = s + g * n;        // (n, D) staged value rows
   // Positions are walked block by block (an integer division per key cost more than its dot products).
-  int64_t blk = lo / bs, off = lo % bs;
+  int64_t blk = j0 / bs, off = j0 % bs;
   // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
   // layer's cache has been evicted by the weights streaming through; without it, each row's cache misses
-  // were paid one after another (a 80-key batch-1 call took 31 us in the engine against 11 us warm).
+  // were paid one after another.
   int64_t pblk = blk, poff = off;
   const auto prefetch_next = [&]() {
     rows.prefetch(table[pblk] * bs + poff, D);
     if (++poff == bs) poff = 0, ++pblk;
   };
   for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
-  if (tiled) {
-    std::fill(row, row + kTile * D, 0.f);  // a short first tile's padding reads zeros (later ones, the tile before)
-    for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-      const int64_t nt = std::min(kTile, n - j0);
-      for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
-        if (j0 + t + kAhead < n) prefetch_next();
-        rows.load_k(table[blk] * bs + off, row + t * D, D);
-      }
-      tile_scores(qf, row, g, D, nt, scale, cap, s + j0, n);
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {
-      if (j + kAhead < n) prefetch_next();
-      rows.load_k(table[blk] * bs + off, row, D);
-      for (int64_t i = 0; i < g; ++i) {
-        float dot = 0.f;
-        _Pragma("omp simd reduction(+ : dot)")
-        for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * row[d];
-        float x = dot * scale;
-        if (cap > 0.f) x = qs::softcap(x, cap);
-        s[i * n + j] = x;
+  if (tiled) std::fill(row, row + kTile * D, 0.f);  // a short first tile's padding reads zeros (later ones, the tile before)
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t nt = std::min(kTile, n - t0);
+    for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
+      if (t0 + t + kAhead < n) prefetch_next();
+      const int64_t slot = table[blk] * bs + off;
+      float* kr = row + (tiled ? t * D : 0);
+      rows.load_k(slot, kr, D);
+      rows.load_v(slot, V + (t0 + t) * D, D);
+      if (!tiled) {
+        for (int64_t i = 0; i < g; ++i) {
+          float dot = 0.f;
+          _Pragma("omp simd reduction(+ : dot)")
+          for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * kr[d];
+          float x = dot * scale;
+          if (cap > 0.f) x = qs::softcap(x, cap);
+          s[i * n + t0 + t] = x;
+        }
       }
     }
+    if (tiled) tile_scores(qf, row, g, D, nt, scale, cap, s + t0, n);
   }
-  for (int64_t i = 0; i < g; ++i) {  // softmax: numerators in place, then scale the weighted sum by 1 / sum
+  for (int64_t i = 0; i < g; ++i) {
     float* si = s + i * n;
-    float m = si[0];
-    for (int64_t j = 1; j < n; ++j) m = si[j] > m ? si[j] : m;
+    float mx = si[0];
+    for (int64_t j = 1; j < n; ++j) mx = si[j] > mx ? si[j] : mx;
     float sum = 0.f;
     _Pragma("omp simd reduction(+ : sum)")
     for (int64_t j = 0; j < n; ++j) {
-      si[j] = exp_approx(si[j] - m);
+      si[j] = exp_approx(si[j] - mx);
       sum += si[j];
     }
-    float* ai = acc + i * D;
-    for (int64_t d = 0; d < D; ++d) ai[d] = 0.f;
-    qf[i * D] = 1.0f / sum;  // q is no longer needed: keep the normaliser there
-  }
-  blk = lo / bs, off = lo % bs;
-  for (int64_t j = 0; j < n; ++j, ++off == bs ? (off = 0, ++blk) : 0) {  // acc (g, D) += p_j * v_j
-    rows.load_v(table[blk] * bs + off, row, D);
-    for (int64_t i = 0; i < g; ++i) {
-      const float p = s[i * n + j];
-      float* __restrict ai = acc + i * D;
-      if (tiled) {
-        const V8 pv = V8{} + p;
-        for (int64_t d = 0; d < D; d += 8) store8(ai + d, v8fma(pv, load8(row + d), load8(ai + d)));
-      } else {
-        for (int64_t d = 0; d < D; ++d) ai[d] += p * row[d];
-      }
+    m[i] = mx, l[i] = sum;
+    float* __restrict ai = acc + i * D;
+    std::fill(ai, ai + D, 0.f);
+    if (tiled) {
+      qs::weighted_sum(ai, 1.f, si, V, 0, n, D);
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) ai[d] += si[j] * V[j * D + d];
     }
   }
+}
+
+// A decode row's output o (g, D) for one KV head from its C parts (attend_keys; each acc (g, D), then m (g), then
+// l (g), `stride` floats apart): o = sum_c w_c acc_c / sum_c w_c l_c with w_c = exp(m_c - max_c m_c), in part
+// order; rotated back where the values are stored rotated; rounded once to o's type.
+template <typename T>
+void merge_parts(const float* parts, int64_t stride, int64_t C, int64_t g, int64_t D, int64_t value_block,
+                 typename Raw<T>::type* __restrict o, float* __restrict out) {
   for (int64_t i = 0; i < g; ++i) {
-    const float r = qf[i * D];
-    float* ai = acc + i * D;
-    for (int64_t d = 0; d < D; ++d) ai[d] *= r;
-    if (rows.value_block > 0) qs::hadamard_blocks(ai, D, rows.value_block);  // values stored rotated: rotate back
-    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(ai[d]);
+    float mx = parts[g * D + i];
+    for (int64_t c = 1; c < C; ++c) mx = std::max(mx, parts[c * stride + g * D + i]);
+    std::fill(out, out + D, 0.f);
+    float total = 0.f;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* p = parts + c * stride;
+      const float w = C == 1 ? 1.f : exp_approx(p[g * D + i] - mx);
+      total += w * p[g * D + g + i];
+      for (int64_t d = 0; d < D; ++d) out[d] += w * p[i * D + d];
+    }
+    const float r = 1.0f / total;
+    for (int64_t d = 0; d < D; ++d) out[d] *= r;
+    if (value_block > 0) qs::hadamard_blocks(out, D, value_block);  // values stored rotated: rotate back
+    for (int64_t d = 0; d < D; ++d) o[i * D + d] = Raw<T>::put(out[d]);
   }
 }
 
@@ -210,6 +235,9 @@ void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* 
   });
 }
 
+// A decode row's keys [lo, L) are cut into C = ceil(n / kChunk) chunks of near-equal size (chunk c from lo + n c /
+// C), a function of n alone, so that a row's output does not depend on its batch or the threads. Work items are
+// (row, KV head, chunk): a short context's few KV heads still spread over the threads, and a long one's keys too.
 at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
                        int64_t value_block, const at::Tensor& block_table, const at::Tensor& lens,
                        int64_t block_size, int64_t window, double scale, double softcap) {
@@ -224,30 +252,60 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   const int64_t NB = block_table.size(1), nblocks = S / block_size, g = H / Hkv;
   const int64_t* tp = block_table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  int64_t longest = 1;
+  std::vector<int64_t> first(B + 1, 0), chunks(B), lows(B);  // row b's items are [first[b], first[b + 1])
+  int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {  // every block a row reads is checked before anything is read
     TORCH_CHECK(lp[b] > 0 && lp[b] <= NB * block_size, "lens[", b, "] = ", lp[b], " is outside its block table");
     for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tp[b * NB + i] >= 0 && tp[b * NB + i] < nblocks, "block ", tp[b * NB + i], " is outside the cache");
-    longest = std::max(longest, lp[b]);
+    lows[b] = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;
+    chunks[b] = (lp[b] - lows[b] + kChunk - 1) / kChunk;
+    first[b + 1] = first[b] + Hkv * chunks[b];
+    keys += Hkv * (lp[b] - lows[b]);
   }
+  const int64_t items = first[B], stride = g * D + 2 * g;  // a part: acc (g, D), m (g), l (g)
+  std::unique_ptr<float[]> parts(new float[items * stride]);
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
   dispatch_rows(q, kv, scales, key_block, value_block, [&](auto tag, const auto& rows) {
     using scalar_t = decltype(tag);
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t qs = q.stride(0);
-    // Work items are (row, KV head); a thread takes at least ~64K multiply-adds, so a short batch-1 step
-    // stays on one thread rather than paying for waking the other.
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * g * D));
-    at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> work;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / Hkv, h = item % Hkv, L = lp[b];
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-        attend_group<scalar_t>(raw(qp + b * qs + h * g * D), rows.at_head(h, D), tp + b * NB, block_size, lo, L,
-                               g, D, sc, cap, raw(op + (b * H + h * g) * D), work);
+    const auto* qp = raw(q.data_ptr<scalar_t>());
+    auto* op = raw(out.data_ptr<scalar_t>());
+    const int64_t qstride = q.stride(0);
+    // A thread takes at least ~16K multiply-adds of scores (and as many of weighted sums), so that a short
+    // batch-1 step stays on one thread rather than paying for waking another.
+    const int64_t grain = std::max<int64_t>(1, items * 16384 / std::max<int64_t>(1, keys * g * D));
+    qs::balanced_for(items, grain, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> work, qf;
+      qf.resize(g * D + D);
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
+        const int64_t C = chunks[b], h = (it - first[b]) / C, c = (it - first[b]) % C;
+        const int64_t lo = lows[b], n = lp[b] - lo;
+        const auto* src = qp + b * qstride + h * g * D;
+        for (int64_t e = 0; e < g * D; ++e) qf[e] = Raw<scalar_t>::get(src[e]);
+        if (rows.key_block > 0)  // keys are stored rotated: rotate q to match
+          for (int64_t i = 0; i < g; ++i) qs::hadamard_blocks(qf.data() + i * D, D, rows.key_block);
+        float* part = parts.get() + it * stride;
+        attend_keys(qf.data(), rows.at_head(h, D), tp + b * NB, block_size, lo + n * c / C, lo + n * (c + 1) / C, g,
+                    D, sc, cap, part, part + g * D, part + g * D + g, work);
+        if (C == 1) merge_parts<scalar_t>(part, stride, 1, g, D, rows.value_block, op + (b * H + h * g) * D,
+                                          qf.data() + g * D);
+      }
+    });
+    std::vector<int64_t> joined;  // (row, KV head) of rows cut into chunks: their parts merged
+    int64_t merged = 0;
+    for (int64_t b = 0; b < B; ++b)
+      if (chunks[b] > 1)
+        for (int64_t h = 0; h < Hkv; ++h) joined.push_back(b * Hkv + h), merged += chunks[b];
+    if (joined.empty()) return;
+    const int64_t n = static_cast<int64_t>(joined.size());
+    at::parallel_for(0, n, std::max<int64_t>(1, n * 65536 / (merged * g * D)), [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = joined[i] / Hkv, h = joined[i] % Hkv;
+        merge_parts<scalar_t>(parts.get() + (first[b] + h * chunks[b]) * stride, stride, chunks[b], g, D,
+                              rows.value_block, op + (b * H + h * g) * D, tmp.data());
       }
     });
   });

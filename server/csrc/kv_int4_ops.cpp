@@ -266,22 +266,6 @@ inline void scores(const float* __restrict qr, const float* __restrict KT, float
   }
 }
 
-// acc (D,) = acc * alpha + sum_j w[j] V[j] over keys [a, z), D a multiple of 8, 64 channels held in registers at once.
-inline void weighted_sum(float* __restrict acc, float alpha, const float* __restrict w, const float* __restrict V,
-                         int64_t a, int64_t z, int64_t D) {
-  for (int64_t c = 0; c < D; c += 64) {
-    const int64_t nv = std::min<int64_t>(8, (D - c) / 8);
-    V8 r[8];
-    for (int64_t u = 0; u < nv; ++u) r[u] = load8(acc + c + 8 * u) * alpha;
-    for (int64_t j = a; j < z; ++j) {
-      const V8 x = V8{} + w[j];
-      const float* vr = V + j * D + c;
-      for (int64_t u = 0; u < nv; ++u) r[u] += x * load8(vr + 8 * u);
-    }
-    for (int64_t u = 0; u < nv; ++u) store8(acc + c + 8 * u, r[u]);
-  }
-}
-
 // One work item of attention_int4: KV head h of one chunk, its queries [i0, i1), all of one block (so all read the
 // same positions from the residual). Keys are walked a block at a time: each block's keys (transposed, so a row's
 // scores vectorise over the keys) and values dequantized once into fp32 tiles in L1, every query row's scores
@@ -378,7 +362,7 @@ __attribute__((noinline)) void attend_item(const Pool& p, const typename Raw<T>:
       l[r] = l[r] * alpha + sum;
       mx[r] = m;
       float* ar = acc + r * D;
-      weighted_sum(ar, alpha, s, V + (j0 - b0) * D, a, z, D);
+      qs::weighted_sum(ar, alpha, s, V + (j0 - b0) * D, a, z, D);
     }
   }
   for (int64_t r = 0; r < nq; ++r) {

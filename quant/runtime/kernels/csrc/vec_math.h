@@ -3,6 +3,7 @@
 // directory on the include path.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -42,5 +43,22 @@ inline V8 load8(const float* p) {
   return v;
 }
 inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// acc (D,) = acc * alpha + sum_j w[j] V[j] over rows [a, z) of V (rows of D), D a multiple of 8, 64 channels held
+// in registers at once (the attention kernels' weighted sums of values).
+inline void weighted_sum(float* __restrict acc, float alpha, const float* __restrict w, const float* __restrict V,
+                         int64_t a, int64_t z, int64_t D) {
+  for (int64_t c = 0; c < D; c += 64) {
+    const int64_t nv = std::min<int64_t>(8, (D - c) / 8);
+    V8 r[8];
+    for (int64_t u = 0; u < nv; ++u) r[u] = load8(acc + c + 8 * u) * alpha;
+    for (int64_t j = a; j < z; ++j) {
+      const V8 x = V8{} + w[j];
+      const float* vr = V + j * D + c;
+      for (int64_t u = 0; u < nv; ++u) r[u] += x * load8(vr + 8 * u);
+    }
+    for (int64_t u = 0; u < nv; ++u) store8(acc + c + 8 * u, r[u]);
+  }
+}
 
 }  // namespace qs
