@@ -64,10 +64,11 @@ def activation_estimate(shape, dtype: torch.dtype, runner, chunk_tokens: int, pa
     )
 
 
-def step_workspace(estimate: Callable[..., int], max_prefill_tokens: int, max_batch: int) -> int:
+def step_workspace(estimate: Callable[..., int], max_prefill_tokens: int, max_batch: int,
+                   decode_scratch: int = 0) -> int:
     """The activations of the largest step: a prefill of max_prefill_tokens (scoring its prompt rows), or the
-    decode of max_batch rows."""
-    return max(estimate(max_prefill_tokens, scored=SCORE_ROWS), estimate(max_batch))
+    decode of max_batch rows (with ``decode_scratch``, what its attention kernel keeps beside them)."""
+    return max(estimate(max_prefill_tokens, scored=SCORE_ROWS), estimate(max_batch) + decode_scratch)
 
 
 def fraction_budget(device: torch.device, fraction: float, workspace: int, config) -> int:

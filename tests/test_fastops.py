@@ -71,8 +71,9 @@ def test_decode_attention_matches_reference(dtype, window, softcap, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 300])
 def test_decode_attention_of_long_contexts_merges_its_chunks(dtype, window):
-    """Rows of 1,000 and 640 keys: each KV head's keys in chunks of up to 64, one work item each, their parts merged
-    by maxima and sums; a window of 300 chunks only the keys it sees."""
+    """Rows of 1,000 and 640 keys: each KV head's keys cut into four parts, one work item each (64-key spans inside
+    it, an online softmax across them), their parts merged by maxima and sums; a window of 300 cuts only the keys
+    it sees."""
     q, kv, tables, lens, bs = paged_case(dtype, B=2, blocks=160)
     lens = torch.tensor([1000, 640])
     nb = -(-1000 // bs)
@@ -82,6 +83,23 @@ def test_decode_attention_of_long_contexts_merges_its_chunks(dtype, window):
     want = REF.decode_attention(q, kv, tables, lens, bs, window, 0.125, 0.0)
     tol = dict(atol=2e-6, rtol=2e-5) if dtype == torch.float32 else dict(atol=torch.finfo(dtype).eps, rtol=0)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_decode_attention_parts_are_what_the_engines_workspace_counts():
+    """The kernel cuts a row's KV head into at most decode_attention_parts() parts, held in fp32 until merged
+    (acc g x D, maximum and sum g each): quant/shape/memory.py's copy of the constant, and a fused engine's step
+    workspace counts them beside a decode of max_batch rows."""
+    from quant.shape.memory import DECODE_ATTENTION_PARTS, decode_attention_scratch
+    from quant.shape.model import ModelShape
+    from server.accounting import step_workspace
+
+    assert torch.ops.quantserve.decode_attention_parts() == DECODE_ATTENTION_PARTS == 4
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       tie_embeddings=True, name="default model")
+    assert decode_attention_scratch(shape, 1) == 3 * 4 * (3 * 64 + 2 * 3) * 4  # 9,504 bytes a row
+    estimate = lambda tokens, scored=0: 1000 * tokens  # noqa: E731
+    assert step_workspace(estimate, 16, 64, decode_attention_scratch(shape, 64)) == 64_000 + 64 * 9504
+    assert step_workspace(estimate, 4096, 64, decode_attention_scratch(shape, 64)) == 4_096_000
 
 
 def test_decode_attention_row_is_the_same_in_any_batch_on_any_threads():

@@ -71,6 +71,17 @@ def prefill_activation_bytes(shape: ModelShape, batch: int, seq: int, attn: str,
     return peak + 2 * s * d * dtype_bytes_ + batch * logits_kept * shape.vocab * dtype_bytes_
 
 
+DECODE_ATTENTION_PARTS = 4  # server/csrc/attention_ops.cpp's kParts
+
+
+def decode_attention_scratch(shape: ModelShape, rows: int) -> int:
+    """fp32 bytes the CPU decode attention kernel (server/csrc/attention_ops.cpp) keeps for a step of ``rows``
+    decode rows beside what :func:`engine_prefill_bytes` counts: each KV head of a row longer than one span of keys
+    cut into at most DECODE_ATTENTION_PARTS parts, each (g·d + 2g) floats (g query heads a KV head) until merged."""
+    g = shape.heads // shape.kv_heads
+    return rows * shape.kv_heads * DECODE_ATTENTION_PARTS * (g * shape.head_dim + 2 * g) * 4
+
+
 def engine_prefill_bytes(shape: ModelShape, tokens: int, dtype_bytes_: int, glue: str = "fused", past: int = 0,
                          sampled: int = 1, transients: dict | None = None) -> int:
     """Peak activation bytes of one step of the serving engine's model (server/models/base.py) over ``tokens``

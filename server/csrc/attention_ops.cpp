@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -35,7 +34,8 @@ namespace {
 
 constexpr int64_t kAhead = 8;   // keys ahead that attend_keys prefetches
 constexpr int64_t kTile = 8;    // keys whose scores attend_keys computes together
-constexpr int64_t kChunk = 64;  // keys a decode work item covers at most (attend_keys)
+constexpr int64_t kSpan = 64;   // keys attend_keys stages at once (their scores and values in fp32)
+constexpr int64_t kParts = 4;   // work items a decode row's KV head is cut into, at most (decode_impl)
 
 using qs::V8;
 using qs::load8;
@@ -92,21 +92,21 @@ inline void tile_scores(const float* __restrict qf, const float* __restrict kt, 
 // (rotated where the keys are stored rotated): per head i the scores' maximum m[i], the sum l[i] of exp(score -
 // m[i]) and the weighted sum acc (g, D) of the values by those exponentials, unnormalised (merge_parts joins a
 // row's parts). Keys are read through the block table, rows: this head's K and V, read as qs::FloatRows or
-// dequantized as qs::QuantRows. Each K and V row is read once: K rows staged kTile at a time for tile_scores (where
+// dequantized as qs::QuantRows, kSpan keys at a time with an online softmax across the spans (the running maximum
+// rescaling what came before). Each K and V row is read once: K rows staged kTile at a time for tile_scores (where
 // D is a multiple of 8; otherwise one key and one dot product at a time), V rows staged as fp32 for the weighted
-// sums, which hold 64 channels in registers over all the keys (qs::weighted_sum). Out of the dispatch lambda and
+// sums, which hold 64 channels in registers over the span's keys (qs::weighted_sum). Out of the dispatch lambda and
 // with raw pointers so that its loops vectorise.
 template <typename Rows>
 __attribute__((noinline)) void attend_keys(const float* __restrict qf, const Rows& rows, const int64_t* table,
                                            int64_t bs, int64_t j0, int64_t j1, int64_t g, int64_t D, float scale,
                                            float cap, float* __restrict acc, float* __restrict m,
                                            float* __restrict l, std::vector<float>& work) {
-  const int64_t n = j1 - j0;
   const bool tiled = D % 8 == 0;
-  work.resize(kTile * D + g * n + n * D);
-  float* __restrict row = work.data();    // (kTile, D): staged key rows
-  float* __restrict s = row + kTile * D;  // (g, n) scores, then exponentials
-  float* __restrict V = s + g * n;        // (n, D) staged value rows
+  work.resize(kTile * D + g * kSpan + kSpan * D);
+  float* __restrict row = work.data();        // (kTile, D): staged key rows
+  float* __restrict s = row + kTile * D;      // (g, kSpan) a span's scores, then exponentials
+  float* __restrict V = s + g * kSpan;        // (kSpan, D) its staged value rows
   // Positions are walked block by block (an integer division per key cost more than its dot products).
   int64_t blk = j0 / bs, off = j0 % bs;
   // A second cursor kAhead positions on prefetches that position's K and V rows. Between two decode steps a
@@ -117,47 +117,55 @@ __attribute__((noinline)) void attend_keys(const float* __restrict qf, const Row
     rows.prefetch(table[pblk] * bs + poff, D);
     if (++poff == bs) poff = 0, ++pblk;
   };
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_next();
+  for (int64_t j = 0; j < std::min(j1 - j0, kAhead); ++j) prefetch_next();
   if (tiled) std::fill(row, row + kTile * D, 0.f);  // a short first tile's padding reads zeros (later ones, the tile before)
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int64_t nt = std::min(kTile, n - t0);
-    for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
-      if (t0 + t + kAhead < n) prefetch_next();
-      const int64_t slot = table[blk] * bs + off;
-      float* kr = row + (tiled ? t * D : 0);
-      rows.load_k(slot, kr, D);
-      rows.load_v(slot, V + (t0 + t) * D, D);
-      if (!tiled) {
-        for (int64_t i = 0; i < g; ++i) {
-          float dot = 0.f;
-          _Pragma("omp simd reduction(+ : dot)")
-          for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * kr[d];
-          float x = dot * scale;
-          if (cap > 0.f) x = qs::softcap(x, cap);
-          s[i * n + t0 + t] = x;
+  std::fill(acc, acc + g * D, 0.f);
+  for (int64_t a = j0; a < j1; a += kSpan) {
+    const int64_t n = std::min(kSpan, j1 - a);
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t nt = std::min(kTile, n - t0);
+      for (int64_t t = 0; t < nt; ++t, ++off == bs ? (off = 0, ++blk) : 0) {
+        if (a + t0 + t + kAhead < j1) prefetch_next();
+        const int64_t slot = table[blk] * bs + off;
+        float* kr = row + (tiled ? t * D : 0);
+        rows.load_k(slot, kr, D);
+        rows.load_v(slot, V + (t0 + t) * D, D);
+        if (!tiled) {
+          for (int64_t i = 0; i < g; ++i) {
+            float dot = 0.f;
+            _Pragma("omp simd reduction(+ : dot)")
+            for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * kr[d];
+            float x = dot * scale;
+            if (cap > 0.f) x = qs::softcap(x, cap);
+            s[i * kSpan + t0 + t] = x;
+          }
         }
       }
+      if (tiled) tile_scores(qf, row, g, D, nt, scale, cap, s + t0, kSpan);
     }
-    if (tiled) tile_scores(qf, row, g, D, nt, scale, cap, s + t0, n);
-  }
-  for (int64_t i = 0; i < g; ++i) {
-    float* si = s + i * n;
-    float mx = si[0];
-    for (int64_t j = 1; j < n; ++j) mx = si[j] > mx ? si[j] : mx;
-    float sum = 0.f;
-    _Pragma("omp simd reduction(+ : sum)")
-    for (int64_t j = 0; j < n; ++j) {
-      si[j] = exp_approx(si[j] - mx);
-      sum += si[j];
-    }
-    m[i] = mx, l[i] = sum;
-    float* __restrict ai = acc + i * D;
-    std::fill(ai, ai + D, 0.f);
-    if (tiled) {
-      qs::weighted_sum(ai, 1.f, si, V, 0, n, D);
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d) ai[d] += si[j] * V[j * D + d];
+    for (int64_t i = 0; i < g; ++i) {
+      float* si = s + i * kSpan;
+      float mx = si[0];
+      for (int64_t j = 1; j < n; ++j) mx = si[j] > mx ? si[j] : mx;
+      if (a > j0) mx = std::max(mx, m[i]);
+      const float alpha = a > j0 ? exp_approx(m[i] - mx) : 0.f;  // what the spans before are worth now
+      float sum = 0.f;
+      _Pragma("omp simd reduction(+ : sum)")
+      for (int64_t j = 0; j < n; ++j) {
+        si[j] = exp_approx(si[j] - mx);
+        sum += si[j];
+      }
+      m[i] = mx, l[i] = (a > j0 ? l[i] * alpha : 0.f) + sum;
+      float* __restrict ai = acc + i * D;
+      if (tiled) {
+        qs::weighted_sum(ai, alpha, si, V, 0, n, D);
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          float x = ai[d] * alpha;
+          for (int64_t j = 0; j < n; ++j) x += si[j] * V[j * D + d];
+          ai[d] = x;
+        }
+      }
     }
   }
 }
@@ -235,9 +243,11 @@ void dispatch_rows(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* 
   });
 }
 
-// A decode row's keys [lo, L) are cut into C = ceil(n / kChunk) chunks of near-equal size (chunk c from lo + n c /
-// C), a function of n alone, so that a row's output does not depend on its batch or the threads. Work items are
-// (row, KV head, chunk): a short context's few KV heads still spread over the threads, and a long one's keys too.
+// A decode row's keys [lo, L) are cut into C = min(kParts, ceil(n / kSpan)) chunks of near-equal size (chunk c from
+// lo + n c / C), a function of n alone, so that a row's output does not depend on its batch or the threads. Work
+// items are (row, KV head, chunk): a short context's few KV heads still spread over the threads, and a long one's
+// keys too. The parts of rows cut into chunks are kept in fp32 until merged: at most kParts (g D + 2 g) floats per
+// KV head of a row (quant/shape/memory.py's decode_attention_scratch counts them).
 at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor* scales, int64_t key_block,
                        int64_t value_block, const at::Tensor& block_table, const at::Tensor& lens,
                        int64_t block_size, int64_t window, double scale, double softcap) {
@@ -259,12 +269,14 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
     for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tp[b * NB + i] >= 0 && tp[b * NB + i] < nblocks, "block ", tp[b * NB + i], " is outside the cache");
     lows[b] = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;
-    chunks[b] = (lp[b] - lows[b] + kChunk - 1) / kChunk;
+    chunks[b] = std::min(kParts, (lp[b] - lows[b] + kSpan - 1) / kSpan);
     first[b + 1] = first[b] + Hkv * chunks[b];
     keys += Hkv * (lp[b] - lows[b]);
   }
   const int64_t items = first[B], stride = g * D + 2 * g;  // a part: acc (g, D), m (g), l (g)
-  std::unique_ptr<float[]> parts(new float[items * stride]);
+  const bool split = std::any_of(chunks.begin(), chunks.end(), [](int64_t c) { return c > 1; });
+  // Every item's part where some row is split (a tensor, so that the engine's memory tracking sees it).
+  at::Tensor parts = at::empty({split ? items * stride : 0}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
   dispatch_rows(q, kv, scales, key_block, value_block, [&](auto tag, const auto& rows) {
@@ -276,8 +288,9 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
     // batch-1 step stays on one thread rather than paying for waking another.
     const int64_t grain = std::max<int64_t>(1, items * 16384 / std::max<int64_t>(1, keys * g * D));
     qs::balanced_for(items, grain, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> work, qf;
+      thread_local std::vector<float> work, qf, own;
       qf.resize(g * D + D);
+      own.resize(stride);
       for (int64_t it = begin; it < end; ++it) {
         const int64_t b = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
         const int64_t C = chunks[b], h = (it - first[b]) / C, c = (it - first[b]) % C;
@@ -286,7 +299,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
         for (int64_t e = 0; e < g * D; ++e) qf[e] = Raw<scalar_t>::get(src[e]);
         if (rows.key_block > 0)  // keys are stored rotated: rotate q to match
           for (int64_t i = 0; i < g; ++i) qs::hadamard_blocks(qf.data() + i * D, D, rows.key_block);
-        float* part = parts.get() + it * stride;
+        float* part = C > 1 ? parts.data_ptr<float>() + it * stride : own.data();
         attend_keys(qf.data(), rows.at_head(h, D), tp + b * NB, block_size, lo + n * c / C, lo + n * (c + 1) / C, g,
                     D, sc, cap, part, part + g * D, part + g * D + g, work);
         if (C == 1) merge_parts<scalar_t>(part, stride, 1, g, D, rows.value_block, op + (b * H + h * g) * D,
@@ -304,7 +317,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
       std::vector<float> tmp(D);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = joined[i] / Hkv, h = joined[i] % Hkv;
-        merge_parts<scalar_t>(parts.get() + (first[b] + h * chunks[b]) * stride, stride, chunks[b], g, D,
+        merge_parts<scalar_t>(parts.data_ptr<float>() + (first[b] + h * chunks[b]) * stride, stride, chunks[b], g, D,
                               rows.value_block, op + (b * H + h * g) * D, tmp.data());
       }
     });
@@ -826,7 +839,11 @@ at::Tensor prefill_attention_quant_at(const at::Tensor& q, const at::Tensor& kv,
                                  key_block, value_block);
 }
 
+// The parts a decode row's KV head is cut into at most (quant/shape/memory.py counts their bytes with its copy).
+int64_t decode_attention_parts() { return kParts; }
+
 TORCH_LIBRARY_FRAGMENT(quantserve, m) {
+  m.def("decode_attention_parts() -> int", &decode_attention_parts);
   m.def("decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor lens, int block_size, int window, "
         "float scale, float softcap) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor kv, Tensor block_table, int start, int block_size, int window, "
