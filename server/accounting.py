@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from quant.shape.memory import dtype_bytes, engine_prefill_bytes
+from quant.shape.memory import decode_attention_scratch, dtype_bytes, engine_prefill_bytes
 from server import capacity
 from server.kv_pool import KVBudgetError, free_memory
 from server.outputs import Accounting, EngineTotals
@@ -65,10 +65,12 @@ def activation_estimate(shape, dtype: torch.dtype, runner, chunk_tokens: int, pa
 
 
 def step_workspace(estimate: Callable[..., int], max_prefill_tokens: int, max_batch: int,
-                   decode_scratch: int = 0) -> int:
+                   fused_shape=None) -> int:
     """The activations of the largest step: a prefill of max_prefill_tokens (scoring its prompt rows), or the
-    decode of max_batch rows (with ``decode_scratch``, what its attention kernel keeps beside them)."""
-    return max(estimate(max_prefill_tokens, scored=SCORE_ROWS), estimate(max_batch) + decode_scratch)
+    decode of max_batch rows (with ``fused_shape``, the model's shape where the CPU's fused decode attention runs,
+    the parts that kernel keeps beside them)."""
+    scratch = 0 if fused_shape is None else decode_attention_scratch(fused_shape, max_batch)
+    return max(estimate(max_prefill_tokens, scored=SCORE_ROWS), estimate(max_batch) + scratch)
 
 
 def fraction_budget(device: torch.device, fraction: float, workspace: int, config) -> int:

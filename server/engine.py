@@ -33,7 +33,6 @@ import torch
 
 from quant.format import artifact
 from quant.runtime.kernel_choice import Chooser
-from quant.shape.memory import decode_attention_scratch
 from quant.shape.model import ModelShape
 from server import accounting, capacity, models, speculate, step_costs
 from server import outputs as out
@@ -390,9 +389,8 @@ class Engine:
         return accounting.activation_estimate(self.shape, self.dtype, self.runner, chunk_tokens, past, scored)
 
     def step_workspace(self) -> int:
-        rows = self.config.max_batch
-        scratch = decode_attention_scratch(self.shape, rows) if self.runner.ops.fused else 0  # the CPU kernel's parts
-        return accounting.step_workspace(self.activation_estimate, self.config.max_prefill_tokens, rows, scratch)
+        return accounting.step_workspace(self.activation_estimate, self.config.max_prefill_tokens,
+                                         self.config.max_batch, self.shape if self.runner.ops.fused else None)
 
     def plan(self, shapes: list[capacity.Shape], check: Callable[[int, int], capacity.Refusal | None]
              ) -> concurrent.futures.Future:

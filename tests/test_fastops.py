@@ -98,8 +98,9 @@ def test_decode_attention_parts_are_what_the_engines_workspace_counts():
                        tie_embeddings=True, name="default model")
     assert decode_attention_scratch(shape, 1) == 3 * 4 * (3 * 64 + 2 * 3) * 4  # 9,504 bytes a row
     estimate = lambda tokens, scored=0: 1000 * tokens  # noqa: E731
-    assert step_workspace(estimate, 16, 64, decode_attention_scratch(shape, 64)) == 64_000 + 64 * 9504
-    assert step_workspace(estimate, 4096, 64, decode_attention_scratch(shape, 64)) == 4_096_000
+    assert step_workspace(estimate, 16, 64, shape) == 64_000 + 64 * 9504
+    assert step_workspace(estimate, 16, 64) == 64_000  # no fused CPU kernel: no parts
+    assert step_workspace(estimate, 4096, 64, shape) == 4_096_000
 
 
 def test_decode_attention_row_is_the_same_in_any_batch_on_any_threads():
