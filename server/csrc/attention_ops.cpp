@@ -275,7 +275,7 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tens
   }
   const int64_t items = first[B], stride = g * D + 2 * g;  // a part: acc (g, D), m (g), l (g)
   const bool split = std::any_of(chunks.begin(), chunks.end(), [](int64_t c) { return c > 1; });
-  // Every item's part where some row is split (a tensor, so that the engine's memory tracking sees it).
+  // Every item's part where some row is split: at most kParts per KV head of a row (decode_attention_scratch).
   at::Tensor parts = at::empty({split ? items * stride : 0}, q.options().dtype(at::kFloat));
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float sc = to_f(scale), cap = to_f(softcap);
